@@ -1,0 +1,41 @@
+"""The backend protocol: what a :class:`~ocannl.context.Context` needs from a device."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import numpy as np
+
+from ocannl.ir.lowering import Lowered
+from ocannl.ir.tnode import Tnode
+
+Buffer = Any  # a NumPy array on the CPU, a CuPy array on CUDA: flat, in storage dtype
+
+
+class Backend(Protocol):
+    name: str
+
+    def alloc(self, node: Tnode) -> Buffer:
+        """A zero-filled flat buffer for the node, in its storage dtype."""
+
+    def write(self, node: Tnode, buf: Buffer, host: np.ndarray) -> None:
+        """Copy host values (already in the node's host dtype, flat) into the buffer in place."""
+
+    def read(self, node: Tnode, buf: Buffer) -> np.ndarray:
+        """The buffer's values as a flat host array of the node's host dtype."""
+
+    def compile(self, label: str, code: list[Lowered], nodes: list[Tnode]) -> tuple[Callable, bool]:
+        """A callable taking the nodes' buffers in order and running the code once, and
+        whether it was compiled anew (False: reused from the in-process cache)."""
+
+
+def host_to_storage(node: Tnode, host: np.ndarray) -> np.ndarray:
+    """Host values as the storage dtype: narrow floats become their bit patterns."""
+    arr = np.ascontiguousarray(host, dtype=node.prec.numpy_dtype).reshape(-1)
+    return arr.view(np.uint16) if node.prec.is_narrow else arr
+
+
+def storage_to_host(node: Tnode, stored: np.ndarray) -> np.ndarray:
+    arr = np.ascontiguousarray(stored).reshape(-1)
+    return arr.view(node.prec.numpy_dtype) if node.prec.is_narrow else arr

@@ -1,0 +1,155 @@
+"""Code emission shared by every backend: expressions, offsets, accumulation, literals.
+
+A backend supplies a :class:`Flavour` (how its language spells a literal, a buffer load and a
+buffer store, and which op templates it uses); this module renders the lowered loop-nest
+bodies with it. The Numba and the CUDA emitters differ only in how they wrap those bodies in
+loops or threads.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ocannl.ir.assignments import Accum, Apply, Const, Expr, Fixed, Get, Projection
+from ocannl.ir.ops import ACCUMS, OPS, Precision
+from ocannl.ir.tnode import Tnode
+
+_ACCUM_OPS = {"+": "add", "max": "max"}
+
+
+class Flavour:
+    """How one target language spells the pieces of a loop body."""
+
+    name: str  # key of the op templates: "py" or "c"
+
+    def __init__(self, nodes: list[Tnode]) -> None:
+        # Buffers are named by position, so the same code over other nodes is the same source.
+        self.names = {n.id: f"b{k}" for k, n in enumerate(nodes)}
+
+    def buffer(self, node: Tnode) -> str:
+        return self.names[node.id]
+
+    def literal(self, value: float, compute: Precision) -> str:
+        raise NotImplementedError
+
+    def load(self, node: Tnode, offset: str) -> str:
+        raise NotImplementedError
+
+    def store(self, node: Tnode, offset: str, value: str) -> str:
+        raise NotImplementedError
+
+    def declare(self, name: str, value: str, compute: Precision) -> str:
+        """A statement binding a fresh local to a value."""
+        raise NotImplementedError
+
+    def assign(self, name: str, value: str) -> str:
+        raise NotImplementedError
+
+
+def offset(node: Tnode, idx: Projection, iters: dict[int, str]) -> str:
+    """The flat row-major offset of ``node[idx]`` as an expression over loop variables."""
+    terms: list[str] = []
+    const = 0
+    for i, stride, dim in zip(idx, node.strides, node.dims, strict=True):
+        if isinstance(i, Fixed):
+            const += i.pos * stride
+        elif dim == 1:
+            continue
+        else:
+            terms.append(iters[i] if stride == 1 else f"{iters[i]} * {stride}")
+    if const or not terms:
+        terms.append(str(const))
+    return " + ".join(terms)
+
+
+@dataclass
+class BodyWriter:
+    """Renders expressions of one loop nest into statements and a final value expression."""
+
+    flavour: Flavour
+    compute: Precision
+    iters: dict[int, str]
+    lines: list[str] = field(default_factory=list)
+    _n: int = 0
+
+    def fresh(self, value: str) -> str:
+        name = f"t{self._n}"
+        self._n += 1
+        self.lines.append(self.flavour.declare(name, value, self.compute))
+        return name
+
+    def expr(self, e: Expr) -> str:
+        if isinstance(e, Const):
+            return self.flavour.literal(e.value, self.compute)
+        if isinstance(e, Get):
+            return self.flavour.load(e.node, offset(e.node, e.idx, self.iters))
+        assert isinstance(e, Apply)
+        template = getattr(OPS[e.op], self.flavour.name)
+        args = []
+        for k, a in enumerate(e.args):
+            s = self.expr(a)
+            if template.count("{" + str(k) + "}") > 1 and not _atomic(s):
+                s = self.fresh(s)
+            args.append(s)
+        return self.fill(template, args)
+
+    def fill(self, template: str, args: list[str]) -> str:
+        lit = self.flavour.literal
+        return template.format(*args, zero=lit(0.0, self.compute), one=lit(1.0, self.compute))
+
+    def combine(self, accum: str, old: str, new: str) -> str:
+        """``old (accum) new``: the accumulation as an op-table application."""
+        template = getattr(OPS[_ACCUM_OPS[accum]], self.flavour.name)
+        if template.count("{0}") > 1 and not _atomic(old):
+            old = self.fresh(old)
+        if template.count("{1}") > 1 and not _atomic(new):
+            new = self.fresh(new)
+        return self.fill(template, [old, new])
+
+    def neutral(self, accum: str) -> str:
+        v = ACCUMS[accum]
+        return self.flavour.literal(0.0 if v is None else v, self.compute)
+
+
+def _atomic(s: str) -> bool:
+    return s.replace("_", "").isalnum()
+
+
+@dataclass
+class NestBody:
+    """The statements of one loop nest, by where they go: ``init`` inside the parallel loops
+    before the reduction loops, ``inner`` inside all loops, ``final`` after the reduction loops."""
+
+    init: list[str]
+    inner: list[str]
+    final: list[str]
+
+
+def nest_body(a: Accum, has_reduction: bool, flavour: Flavour, iters: dict[int, str]) -> NestBody:
+    """Render ``lhs (accum)= expr``: a reduction accumulates in a local, stored once."""
+    compute = a.lhs.prec.compute
+    w = BodyWriter(flavour, compute, iters)
+    off = offset(a.lhs, a.lhs_idx, iters)
+    value = w.expr(a.expr)
+    if a.accum == "=" or (a.reset and not has_reduction):
+        w.lines.append(flavour.store(a.lhs, off, value))
+        return NestBody([], w.lines, [])
+    if not has_reduction:
+        w.lines.append(flavour.store(a.lhs, off, w.combine(a.accum, flavour.load(a.lhs, off), value)))
+        return NestBody([], w.lines, [])
+    w.lines.append(flavour.assign("acc", w.combine(a.accum, "acc", value)))
+    inner, w.lines = w.lines, []
+    init = [flavour.declare("acc", w.neutral(a.accum), compute)]
+    result = "acc" if a.reset else w.combine(a.accum, flavour.load(a.lhs, off), "acc")
+    w.lines.append(flavour.store(a.lhs, off, result))
+    return NestBody(init, inner, w.lines)
+
+
+def float_literal(value: float) -> str:
+    """A float literal both Python and C read back exactly (17 significant digits)."""
+    if math.isnan(value):
+        return "nan"
+    if math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    return repr(float(value))

@@ -1,0 +1,205 @@
+"""Context: a backend, the buffers it holds for tensor nodes, and the routines bound to them.
+
+Functional in style, as OCANNL's: every call returns the context to use next (this port
+returns the same object, updated). Both ``Context.run(ctx, r)`` and ``ctx.run(r)`` work.
+A routine is bound to its buffers when compiled; ``set_values`` writes into those same
+buffers, so a host-side change reaches every routine without recompiling.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ocannl.backends.base import Backend, Buffer
+from ocannl.ir.assignments import Comp
+from ocannl.ir.lowering import lower, nodes_of
+from ocannl.ir.tnode import MemoryMode, Tnode
+
+
+@dataclass(frozen=True, eq=False)
+class Routine:
+    """A compiled computation bound to a context's buffers; run it with ``Context.run``."""
+
+    label: str
+    fn: Callable
+    nodes: tuple[Tnode, ...]
+    buffers: tuple[Buffer, ...]
+    owner: int  # id of the buffer table it is bound to
+
+    def __repr__(self) -> str:
+        return f"Routine({self.label!r}, {len(self.nodes)} buffers)"
+
+
+def _as_node(x: Any) -> Tnode:
+    node = getattr(x, "value", x)
+    if not isinstance(node, Tnode):
+        raise TypeError(f"expected a Tensor or a Tnode, got {type(x).__name__}: {x!r}")
+    return node
+
+
+class Context:
+    """Device buffers for tensor nodes, and the compile/run/transfer operations on them."""
+
+    def __init__(self, backend: Backend) -> None:
+        self._backend = backend
+        self._buffers: dict[int, tuple[Tnode, Buffer]] = {}
+        self.compile_count = 0  # routines whose code was compiled anew by this context
+
+    # --- construction -------------------------------------------------------------------------
+
+    @classmethod
+    def cpu(cls) -> Context:
+        from ocannl.backends.numba_cpu import NumbaCpuBackend
+
+        return cls(NumbaCpuBackend())
+
+    @classmethod
+    def cuda(cls, device_id: int = 0) -> Context:
+        from ocannl.backends.cupy_cuda import CupyCudaBackend
+
+        return cls(CupyCudaBackend(device_id))
+
+    _fallback_said = False
+
+    @classmethod
+    def auto(cls) -> Context:
+        """The GPU when CuPy sees one, else the CPU (saying once why the GPU was not used)."""
+        try:
+            return cls.cuda()
+        except Exception as err:  # noqa: BLE001 - any reason the GPU is unusable means the CPU
+            if not Context._fallback_said:
+                Context._fallback_said = True
+                warnings.warn(f"ocannl: using the CPU backend: {err}", RuntimeWarning, stacklevel=2)
+            return cls.cpu()
+
+    def backend_name(self) -> str:
+        return self._backend.name
+
+    # --- compile and run ----------------------------------------------------------------------
+
+    def compile(self, comp: Comp, bindings: Mapping | None = None) -> tuple[Context, Routine]:
+        """Compile a computation into a routine bound to this context's buffers.
+
+        ``bindings`` are OCANNL's static index bindings; this port's routines have none, so
+        only an empty mapping (or None) is accepted.
+        """
+        if bindings:
+            raise ValueError(f"static index bindings are not supported, got {dict(bindings)!r}")
+        if not isinstance(comp, Comp):
+            raise TypeError(f"compile expects a Comp, got {type(comp).__name__}")
+        code = lower(comp)
+        nodes = [n for n in nodes_of(code) if n.memory_mode is MemoryMode.materialized]
+        fn, fresh = self._backend.compile(comp.label, code, nodes)
+        for n in nodes:
+            self._ensure(n)
+        if fresh:
+            self.compile_count += 1
+        bufs = tuple(self._buffers[n.id][1] for n in nodes)
+        return self, Routine(comp.label, fn, tuple(nodes), bufs, id(self._buffers))
+
+    def run(self, routine: Routine) -> Context:
+        if routine.owner != id(self._buffers):
+            raise ValueError(f"{routine!r} was compiled by another context")
+        routine.fn(*routine.buffers)
+        return self
+
+    # --- buffers ------------------------------------------------------------------------------
+
+    def _ensure(self, node: Tnode) -> Buffer:
+        entry = self._buffers.get(node.id)
+        if entry is None:
+            buf = self._backend.alloc(node)
+            if node.host_data is not None:
+                self._backend.write(node, buf, self._checked(node, node.host_data))
+            self._buffers[node.id] = (node, buf)
+            return buf
+        return entry[1]
+
+    def _buffer(self, node: Tnode) -> Buffer:
+        entry = self._buffers.get(node.id)
+        if entry is None:
+            raise ValueError(f"node {node.name} has no buffer in this {self.backend_name()} context")
+        return entry[1]
+
+    @staticmethod
+    def _checked(node: Tnode, values: Any) -> np.ndarray:
+        arr = np.asarray(values)
+        if arr.dtype.kind not in "biuf" and arr.dtype != node.prec.numpy_dtype:
+            raise ValueError(f"values for {node.name} must be numbers, got dtype {arr.dtype}")
+        if arr.size != node.size:
+            raise ValueError(
+                f"set_values on {node.name}: got {arr.size} values (shape {arr.shape}), "
+                f"expected {node.size} (dims {node.dims})"
+            )
+        return arr.reshape(-1).astype(node.prec.numpy_dtype)
+
+    def set_values(self, t: Any, values: Any) -> Context:
+        """Write host values into the node's buffer in place, allocating it if absent."""
+        node = _as_node(t)
+        host = self._checked(node, values)
+        self._backend.write(node, self._ensure(node), host)
+        return self
+
+    def get_values(self, t: Any) -> np.ndarray:
+        """The node's values as a host array shaped by its dims."""
+        node = _as_node(t)
+        return self._backend.read(node, self._buffer(node)).reshape(node.dims)
+
+    def set_value(self, t: Any, value: float, idx: tuple[int, ...] | None = None) -> Context:
+        """Write one element; ``idx`` may be omitted for a one-element node."""
+        node = _as_node(t)
+        pos = self._flat_index(node, idx)
+        host = self.get_values(node).reshape(-1) if self.is_initialized(node) else np.zeros(
+            node.size, node.prec.numpy_dtype)
+        host[pos] = value
+        return self.set_values(node, host)
+
+    def get_value(self, t: Any, idx: tuple[int, ...] | None = None) -> float:
+        node = _as_node(t)
+        return float(self.get_values(node).reshape(-1)[self._flat_index(node, idx)])
+
+    @staticmethod
+    def _flat_index(node: Tnode, idx: tuple[int, ...] | None) -> int:
+        if idx is None:
+            if node.size != 1:
+                raise ValueError(f"node {node.name} has dims {node.dims}: give an index")
+            return 0
+        idx = tuple(idx)
+        if len(idx) != len(node.dims) or any(not 0 <= i < d for i, d in zip(idx, node.dims)):
+            raise ValueError(f"index {idx} out of range for {node.name} with dims {node.dims}")
+        return int(np.ravel_multi_index(idx, node.dims))
+
+    def from_host(self, t: Any) -> Context:
+        """Copy the node's host array (``Tnode.host_data``) to the device."""
+        node = _as_node(t)
+        if node.host_data is None:
+            raise ValueError(f"node {node.name} has no host array to copy from")
+        return self.set_values(node, node.host_data)
+
+    def to_host(self, t: Any) -> Context:
+        """Copy the device buffer into the node's host array."""
+        node = _as_node(t)
+        node.host_data = self.get_values(node)
+        return self
+
+    def is_initialized(self, t: Any) -> bool:
+        return _as_node(t).id in self._buffers
+
+    def mem(self, t: Any = None) -> int:
+        """Bytes held on the device: by one node, or (no argument) by the whole context."""
+        if t is not None:
+            node = _as_node(t)
+            self._buffer(node)
+            return node.size * node.prec.itemsize
+        return sum(n.size * n.prec.itemsize for n, _ in self._buffers.values())
+
+    def nodes(self) -> list[Tnode]:
+        return [n for n, _ in self._buffers.values()]
+
+    def __repr__(self) -> str:
+        return f"Context({self.backend_name()}, {len(self._buffers)} buffers, {self.mem()} bytes)"

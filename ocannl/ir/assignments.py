@@ -1,0 +1,136 @@
+"""The IR: accumulating assignments over a product space, and computations built from them.
+
+One form covers everything: ``lhs[lhs_idx] (accum)= expr`` for every point of a product space
+of iterators ``0 .. len(space)-1``. Each buffer access carries a *projection*: one index per
+axis, either an iterator number or a fixed position. Broadcasting is an operand that ignores
+some iterators; a reduction is an iterator absent from ``lhs_idx``; backprop is more
+assignments of the same form into gradient nodes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+from ocannl.ir.ops import ACCUMS, OPS
+from ocannl.ir.tnode import Tnode
+
+
+@dataclass(frozen=True)
+class Fixed:
+    """A fixed position along an axis (a broadcast dimension of size 1, an element pick)."""
+
+    pos: int
+
+
+Index = int | Fixed  # an iterator number, or a fixed position
+Projection = tuple[Index, ...]
+
+
+@dataclass(frozen=True, eq=False)
+class Get:
+    """Read ``node`` at the projection ``idx`` of the current product-space point."""
+
+    node: Tnode
+    idx: Projection
+
+
+@dataclass(frozen=True)
+class Const:
+    """A literal folded into the code."""
+
+    value: float
+
+
+@dataclass(frozen=True, eq=False)
+class Apply:
+    """An op from the op table applied to sub-expressions."""
+
+    op: str
+    args: tuple[Expr, ...]
+
+    def __post_init__(self) -> None:
+        if self.op not in OPS:
+            raise ValueError(f"unknown op {self.op!r}: expected one of {sorted(OPS)}")
+        if OPS[self.op].arity != len(self.args):
+            raise ValueError(f"op {self.op} takes {OPS[self.op].arity} operands, got {len(self.args)}")
+
+
+Expr = Get | Const | Apply
+
+
+def apply(op: str, *args: Expr) -> Apply:
+    return Apply(op, tuple(args))
+
+
+def reads(expr: Expr) -> Iterator[Get]:
+    """Every buffer read in an expression."""
+    if isinstance(expr, Get):
+        yield expr
+    elif isinstance(expr, Apply):
+        for a in expr.args:
+            yield from reads(a)
+
+
+@dataclass(frozen=True, eq=False)
+class Accum:
+    """``lhs[lhs_idx] (accum)= expr`` over ``space``; ``reset`` first fills lhs with the
+    accumulator's neutral element (``=+`` in OCANNL)."""
+
+    lhs: Tnode
+    lhs_idx: Projection
+    accum: str
+    expr: Expr
+    space: tuple[int, ...]
+    reset: bool = False
+
+    def __post_init__(self) -> None:
+        if self.accum not in ACCUMS:
+            raise ValueError(f"unknown accumulation {self.accum!r}: expected one of {list(ACCUMS)}")
+        if len(self.lhs_idx) != len(self.lhs.dims):
+            raise ValueError(
+                f"projection {self.lhs_idx} has {len(self.lhs_idx)} indices for node "
+                f"{self.lhs.name} with dims {self.lhs.dims}"
+            )
+        for g in reads(self.expr):
+            if len(g.idx) != len(g.node.dims):
+                raise ValueError(
+                    f"projection {g.idx} has {len(g.idx)} indices for node {g.node.name} "
+                    f"with dims {g.node.dims}"
+                )
+
+    @property
+    def nodes(self) -> list[Tnode]:
+        return [self.lhs, *(g.node for g in reads(self.expr))]
+
+
+@dataclass(frozen=True)
+class Comp:
+    """A computation: assignments run in order. ``+`` sequences two computations."""
+
+    assignments: tuple[Accum, ...] = ()
+    label: str = "comp"
+    embedded: frozenset[Tnode] = field(default_factory=frozenset)
+
+    def __add__(self, other: Comp) -> Comp:
+        return Comp(
+            self.assignments + other.assignments,
+            f"{self.label}+{other.label}" if self.assignments else other.label,
+            self.embedded | other.embedded,
+        )
+
+    @staticmethod
+    def seq(comps: Iterable[Comp], label: str) -> Comp:
+        out = Comp(label=label)
+        for c in comps:
+            out = out + c
+        return Comp(out.assignments, label, out.embedded)
+
+    @property
+    def nodes(self) -> list[Tnode]:
+        """Every node the computation touches, in first-use order."""
+        seen: dict[int, Tnode] = {}
+        for a in self.assignments:
+            for n in a.nodes:
+                seen.setdefault(n.id, n)
+        return list(seen.values())

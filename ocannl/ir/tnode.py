@@ -1,0 +1,90 @@
+"""Tensor nodes: the named, typed, shaped buffers the generated code reads and writes."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import math
+
+import numpy as np
+
+from ocannl.ir.ops import Precision
+
+
+class MemoryMode(enum.Enum):
+    """Where a node's values live.
+
+    ``virtual``: never stored, a constant folded into the code (numbers).
+    ``materialized``: a device buffer that routines bind to and the host can read and write.
+    """
+
+    virtual = "virtual"
+    materialized = "materialized"
+
+
+_ids = itertools.count(1)
+
+
+class Tnode:
+    """One buffer of the IR. Tensors own nodes; backends own the buffers behind them.
+
+    ``dims`` may be ``None`` for a parameter whose input axes are inferred from its first use;
+    it is fixed once, by :meth:`set_dims`. ``host_data`` holds the values a data-backed node
+    starts from (a term's array, a loss scale), copied into every context that allocates it.
+    """
+
+    __slots__ = ("id", "label", "_dims", "prec", "memory_mode", "host_data", "__weakref__")
+
+    def __init__(
+        self,
+        label: str,
+        dims: tuple[int, ...] | None,
+        prec: Precision,
+        *,
+        memory_mode: MemoryMode = MemoryMode.materialized,
+        host_data: np.ndarray | None = None,
+    ) -> None:
+        self.id = next(_ids)
+        self.label = label
+        self._dims = None if dims is None else tuple(int(d) for d in dims)
+        self.prec = prec
+        self.memory_mode = memory_mode
+        self.host_data = host_data
+
+    @property
+    def dims(self) -> tuple[int, ...]:
+        if self._dims is None:
+            raise ValueError(f"node {self.name} has dims not yet inferred: use it in an `@` first")
+        return self._dims
+
+    @property
+    def dims_known(self) -> bool:
+        return self._dims is not None
+
+    def set_dims(self, dims: tuple[int, ...]) -> None:
+        if self._dims is not None and self._dims != tuple(dims):
+            raise ValueError(f"node {self.name} already has dims {self._dims}, not {tuple(dims)}")
+        self._dims = tuple(int(d) for d in dims)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.dims)
+
+    @property
+    def strides(self) -> tuple[int, ...]:
+        """Row-major element strides of the flat buffer."""
+        out, acc = [], 1
+        for d in reversed(self.dims):
+            out.append(acc)
+            acc *= d
+        return tuple(reversed(out))
+
+    @property
+    def name(self) -> str:
+        """A unique, identifier-safe name: label plus id."""
+        safe = "".join(c if c.isalnum() else "_" for c in self.label) or "n"
+        return f"{safe}_{self.id}"
+
+    def __repr__(self) -> str:
+        dims = self._dims if self._dims is not None else "?"
+        return f"Tnode({self.name}, dims={dims}, {self.prec.value}, {self.memory_mode.value})"

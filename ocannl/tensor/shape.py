@@ -1,0 +1,80 @@
+"""Shapes: three rows of axes (batch, input, output), laid out as batch, output, input.
+
+Pointwise ops broadcast row by row, aligning axes to the right (a missing axis or an axis of
+size 1 broadcasts). ``a @ b`` contracts a's input row with b's output row: the result has the
+broadcast batch row, b's input row and a's output row, as function composition does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ocannl.ir.assignments import Fixed, Index
+
+ROWS = ("batch", "output", "input")
+
+
+@dataclass(frozen=True)
+class Shape:
+    batch: tuple[int, ...] = ()
+    output: tuple[int, ...] = ()
+    input: tuple[int, ...] | None = ()  # None: to be inferred from the first `@`
+
+    @property
+    def dims(self) -> tuple[int, ...]:
+        """The buffer's dims: batch axes, then output axes, then input axes."""
+        if self.input is None:
+            raise ValueError(f"shape {self} has input axes not yet inferred")
+        return self.batch + self.output + self.input
+
+    def row(self, name: str) -> tuple[int, ...]:
+        r = getattr(self, name)
+        if r is None:
+            raise ValueError(f"shape {self} has input axes not yet inferred")
+        return r
+
+    def row_offsets(self) -> dict[str, int]:
+        """Position of each row's first axis in ``dims``."""
+        return {"batch": 0, "output": len(self.batch), "input": len(self.batch) + len(self.output)}
+
+    def __str__(self) -> str:
+        inp = "?" if self.input is None else _fmt(self.input)
+        return f"[batch {_fmt(self.batch)} | input {inp} -> output {_fmt(self.output)}]"
+
+
+def _fmt(row: tuple[int, ...]) -> str:
+    return "(" + ",".join(str(d) for d in row) + ")"
+
+
+def broadcast(shapes: list[Shape], what: str) -> Shape:
+    """The pointwise result shape of ``shapes``; raises naming every shape when they clash."""
+    rows = {}
+    for name in ROWS:
+        width = max(len(s.row(name)) for s in shapes)
+        out = [1] * width
+        for s in shapes:
+            r = s.row(name)
+            for k, d in enumerate(r):
+                j = width - len(r) + k
+                if out[j] == 1:
+                    out[j] = d
+                elif d not in (1, out[j]):
+                    listed = " and ".join(str(x) for x in shapes)
+                    raise ValueError(f"{what}: shapes {listed} do not broadcast in the {name} row")
+        rows[name] = tuple(out)
+    return Shape(**rows)
+
+
+def broadcast_projection(operand: Shape, result: Shape) -> tuple[Index, ...]:
+    """Index of ``operand`` at the result's point: result iterators, Fixed(0) where it broadcasts.
+
+    The product space is the result's dims, iterator k being result axis k.
+    """
+    idx: list[Index] = []
+    res_off = result.row_offsets()
+    for name in ROWS:
+        r, rr = operand.row(name), result.row(name)
+        for k, d in enumerate(r):
+            j = res_off[name] + len(rr) - len(r) + k
+            idx.append(Fixed(0) if d == 1 and rr[len(rr) - len(r) + k] != 1 else j)
+    return tuple(idx)

@@ -1,0 +1,164 @@
+"""Tensors: a value node, an optional gradient node, and the code that computes both.
+
+Each tensor holds only its *own* forward assignments (computing its value from its children)
+and its own backprop assignments (adding its gradient's contribution into its children's
+gradients). ``forward_comp`` and ``backprop_comp`` gather them over the graph in dependency
+order, each tensor's code once.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from ocannl.ir.assignments import Accum, Comp, Const, Get
+from ocannl.ir.ops import Precision
+from ocannl.ir.tnode import MemoryMode, Tnode
+from ocannl.tensor.shape import Shape
+
+InitFn = Callable[[tuple[int, ...], int, np.random.Generator], np.ndarray]
+
+
+class Tensor:
+    """A node of the model graph. Build tensors with the functions of ``ocannl.tensor``."""
+
+    def __init__(
+        self,
+        value: Tnode,
+        shape: Shape,
+        *,
+        kind: str,
+        children: tuple[Tensor, ...] = (),
+        differentiable: bool | None = None,
+        const: float | None = None,
+        init: InitFn | None = None,
+    ) -> None:
+        self.value = value
+        self.shape = shape
+        self.kind = kind  # "param", "term", "number" or "op"
+        self.children = children
+        self.const = const
+        self.init = init
+        self.forward_code: tuple[Accum, ...] = ()
+        self.backprop_code: tuple[Accum, ...] = ()
+        if differentiable is None:
+            differentiable = any(c.grad is not None for c in children)
+        self.grad: Tnode | None = (
+            Tnode(f"grad_{value.label}", value._dims, value.prec) if differentiable else None
+        )
+
+    # --- graph traversal ----------------------------------------------------------------------
+
+    @property
+    def label(self) -> str:
+        return self.value.label
+
+    @property
+    def prec(self) -> Precision:
+        return self.value.prec
+
+    @property
+    def dims(self) -> tuple[int, ...]:
+        return self.value.dims
+
+    def topo(self) -> list[Tensor]:
+        """Every tensor this one depends on (itself last), children before parents."""
+        order: list[Tensor] = []
+        seen: set[int] = set()
+        stack: list[tuple[Tensor, Iterator[Tensor]]] = [(self, iter(self.children))]
+        seen.add(id(self))
+        while stack:
+            t, it = stack[-1]
+            child = next(it, None)
+            if child is None:
+                stack.pop()
+                order.append(t)
+            elif id(child) not in seen:
+                seen.add(id(child))
+                stack.append((child, iter(child.children)))
+        return order
+
+    @property
+    def params(self) -> list[Tensor]:
+        """The parameters this tensor depends on, in creation order."""
+        return sorted((t for t in self.topo() if t.kind == "param"), key=lambda t: t.value.id)
+
+    def forward_comp(self) -> Comp:
+        code = tuple(a for t in self.topo() for a in t.forward_code)
+        return Comp(code, f"forward_{self.label}", frozenset(t.value for t in self.topo()))
+
+    def backprop_comp(self) -> Comp:
+        """Zero every gradient in the graph, then propagate from this tensor's gradient.
+
+        The caller seeds this tensor's gradient after the zeroing (see ``train.grad_update``).
+        """
+        order = [t for t in self.topo() if t.grad is not None]
+        code = tuple(a for t in reversed(order) for a in t.backprop_code)
+        return Comp(code, f"backprop_{self.label}", frozenset(t.grad for t in order))
+
+    def zero_grads_comp(self) -> Comp:
+        order = [t for t in self.topo() if t.grad is not None]
+        return Comp(tuple(fill(t.grad, 0.0) for t in order), f"zero_grads_{self.label}")
+
+    # --- operators (defined in ocannl.tensor.operations) --------------------------------------
+
+    def __repr__(self) -> str:
+        return f"Tensor({self.label}, {self.shape}, {self.prec.value}, {self.kind})"
+
+    def __hash__(self) -> int:
+        return id(self)
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+
+def fill(node: Tnode, value: float) -> Accum:
+    """``node[...] = value`` over the node's whole extent."""
+    n = len(node.dims)
+    return Accum(node, tuple(range(n)), "=", Const(value), node.dims)
+
+
+def copy_into(dst: Tnode, src: Get | Const) -> Accum:
+    n = len(dst.dims)
+    return Accum(dst, tuple(range(n)), "=", src, dst.dims)
+
+
+# --- leaf tensors -----------------------------------------------------------------------------
+
+_seed = {"base": 0}
+_param_counter = itertools.count()
+
+
+def set_seed(seed: int) -> None:
+    """Seed parameter initialisation: the n-th parameter created after this draws from
+    ``default_rng([seed, n])``."""
+    global _param_counter
+    _seed["base"] = int(seed)
+    _param_counter = itertools.count()
+
+
+@dataclass(frozen=True)
+class Init:
+    """How a parameter's values are drawn (on the host, by ``train.init_params``)."""
+
+    kind: str = "kaiming_uniform"  # "uniform", "normal", "zeros", "constant", "kaiming_uniform"
+    a: float = -1.0
+    b: float = 1.0
+
+    def draw(self, dims: tuple[int, ...], fan_in: int, rng: np.random.Generator) -> np.ndarray:
+        if self.kind == "uniform":
+            return rng.uniform(self.a, self.b, dims)
+        if self.kind == "normal":
+            return rng.normal(self.a, self.b, dims)
+        if self.kind == "zeros":
+            return np.zeros(dims)
+        if self.kind == "constant":
+            return np.full(dims, self.a)
+        bound = 1.0 / np.sqrt(max(fan_in, 1))
+        return rng.uniform(-bound, bound, dims)
+
+
+INIT_KINDS = ("uniform", "normal", "zeros", "constant", "kaiming_uniform")
