@@ -129,3 +129,10 @@ def narrow_f16(values, out):
 def narrow_bf16(values, out):
     for i in range(values.size):
         out[i] = f32_to_bf16(values[i])
+
+
+@njit(**_JIT)
+def fill(buf, value):
+    """A call to one compiled loop: cheaper to compile into a routine than an inlined loop."""
+    for i in range(buf.size):
+        buf[i] = value

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ocannl.ir.assignments import Accum, Apply, Comp, Fixed, Get, Projection, reads
+from ocannl.ir.assignments import Accum, Apply, Comp, Const, Fixed, Get, Projection, reads
 from ocannl.ir.ops import ACCUMS
 from ocannl.ir.tnode import Tnode
 
@@ -156,11 +156,42 @@ def _neutral(accum: str) -> float:
     return 0.0 if v is None else v
 
 
+def _is_fill(a: Accum) -> bool:
+    return a.accum == "=" and isinstance(a.expr, Const) and _covers(a) and \
+        len(a.space) == len(a.lhs_idx)
+
+
+def _touches(a: Accum, node: Tnode) -> bool:
+    return a.lhs is node or any(g.node is node for g in reads(a.expr))
+
+
+def fuse_resets(assignments: tuple[Accum, ...]) -> list[Accum]:
+    """Drop a zero fill whose next use is a covering ``+=`` into the node: that accumulation
+    resets instead (``=+``), so gradients are written once rather than zeroed then added."""
+    out: list[Accum | None] = list(assignments)
+    for k, a in enumerate(out):
+        if a is None or not (_is_fill(a) and a.expr.value == 0.0):
+            continue
+        nxt = next((j for j in range(k + 1, len(out)) if out[j] is not None
+                    and _touches(out[j], a.lhs)), None)
+        if nxt is None:
+            continue
+        b = out[nxt]
+        if (b.lhs is a.lhs and b.accum == "+" and not b.reset and _covers(b)
+                and not any(g.node is a.lhs for g in reads(b.expr))):
+            out[nxt] = Accum(b.lhs, b.lhs_idx, b.accum, b.expr, b.space, reset=True)
+            out[k] = None
+    return [a for a in out if a is not None]
+
+
 def lower(comp: Comp, *, allow_gemm: bool = True) -> list[Lowered]:
     """Lower a computation to the loop nests backends render, in order."""
     out: list[Lowered] = []
-    for a in comp.assignments:
-        out.extend(lower_assignment(a, allow_gemm=allow_gemm))
+    for a in fuse_resets(comp.assignments):
+        if _is_fill(a):
+            out.append(Fill(a.lhs, a.expr.value))
+        else:
+            out.extend(lower_assignment(a, allow_gemm=allow_gemm))
     return out
 
 

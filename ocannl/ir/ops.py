@@ -143,7 +143,7 @@ def reference(op: str, *args: np.ndarray) -> np.ndarray:
             "eq": lambda: (a[0] == a[1]).astype(a[0].dtype),
             "gt": lambda: (a[0] > a[1]).astype(a[0].dtype),
             "neg": lambda: -a[0],
-            "relu": lambda: np.where(a[0] < 0, 0 * a[0], a[0]),
+            "relu": lambda: np.where(a[0] < 0, np.zeros_like(a[0]), a[0]),
             "exp": lambda: np.exp(a[0]),
             "log": lambda: np.log(a[0]),
             "tanh": lambda: np.tanh(a[0]),

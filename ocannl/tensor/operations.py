@@ -56,7 +56,7 @@ def param(
         return init.draw(dims, fan_in, np.random.default_rng(list(seed)))
 
     t = Tensor(node, shape, kind="param", differentiable=True, init=draw)
-    return t
+    return _t.param_postprocess(t)
 
 
 def term(
@@ -262,6 +262,9 @@ def _infer_input(a: Tensor, dims: tuple[int, ...]) -> None:
     a.value.set_dims(a.shape.dims)
     if a.grad is not None:
         a.grad.set_dims(a.shape.dims)
+    hook = getattr(a, "on_input_inferred", None)  # a cast twin completes its master
+    if hook is not None:
+        hook(a)
 
 
 def matmul(a: Tensor, b: Tensor) -> Tensor:
@@ -333,6 +336,7 @@ def einsum(spec: str, a: Tensor, b: Tensor | None = None) -> Tensor:
     ops = [_parse_operand(p) for p in parts]
     r = _parse_operand(res)
     extent: dict[str, int] = {}
+    owner: dict[str, Tensor] = {}  # the operand that first gave each axis its extent
     for t, (pb, pi, po) in zip(ts, ops, strict=True):
         for row, labels in (("batch", pb), ("input", pi), ("output", po)):
             dims = t.shape.row(row)
@@ -342,9 +346,10 @@ def einsum(spec: str, a: Tensor, b: Tensor | None = None) -> Tensor:
                     f"{t.label} has shape {t.shape}"
                 )
             for lab, d in zip(labels, dims, strict=True):
+                first = owner.setdefault(lab, t)
                 if extent.setdefault(lab, d) != d:
-                    raise ValueError(f"einsum {spec!r}: axis {lab!r} is {extent[lab]} in one "
-                                     f"operand and {d} in {t.label} {t.shape}")
+                    raise ValueError(f"einsum {spec!r}: axis {lab!r} is {extent[lab]} in "
+                                     f"{first.label} {first.shape} and {d} in {t.label} {t.shape}")
     for lab in "".join(r):
         if lab not in extent:
             raise ValueError(f"einsum {spec!r}: result axis {lab!r} appears in no operand")

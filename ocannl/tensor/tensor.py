@@ -132,6 +132,15 @@ _seed = {"base": 0}
 _param_counter = itertools.count()
 
 
+def _no_postprocess(t: Tensor) -> Tensor:
+    return t
+
+
+# OCANNL's ``Tensor.param_postprocess``: applied to every tensor ``param`` creates, before it is
+# returned. ``mixed_prec.with_master_weights`` installs one that hands out cast twins.
+param_postprocess: Callable[[Tensor], Tensor] = _no_postprocess
+
+
 def set_seed(seed: int) -> None:
     """Seed parameter initialisation: the n-th parameter created after this draws from
     ``default_rng([seed, n])``."""

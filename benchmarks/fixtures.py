@@ -1,0 +1,98 @@
+"""Fixtures: the initial weights, the data and the hyperparameters of a workload, generated
+from its seeded spec and stored as safetensors, so every runner trains from the same bits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import load_file, save_file
+
+from benchmarks.specs import WORKLOADS, Workload
+from ocannl import datasets
+
+FIXTURE_DIR = Path(__file__).resolve().parent / "fixtures"
+
+
+@dataclass(frozen=True)
+class Fixture:
+    """A loaded fixture. Weights are (out, in) like torch.nn.Linear's."""
+
+    workload: Workload
+    weights: list[tuple[np.ndarray, np.ndarray]]  # (w, b) per layer, f32
+    x: np.ndarray  # (n_batches, batch, in) f32
+    labels: np.ndarray  # (n_batches, batch) int64
+
+    def batch(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """The inputs and integer labels step ``step`` trains on."""
+        k = step % self.workload.n_batches
+        return self.x[k], self.labels[k]
+
+    def onehot(self) -> np.ndarray:
+        """Labels as one-hot f32 targets, (n_batches, batch, classes)."""
+        return np.eye(self.workload.classes, dtype=np.float32)[self.labels]
+
+
+def generate(w: Workload) -> dict[str, np.ndarray]:
+    """The fixture's tensors, drawn from ``w.seed`` (kaiming-uniform weights as torch's)."""
+    rng = np.random.default_rng(w.seed)
+    out: dict[str, np.ndarray] = {}
+    for k, (fan_in, fan_out) in enumerate(zip(w.sizes[:-1], w.sizes[1:], strict=True)):
+        bound = 1.0 / np.sqrt(fan_in)
+        out[f"w{k}"] = rng.uniform(-bound, bound, (fan_out, fan_in)).astype(np.float32)
+        out[f"b{k}"] = rng.uniform(-bound, bound, (fan_out,)).astype(np.float32)
+    n = w.n_batches * w.batch
+    if w.dataset == "half_moons":
+        x, y = datasets.half_moons(n, seed=w.seed)
+    elif w.dataset == "gaussian_classes":
+        x, y = datasets.gaussian_classes(n, w.sizes[0], w.classes, seed=w.seed)
+    else:
+        raise ValueError(f"workload {w.name}: unknown dataset {w.dataset!r}")
+    out["x"] = np.ascontiguousarray(x.reshape(w.n_batches, w.batch, w.sizes[0]), np.float32)
+    out["labels"] = y.reshape(w.n_batches, w.batch).astype(np.int64)
+    return out
+
+
+def path_of(w: Workload, folder: Path = FIXTURE_DIR) -> Path:
+    return folder / f"{w.name}.safetensors"
+
+
+def write(w: Workload, folder: Path = FIXTURE_DIR) -> Path:
+    """Generate ``w``'s fixture and save it (hyperparameters in the file's metadata)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = path_of(w, folder)
+    save_file(generate(w), str(path), metadata=w.to_meta())
+    return path
+
+
+def _stored_meta(path: Path) -> dict[str, str]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="numpy") as fh:
+        return dict(fh.metadata() or {})
+
+
+def load(w: Workload, folder: Path = FIXTURE_DIR) -> Fixture:
+    """Load ``w``'s fixture, (re)generating it when absent or made from another spec."""
+    path = path_of(w, folder)
+    want = w.fixture_meta()
+    if not path.exists() or {k: _stored_meta(path).get(k) for k in want} != want:
+        write(w, folder)
+    return from_tensors(w, load_file(str(path)))
+
+
+def from_tensors(w: Workload, t: dict[str, np.ndarray]) -> Fixture:
+    """A fixture from its tensors (as ``generate`` makes them and ``write`` stores them)."""
+    weights = [(t[f"w{k}"], t[f"b{k}"]) for k in range(len(w.sizes) - 1)]
+    return Fixture(w, weights, t["x"], t["labels"])
+
+
+def main() -> None:
+    """Generate every workload's fixture."""
+    for w in WORKLOADS.values():
+        print(f"{w.name}: {write(w)}")
+
+
+if __name__ == "__main__":
+    main()

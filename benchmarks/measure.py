@@ -1,0 +1,99 @@
+"""In-process measurement of one workload: build every runner, gate on parity against the
+PyTorch CPU f32 losses, warm up, then time steps in interleaved rounds so that background
+load falls on every row alike."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from benchmarks.fixtures import Fixture
+from benchmarks.results import Row, relative_error
+from benchmarks.runners.base import Runner, Unavailable
+from benchmarks.specs import TOLERANCE, VARIANTS
+
+Log = Callable[[str], None]
+
+
+def tolerance_of(r: Runner) -> float:
+    prec = VARIANTS[r.variant][0] if r.framework == "ocannl" else "f32"
+    return TOLERANCE[prec]
+
+
+def build_all(runners: list[Runner], rows: list[Row], log: Log) -> None:
+    for r, row in zip(runners, rows, strict=True):
+        t0 = time.perf_counter()
+        try:
+            r.build()
+        except Unavailable as err:
+            row.status, row.note = "skipped", str(err)
+        except Exception as err:  # noqa: BLE001 - a broken row must not sink the suite
+            row.status, row.note = "error", f"build: {type(err).__name__}: {err}"
+        else:
+            row.build_s = time.perf_counter() - t0
+            row.status = "built"
+        log(f"  {row.name}: {row.status} {row.note}".rstrip())
+
+
+def parity(fx: Fixture, runners: list[Runner], rows: list[Row], ref: Runner, log: Log) -> None:
+    """Train every built runner for ``parity_steps`` and compare losses with ``ref``'s."""
+    n = fx.workload.parity_steps
+    losses: dict[int, list[float]] = {}
+    for r, row in zip(runners, rows, strict=True):
+        if row.status != "built":
+            continue
+        try:
+            seq = []
+            for i in range(n):
+                r.step(i)
+                seq.append(r.loss())
+            losses[id(r)] = seq
+        except Exception as err:  # noqa: BLE001
+            row.status, row.note = "error", f"step: {type(err).__name__}: {err}"
+    ref_losses = losses.get(id(ref))
+    for r, row in zip(runners, rows, strict=True):
+        if id(r) not in losses:
+            continue
+        row.tolerance = tolerance_of(r)
+        row.parity_err = (relative_error(losses[id(r)], ref_losses) if ref_losses is not None
+                          else float("nan"))
+        ok = row.parity_err <= row.tolerance
+        row.status = "ok" if ok else "parity-fail"
+        log(f"  parity {row.name}: max rel err {row.parity_err:.2e} "
+            f"(tol {row.tolerance:.0e}) {'pass' if ok else 'FAIL'}")
+
+
+def time_steps(fx: Fixture, runners: list[Runner], rows: list[Row], log: Log) -> None:
+    """Warm up, then time ``timed_steps`` steps per passing runner over interleaved rounds."""
+    w = fx.workload
+    live = [(r, row) for r, row in zip(runners, rows, strict=True) if row.status == "ok"]
+    step = w.parity_steps
+    for r, _ in live:
+        for i in range(step, step + w.warmup_steps):
+            r.step(i)
+        r.sync()
+    step += w.warmup_steps
+    per_round = max(1, w.timed_steps // w.rounds)
+    clock = time.perf_counter
+    for _ in range(w.rounds):
+        for r, row in live:
+            samples = row.samples
+            for i in range(step, step + per_round):
+                t0 = clock()
+                r.step(i)
+                r.sync()
+                samples.append(clock() - t0)
+        step += per_round
+    for r, row in live:
+        row.finish_timing()
+        row.mem_bytes = r.mem_bytes()
+        log(f"  time {row.name}: p50 {row.p50 * 1e3:.3f} ms")
+
+
+def measure(fx: Fixture, runners: list[Runner], ref: Runner, log: Log = print) -> list[Row]:
+    """Build, gate and time ``runners`` on ``fx``; ``ref`` (among them) is the parity oracle."""
+    rows = [Row(fx.workload.name, r.framework, r.device, r.variant) for r in runners]
+    build_all(runners, rows, log)
+    parity(fx, runners, rows, ref, log)
+    time_steps(fx, runners, rows, log)
+    return rows

@@ -1,0 +1,57 @@
+"""What the suite records per row, and the few statistics it reports."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class Row:
+    """One (workload, framework, device, variant) row of the report. Times in seconds."""
+
+    workload: str
+    framework: str
+    device: str
+    variant: str
+    status: str = "pending"  # "ok", "parity-fail", "skipped", "error"
+    note: str = ""
+    tolerance: float | None = None
+    parity_err: float | None = None
+    p10: float | None = None
+    p50: float | None = None
+    p90: float | None = None
+    steps_timed: int = 0
+    build_s: float | None = None  # in the benchmark process (cache state as found)
+    compile_cold_s: float | None = None  # fresh process, empty on-disk cache
+    compile_warm_s: float | None = None  # fresh process, cache filled by the cold one
+    setup_cold_s: float | None = None  # the libraries' per-process set-up, cold and warm
+    setup_warm_s: float | None = None
+    peak_rss_mib: float | None = None  # fresh process: peak resident growth over imports
+    mem_bytes: int | None = None  # device buffers held, where the runner knows
+    samples: list[float] = field(default_factory=list, repr=False)
+
+    @property
+    def name(self) -> str:
+        return f"{self.framework} {self.device} {self.variant}"
+
+    def finish_timing(self) -> None:
+        """Fill p10 / p50 / p90 from the collected per-step samples."""
+        if self.samples:
+            self.p10, self.p50, self.p90 = (float(v) for v in
+                                            np.percentile(self.samples, [10, 50, 90]))
+            self.steps_timed = len(self.samples)
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d.pop("samples")
+        return d
+
+
+def relative_error(got: list[float], ref: list[float]) -> float:
+    """Largest ``|got - ref| / |ref|`` over the steps (inf when a loss is not finite)."""
+    g, r = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    if g.shape != r.shape or not np.all(np.isfinite(g)):
+        return float("inf")
+    return float(np.max(np.abs(g - r) / np.maximum(np.abs(r), 1e-30)))

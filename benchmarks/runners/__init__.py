@@ -1,0 +1,36 @@
+"""Runners: each trains a workload from its fixture, one step per call."""
+
+from __future__ import annotations
+
+from benchmarks.fixtures import Fixture
+from benchmarks.runners.base import Runner, Unavailable
+from benchmarks.specs import VARIANTS
+
+__all__ = ["Runner", "Unavailable", "make_runner", "row_specs"]
+
+
+def make_runner(fx: Fixture, framework: str, variant: str, device: str) -> Runner:
+    """The runner for one row of the report."""
+    if framework == "torch":
+        from benchmarks.runners.torch_runner import TorchRunner
+
+        return TorchRunner(fx, variant=variant, device=device)
+    if framework == "ocannl":
+        from benchmarks.runners.ocannl_runner import OcannlRunner
+
+        return OcannlRunner(fx, variant=variant, device=device)
+    raise ValueError(f"unknown framework {framework!r}: expected 'torch' or 'ocannl'")
+
+
+def row_specs(devices: tuple[str, ...] = ("cpu", "cuda"),
+              variants: tuple[str, ...] = tuple(VARIANTS),
+              torch_compile: bool = True) -> list[tuple[str, str, str]]:
+    """(framework, variant, device) of every row, the PyTorch CPU eager reference first."""
+    specs = [("torch", "eager", "cpu")]
+    if torch_compile:
+        specs.append(("torch", "compile", "cpu"))
+    specs += [("ocannl", v, "cpu") for v in variants if "cpu" in devices]
+    if "cuda" in devices:
+        specs.append(("torch", "eager", "cuda"))
+        specs += [("ocannl", v, "cuda") for v in variants]
+    return specs

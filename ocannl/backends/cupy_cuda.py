@@ -1,0 +1,731 @@
+"""The CUDA backend: CUDA C kernels generated from the lowered loop nests, run through CuPy.
+
+Every lowered item becomes a launch plan (:func:`plan_routine`) built without a GPU: each loop
+nest is one kernel (two for a long reduction split across blocks), each GEMM a cuBLAS call
+through CuPy with conversion kernels around it when a buffer is 16-bit. Kernel bodies come from
+the same emitter as the Numba backend (:mod:`ocannl.backends.emit`) with a C flavour; only the
+wrapping differs: threads over the written cells (grid-stride), a reduction serial within a
+thread only when it is short, otherwise a block reduction (warp shuffles, then shared memory;
+split over several blocks with a deterministic second pass when it is long). There are no
+atomics, so a routine computes the same bits on every run.
+
+Buffers are flat CuPy arrays: f64 / f32 / f16 as such, bf16 as uint16 bit patterns (the kernels
+read both 16-bit kinds through ``__half`` / ``__nv_bfloat16`` pointers; arithmetic is f32).
+CuPy is imported only when a backend is created: the sources can be generated and checked
+with NVRTC (:mod:`ocannl.backends.nvrtc`) on a machine with no GPU.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ocannl.backends.base import host_to_storage, storage_to_host
+from ocannl.backends.emit import BodyWriter, Flavour, float_literal, nest_body
+from ocannl.ir.assignments import Accum, Comp, Fixed
+from ocannl.ir.lowering import (
+    Fill,
+    Gemm,
+    LoopNest,
+    Lowered,
+    MatrixView,
+    lower,
+    lower_assignment,
+)
+from ocannl.ir.ops import Precision
+from ocannl.ir.tnode import Tnode
+
+# --- launch-configuration policy (pure; unit-tested on the CPU) --------------------------------
+
+BLOCK = 256  # threads per block of every kernel but tiny maps
+WARP = 32
+MAX_GRID = 65535  # grid-stride loops cover anything larger
+SERIAL_RED_MAX = 32  # a reduction this short runs serially in its thread
+SERIAL_PAR_MIN = 1024  # ... as does one up to SERIAL_RED_WIDE long when this many cells
+SERIAL_RED_WIDE = 256  # keep enough threads busy
+PER_THREAD = 8  # a split reduction gives each thread at least this many elements
+MAX_REDUCE_BLOCKS = 1024  # splitting stops once cells x splits reaches this many blocks
+
+_CTYPE = {Precision.f64: "double", Precision.f32: "float", Precision.f16: "__half",
+          Precision.bf16: "__nv_bfloat16"}
+_WIDEN = {Precision.f16: "__half2float", Precision.bf16: "__bfloat162float"}
+_NARROW = {Precision.f16: "__float2half_rn", Precision.bf16: "__float2bfloat16_rn"}
+_INCLUDE = {Precision.f16: "cuda_fp16.h", Precision.bf16: "cuda_bf16.h"}
+
+
+def nest_strategy(par_size: int, red_size: int, accum: str, has_reduction: bool) -> str:
+    """How a loop nest maps to threads: ``"map"`` (one thread per written cell, no
+    reduction), ``"serial"`` (one thread per cell, reducing in a loop) or ``"reduce"`` (a block
+    per cell reducing in parallel).
+
+    A serial reduction is the trap OCANNL's benchmarks fell into: one thread summing a whole
+    gradient. It is used only where it is short, or moderate with many cells to spread over.
+    ``=`` with a reduction keeps the serial order's last-write-wins meaning.
+    """
+    if not has_reduction:
+        return "map"
+    if accum == "=" or red_size <= SERIAL_RED_MAX:
+        return "serial"
+    if par_size >= SERIAL_PAR_MIN and red_size <= SERIAL_RED_WIDE:
+        return "serial"
+    return "reduce"
+
+
+def reduce_splits(par_size: int, red_size: int) -> tuple[int, int]:
+    """``(splits, chunk)``: into how many blocks each cell's reduction is cut, and how many
+    elements each covers. One split means a single pass; more, a partial pass over
+    ``par_size * splits`` blocks and a final pass combining the partials in a fixed order."""
+    want = math.ceil(red_size / (BLOCK * PER_THREAD))
+    room = max(1, MAX_REDUCE_BLOCKS // max(par_size, 1))
+    splits = max(1, min(want, room))
+    chunk = math.ceil(red_size / splits)
+    return math.ceil(red_size / chunk), chunk
+
+
+def map_launch(n: int) -> tuple[int, int]:
+    """``(grid, block)`` for a grid-stride loop over ``n`` items: small maps get one warp-sized
+    block, large ones at most :data:`MAX_GRID` blocks."""
+    block = min(BLOCK, max(WARP, -(-n // WARP) * WARP))
+    return min(MAX_GRID, max(1, -(-n // block))), block
+
+
+# --- the C flavour of the shared emitter --------------------------------------------------------
+
+
+class CudaFlavour(Flavour):
+    """CUDA C: 16-bit buffers load through ``__half2float`` / ``__bfloat162float`` and store
+    rounding to nearest even; locals are ``auto`` so they keep the type of what they hold, as
+    the Numba flavour's untyped locals do."""
+
+    name = "c"
+
+    def literal(self, value: float, compute: Precision) -> str:
+        if compute is Precision.f64:
+            if math.isnan(value):
+                return "__longlong_as_double(0x7ff8000000000000LL)"
+            if math.isinf(value):
+                inf = "__longlong_as_double(0x7ff0000000000000LL)"
+                return inf if value > 0 else f"(-{inf})"
+            text = float_literal(value)
+        else:
+            with np.errstate(over="ignore"):
+                v = float(np.float32(value))  # the f32 the Numba flavour's literal holds
+            if math.isnan(v):
+                return "__int_as_float(0x7fc00000)"
+            if math.isinf(v):
+                return "__int_as_float(0x7f800000)" if v > 0 else "(-__int_as_float(0x7f800000))"
+            text = float_literal(v) + "f"
+        return f"({text})" if text.startswith("-") else text
+
+    def load(self, node: Tnode, offset: str) -> str:
+        ref = f"{self.buffer(node)}[{offset}]"
+        return f"{_WIDEN[node.prec]}({ref})" if node.prec.is_narrow else ref
+
+    def store(self, node: Tnode, offset: str, value: str) -> str:
+        if node.prec.is_narrow:
+            value = f"{_NARROW[node.prec]}({value})"
+        return f"{self.buffer(node)}[{offset}] = {value};"
+
+    def declare(self, name: str, value: str, compute: Precision) -> str:
+        return f"auto {name} = {value};"
+
+    def assign(self, name: str, value: str) -> str:
+        return f"{name} = {value};"
+
+
+# --- launch plans -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Scratch:
+    """A device work buffer owned by a routine (reduction partials, widened GEMM operands)."""
+
+    slot: int
+    size: int
+    prec: Precision
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One kernel launch: its source (function ``name``), launch shape, and its pointer
+    parameters: the nodes' buffers, then the scratch buffers."""
+
+    kind: str  # fill, map, serial, reduce, partial, final, convert
+    name: str
+    source: str
+    grid: int
+    block: int
+    nodes: tuple[Tnode, ...]
+    scratch: tuple[Scratch, ...] = ()
+
+
+@dataclass(frozen=True)
+class GemmCall:
+    """``out (+)= op(a) @ op(b)`` through cuBLAS in the compute precision. ``a_slot`` /
+    ``b_slot``: scratch holding the operand converted to that precision (None: its own buffer);
+    ``out_slot``: scratch the product lands in before a kernel narrows it into the lhs."""
+
+    gemm: Gemm
+    a_slot: int | None
+    b_slot: int | None
+    out_slot: int | None
+    beta: float
+
+
+Step = Kernel | GemmCall
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything a routine launches, in order, and the scratch buffers it needs."""
+
+    steps: tuple[Step, ...]
+    scratch: tuple[Scratch, ...]
+
+    @property
+    def kernels(self) -> list[Kernel]:
+        return [s for s in self.steps if isinstance(s, Kernel)]
+
+    def sources(self) -> list[str]:
+        """The distinct kernel sources, in first-use order."""
+        return list(dict.fromkeys(k.source for k in self.kernels))
+
+
+def _nodes_of_assign(a: Accum) -> list[Tnode]:
+    return list({n.id: n for n in a.nodes}.values())
+
+
+def _index_type(*sizes: int) -> str:
+    return "int" if max(sizes, default=1) < 2**31 - 2 * MAX_GRID * BLOCK else "long long"
+
+
+def _uses(text: str, name: str) -> bool:
+    return re.search(rf"\b{re.escape(name)}\b", text) is not None
+
+
+def _decompose(lin: str, iters: Sequence[int], space: tuple[int, ...], names: dict[int, str],
+               ity: str, body: str) -> list[str]:
+    """Declarations of the iterators ``iters`` (last fastest) from the linear index ``lin``;
+    only those the body mentions, each computed on its own so unused ones cost nothing."""
+    out = []
+    stride = 1
+    for k in reversed(range(len(iters))):
+        i = iters[k]
+        n = space[i]
+        if _uses(body, names[i]):
+            if n == 1:
+                value = "0"
+            else:
+                q = lin if stride == 1 else f"({lin} / {stride})"
+                value = q if k == 0 else f"{q} % {n}"
+            out.append(f"const {ity} {names[i]} = {value};")
+        stride *= n
+    return list(reversed(out))
+
+
+def _signature(name: str, nodes: Sequence[Tnode], scratch: Sequence[Scratch], block: int) -> str:
+    includes = sorted({_INCLUDE[n.prec] for n in nodes if n.prec.is_narrow})
+    params = [f"{_CTYPE[n.prec]}* __restrict__ b{k}" for k, n in enumerate(nodes)]
+    params += [f"{_CTYPE[s.prec]}* __restrict__ s{k}" for k, s in enumerate(scratch)]
+    head = "".join(f"#include <{h}>\n" for h in includes)
+    return (f"{head}extern \"C\" __global__ void __launch_bounds__({block}) "
+            f"{name}({', '.join(params)}) {{")
+
+
+def _indent(lines: list[str], depth: int) -> list[str]:
+    return ["  " * depth + s for s in lines]
+
+
+def _block_reduce(w: BodyWriter, accum: str, acc_type: str, block: int) -> list[str]:
+    """Combine every thread's ``acc`` into thread 0's: shuffles within warps, then the warp
+    results through shared memory ``sh`` and one more round of shuffles in warp 0."""
+    comb = w.combine(accum, "acc", "other")
+    shuffle = [
+        "for (int o = 16; o > 0; o >>= 1) {",
+        f"  const {acc_type} other = __shfl_down_sync(0xffffffffu, acc, o);",
+        f"  acc = {comb};",
+        "}",
+    ]
+    return [
+        *shuffle,
+        "if (lane == 0) sh[warp] = acc;",
+        "__syncthreads();",
+        "if (warp == 0) {",
+        f"  acc = lane < {block // WARP} ? sh[lane] : {w.neutral(accum)};",
+        *_indent(shuffle, 1),
+        "}",
+    ]
+
+
+class _Planner:
+    def __init__(self) -> None:
+        self.steps: list[Step] = []
+        self.scratch: list[Scratch] = []
+
+    def slot(self, size: int, prec: Precision) -> Scratch:
+        s = Scratch(len(self.scratch), size, prec)
+        self.scratch.append(s)
+        return s
+
+    # -- fills and conversions --
+
+    def fill(self, item: Fill) -> None:
+        node = item.node
+        f = CudaFlavour([node])
+        ity = _index_type(node.size)
+        grid, block = map_launch(node.size)
+        lit = f.literal(item.value, node.prec.compute)
+        body = [
+            f"for ({ity} p = ({ity})blockIdx.x * {block} + threadIdx.x; p < {node.size}; "
+            f"p += ({ity})gridDim.x * {block}) {{",
+            "  " + f.store(node, "p", lit),
+            "}",
+        ]
+        src = "\n".join([_signature("ocannl_fill", [node], [], block), *_indent(body, 1), "}"])
+        self.steps.append(Kernel("fill", "ocannl_fill", src + "\n", grid, block, (node,)))
+
+    def convert(self, node: Tnode, s: Scratch, *, to_node: bool) -> None:
+        """Copy between a node and a scratch buffer of another precision (exact widening,
+        round-to-nearest-even narrowing)."""
+        f = CudaFlavour([node])
+        ity = _index_type(node.size)
+        grid, block = map_launch(node.size)
+        stmt = f.store(node, "p", "s0[p]") if to_node else f"s0[p] = {f.load(node, 'p')};"
+        body = [
+            f"for ({ity} p = ({ity})blockIdx.x * {block} + threadIdx.x; p < {node.size}; "
+            f"p += ({ity})gridDim.x * {block}) {{",
+            "  " + stmt,
+            "}",
+        ]
+        src = "\n".join([_signature("ocannl_convert", [node], [s], block), *_indent(body, 1), "}"])
+        self.steps.append(Kernel("convert", "ocannl_convert", src + "\n", grid, block, (node,),
+                                 (s,)))
+
+    # -- GEMMs --
+
+    def gemm(self, g: Gemm) -> None:
+        lhs = g.assign.lhs
+        compute = lhs.prec.compute
+        slots: list[int | None] = []
+        for v in (g.a, g.b):
+            if v.node.prec is compute:
+                slots.append(None)
+            else:
+                s = self.slot(v.node.size, compute)
+                self.convert(v.node, s, to_node=False)
+                slots.append(s.slot)
+        beta = 0.0 if g.assign.reset else 1.0
+        if lhs.prec is compute:
+            self.steps.append(GemmCall(g, slots[0], slots[1], None, beta))
+            return
+        out = self.slot(lhs.size, compute)
+        if not g.assign.reset:
+            self.convert(lhs, out, to_node=False)
+        self.steps.append(GemmCall(g, slots[0], slots[1], out.slot, beta))
+        self.convert(lhs, out, to_node=True)
+
+    # -- loop nests --
+
+    def nest(self, nest: LoopNest) -> None:
+        a = nest.assign
+        # Threads own the iterators that pick distinct cells; an iterator indexing only size-1
+        # axes of the lhs writes one cell from many points, so it is a reduction here.
+        par = list(dict.fromkeys(
+            i for i, d in zip(a.lhs_idx, a.lhs.dims, strict=True)
+            if not isinstance(i, Fixed) and (d > 1 or a.space[i] == 1)
+        ))
+        red = [i for i in range(len(a.space)) if i not in par]
+        par_size = math.prod(a.space[i] for i in par)
+        red_size = math.prod(a.space[i] for i in red)
+        has_red = bool(red)
+        strategy = nest_strategy(par_size, red_size, a.accum, has_red)
+        nodes = _nodes_of_assign(a)
+        f = CudaFlavour(nodes)
+        names = {i: f"i{i}" for i in range(len(a.space))}
+        body = nest_body(a, has_red, f, names)
+        sizes = [math.prod(a.space), *(n.size for n in nodes)]
+        if strategy == "reduce":
+            self.reduce(a, nodes, f, names, par, red, body)
+            return
+        ity = _index_type(*sizes)
+        grid, block = map_launch(par_size)
+        inner: list[str] = []
+        loops = [i for i in red if a.space[i] > 1]
+        for depth, i in enumerate(loops):
+            inner.append("  " * depth + f"for ({ity} {names[i]} = 0; {names[i]} < {a.space[i]}; "
+                         f"++{names[i]}) {{")
+        inner += _indent(body.inner, len(loops))
+        inner += ["  " * d + "}" for d in reversed(range(len(loops)))]
+        text = "\n".join(body.init + inner + body.final)
+        ones = [f"const {ity} {names[i]} = 0;" for i in red
+                if a.space[i] == 1 and _uses(text, names[i])]
+        decl = _decompose("p", par, a.space, names, ity, text)
+        lines = [
+            f"for ({ity} p = ({ity})blockIdx.x * {block} + threadIdx.x; p < {par_size}; "
+            f"p += ({ity})gridDim.x * {block}) {{",
+            *_indent(decl + ones + body.init + inner + body.final, 1),
+            "}",
+        ]
+        name = f"ocannl_{strategy}"
+        src = "\n".join([_signature(name, nodes, [], block), *_indent(lines, 1), "}"])
+        self.steps.append(Kernel(strategy, name, src + "\n", grid, block, tuple(nodes)))
+
+    def reduce(self, a: Accum, nodes: list[Tnode], f: CudaFlavour, names: dict[int, str],
+               par: list[int], red: list[int], body: Any) -> None:
+        par_size = math.prod(a.space[i] for i in par)
+        red_size = math.prod(a.space[i] for i in red)
+        compute = a.lhs.prec.compute
+        acc_type = _CTYPE[compute]
+        splits, chunk = reduce_splits(par_size, red_size)
+        ity = _index_type(math.prod(a.space), par_size * splits, *(n.size for n in nodes))
+        w = BodyWriter(f, compute, names)
+        combine = _block_reduce(w, a.accum, acc_type, BLOCK)
+        prologue = [
+            f"__shared__ {acc_type} sh[{BLOCK // WARP}];",
+            "const int lane = threadIdx.x & 31;",
+            "const int warp = threadIdx.x >> 5;",
+        ]
+        inner_text = "\n".join(body.inner)
+        red_decl = _decompose("r", red, a.space, names, ity, inner_text)
+        if splits == 1:
+            text = "\n".join(body.init + body.inner + body.final)
+            loop = [
+                f"for ({ity} p = blockIdx.x; p < {par_size}; p += gridDim.x) {{",
+                *_indent(_decompose("p", par, a.space, names, ity, text), 1),
+                *_indent(body.init, 1),
+                f"  for ({ity} r = threadIdx.x; r < {red_size}; r += {BLOCK}) {{",
+                *_indent(red_decl + body.inner, 2),
+                "  }",
+                *_indent(combine, 1),
+                "  if (threadIdx.x == 0) {",
+                *_indent(body.final, 2),
+                "  }",
+                "  __syncthreads();",
+                "}",
+            ]
+            src = "\n".join([_signature("ocannl_reduce", nodes, [], BLOCK),
+                             *_indent(prologue + loop, 1), "}"])
+            grid = min(par_size, MAX_GRID)
+            self.steps.append(Kernel("reduce", "ocannl_reduce", src + "\n", grid, BLOCK,
+                                     tuple(nodes)))
+            return
+        part = self.slot(par_size * splits, compute)
+        total = par_size * splits
+        text = "\n".join(body.init + body.inner)
+        loop = [
+            f"for ({ity} q = blockIdx.x; q < {total}; q += gridDim.x) {{",
+            f"  const {ity} p = q / {splits};",
+            f"  const {ity} lo = (q - p * {splits}) * {chunk};",
+            f"  const {ity} hi = min(lo + {chunk}, ({ity}){red_size});",
+            *_indent(_decompose("p", par, a.space, names, ity, text), 1),
+            *_indent(body.init, 1),
+            f"  for ({ity} r = lo + threadIdx.x; r < hi; r += {BLOCK}) {{",
+            *_indent(red_decl + body.inner, 2),
+            "  }",
+            *_indent(combine, 1),
+            "  if (threadIdx.x == 0) s0[q] = acc;",
+            "  __syncthreads();",
+            "}",
+        ]
+        src = "\n".join([_signature("ocannl_partial", nodes, [part], BLOCK),
+                         *_indent(prologue + loop, 1), "}"])
+        self.steps.append(Kernel("partial", "ocannl_partial", src + "\n", min(total, MAX_GRID),
+                                 BLOCK, tuple(nodes), (part,)))
+        # The final pass touches only the lhs (b0: an assignment's first node) and the
+        # partials; the body's init and final statements mention nothing else.
+        assert nodes[0] is a.lhs
+        text = "\n".join(body.final)
+        loop = [
+            f"for ({ity} p = blockIdx.x; p < {par_size}; p += gridDim.x) {{",
+            *_indent(_decompose("p", par, a.space, names, ity, text), 1),
+            *_indent(body.init, 1),
+            f"  for ({ity} s = threadIdx.x; s < {splits}; s += {BLOCK}) {{",
+            f"    const {acc_type} other = s0[p * {splits} + s];",
+            f"    acc = {w.combine(a.accum, 'acc', 'other')};",
+            "  }",
+            *_indent(combine, 1),
+            "  if (threadIdx.x == 0) {",
+            *_indent(body.final, 2),
+            "  }",
+            "  __syncthreads();",
+            "}",
+        ]
+        src = "\n".join([_signature("ocannl_final", [a.lhs], [part], BLOCK),
+                         *_indent(prologue + loop, 1), "}"])
+        self.steps.append(Kernel("final", "ocannl_final", src + "\n", min(par_size, MAX_GRID),
+                                 BLOCK, (a.lhs,), (part,)))
+
+
+def plan_routine(code: Sequence[Lowered], *, use_cublas: bool = True) -> Plan:
+    """The launch plan of lowered code: pure Python, no GPU needed. Without cuBLAS, GEMMs
+    are planned as the loop nests they came from."""
+    p = _Planner()
+    for item in code:
+        if isinstance(item, Gemm) and not use_cublas:
+            for sub in lower_assignment(item.assign, allow_gemm=False):
+                p.fill(sub) if isinstance(sub, Fill) else p.nest(sub)
+        elif isinstance(item, Fill):
+            p.fill(item)
+        elif isinstance(item, Gemm):
+            p.gemm(item)
+        else:
+            p.nest(item)
+    return Plan(tuple(p.steps), tuple(p.scratch))
+
+
+def cuda_sources(comp: Comp | Sequence[Lowered], *, use_cublas: bool = True) -> list[str]:
+    """The CUDA C source of every distinct kernel of a computation (or of lowered code), as
+    the CUDA backend would compile them; needs no GPU, so NVRTC can check them anywhere."""
+    code = lower(comp) if isinstance(comp, Comp) else list(comp)
+    return plan_routine(code, use_cublas=use_cublas).sources()
+
+
+# --- running plans --------------------------------------------------------------------------
+
+
+class CudaUnavailable(RuntimeError):
+    """No GPU is usable through CuPy; the message says why (no CuPy, no driver, no device)."""
+
+
+def cuda_unavailable_reason(device_id: int = 0) -> str | None:
+    """None when ``Context.cuda(device_id)`` can work here, else why it cannot."""
+    try:
+        import cupy
+    except Exception as err:  # noqa: BLE001 - ImportError, or a broken CUDA install under it
+        return f"CuPy is not installed or fails to import ({err}); pip install cupy-cuda12x"
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as err:  # noqa: BLE001 - CUDARuntimeError, or a driver library missing
+        text = str(err)
+        if "NoDevice" in text or "no CUDA-capable device" in text:
+            return f"no CUDA device is visible ({text})"
+        return f"no usable NVIDIA driver ({text})"
+    if count == 0:
+        return "no CUDA device is visible (the driver reports 0 devices)"
+    if not 0 <= device_id < count:
+        return f"device_id {device_id} is out of range: {count} CUDA device(s) visible"
+    return None
+
+
+def _storage_dtype(prec: Precision) -> Any:
+    return {Precision.f64: np.float64, Precision.f32: np.float32, Precision.f16: np.float16,
+            Precision.bf16: np.uint16}[prec]
+
+
+def _matrix(buf: Any, v: MatrixView) -> tuple[Any, str]:
+    """The stored matrix of a view and the cuBLAS op reading it as ``rows x cols``."""
+    if v.transposed:
+        return buf.reshape((v.cols, v.rows)), "T"
+    return buf.reshape((v.rows, v.cols)), "N"
+
+
+class Device:
+    """What a routine needs from a device: kernels by source, buffers, a GEMM. The CuPy one is
+    :class:`_CupyDevice`; tests substitute a CPU emulation to run the same plans."""
+
+    def kernel(self, k: Kernel) -> tuple[Callable[..., None], bool]:
+        """A launcher ``fn(grid, block, args)`` for the kernel, and whether it was compiled
+        anew."""
+        raise NotImplementedError
+
+    def empty(self, size: int, prec: Precision) -> Any:
+        raise NotImplementedError
+
+    def gemm(self, transa: str, transb: str, a: Any, b: Any, out: Any, beta: float) -> None:
+        """``out = op(a) @ op(b) + beta * out`` (2-D; ``out`` C-contiguous)."""
+        raise NotImplementedError
+
+
+class CudaRoutine:
+    """A compiled plan: called with the routine's node buffers in order, it launches every
+    step on the device's current stream (asynchronously; reads synchronise)."""
+
+    def __init__(self, plan: Plan, nodes: Sequence[Tnode], device: Device) -> None:
+        self.plan = plan
+        self.device = device
+        pos = {n.id: k for k, n in enumerate(nodes)}
+        self.fresh = False
+        self._launchers: list[Any] = []
+        for step in plan.steps:
+            if isinstance(step, Kernel):
+                for n in step.nodes:
+                    if n.id not in pos:
+                        raise ValueError(f"kernel reads node {n.name}, which has no buffer "
+                                         f"(memory mode {n.memory_mode.value})")
+                fn, new = device.kernel(step)
+                self.fresh |= new
+                self._launchers.append(fn)
+            else:
+                for v in (step.gemm.a, step.gemm.b, step.gemm.assign.lhs):
+                    n = v.node if isinstance(v, MatrixView) else v
+                    if n.id not in pos:
+                        raise ValueError(f"GEMM reads node {n.name}, which has no buffer")
+                self._launchers.append(None)
+        self._pos = pos
+        self._scratch = [device.empty(s.size, s.prec) for s in plan.scratch]
+        self._bound: tuple[Any, ...] | None = None
+        self._calls: list[Callable[[], None]] = []
+
+    def _bind(self, bufs: tuple[Any, ...]) -> None:
+        calls: list[Callable[[], None]] = []
+        scratch = self._scratch
+        for step, fn in zip(self.plan.steps, self._launchers, strict=True):
+            if isinstance(step, Kernel):
+                args = tuple(bufs[self._pos[n.id]] for n in step.nodes) + tuple(
+                    scratch[s.slot] for s in step.scratch)
+                calls.append(_launch_call(fn, step.grid, step.block, args))
+            else:
+                g = step.gemm
+
+                def src(v: MatrixView, slot: int | None) -> Any:
+                    return bufs[self._pos[v.node.id]] if slot is None else scratch[slot]
+
+                a, ta = _matrix(src(g.a, step.a_slot), g.a)
+                b, tb = _matrix(src(g.b, step.b_slot), g.b)
+                out_buf = (bufs[self._pos[g.assign.lhs.id]] if step.out_slot is None
+                           else scratch[step.out_slot])
+                out = out_buf.reshape((g.rows, g.cols))
+                calls.append(_gemm_call(self.device, ta, tb, a, b, out, step.beta))
+        self._calls = calls
+        self._bound = bufs
+
+    def __call__(self, *bufs: Any) -> None:
+        bound = self._bound
+        if bound is None or len(bound) != len(bufs) or any(
+                x is not y for x, y in zip(bound, bufs, strict=True)):
+            self._bind(bufs)
+        for call in self._calls:
+            call()
+
+
+def _launch_call(fn: Callable[..., None], grid: int, block: int,
+                 args: tuple[Any, ...]) -> Callable[[], None]:
+    g, b = (grid,), (block,)
+    return lambda: fn(g, b, args)
+
+
+def _gemm_call(device: Device, ta: str, tb: str, a: Any, b: Any, out: Any,
+               beta: float) -> Callable[[], None]:
+    return lambda: device.gemm(ta, tb, a, b, out, beta)
+
+
+class _CupyDevice(Device):
+    """Kernels are ``cupy.RawKernel`` compiled once per (device, source) in the process."""
+
+    _kernels: dict[tuple[int, str], Any] = {}
+
+    def __init__(self, cupy: Any, device_id: int) -> None:
+        self.cp = cupy
+        self.device_id = device_id
+        from ocannl.backends.nvrtc import cuda_include_dir
+
+        inc = cuda_include_dir()
+        self.options = (f"-I{inc}",) if inc else ()
+        self.include_found = inc is not None
+        try:
+            from cupy import cublas
+        except ImportError as err:  # CuPy 14 wheels do not bundle cuBLAS
+            self.cublas = None
+            self.cublas_missing = str(err)
+        else:
+            self.cublas = cublas
+            self.cublas_missing = ""
+
+    def kernel(self, k: Kernel) -> tuple[Callable[..., None], bool]:
+        key = (self.device_id, k.source)
+        fn = self._kernels.get(key)
+        if fn is not None:
+            return fn, False
+        if "#include" in k.source and not self.include_found:
+            raise CudaUnavailable(
+                "a 16-bit kernel needs cuda_fp16.h / cuda_bf16.h and none was found: "
+                "pip install nvidia-cuda-runtime-cu12, or set CUDA_PATH")
+        fn = self.cp.RawKernel(k.source, k.name, options=self.options)
+        fn.compile()
+        self._kernels[key] = fn
+        return fn, True
+
+    def empty(self, size: int, prec: Precision) -> Any:
+        return self.cp.empty(size, dtype=_storage_dtype(prec))
+
+    def gemm(self, transa: str, transb: str, a: Any, b: Any, out: Any, beta: float) -> None:
+        self.cublas.gemm(transa, transb, a, b, out=out, beta=beta)
+
+
+class CupyCudaBackend:
+    """Buffers are flat CuPy arrays on one device; routines are :class:`CudaRoutine` plans of
+    ``RawKernel`` launches and cuBLAS calls. ``write`` copies in place, so the buffer's device
+    pointer never changes and bound routines see new values without recompiling."""
+
+    name = "cuda"
+
+    def __init__(self, device_id: int = 0) -> None:
+        reason = cuda_unavailable_reason(device_id)
+        if reason is not None:
+            raise CudaUnavailable(f"Context.cuda(device_id={device_id}): no GPU is usable: "
+                                  f"{reason}")
+        import cupy
+
+        self.cp = cupy
+        self.device_id = device_id
+        self._device = cupy.cuda.Device(device_id)
+        self._dev = _CupyDevice(cupy, device_id)
+        self._seen: set[tuple[str, ...]] = set()
+        self._said_cublas = False
+
+    def alloc(self, node: Tnode) -> Any:
+        with self._device:
+            return self.cp.zeros(node.size, dtype=_storage_dtype(node.prec))
+
+    def write(self, node: Tnode, buf: Any, host: np.ndarray) -> None:
+        arr = host_to_storage(node, host)
+        if arr.dtype != buf.dtype:
+            arr = arr.view(buf.dtype)  # f16 bits as float16: same bytes
+        with self._device:
+            buf.set(np.ascontiguousarray(arr))
+
+    def read(self, node: Tnode, buf: Any) -> np.ndarray:
+        with self._device:
+            host = buf.get()
+        if node.prec.is_narrow:
+            host = host.view(np.uint16)
+        return storage_to_host(node, host).copy()
+
+    def compile(self, label: str, code: list[Lowered], nodes: list[Tnode]) -> tuple[Callable, bool]:
+        use_cublas = self._dev.cublas is not None
+        if not use_cublas and any(isinstance(c, Gemm) for c in code) and not self._said_cublas:
+            self._said_cublas = True
+            warnings.warn(f"ocannl: cuBLAS is not loadable ({self._dev.cublas_missing}); "
+                          "matrix products run as generated kernels (pip install "
+                          "nvidia-cublas-cu12 for cuBLAS)", RuntimeWarning, stacklevel=3)
+        plan = plan_routine(code, use_cublas=use_cublas)
+        with self._device:
+            routine = CudaRoutine(plan, nodes, self._dev)
+        key = tuple(plan.sources()) + tuple(repr(_gemm_key(s)) for s in plan.steps
+                                            if isinstance(s, GemmCall))
+        fresh = routine.fresh or key not in self._seen
+        self._seen.add(key)
+        device = self._device
+
+        def run(*bufs: Any) -> None:
+            with device:
+                routine(*bufs)
+
+        run.routine = routine  # type: ignore[attr-defined]
+        return run, fresh
+
+    def synchronize(self) -> None:
+        """Wait for every launched kernel (for timings; reads synchronise by themselves)."""
+        self._device.synchronize()
+
+
+def _gemm_key(s: GemmCall) -> tuple:
+    g = s.gemm
+    return (g.rows, g.cols, g.inner, g.a.transposed, g.b.transposed, s.beta,
+            g.a.node.prec.value, g.b.node.prec.value, g.assign.lhs.prec.value)

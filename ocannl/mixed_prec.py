@@ -1,0 +1,639 @@
+"""Mixed-precision training: master weights, dynamic loss scaling, scaled and fused-gated steps.
+
+Three pieces, as in OCANNL's ``Mixed_prec``:
+
+- **Master weights** (:func:`cast_param`, :func:`with_master_weights`): every parameter stays an
+  f32 *master*, the tensor the optimizer updates and checkpoints save. The model reads a
+  reduced-precision *cast twin* of it, recomputed from the master by each forward pass; the
+  twin's gradient accumulates back into the master's f32 gradient (the widening happens there).
+- **Loss scaling** (:class:`Loss_scaler`): f16's exponent range loses small gradients, so the
+  backprop is seeded with a scale and the optimizer multiplies gradients by its reciprocal. The
+  scale lives in one-element device buffers the host overwrites; compiled routines read them,
+  so a new scale never recompiles anything. The schedule is torch-AMP's, to the bit.
+- **Steps**: :func:`scaled_step` (the host reads the gradient checksum after every gradient
+  routine and runs or skips the optimizer routine) and :func:`gated_step` (one fused routine
+  whose optimizer step is gated on the device; the host samples a sticky flag every
+  ``check_interval`` steps).
+
+bf16 has f32's exponent range and needs no loss scaling; f16 does.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import re
+import warnings
+from collections.abc import Callable
+from fractions import Fraction
+from typing import TypeVar
+
+import numpy as np
+
+import ocannl.tensor as T
+from ocannl import Failure
+from ocannl.context import Context, Routine
+from ocannl.ir.assignments import Accum, Comp, Const, Get, apply
+from ocannl.ir.ops import Precision, precision_of
+from ocannl.ir.tnode import Tnode
+from ocannl.tensor import tensor as _tensor_mod
+from ocannl.tensor.shape import Shape
+from ocannl.tensor.tensor import Tensor
+
+__all__ = [
+    "TWIN_PLACEMENTS", "GatedStep", "Loss_scaler", "cast_param", "gated_step", "master_of",
+    "scaled_grad_update", "scaled_sgd_update", "scaled_step", "unscaled_grad_checksum",
+    "with_master_weights",
+]
+
+R = TypeVar("R")
+
+# --- master weights ---------------------------------------------------------------------------
+
+TWIN_PLACEMENTS = ("auto", "materialized", "virtual")
+"""Where a cast twin lives. ``auto``: the port decides (it materializes: its lowering does not
+inline nodes into their readers); ``materialized``: a device buffer refreshed once per forward
+pass; ``virtual``: recomputed at every read site, which this port's lowering cannot do yet."""
+
+
+def _check_placement(placement: str) -> None:
+    if placement not in TWIN_PLACEMENTS:
+        raise ValueError(f"placement {placement!r}: expected one of {TWIN_PLACEMENTS}")
+    if placement == "virtual":
+        raise ValueError("placement 'virtual' (recompute the cast at every read) is not supported: "
+                         "this port's lowering does not inline nodes; use 'auto' or 'materialized'")
+
+
+def _link_twin(twin: Tensor, master: Tensor) -> None:
+    """``twin = master`` rounded to the twin's precision; backprop ``master.grad += twin.grad``."""
+    dims = twin.value.dims
+    idx = tuple(range(len(dims)))
+    twin.forward_code = (Accum(twin.value, idx, "=", Get(master.value, idx), dims),)
+    assert master.grad is not None and twin.grad is not None
+    twin.backprop_code = (Accum(master.grad, idx, "+", Get(twin.grad, idx), dims),)
+
+
+def cast_param(p: Tensor, *, prec: Precision | str, placement: str = "auto") -> Tensor:
+    """The reduced-precision cast twin of parameter ``p``, for the model to read instead of it.
+
+    ``p`` stays the master: ``loss.params`` lists it (not the twin), so the optimizer updates it
+    and checkpoints save it at full precision, while the twin is recomputed from it by every
+    forward pass. The twin's gradient accumulates into ``p``'s gradient. A parameter whose input
+    axes are still to be inferred gets them, with its twin's code, at the twin's first ``@``.
+    A non-differentiable tensor is returned unchanged.
+    """
+    if not isinstance(p, Tensor):
+        raise TypeError(f"cast_param expects a parameter Tensor, got {type(p).__name__}: {p!r}")
+    prec = precision_of(prec)
+    _check_placement(placement)
+    if p.grad is None:
+        return p
+    if p.kind != "param":
+        raise ValueError(f"cast_param: {p.label} is a {p.kind} tensor, not a parameter "
+                         f"(a cast twin of a twin would have no master)")
+    if p.prec.is_narrow:
+        raise ValueError(f"cast_param: master {p.label} is {p.prec.value}; a master must be f32 "
+                         f"or f64 (create the parameter at full precision)")
+    node = Tnode(f"{p.label}_{prec.value}", p.value._dims, prec)
+    twin = Tensor(node, p.shape, kind="op", children=(p,))
+    twin.master = p  # type: ignore[attr-defined]
+    if p.shape.input is not None:
+        _link_twin(twin, p)
+    else:
+        def complete(tw: Tensor) -> None:
+            p.shape = Shape(p.shape.batch, p.shape.output, tw.shape.input)
+            p.value.set_dims(p.shape.dims)
+            assert p.grad is not None
+            p.grad.set_dims(p.shape.dims)
+            _link_twin(tw, p)
+            tw.on_input_inferred = None  # type: ignore[attr-defined]
+
+        twin.on_input_inferred = complete  # type: ignore[attr-defined]
+    return twin
+
+
+def master_of(t: Tensor) -> Tensor:
+    """The f32 master behind a cast twin (a tensor that is no twin is its own master)."""
+    return getattr(t, "master", t)
+
+
+def with_master_weights(*, prec: Precision | str, f: Callable[[], R],
+                        placement: str = "auto") -> R:
+    """Run the model-building function ``f`` so that every parameter it creates is handed out
+    as a ``prec`` cast twin of an f32 master (:func:`cast_param`); returns ``f()``.
+
+    Wrap the construction of the model (where ``ocannl.tensor.param`` is called), not only its
+    application. Build the parameters at f32 (the default): the masters keep their precision.
+    """
+    prec = precision_of(prec)
+    _check_placement(placement)
+    if not callable(f):
+        raise TypeError(f"with_master_weights: f must be callable, got {type(f).__name__}")
+    saved = _tensor_mod.param_postprocess
+
+    def hook(p: Tensor) -> Tensor:
+        return cast_param(saved(p), prec=prec, placement=placement)
+
+    _tensor_mod.param_postprocess = hook
+    try:
+        return f()
+    finally:
+        _tensor_mod.param_postprocess = saved
+
+
+# --- f32 arithmetic of the scale --------------------------------------------------------------
+
+_F32_MAX = float(np.finfo(np.float32).max)
+_F32_ROUNDS_TO_INF = Fraction(2) ** 128 - Fraction(2) ** 103  # midpoint of max and 2**128
+
+
+def _f32(x: float) -> float:
+    """``x`` rounded to f32 (to nearest, ties to even), as a Python float."""
+    with np.errstate(over="ignore"):
+        return float(np.float32(x))
+
+
+def _f32_odd(v: float) -> int:
+    return int(np.array(v, np.float32).view(np.uint32)) & 1
+
+
+def _f32_of_fraction(x: Fraction) -> float:
+    """The f32 nearest to the exact positive rational ``x`` (ties to even)."""
+    if x >= _F32_ROUNDS_TO_INF:
+        return math.inf
+    c = np.float32(_f32(float(x)))
+    inf32 = np.float32(np.inf)
+    cands = {float(np.nextafter(c, -inf32)), float(c), float(np.nextafter(c, inf32))}
+    cands = {v for v in cands if math.isfinite(v) and v >= 0}
+    return min(cands, key=lambda v: (abs(Fraction(v) - x), _f32_odd(v)))
+
+
+def _reciprocal_f32(scale: float) -> float:
+    """What the device's ``unscale`` holds: the f32 rounding of the exact ``1 / scale``."""
+    if scale == 0.0:
+        return math.inf
+    return _f32_of_fraction(1 / Fraction(scale))
+
+
+def _is_real(x: object) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_))
+
+
+def _check_bool(name: str, x: object) -> bool:
+    if not isinstance(x, (bool, np.bool_)):
+        raise ValueError(f"{name} must be a bool, got {type(x).__name__}: {x!r}")
+    return bool(x)
+
+
+# --- Loss_scaler ------------------------------------------------------------------------------
+
+_FIELDS = ("scale", "unscale", "scale_val", "good_steps", "growth_factor", "backoff_factor",
+           "growth_interval")
+_STATE_VERSION = "1"
+_HEX = r"-?0x[01]\.[0-9a-f]{1,13}p[+-][0-9]{1,4}"
+_INT = r"0|[1-9][0-9]{0,18}"
+_STATE_RE = re.compile(
+    r"ocannl\.Loss_scaler/(?P<version>[0-9]{1,6})"
+    rf" scale=(?P<scale>{_HEX})"
+    rf" good_steps=(?P<good_steps>{_INT})"
+    rf" growth_factor=(?P<growth_factor>{_HEX})"
+    rf" backoff_factor=(?P<backoff_factor>{_HEX})"
+    rf" growth_interval=(?P<growth_interval>{_INT})",
+    re.ASCII,
+)
+
+
+class Loss_scaler:  # noqa: N801 - the OCaml module's name, as the port's conventions ask
+    """Dynamic loss-scale state, host-managed (OCANNL's ``Mixed_prec.Loss_scaler``).
+
+    ``scale`` (pass as ``train.grad_update(loss_scale=...)``) and ``unscale``, its reciprocal
+    (pass as ``train.sgd_update(grad_unscale=...)``), are one-element f32 data-backed tensors
+    that broadcast into any shape: compiled routines read their device buffers, and the
+    schedule overwrites those through ``Context.set_values``, never recompiling. The schedule is
+    torch-AMP's: back off by ``backoff_factor`` after a step with non-finite gradients (the step
+    is skipped), grow by ``growth_factor`` after ``growth_interval`` consecutive good steps.
+
+    The seven fields are read-only from outside; the methods below are their only writers, and
+    every method works both as ``Loss_scaler.update(t, ctx, grads_finite=True)`` and as
+    ``t.update(ctx, grads_finite=True)``. Build one with :meth:`create`.
+    """
+
+    __slots__ = (*_FIELDS, "_warned_zero")
+
+    scale: Tensor
+    unscale: Tensor
+    scale_val: float
+    good_steps: int
+    growth_factor: float
+    backoff_factor: float
+    growth_interval: int
+
+    def __init__(self) -> None:
+        raise TypeError("build a Loss_scaler with Loss_scaler.create(...)")
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"Loss_scaler.{name} is read-only: the schedule (update, update_n, "
+                             f"set_scale, restore_state) is its only writer")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"Loss_scaler.{name} cannot be deleted")
+
+    def _put(self, **fields: object) -> None:
+        for k, v in fields.items():
+            object.__setattr__(self, k, v)
+
+    def __repr__(self) -> str:
+        return (f"Loss_scaler(scale_val={self.scale_val!r}, good_steps={self.good_steps}, "
+                f"growth_factor={self.growth_factor!r}, backoff_factor={self.backoff_factor!r}, "
+                f"growth_interval={self.growth_interval})")
+
+    # --- construction -------------------------------------------------------------------------
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        init_scale: float = 65536.0,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 200,
+    ) -> Loss_scaler:
+        """A scaler starting at ``init_scale`` (rounded to f32, as torch keeps its scale) with
+        no good steps. Raises ``ValueError`` naming any argument out of range."""
+        if not _is_real(init_scale) or not math.isfinite(init_scale) or not init_scale > 0:
+            raise ValueError(f"init_scale must be a finite number > 0, got {init_scale!r}")
+        s = _f32(float(init_scale))
+        if not math.isfinite(s) or s == 0.0:
+            raise ValueError(f"init_scale={init_scale!r} is not representable in f32 "
+                             f"(it rounds to {s!r}): expected a value in (0, {_F32_MAX!r}]")
+        if not _is_real(growth_factor) or not math.isfinite(growth_factor) or growth_factor <= 1:
+            raise ValueError(f"growth_factor must be a finite number > 1, got {growth_factor!r}")
+        if not _is_real(backoff_factor) or not 0 < backoff_factor < 1:
+            raise ValueError(f"backoff_factor must be a number in (0, 1), got {backoff_factor!r}")
+        if not _is_int(growth_interval) or growth_interval < 1:
+            raise ValueError(f"growth_interval must be an integer >= 1, got {growth_interval!r}")
+        t = object.__new__(cls)
+        t._put(
+            scale=T.term(np.float32(s), label="loss_scale", prec=Precision.f32),
+            unscale=T.term(np.float32(_reciprocal_f32(s)), label="grad_unscale",
+                           prec=Precision.f32),
+            scale_val=s,
+            good_steps=0,
+            growth_factor=float(growth_factor),
+            backoff_factor=float(backoff_factor),
+            growth_interval=int(growth_interval),
+            _warned_zero=False,
+        )
+        return t
+
+    # --- the scale on the device ---------------------------------------------------------------
+
+    def scale_value(self) -> float:
+        """The current scale, as the host last set it: the f32 value the device holds."""
+        return self.scale_val
+
+    def _write(self, ctx: Context, s: float) -> Context:
+        """Write scale ``s`` (already f32) and its reciprocal to the device, then to the host."""
+        scale = np.array([s], np.float32)
+        unscale = np.array([_reciprocal_f32(s)], np.float32)
+        ctx = ctx.set_values(self.scale, scale)
+        ctx = ctx.set_values(self.unscale, unscale)
+        # A context that allocates the buffers later starts from the current scale too.
+        self.scale.value.host_data = scale.reshape(())
+        self.unscale.value.host_data = unscale.reshape(())
+        self._put(scale_val=s)
+        return ctx
+
+    def set_scale(self, ctx: Context, v: float) -> Context:
+        """Set the scale to ``v`` (rounded to f32) and write it and its reciprocal to the
+        device. The good-step count is kept. ``v`` must be finite and >= 0 in f32."""
+        if not _is_real(v) or not math.isfinite(v) or v < 0:
+            raise ValueError(f"set_scale: the scale must be a finite number >= 0, got {v!r}")
+        s = _f32(float(v))
+        if not math.isfinite(s):
+            raise ValueError(f"set_scale: {v!r} overflows f32 (largest finite: {_F32_MAX!r})")
+        return self._write(ctx, abs(s))
+
+    # --- the schedule --------------------------------------------------------------------------
+
+    def _backoff(self, ctx: Context) -> Context:
+        s = _f32(self.scale_val * self.backoff_factor)
+        if s == 0.0 and not self._warned_zero:
+            object.__setattr__(self, "_warned_zero", True)
+            warnings.warn(
+                f"Loss_scaler: the loss scale backed off to 0 (from {self.scale_val!r}): "
+                f"gradients are all zero from now on and no step can succeed",
+                RuntimeWarning, stacklevel=3)
+        if s != self.scale_val:
+            ctx = self._write(ctx, s)
+        self._put(good_steps=0)
+        return ctx
+
+    def _grow(self, ctx: Context, steps: int) -> Context:
+        """Credit ``steps`` good steps: one growth per full ``growth_interval``, remainder kept.
+
+        A growth that would make the scale non-finite in f32 leaves it unchanged (and the count
+        restarts, as torch's does) -- hence every later growth too.
+        """
+        good = self.good_steps + steps
+        s = self.scale_val
+        grows, good = divmod(good, self.growth_interval)
+        for _ in range(grows):
+            g = _f32(s * self.growth_factor)
+            if not math.isfinite(g) or g == s:
+                break  # fixed point: the remaining growths change nothing either
+            s = g
+        if s != self.scale_val:
+            ctx = self._write(ctx, s)
+        self._put(good_steps=good)
+        return ctx
+
+    def update(self, ctx: Context, *, grads_finite: bool) -> Context:
+        """One step of the schedule: back off on non-finite gradients, grow after
+        ``growth_interval`` consecutive good steps."""
+        if _check_bool("grads_finite", grads_finite):
+            return self._grow(ctx, 1)
+        return self._backoff(ctx)
+
+    def update_n(self, ctx: Context, *, grads_finite: bool, steps: int) -> Context:
+        """Like :meth:`update`, for a window of ``steps`` steps sampled at once (the fused
+        :func:`gated_step`): a finite sample credits all of them toward growth (growing once per
+        full ``growth_interval`` contained, keeping the remainder, so the cadence matches the
+        per-step schedule), a non-finite one backs off once and clears the count."""
+        finite = _check_bool("grads_finite", grads_finite)
+        if not _is_int(steps) or steps < 0:
+            raise ValueError(f"update_n: steps must be an integer >= 0, got {steps!r}")
+        if finite:
+            return self._grow(ctx, int(steps))
+        return self._backoff(ctx)
+
+    # --- persistence ---------------------------------------------------------------------------
+
+    def save_state(self) -> str:
+        """The host state as one line (no newline), versioned, floats in exact hexadecimal: the
+        scale, the good-step count and the schedule's parameters. Store it in
+        ``checkpoint.Progress.extra``: the scale tensors are inputs, not training state, so a
+        resumed run needs this to skip and grow on the same steps as the saved one."""
+        return (f"ocannl.Loss_scaler/{_STATE_VERSION} scale={self.scale_val.hex()} "
+                f"good_steps={self.good_steps} growth_factor={self.growth_factor.hex()} "
+                f"backoff_factor={self.backoff_factor.hex()} "
+                f"growth_interval={self.growth_interval}")
+
+    def restore_state(self, ctx: Context, s: str) -> Context:
+        """Put the state :meth:`save_state` encoded in ``s`` back into this scaler (created
+        afresh by the resumed program) and write the scale and its reciprocal to the device.
+
+        Raises ``ocannl.Failure`` when ``s`` is not such an encoding, or was saved under another
+        growth_factor, backoff_factor or growth_interval (the schedule belongs to the program).
+        On failure the scaler and the context are as they were.
+        """
+        if not isinstance(s, str):
+            raise Failure(f"restore_state: expected a string from Loss_scaler.save_state, "
+                          f"got {type(s).__name__}: {s!r:.80}")
+        m = _STATE_RE.fullmatch(s)
+        if m is None:
+            raise Failure(f"restore_state: {s!r:.200} is not a Loss_scaler state: expected "
+                          f"'ocannl.Loss_scaler/{_STATE_VERSION} scale=<hex> good_steps=<int> "
+                          f"growth_factor=<hex> backoff_factor=<hex> growth_interval=<int>'")
+        if m["version"] != _STATE_VERSION:
+            raise Failure(f"restore_state: state version {m['version']} is not supported: "
+                          f"expected version {_STATE_VERSION}")
+        vals: dict[str, float] = {}
+        for key in ("scale", "growth_factor", "backoff_factor"):
+            try:
+                v = float.fromhex(m[key])
+            except (ValueError, OverflowError):
+                raise Failure(f"restore_state: {key}={m[key]} is not a finite hexadecimal "
+                              f"float") from None
+            if not math.isfinite(v) or v.hex() != m[key]:
+                raise Failure(f"restore_state: {key}={m[key]} is not a float as float.hex "
+                              f"writes it")
+            vals[key] = v
+        good_steps, interval = int(m["good_steps"]), int(m["growth_interval"])
+        for key, saved, mine in (("growth_factor", vals["growth_factor"], self.growth_factor),
+                                 ("backoff_factor", vals["backoff_factor"], self.backoff_factor),
+                                 ("growth_interval", interval, self.growth_interval)):
+            if saved != mine:
+                raise Failure(f"restore_state: the state was saved with {key}={saved!r}, this "
+                              f"scaler has {key}={mine!r}; create the scaler with the saved "
+                              f"schedule to continue that run")
+        scale = vals["scale"]
+        if math.copysign(1.0, scale) < 0 or _f32(scale) != scale:
+            raise Failure(f"restore_state: scale={m['scale']} ({scale!r}) is not a scale: "
+                          f"expected an f32 value >= 0")
+        if good_steps >= self.growth_interval:
+            raise Failure(f"restore_state: good_steps={good_steps} is not below "
+                          f"growth_interval={self.growth_interval}")
+        ctx = self._write(ctx, scale)
+        self._put(good_steps=good_steps)
+        return ctx
+
+
+# --- the per-step recipe ----------------------------------------------------------------------
+
+
+def unscaled_grad_checksum(t: Loss_scaler, loss: Tensor) -> tuple[Tensor, Comp]:
+    """A one-element f32 tensor that is non-finite exactly when some parameter gradient times
+    ``t.unscale`` is, i.e. when the optimizer would apply a non-finite value.
+
+    It sums ``g * unscale * 0`` over every gradient element: 0 when all are finite, NaN
+    otherwise. Checking the unscaled gradients, as torch's GradScaler does, also skips the steps
+    of a scale that has backed off to 0 (``0 * inf``) instead of writing NaN into the weights.
+    """
+    from ocannl.train import scalar_expr
+
+    if loss.grad is None:
+        raise ValueError(f"loss {loss.label} depends on no parameter: nothing to check")
+    flag = Tensor(Tnode(f"unscaled_checksum_{loss.label}", (), Precision.f32), Shape(),
+                  kind="op", differentiable=False)
+    unscale = scalar_expr(t.unscale, "unscale")
+    code = [Accum(flag.value, (), "=", Const(0.0), ())]
+    for p in loss.params:
+        assert p.grad is not None
+        g = Get(p.grad, tuple(range(len(p.dims))))
+        code.append(Accum(flag.value, (), "+",
+                          apply("mul", apply("mul", g, unscale), Const(0.0)), p.dims))
+    return flag, Comp(tuple(code), f"checksum_{loss.label}")
+
+
+def scaled_grad_update(t: Loss_scaler, loss: Tensor) -> tuple[Tensor, Comp]:
+    """``train.grad_update`` seeded with the scale, then the gradient checksum, as one
+    computation; returns the checksum tensor with it. Compile it as its own routine: the host
+    reads the checksum before deciding whether to run the optimizer (:func:`scaled_step`)."""
+    from ocannl import train
+
+    _check_scaler(t)
+    flag, check = unscaled_grad_checksum(t, loss)
+    return flag, train.grad_update(loss, loss_scale=t.scale) + check
+
+
+def scaled_sgd_update(
+    t: Loss_scaler,
+    loss: Tensor,
+    *,
+    learning_rate: float | Tensor,
+    momentum: float = 0.0,
+    weight_decay: float = 0.0,
+    nesterov: bool = False,
+) -> Comp:
+    """``train.sgd_update`` with ``grad_unscale=t.unscale``: gradients are unscaled before the
+    optimizer math, so momentum and weight decay see true magnitudes."""
+    from ocannl import train
+
+    _check_scaler(t)
+    return train.sgd_update(loss, learning_rate=learning_rate, momentum=momentum,
+                            weight_decay=weight_decay, nesterov=nesterov,
+                            grad_unscale=t.unscale)
+
+
+def _check_scaler(t: object) -> None:
+    if not isinstance(t, Loss_scaler):
+        raise TypeError(f"expected a Loss_scaler, got {type(t).__name__}: {t!r}")
+
+
+def scaled_step(
+    *,
+    scaler: Loss_scaler,
+    grad_routine: Routine,
+    sgd_routine: Routine,
+    checksum: Tensor,
+    ctx: Context,
+) -> tuple[Context, bool]:
+    """One dynamically scaled step, gated on the host: run the gradient routine (compiled from
+    :func:`scaled_grad_update`), read the checksum, run the optimizer routine (compiled from
+    :func:`scaled_sgd_update`) only when it is finite, then update the scaler. Returns the
+    context and whether the step was applied. The read waits for the device every step; the
+    fused :func:`gated_step` avoids that."""
+    _check_scaler(scaler)
+    ctx = ctx.run(grad_routine)
+    grads_finite = math.isfinite(ctx.get_value(checksum))
+    if grads_finite:
+        ctx = ctx.run(sgd_routine)
+    ctx = scaler.update(ctx, grads_finite=grads_finite)
+    return ctx, grads_finite
+
+
+# --- the fused recipe -------------------------------------------------------------------------
+
+_GATED_RE = re.compile(r"ocannl\.GatedStep/1 pending=(0|[1-9][0-9]{0,18})", re.ASCII)
+
+
+class GatedStep:
+    """The fused recipe: one routine per step, no host read in between.
+
+    The routine (compile :attr:`comp`) computes the scaled gradients and their checksum, and
+    runs an optimizer step gated on the device: where the checksum is non-finite every
+    parameter and optimizer buffer keeps its old bits (a select, not a multiply by a 0/1 flag:
+    ``inf * 0`` is NaN). A sticky device flag, :attr:`nonfinite_seen`, records any skipped step.
+    :meth:`step` runs the routine and, every ``check_interval`` steps, reads the flag, feeds the
+    window to :meth:`Loss_scaler.update_n` and clears the flag. Build one with
+    :func:`gated_step`::
+
+        gs = mixed_prec.gated_step(scaler, loss, learning_rate=0.1, check_interval=16)
+        ctx, routine = ctx.compile(gs.comp)
+        for _ in range(steps):
+            ctx = gs.step(ctx, routine)
+        ctx = gs.flush(ctx)  # sample the last, partial window
+
+    The scale changes only at window ends, so after an overflow the rest of its window is
+    likely skipped too: the price of not waiting for the device every step.
+    """
+
+    def __init__(self, scaler: Loss_scaler, loss: Tensor, comp: Comp, checksum: Tensor,
+                 flag: Tensor, check_interval: int) -> None:
+        self.scaler = scaler
+        self.loss = loss
+        self.comp = comp
+        self.checksum = checksum
+        self.nonfinite_seen = flag
+        self.check_interval = check_interval
+        self.pending = 0  # steps run since the flag was last sampled
+        self.windows = 0  # windows sampled
+        self.skipped_windows = 0  # windows whose sample was non-finite
+
+    def step(self, ctx: Context, routine: Routine) -> Context:
+        """Run one fused step; at the end of a window, sample the flag and update the scaler."""
+        if routine.label != self.comp.label:
+            raise ValueError(f"GatedStep.step: {routine!r} was not compiled from this step's "
+                             f"comp {self.comp.label!r}")
+        ctx = ctx.run(routine)
+        self.pending += 1
+        if self.pending >= self.check_interval:
+            ctx = self.flush(ctx)
+        return ctx
+
+    def flush(self, ctx: Context) -> Context:
+        """Sample the flag now, closing the current window (nothing to do when it is empty):
+        ``update_n`` with the window's length, then clear the flag."""
+        if self.pending == 0:
+            return ctx
+        finite = ctx.get_value(self.nonfinite_seen) == 0.0
+        ctx = self.scaler.update_n(ctx, grads_finite=finite, steps=self.pending)
+        if not finite:
+            ctx = ctx.set_value(self.nonfinite_seen, 0.0)
+            self.skipped_windows += 1
+        self.windows += 1
+        self.pending = 0
+        return ctx
+
+    def state_nodes(self) -> list[Tnode]:
+        """Device state a checkpoint taken mid-window must hold (the sticky flag), to resume
+        exactly; add them to ``checkpoint.training_state(loss)``."""
+        return [self.nonfinite_seen.value]
+
+    def save_state(self) -> str:
+        """The host's position in the current window, one line, for ``Progress.extra``."""
+        return f"ocannl.GatedStep/1 pending={self.pending}"
+
+    def restore_state(self, s: str) -> None:
+        """Restore what :meth:`save_state` wrote; raises ``ocannl.Failure`` (and changes
+        nothing) on anything else or on a position past ``check_interval``."""
+        m = _GATED_RE.fullmatch(s) if isinstance(s, str) else None
+        if m is None:
+            raise Failure(f"GatedStep.restore_state: {s!r:.200} is not a GatedStep state: "
+                          f"expected 'ocannl.GatedStep/1 pending=<int>'")
+        pending = int(m[1])
+        if pending >= self.check_interval:
+            raise Failure(f"GatedStep.restore_state: pending={pending} is not below "
+                          f"check_interval={self.check_interval}")
+        self.pending = pending
+
+    def __repr__(self) -> str:
+        return (f"GatedStep(check_interval={self.check_interval}, pending={self.pending}, "
+                f"windows={self.windows}, skipped_windows={self.skipped_windows})")
+
+
+def gated_step(
+    scaler: Loss_scaler,
+    loss: Tensor,
+    *,
+    learning_rate: float | Tensor,
+    momentum: float = 0.0,
+    weight_decay: float = 0.0,
+    nesterov: bool = False,
+    check_interval: int = 16,
+) -> GatedStep:
+    """Build the fused, device-gated training step (see :class:`GatedStep`).
+
+    ``check_interval``: how many steps run between two host reads of the sticky flag; 1 gives
+    the per-step schedule exactly, larger values trade reaction time for fewer device syncs.
+    """
+    from ocannl import train
+
+    _check_scaler(scaler)
+    if not _is_int(check_interval) or check_interval < 1:
+        raise ValueError(f"check_interval must be an integer >= 1, got {check_interval!r}")
+    checksum, grads = scaled_grad_update(scaler, loss)
+    finite = apply("isfinite", Get(checksum.value, ()))
+    sgd = train.sgd_update(loss, learning_rate=learning_rate, momentum=momentum,
+                           weight_decay=weight_decay, nesterov=nesterov,
+                           grad_unscale=scaler.unscale, gate=finite)
+    flag = T.term(np.float32(0.0), label=f"nonfinite_seen_{loss.label}", prec=Precision.f32)
+    sticky = Accum(flag.value, (), "=", apply("where", finite, Get(flag.value, ()), Const(1.0)),
+                   ())
+    comp = Comp.seq([grads, sgd, Comp((sticky,), "sticky")], f"gated_step_{loss.label}")
+    return GatedStep(scaler, loss, comp, checksum, flag, int(check_interval))

@@ -1,0 +1,336 @@
+"""Lowering (``ocannl.ir.lowering``): assignments to loop nests and GEMMs, and the CPU code
+generated from them, against NumPy's einsum."""
+
+from __future__ import annotations
+
+import math
+from unittest import mock
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import ocannl.tensor as T
+from ocannl import Precision, train
+from ocannl.backends.numba_cpu import NumbaCpuBackend, emit_source
+from ocannl.ir import lowering
+from ocannl.ir.assignments import Accum, Comp, Const, Fixed, Get, apply
+from ocannl.ir.lowering import GEMM_MIN_FLOPS, Fill, Gemm, LoopNest, lower, nodes_of
+from ocannl.ir.tnode import Tnode
+
+F32 = Precision.f32
+
+
+def _node(label: str, dims: tuple[int, ...], prec: Precision = F32) -> Tnode:
+    return Tnode(label, dims, prec)
+
+
+def _run(comp: Comp, inputs: dict[Tnode, np.ndarray], *, allow_gemm: bool,
+         initial: dict[Tnode, np.ndarray] | None = None) -> dict[int, np.ndarray]:
+    """Lower, emit and run ``comp`` on fresh buffers; the values of every node by id."""
+    backend = NumbaCpuBackend()
+    code = lower(comp, allow_gemm=allow_gemm)
+    nodes = nodes_of(code)
+    bufs = {n.id: backend.alloc(n) for n in nodes}
+    for n, v in {**(initial or {}), **inputs}.items():
+        backend.write(n, bufs[n.id], np.asarray(v, n.prec.numpy_dtype).reshape(-1))
+    fn, _ = backend.compile(comp.label, code, nodes)
+    fn(*(bufs[n.id] for n in nodes))
+    return {n.id: backend.read(n, bufs[n.id]).reshape(n.dims) for n in nodes}
+
+
+def _matmul(m: int, k: int, n: int, *, reset: bool = True) -> tuple[Accum, Tnode, Tnode, Tnode]:
+    """``c[i, j] (+)= a[i, l] * b[l, j]`` over the space (i, j, l)."""
+    a, b, c = _node("a", (m, k)), _node("b", (k, n)), _node("c", (m, n))
+    acc = Accum(c, (0, 1), "+", apply("mul", Get(a, (0, 2)), Get(b, (2, 1))), (m, n, k),
+                reset=reset)
+    return acc, a, b, c
+
+
+# --- loop nests -------------------------------------------------------------------------------
+
+
+def test_pointwise_is_one_parallel_nest():
+    x, y = _node("x", (3, 4)), _node("y", (3, 4))
+    a = Accum(y, (0, 1), "=", apply("exp", Get(x, (0, 1))), (3, 4))
+    [nest] = lower(Comp((a,)))
+    assert isinstance(nest, LoopNest)
+    assert nest.par == (0, 1) and nest.red == ()
+    assert nest.par_size == 12 and nest.red_size == 1
+
+
+def test_reduction_iterators_are_the_ones_missing_from_the_target():
+    x, y = _node("x", (3, 4, 5)), _node("y", (4,))
+    a = Accum(y, (1,), "+", Get(x, (0, 1, 2)), (3, 4, 5), reset=True)
+    [nest] = lower(Comp((a,)))
+    assert isinstance(nest, LoopNest)
+    assert nest.par == (1,) and nest.red == (0, 2)
+    assert nest.par_size == 4 and nest.red_size == 15
+    xv = np.arange(60, dtype=np.float32).reshape(3, 4, 5)
+    for gemm in (True, False):
+        out = _run(Comp((a,)), {x: xv}, allow_gemm=gemm)
+        np.testing.assert_allclose(out[y.id], xv.sum(axis=(0, 2)), rtol=1e-6)
+
+
+def test_reset_of_a_target_it_does_not_cover_fills_first():
+    """A diagonal store resets the whole target to the neutral element, then writes."""
+    x, y = _node("x", (3,)), _node("y", (3, 3))
+    a = Accum(y, (0, 0), "+", Get(x, (0,)), (3,), reset=True)
+    fill, nest = lower(Comp((a,)))
+    assert fill == Fill(y, 0.0)
+    assert isinstance(nest, LoopNest) and not nest.assign.reset
+    out = _run(Comp((a,)), {x: [1, 2, 3]}, allow_gemm=True, initial={y: np.full((3, 3), 7.0)})
+    np.testing.assert_array_equal(out[y.id], np.diag([1.0, 2.0, 3.0]))
+    m = Accum(y, (Fixed(1), 0), "max", Get(x, (0,)), (3,), reset=True)
+    fill, _ = lower(Comp((m,)))
+    assert fill == Fill(y, -np.inf)
+    out = _run(Comp((m,)), {x: [1, 2, 3]}, allow_gemm=True)
+    np.testing.assert_array_equal(out[y.id], [[-np.inf] * 3, [1, 2, 3], [-np.inf] * 3])
+
+
+def test_accumulation_operators():
+    """``=`` overwrites, ``+`` adds to what the cell holds unless reset, ``max`` keeps the
+    larger; a Fixed index reads one position; an operand ignoring an iterator broadcasts."""
+    x, s, y = _node("x", (2, 3)), _node("s", (4,)), _node("y", (2, 3))
+    xv = np.array([[1, -2, 3], [4, 5, -6]], np.float32)
+    sv = np.array([10, 20, 30, 40], np.float32)
+    y0 = np.full((2, 3), 100.0, np.float32)
+    row = Get(x, (Fixed(1), 1))  # broadcast row 1 of x over the first iterator
+    cases = {
+        ("=", False): np.broadcast_to(xv[1][None, :] * sv[2], (2, 3)),
+        ("+", False): y0 + xv[1][None, :] * sv[2],
+        ("+", True): np.broadcast_to(xv[1][None, :] * sv[2], (2, 3)),
+        ("max", False): np.maximum(y0, xv[1][None, :] * sv[2]),
+        ("max", True): np.broadcast_to(xv[1][None, :] * sv[2], (2, 3)),
+    }
+    for (accum, reset), want in cases.items():
+        a = Accum(y, (0, 1), accum, apply("mul", row, Get(s, (Fixed(2),))), (2, 3), reset=reset)
+        out = _run(Comp((a,)), {x: xv, s: sv}, allow_gemm=True, initial={y: y0})
+        np.testing.assert_array_equal(out[y.id], want, err_msg=f"{accum} reset={reset}")
+
+
+def test_max_reduction_with_and_without_reset():
+    x, y = _node("x", (4, 3)), _node("y", (3,))
+    xv = np.array([[1, 9, -3], [4, 2, -6], [0, 0, -5], [2, 1, -4]], np.float32)
+    for reset, y0, want in [(True, [100, 100, 100], [4, 9, -3]),
+                            (False, [3, 100, -10], [4, 100, -3])]:
+        a = Accum(y, (1,), "max", Get(x, (0, 1)), (4, 3), reset=reset)
+        out = _run(Comp((a,)), {x: xv}, allow_gemm=True, initial={y: np.array(y0, np.float32)})
+        np.testing.assert_array_equal(out[y.id], want)
+
+
+def test_constants_and_narrow_targets():
+    """A literal expression; a bf16 target accumulates in f32 and rounds once per store."""
+    y = _node("y", (5,), Precision.bf16)
+    a = Accum(y, (0,), "=", apply("add", Const(1.0), Const(2.0 ** -9)), (5,))
+    out = _run(Comp((a,)), {}, allow_gemm=True)
+    np.testing.assert_array_equal(out[y.id].astype(np.float32), [1.0] * 5)  # tie to even
+    x, z = _node("x", (300,)), _node("z", (), Precision.bf16)
+    s = Accum(z, (), "+", Get(x, (0,)), (300,), reset=True)
+    out = _run(Comp((s,)), {x: np.ones(300)}, allow_gemm=True)
+    # Summed in bf16 the total would stall at 256 (256 + 1 rounds back to 256).
+    assert float(out[z.id]) == 300.0
+
+
+# --- GEMM recognition -------------------------------------------------------------------------
+
+
+def test_matmul_becomes_a_gemm():
+    acc, a, b, c = _matmul(32, 32, 32)
+    assert math.prod(acc.space) >= GEMM_MIN_FLOPS
+    [g] = lower(Comp((acc,)))
+    assert isinstance(g, Gemm)
+    assert (g.rows, g.cols, g.inner) == (32, 32, 32)
+    assert g.a.node is a and not g.a.transposed and g.b.node is b and not g.b.transposed
+    [nest] = lower(Comp((acc,)), allow_gemm=False)
+    assert isinstance(nest, LoopNest)
+
+
+def test_small_contractions_stay_loops():
+    acc, *_ = _matmul(4, 4, 4)
+    assert math.prod(acc.space) < GEMM_MIN_FLOPS
+    assert isinstance(lower(Comp((acc,)))[0], LoopNest)
+
+
+def test_gemm_threshold(monkeypatch):
+    acc, *_ = _matmul(4, 4, 4)
+    monkeypatch.setattr(lowering, "GEMM_MIN_FLOPS", 64)
+    assert isinstance(lower(Comp((acc,)))[0], Gemm)
+    monkeypatch.setattr(lowering, "GEMM_MIN_FLOPS", 65)
+    assert isinstance(lower(Comp((acc,)))[0], LoopNest)
+
+
+def test_transposed_operands_and_swapped_result():
+    m, k, n = 24, 40, 20
+    a, b, c = _node("a", (k, m)), _node("b", (n, k)), _node("c", (n, m))
+    # c[j, i] += a[l, i] * b[j, l]  (space i, j, l): both operands transposed, result swapped
+    acc = Accum(c, (1, 0), "+", apply("mul", Get(a, (2, 0)), Get(b, (1, 2))), (m, n, k),
+                reset=True)
+    [g] = lower(Comp((acc,)))
+    assert isinstance(g, Gemm)
+    assert (g.rows, g.cols, g.inner) == (n, m, k)
+    assert g.a.node is b and not g.a.transposed
+    assert g.b.node is a and not g.b.transposed
+    # c[i, j] += a[l, i] * b[j, l]: a^T @ b^T
+    c2 = _node("c2", (m, n))
+    acc2 = Accum(c2, (0, 1), "+", apply("mul", Get(a, (2, 0)), Get(b, (1, 2))), (m, n, k),
+                 reset=True)
+    [g2] = lower(Comp((acc2,)))
+    assert isinstance(g2, Gemm) and g2.a.node is a and g2.a.transposed
+    assert g2.b.node is b and g2.b.transposed
+    rng = np.random.default_rng(0)
+    av, bv = rng.normal(size=(k, m)), rng.normal(size=(n, k))
+    out = _run(Comp((acc, acc2)), {a: av, b: bv}, allow_gemm=True)
+    np.testing.assert_allclose(out[c.id], (av.T @ bv.T).T, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out[c2.id], av.T @ bv.T, rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_axes_are_one_matrix_dimension():
+    """A weight shared over two batch axes: the batch axes group into the GEMM's rows."""
+    b1, b2, k, o = 8, 6, 20, 24
+    x, w, y = _node("x", (b1, b2, k)), _node("w", (o, k)), _node("y", (b1, b2, o))
+    acc = Accum(y, (0, 1, 2), "+", apply("mul", Get(w, (2, 3)), Get(x, (0, 1, 3))),
+                (b1, b2, o, k), reset=True)
+    [g] = lower(Comp((acc,)))
+    assert isinstance(g, Gemm) and (g.rows, g.cols, g.inner) == (b1 * b2, o, k)
+
+
+@pytest.mark.parametrize("case", ["batched", "outer", "fixed", "split_group", "max", "repeated",
+                                  "add"])
+def test_non_gemm_shapes_stay_loops(case):
+    s = 32
+    x, w = _node("x", (s, s, s)), _node("w", (s, s))
+    y3, y2 = _node("y3", (s, s, s)), _node("y2", (s, s))
+    mul = apply("mul", Get(w, (0, 2)), Get(x, (1, 0, 2)))
+    acc = {
+        # y[b, i, j] += w[b, i, l] * x[b, l, j]: an iterator in all three
+        "batched": Accum(y3, (0, 1, 2), "+",
+                         apply("mul", Get(x, (0, 1, 3)), Get(x, (0, 3, 2))), (s, s, s, s)),
+        # y[i, j] += w[i] * x[j]: nothing contracted
+        "outer": Accum(_node("o", (s * 8, s * 8)), (0, 1), "+",
+                       apply("mul", Get(_node("u", (s * 8,)), (0,)),
+                             Get(_node("v", (s * 8,)), (1,))), (s * 8, s * 8)),
+        "fixed": Accum(y2, (0, 1), "+",
+                       apply("mul", Get(w, (0, 2)), Get(x, (Fixed(3), 2, 1))), (s, s, s)),
+        # y[m1, n, m2]: the rows are not one contiguous run of the target
+        "split_group": Accum(y3, (0, 1, 2), "+",
+                             apply("mul", Get(x, (0, 2, 3)), Get(w, (3, 1))), (s, s, s, s)),
+        "max": Accum(y2, (1, 0), "max", mul, (s, s, s)),
+        # the same iterator twice in one operand (a diagonal)
+        "repeated": Accum(y2, (0, 1), "+",
+                          apply("mul", Get(x, (0, 2, 2)), Get(w, (2, 1))), (s, s, s)),
+        "add": Accum(y2, (1, 0), "+", apply("add", Get(w, (0, 2)), Get(x, (1, 0, 2))),
+                     (s, s, s)),
+    }[case]
+    assert math.prod(acc.space) >= GEMM_MIN_FLOPS
+    [nest] = lower(Comp((acc,)))
+    assert isinstance(nest, LoopNest), case
+
+
+def test_matmul_backprop_lowers_to_gemms_and_the_source_calls_blas():
+    x = T.term(np.random.default_rng(0).normal(size=(64, 32)), label="x")
+    w1 = T.param("w1", output_dims=[48])
+    w2 = T.param("w2", output_dims=[16])
+    loss = T.sum(w2 @ T.relu(w1 @ x))
+    code = lower(train.grad_update(loss))
+    gemms = [it for it in code if isinstance(it, Gemm)]
+    # forward: two products; backprop: grad w2, grad h, grad w1 (x is a term: no grad)
+    assert len(gemms) == 5
+    lhs = {g.assign.lhs.id for g in gemms}
+    assert {w1.grad.id, w2.grad.id} <= lhs
+    src = emit_source(code, nodes_of(code))
+    assert src.count("np.dot(") == 5
+    assert "@njit(cache=True" in src
+
+
+def test_sources_name_buffers_by_position():
+    """The same code over other nodes of the same dims is the same source (so it is reused)."""
+    acc1, *_ = _matmul(5, 6, 7)
+    acc2, *_ = _matmul(5, 6, 7)
+    code1, code2 = lower(Comp((acc1,))), lower(Comp((acc2,)))
+    assert emit_source(code1, nodes_of(code1)) == emit_source(code2, nodes_of(code2))
+    acc3, *_ = _matmul(5, 6, 8)
+    code3 = lower(Comp((acc3,)))
+    assert emit_source(code3, nodes_of(code3)) != emit_source(code1, nodes_of(code1))
+
+
+# --- any contraction computes what einsum computes, as a GEMM or as loops ----------------------
+
+LETTERS = "abcdefgh"
+
+
+@st.composite
+def contractions(draw):
+    """A random ``out[R] (+)= x[X] * y[Y]``. ``grouped``: the row (m), column (n) and inner (k)
+    axes each form one run, in the same order in every operand, the runs in any order: the
+    shapes a GEMM can take. Otherwise every operand's axes are in any order, and an axis may be
+    in all three (batched)."""
+    grouped = draw(st.booleans())
+    n_m = draw(st.integers(0, 2))
+    n_n = draw(st.integers(0, 2))
+    n_k = draw(st.integers(1, 2))
+    n_b = 0 if grouped else draw(st.integers(0, 1))
+    labels = list(LETTERS[: n_m + n_n + n_k + n_b])
+    sizes = draw(st.lists(st.integers(1, 24), min_size=len(labels), max_size=len(labels)))
+    while math.prod(sizes) > 60000:
+        sizes = [max(1, s // 2) for s in sizes]
+    ms, ns = labels[:n_m], labels[n_m:n_m + n_n]
+    ks, bs = labels[n_m + n_n:n_m + n_n + n_k], labels[n_m + n_n + n_k:]
+    if grouped:
+        ms, ns, ks = (draw(st.permutations(g)) for g in (ms, ns, ks))
+
+        def runs(a, b):
+            return a + b if draw(st.booleans()) else b + a
+
+        xs, ys, rs = runs(ms, ks), runs(ks, ns), runs(ms, ns)
+    else:
+        xs = draw(st.permutations(ms + ks + bs))
+        ys = draw(st.permutations(ks + ns + bs))
+        rs = draw(st.permutations(ms + ns + bs))
+    reset = draw(st.booleans())
+    prec = draw(st.sampled_from([Precision.f32, Precision.f64, Precision.bf16]))
+    return (grouped, "".join(xs), "".join(ys), "".join(rs),
+            dict(zip(labels, sizes, strict=True)), reset, prec)
+
+
+@settings(max_examples=25, deadline=None)
+@given(contractions(), st.integers(0, 2**32 - 1))
+def test_contractions_match_einsum(spec, seed):
+    """Every GEMM-shaped contraction is recognised (with the size threshold lowered to 1) and
+    every contraction computes einsum's result, the grouped ones as GEMMs (transposed views,
+    grouped axes, accumulating or reset, narrow targets), the others as loop nests."""
+    grouped, xs, ys, rs, size, reset, prec = spec
+    order = list(dict.fromkeys(rs + xs + ys))
+    it = {c: k for k, c in enumerate(order)}
+    space = tuple(size[c] for c in order)
+    x = _node("x", tuple(size[c] for c in xs), prec)
+    y = _node("y", tuple(size[c] for c in ys), prec)
+    out = _node("out", tuple(size[c] for c in rs), prec)
+    acc = Accum(out, tuple(it[c] for c in rs), "+",
+                apply("mul", Get(x, tuple(it[c] for c in xs)), Get(y, tuple(it[c] for c in ys))),
+                space, reset=reset)
+    with mock.patch.object(lowering, "GEMM_MIN_FLOPS", 1):
+        kinds = [type(item) for item in lower(Comp((acc,)))]
+        if grouped:
+            assert kinds == [Gemm], spec
+        elif set(xs) & set(ys) & set(rs):
+            assert kinds == [LoopNest], spec
+    rng = np.random.default_rng(seed)
+    dt = prec.numpy_dtype
+    xv = rng.normal(size=x.dims).astype(dt)
+    yv = rng.normal(size=y.dims).astype(dt)
+    o0 = rng.normal(size=out.dims).astype(dt)
+    want = np.einsum(f"{xs},{ys}->{rs}", xv.astype(np.float64), yv.astype(np.float64))
+    if not reset:
+        want = want + o0.astype(np.float64)
+    inner = math.prod(size[c] for c in xs if c not in rs)
+    scale = np.abs(xv.astype(np.float64)).max() * np.abs(yv.astype(np.float64)).max()
+    # rounding of the stored result (bf16: once per store), plus the accumulation's error
+    rel = {Precision.f64: 1e-13, Precision.f32: 1e-6, Precision.bf16: 2.0 ** -8}[prec]
+    acc_eps = 1e-15 if prec is Precision.f64 else 1e-6
+    tol = rel * np.abs(want) + acc_eps * inner * scale
+    with mock.patch.object(lowering, "GEMM_MIN_FLOPS", 1):
+        got = _run(Comp((acc,)), {x: xv, y: yv}, allow_gemm=True, initial={out: o0})
+    err = np.abs(got[out.id].astype(np.float64) - want)
+    assert np.all(err <= tol), (spec, float(err.max()))

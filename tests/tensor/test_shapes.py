@@ -1,0 +1,187 @@
+"""Shapes: rows, broadcasting, inference, and the errors raised when a tensor is built (before
+any code is compiled), each naming the shapes involved."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch_oracle import shapes
+
+import ocannl.tensor as T
+from ocannl import Precision
+from ocannl.tensor import Shape
+from ocannl.tensor.shape import broadcast, broadcast_projection
+
+
+def _p(label: str, batch=(), output=(), inp=()):
+    return T.param(label, batch_dims=batch, output_dims=output, input_dims=inp)
+
+
+def test_layout_is_batch_output_input():
+    s = Shape(batch=(2, 3), output=(4,), input=(5, 6))
+    assert s.dims == (2, 3, 4, 5, 6)
+    assert s.row_offsets() == {"batch": 0, "output": 2, "input": 3}
+    assert str(s) == "[batch (2,3) | input (5,6) -> output (4)]"
+    assert _p("a", (2,), (3,), (4,)).dims == (2, 3, 4)
+
+
+def test_term_rows_from_the_array():
+    x = T.term(np.zeros((5, 7, 3)))
+    assert x.shape == Shape((5, 7), (3,), ())
+    v = T.term(np.zeros(4))
+    assert v.shape == Shape((), (4,), ())
+    s = T.term(np.zeros((6,)), batch_dims=(2,), output_dims=(3,))
+    assert s.shape == Shape((2,), (3,), ()) and s.value.host_data.shape == (2, 3)
+    assert T.number(2.5).dims == () and T.number(2.5).const == 2.5
+
+
+@settings(max_examples=60, deadline=None)
+@given(shapes(), shapes())
+def test_broadcast_is_rowwise_and_right_aligned(s1, s2):
+    """Whenever two shapes broadcast, every row of the result is NumPy's broadcast of the two
+    rows; otherwise the error names both shapes and the row."""
+    try:
+        rows = {r: np.broadcast_shapes(s1.row(r), s2.row(r)) for r in ("batch", "output", "input")}
+    except ValueError:
+        rows = None
+    if rows is None:
+        with pytest.raises(ValueError) as err:
+            broadcast([s1, s2], "add")
+        assert str(s1) in str(err.value) and str(s2) in str(err.value)
+        return
+    res = broadcast([s1, s2], "add")
+    assert res == Shape(**rows)
+    for s in (s1, s2):
+        proj = broadcast_projection(s, res)
+        assert len(proj) == len(s.dims)
+
+
+@pytest.mark.parametrize(
+    ("make", "shapes_named"),
+    [
+        (lambda: _p("a", output=(3,)) + _p("b", output=(4,)), ["output (3)", "output (4)"]),
+        (lambda: _p("a", batch=(2,), output=(3,)) * _p("b", batch=(5,), output=(3,)),
+         ["batch (2)", "batch (5)"]),
+        (lambda: _p("a", output=(3,), inp=(2,)) - _p("b", output=(3,), inp=(4,)),
+         ["input (2)", "input (4)"]),
+        (lambda: _p("a", batch=(2, 3), output=(1,)) / _p("b", batch=(4, 3), output=(1,)),
+         ["batch (2,3)", "batch (4,3)"]),
+    ],
+    ids=["output", "batch", "input", "leading-batch"],
+)
+def test_pointwise_shape_errors_name_both_shapes(make, shapes_named):
+    with pytest.raises(ValueError) as err:
+        make()
+    msg = str(err.value)
+    for s in shapes_named:
+        assert s in msg, msg
+    assert "do not broadcast" in msg
+
+
+def test_matmul_shape_error_names_both_shapes():
+    w = _p("w", output=(3,), inp=(4,))
+    x = T.term(np.zeros((2, 5)), label="x")
+    with pytest.raises(ValueError) as err:
+        w @ x
+    msg = str(err.value)
+    assert str(w.shape) in msg and str(x.shape) in msg
+    assert "(4,)" in msg and "(5,)" in msg
+
+
+def test_inferred_input_axes_are_fixed_by_the_first_use():
+    w = T.param("w", output_dims=(3,))
+    assert w.shape.input is None
+    with pytest.raises(ValueError, match="not yet inferred"):
+        w.dims  # noqa: B018
+    x4, x5 = T.term(np.zeros((2, 4)), label="x4"), T.term(np.zeros((2, 5)), label="x5")
+    y = w @ x4
+    assert w.shape == Shape((), (3,), (4,)) and y.shape == Shape((2,), (3,), ())
+    with pytest.raises(ValueError) as err:
+        w @ x5
+    assert str(w.shape) in str(err.value) and str(x5.shape) in str(err.value)
+    assert w.dims == (3, 4)  # unchanged by the failed use
+
+
+def test_matmul_right_operand_needs_known_input_axes():
+    u = T.param("u", output_dims=(3,))
+    x = T.term(np.zeros((2, 4)), label="x")
+    with pytest.raises(ValueError, match=r"right operand u .*input axes not inferred"):
+        x @ u
+
+
+@pytest.mark.parametrize(
+    ("spec", "operands", "fragments"),
+    [
+        ("i;j=>ij", 1, ["names 2 operands, got 1"]),
+        ("ij=>i", 1, ["'ij' has 2 axes", "[batch () | input () -> output (3)]"]),
+        ("i;i=>i", 2, ["axis 'i' is 3", "[batch () | input () -> output (3)]",
+                       "[batch () | input () -> output (4)]"]),
+        ("i=>j", 1, ["result axis 'j' appears in no operand"]),
+        ("i", 1, ["expected 'A;B=>R' or 'A=>R'"]),
+    ],
+)
+def test_einsum_spec_errors(spec, operands, fragments):
+    a, b = _p("a", output=(3,)), _p("b", output=(4,))
+    with pytest.raises(ValueError) as err:
+        T.einsum(spec, *(a, b)[:operands])
+    for f in fragments:
+        assert f in str(err.value), str(err.value)
+
+
+def test_reduction_axis_errors():
+    a = _p("a", batch=(2,), output=(3,))
+    with pytest.raises(ValueError, match=r"axis 3 out of range for a with dims \(2, 3\)"):
+        T.sum(a, 3)
+    with pytest.raises(ValueError, match="axis -3 out of range"):
+        T.max(a, [0, -3])
+    with pytest.raises(ValueError, match="unknown row 'rows'"):
+        T.mean(a, "rows")
+
+
+def test_reductions_drop_the_reduced_axes_from_their_rows():
+    a = _p("a", batch=(2, 3), output=(4,), inp=(5,))
+    assert T.sum(a).shape == Shape()
+    assert T.sum(a, "batch").shape == Shape((), (4,), (5,))
+    assert T.max(a, "output").shape == Shape((2, 3), (), (5,))
+    assert T.mean(a, [1, -1]).shape == Shape((2,), (4,), ())
+    assert T.sum(a, 0).shape == Shape((3,), (4,), (5,))
+
+
+def test_leaf_errors():
+    with pytest.raises(ValueError, match=r"output dims must be positive, got \(0,\)"):
+        T.param("p", output_dims=(0,))
+    with pytest.raises(ValueError, match="unknown init 'foo'"):
+        T.param("p", output_dims=(2,), init="foo")
+    with pytest.raises(ValueError, match=r"6 values \(shape \(6,\)\) do not fill"):
+        T.term(np.zeros(6), output_dims=(4,))
+    with pytest.raises(ValueError, match="give values or output_dims"):
+        T.term()
+    with pytest.raises(TypeError, match="expected a Tensor or a number, got str"):
+        _p("a", output=(2,)) + "x"
+
+
+@pytest.mark.parametrize("bad", ["f8", "int8", "float16"])
+def test_unsupported_precision_is_a_build_time_error(bad):
+    for make in (lambda: T.param("p", output_dims=(2,), prec=bad),
+                 lambda: T.term(np.zeros(2), prec=bad),
+                 lambda: T.number(1.0, prec=bad),
+                 lambda: T.cast(_p("a", output=(2,)), bad)):
+        with pytest.raises(ValueError) as err:
+            make()
+        assert repr(bad) in str(err.value) and "f64, f32, f16, bf16" in str(err.value)
+
+
+def test_result_precisions():
+    a32 = _p("a", output=(2,))
+    a64 = T.param("b", output_dims=(2,), input_dims=(), prec="f64")
+    h16 = T.param("h", output_dims=(2,), input_dims=(), prec="f16")
+    b16 = T.param("g", output_dims=(2,), input_dims=(), prec="bf16")
+    assert (a32 + a64).prec is Precision.f64
+    assert (a32 * 2.0).prec is Precision.f32  # numbers take no part in promotion
+    assert (h16 * 2.0).prec is Precision.f16
+    assert (h16 + b16).prec is Precision.f32
+    assert (h16 + a32).prec is Precision.f32
+    assert T.cast(a64, "bf16").prec is Precision.bf16
+    assert T.sum(h16).prec is Precision.f16

@@ -1,0 +1,145 @@
+"""PyTorch (CPU) as the oracle for the tensor DSL's values and gradients.
+
+A check builds the same function in both frameworks from the same leaf values, reduces it to
+a scalar with the same random weights (``loss = sum(out * r)``, so every element of the
+incoming gradient differs), runs ``train.grad_update`` on the ocannl side and ``backward`` on
+the torch side, and compares the result and every leaf's gradient.
+
+Layouts agree: an ocannl tensor's buffer is its batch axes, then output axes, then input axes;
+the torch tensor holds the same array. Broadcasting aligns axes to the right within each row,
+so :func:`view_as_row_broadcast` pads each row with size-1 axes for torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+import ocannl.tensor as T
+from ocannl import Context, Precision, train
+from ocannl.tensor import Shape, Tensor
+from ocannl.tensor.shape import ROWS
+
+# The relative tolerance of issue 2, per precision. Elementwise: |got - want| <= rel * |want|,
+# with an absolute floor of rel * max|want| so that elements that cancel to near zero are
+# judged on the scale of their tensor.
+TOL = {Precision.f32: 1e-5, Precision.f64: 1e-10}
+TORCH_DTYPE = {Precision.f32: torch.float32, Precision.f64: torch.float64,
+               Precision.f16: torch.float16, Precision.bf16: torch.bfloat16}
+PRECS = [Precision.f32, Precision.f64]
+
+
+def assert_close(got: np.ndarray, want: np.ndarray, rel: float, what: str) -> None:
+    got = np.asarray(got, dtype=np.float64)
+    want = np.asarray(want, dtype=np.float64)
+    assert got.shape == want.shape, f"{what}: shape {got.shape}, torch has {want.shape}"
+    assert np.all(np.isfinite(want)), f"{what}: the oracle is not finite: {want}"
+    floor = rel * float(np.max(np.abs(want), initial=0.0))
+    err = np.abs(got - want)
+    bad = ~(err <= rel * np.abs(want) + floor)
+    if bad.any():
+        k = np.unravel_index(np.argmax(np.where(bad, err, -1)), got.shape)
+        raise AssertionError(
+            f"{what}: {int(bad.sum())} of {got.size} elements differ beyond rel {rel:g}; "
+            f"worst at {tuple(int(i) for i in k)}: got {got[k]!r}, torch {want[k]!r}"
+        )
+
+
+def view_as_row_broadcast(x: torch.Tensor, shape: Shape, result: Shape) -> torch.Tensor:
+    """``x`` (laid out as ``shape``) with size-1 axes inserted at the front of each row, so
+    that torch's broadcasting of it against ``result`` is ocannl's row-wise broadcasting."""
+    dims: list[int] = []
+    for row in ROWS:
+        r, rr = shape.row(row), result.row(row)
+        dims += [1] * (len(rr) - len(r)) + list(r)
+    return x.reshape(dims)
+
+
+def leaf(values: np.ndarray, prec: Precision) -> torch.Tensor:
+    return torch.tensor(np.asarray(values, prec.numpy_dtype).astype(np.float64),
+                        dtype=TORCH_DTYPE[prec], requires_grad=True)
+
+
+def check_parity(
+    out: Tensor,
+    torch_out: torch.Tensor,
+    params: Sequence[tuple[Tensor, np.ndarray, torch.Tensor]],
+    *,
+    seed: int = 0,
+    rel: float | None = None,
+) -> Context:
+    """Compare ``out`` and the gradients of ``params`` with torch.
+
+    ``params``: (ocannl parameter, its values, the torch leaf made from the same values).
+    """
+    rel = TOL[out.prec] if rel is None else rel
+    assert tuple(torch_out.shape) == out.dims, (
+        f"test bug: torch result {tuple(torch_out.shape)} vs ocannl {out.dims} {out.shape}")
+    r = np.random.default_rng(seed).uniform(-1.0, 1.0, out.dims)
+    r_t = T.term(r, batch_dims=out.shape.batch, output_dims=out.shape.output,
+                 input_dims=out.shape.input, label="r", prec=out.prec)
+    loss = T.sum(out * r_t)
+    assert loss.dims == ()
+    ctx = Context.cpu()
+    for p, values, _ in params:
+        assert p.dims == values.shape, f"test bug: {p} vs values {values.shape}"
+        ctx.set_values(p, values)
+    ctx, routine = ctx.compile(train.grad_update(loss))
+    ctx.run(routine)
+
+    r_torch = torch.tensor(ctx.get_values(r_t).astype(np.float64), dtype=torch_out.dtype)
+    torch_loss = (torch_out * r_torch).sum()
+    torch_loss.backward()
+    assert_close(ctx.get_values(out), torch_out.detach().double().numpy(), rel, "forward value")
+    assert_close(ctx.get_values(loss), torch_loss.detach().double().numpy(), rel, "loss")
+    for p, _, tp in params:
+        assert tp.grad is not None, f"torch gives no gradient for {p.label}"
+        assert_close(ctx.get_values(p.grad), tp.grad.double().numpy(), rel, f"grad of {p.label}")
+    return ctx
+
+
+# --- hypothesis strategies --------------------------------------------------------------------
+
+DIM = st.integers(1, 3)
+
+
+def rows(max_axes: int) -> st.SearchStrategy[tuple[int, ...]]:
+    return st.lists(DIM, max_size=max_axes).map(tuple)
+
+
+def shapes(batch: int = 2, output: int = 2, inp: int = 1) -> st.SearchStrategy[Shape]:
+    return st.builds(Shape, rows(batch), rows(output), rows(inp))
+
+
+@st.composite
+def broadcast_operand(draw: Callable, result: Shape) -> Shape:
+    """A shape that broadcasts to ``result``: each row a suffix of the result's row, with some
+    axes of size 1."""
+    out = {}
+    for name in ROWS:
+        r = result.row(name)
+        kept = r[draw(st.integers(0, len(r))):]
+        ones = draw(st.lists(st.booleans(), min_size=len(kept), max_size=len(kept)))
+        out[name] = tuple(1 if o else d for d, o in zip(kept, ones, strict=True))
+    return Shape(**out)
+
+
+def values(dims: tuple[int, ...], lo: float, hi: float, *, unique: bool = False,
+           nonzero: bool = False) -> st.SearchStrategy[np.ndarray]:
+    """Arrays of the given dims with elements in [lo, hi] (and in [-hi, -lo] too when
+    ``nonzero``: magnitudes kept away from zero)."""
+    elems = st.floats(lo, hi, allow_subnormal=False)
+    if nonzero:
+        elems = st.one_of(elems, st.floats(-hi, -lo, allow_subnormal=False))
+    # f32-exact values: both frameworks then start from the very same numbers at any precision
+    elems = elems.map(lambda v: float(np.float32(v)))
+    return hnp.arrays(np.float64, dims, elements=elems, unique=unique)
+
+
+def param_of(label: str, shape: Shape, prec: Precision) -> Tensor:
+    return T.param(label, batch_dims=shape.batch, output_dims=shape.output,
+                   input_dims=shape.input, prec=prec)

@@ -1,0 +1,330 @@
+"""Context: buffers, host transfers, compile/run, the compile count and the on-disk cache."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import uuid
+import warnings
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import ocannl.tensor as T
+from ocannl import Context, Routine, train
+from ocannl.ir.assignments import Comp
+
+
+def _unique() -> float:
+    """A constant no other test's code contains: the routine that folds it is new code."""
+    return 1.0 + (uuid.uuid4().int % 10**9) / 10**10
+
+
+def _scaled(n: int = 6):
+    """``y = x * s * c`` with ``s`` a one-element term the host sets, ``c`` a folded constant
+    unique to this call."""
+    c = _unique()
+    x = T.term(np.arange(n, dtype=np.float64), label="x")
+    s = T.term([2.0], label="s")
+    y = x * s * c
+    return x, s, y, c
+
+
+# --- set_values / get_values ------------------------------------------------------------------
+
+
+def test_set_values_wrong_size_raises_naming_both_sizes_and_keeps_the_buffer():
+    p = T.param("p", batch_dims=(2,), output_dims=(3,), input_dims=())
+    ctx = Context.cpu()
+    before = np.arange(6, dtype=np.float32).reshape(2, 3)
+    ctx.set_values(p, before)
+    for bad in (np.ones(5), np.ones((2, 4)), [], np.ones(7)):
+        with pytest.raises(ValueError) as err:
+            ctx.set_values(p, bad)
+        msg = str(err.value)
+        assert f"got {np.size(bad)} values" in msg and "expected 6" in msg, msg
+        assert p.value.name in msg
+        np.testing.assert_array_equal(ctx.get_values(p), before)
+
+
+def test_set_values_wrong_size_on_a_new_node_allocates_nothing():
+    p = T.param("p", output_dims=(4,), input_dims=())
+    ctx = Context.cpu()
+    with pytest.raises(ValueError, match="got 3 values .* expected 4"):
+        ctx.set_values(p, [1, 2, 3])
+    assert not ctx.is_initialized(p)
+    assert ctx.mem() == 0
+
+
+def test_set_values_takes_any_array_like_of_the_right_size():
+    p = T.param("p", batch_dims=(2,), output_dims=(3,), input_dims=())
+    ctx = Context.cpu()
+    assert ctx.set_values(p, [[1, 2, 3], [4, 5, 6]]) is ctx  # allocates
+    assert ctx.is_initialized(p)
+    got = ctx.get_values(p)
+    assert got.dtype == np.float32 and got.shape == (2, 3)
+    ctx.set_values(p, np.arange(6).reshape(3, 2))  # same size, another shape: row-major
+    np.testing.assert_array_equal(ctx.get_values(p), np.arange(6).reshape(2, 3))
+    ctx.set_values(p, range(6, 12))
+    np.testing.assert_array_equal(ctx.get_values(p).ravel(), np.arange(6, 12))
+    # the returned array is a copy: changing it does not change the buffer
+    got = ctx.get_values(p)
+    got[:] = -1
+    assert ctx.get_values(p)[0, 0] == 6
+
+
+def test_non_numeric_values_are_rejected():
+    p = T.param("p", output_dims=(2,), input_dims=())
+    ctx = Context.cpu()
+    ctx.set_values(p, [1.0, 2.0])
+    for bad in (np.array(["a", "b"]), np.array([1 + 2j, 3j])):
+        with pytest.raises(ValueError, match="must be numbers"):
+            ctx.set_values(p, bad)
+    np.testing.assert_array_equal(ctx.get_values(p), [1.0, 2.0])
+
+
+def test_unknown_node_is_a_clear_error():
+    p = T.param("p", output_dims=(2,), input_dims=())
+    ctx = Context.cpu()
+    for op in (ctx.get_values, ctx.get_value, ctx.mem, ctx.to_host):
+        with pytest.raises(ValueError) as err:
+            op(p)
+        assert p.value.name in str(err.value) and "no buffer" in str(err.value)
+    with pytest.raises(TypeError, match="expected a Tensor or a Tnode, got str"):
+        ctx.get_values("p")
+
+
+def test_get_and_set_value():
+    p = T.param("p", batch_dims=(2,), output_dims=(3,), input_dims=())
+    s = T.term([0.5], label="s")
+    ctx = Context.cpu()
+    ctx.set_value(p, 7.0, (1, 2))  # allocates, the rest zero
+    np.testing.assert_array_equal(ctx.get_values(p), [[0, 0, 0], [0, 0, 7]])
+    ctx.set_value(p, -1.5, (0, 1))
+    assert ctx.get_value(p, (0, 1)) == -1.5 and ctx.get_value(p, (1, 2)) == 7.0
+    ctx.set_value(s, 3.25)
+    assert ctx.get_value(s) == 3.25
+    with pytest.raises(ValueError, match=r"has dims \(2, 3\): give an index"):
+        ctx.get_value(p)
+    for idx in [(2, 0), (0, 3), (0,), (0, 0, 0), (-1, 0)]:
+        with pytest.raises(ValueError, match=r"out of range for p_\d+ with dims \(2, 3\)"):
+            ctx.set_value(p, 1.0, idx)
+    np.testing.assert_array_equal(ctx.get_values(p), [[0, -1.5, 0], [0, 0, 7]])
+
+
+@pytest.mark.parametrize("prec", ["f64", "f32", "f16", "bf16"])
+def test_host_round_trip_per_precision(prec):
+    p = T.param("p", output_dims=(4,), input_dims=(), prec=prec)
+    ctx = Context.cpu()
+    ctx.set_values(p, [1.0, 1.0 / 3.0, -2.5e-3, 1e4])
+    got = ctx.get_values(p)
+    dtype = {"f64": np.float64, "f32": np.float32, "f16": np.float16,
+             "bf16": ml_dtypes.bfloat16}[prec]
+    assert got.dtype == dtype
+    np.testing.assert_array_equal(got, np.array([1.0, 1.0 / 3.0, -2.5e-3, 1e4]).astype(dtype))
+    assert ctx.mem(p) == 4 * np.dtype(dtype).itemsize
+
+
+def test_from_host_to_host_mem_and_nodes():
+    x = T.term(np.arange(4.0), label="x")
+    ctx = Context.cpu()
+    assert not ctx.is_initialized(x)
+    ctx.from_host(x)
+    np.testing.assert_array_equal(ctx.get_values(x), np.arange(4.0))
+    ctx.set_values(x, [9, 8, 7, 6])
+    ctx.to_host(x)
+    np.testing.assert_array_equal(x.value.host_data, [9, 8, 7, 6])
+    assert ctx.mem(x) == 16 and ctx.mem() == 16
+    assert ctx.nodes() == [x.value]
+    assert ctx.backend_name() == "cpu"
+    assert "cpu" in repr(ctx)
+    p = T.param("p", output_dims=(2,), input_dims=())
+    with pytest.raises(ValueError, match="no host array"):
+        ctx.from_host(p)
+
+
+def test_compile_allocates_and_initialises_data_nodes():
+    x, s, y, c = _scaled()
+    ctx = Context.cpu()
+    ctx, r = ctx.compile(train.forward(y))
+    assert isinstance(r, Routine)
+    assert ctx.is_initialized(x) and ctx.is_initialized(s) and ctx.is_initialized(y)
+    ctx = ctx.run(r)
+    np.testing.assert_allclose(ctx.get_values(y), np.arange(6) * 2.0 * c, rtol=1e-6)
+
+
+# --- compile / run ----------------------------------------------------------------------------
+
+
+def test_routines_see_set_values_without_recompiling():
+    x, s, y, c = _scaled()
+    ctx = Context.cpu()
+    ctx, r = ctx.compile(train.forward(y))
+    assert ctx.compile_count == 1
+    for scale in (2.0, -0.5, 10.0):
+        ctx.set_values(s, [scale])
+        ctx.run(r)
+        np.testing.assert_allclose(ctx.get_values(y), np.arange(6) * scale * c, rtol=1e-6)
+    ctx.set_values(x, np.ones(6))
+    ctx.run(r)
+    np.testing.assert_allclose(ctx.get_values(y), np.full(6, 10.0 * c), rtol=1e-6)
+    assert ctx.compile_count == 1
+
+
+def test_compiling_the_same_code_twice_reuses_the_function():
+    x, s, y, c = _scaled()
+    ctx = Context.cpu()
+    ctx, r1 = ctx.compile(train.forward(y))
+    assert ctx.compile_count == 1
+    ctx, r2 = ctx.compile(train.forward(y))
+    assert ctx.compile_count == 1
+    assert r2.fn is r1.fn and r2.buffers == r1.buffers
+    # The same code over other nodes of the same dims is the same function, bound elsewhere.
+    x2 = T.term(np.ones(6), label="x2")
+    y2 = x2 * s * c  # the same folded constant: the same source
+    ctx, r3 = ctx.compile(train.forward(y2))
+    assert ctx.compile_count == 1 and r3.fn is r1.fn
+    assert r3.buffers[0] is not r1.buffers[0]
+    # Another context reuses the process's compiled function too, with its own buffers.
+    other = Context.cpu()
+    other, r4 = other.compile(train.forward(y))
+    assert other.compile_count == 0 and r4.fn is r1.fn
+    assert all(b1 is not b4 for b1, b4 in zip(r1.buffers, r4.buffers, strict=True))
+    # New code is compiled anew.
+    ctx, _ = ctx.compile(train.forward(x * _unique()))
+    assert ctx.compile_count == 2
+
+
+def test_each_context_owns_its_buffers():
+    x, s, y, c = _scaled()
+    a, b = Context.cpu(), Context.cpu()
+    a, ra = a.compile(train.forward(y))
+    b, rb = b.compile(train.forward(y))
+    b.set_values(s, [5.0])
+    a.run(ra)
+    b.run(rb)
+    np.testing.assert_allclose(a.get_values(y), np.arange(6) * 2.0 * c, rtol=1e-6)
+    np.testing.assert_allclose(b.get_values(y), np.arange(6) * 5.0 * c, rtol=1e-6)
+    with pytest.raises(ValueError, match="compiled by another context"):
+        a.run(rb)
+
+
+def test_ocaml_style_calls():
+    x, s, y, c = _scaled()
+    ctx = Context.cpu()
+    ctx, r = Context.compile(ctx, train.forward(y), {})
+    ctx = Context.set_values(ctx, s, [3.0])
+    ctx = Context.run(ctx, r)
+    np.testing.assert_allclose(Context.get_values(ctx, y), np.arange(6) * 3.0 * c, rtol=1e-6)
+    assert Context.get_value(ctx, s) == 3.0 and Context.is_initialized(ctx, y)
+    ctx, r2 = train.to_routine(ctx, train.forward(y))
+    assert r2.fn is r.fn
+
+
+def test_compile_argument_errors():
+    _, _, y, _ = _scaled()
+    ctx = Context.cpu()
+    with pytest.raises(ValueError, match="static index bindings are not supported"):
+        ctx.compile(train.forward(y), {"i": 3})
+    with pytest.raises(TypeError, match="compile expects a Comp, got Tensor"):
+        ctx.compile(y)
+
+
+def test_empty_computation():
+    ctx = Context.cpu()
+    ctx, r = ctx.compile(Comp())
+    assert ctx.run(r) is ctx
+
+
+def test_auto_falls_back_to_the_cpu_and_says_why_once(monkeypatch):
+    def no_gpu(cls, device_id=0):
+        raise RuntimeError("no CUDA device here")
+
+    monkeypatch.setattr(Context, "cuda", classmethod(no_gpu))
+    monkeypatch.setattr(Context, "_fallback_said", False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = Context.auto()
+        second = Context.auto()
+    assert first.backend_name() == "cpu" and second.backend_name() == "cpu"
+    said = [w for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(said) == 1 and "no CUDA device here" in str(said[0].message)
+
+
+# --- the on-disk cache ------------------------------------------------------------------------
+
+_COLD = textwrap.dedent(
+    """
+    import json, sys
+    import numpy as np
+    import ocannl.tensor as T
+    from ocannl import Context, train
+
+    c = float(sys.argv[1])
+    x = T.term(np.arange(5.0), label="x")
+    y = T.exp(x * c)
+    ctx = Context.cpu()
+    ctx, r = ctx.compile(train.forward(y))
+    ctx.run(r)
+    first = ctx.compile_count
+    ctx, r2 = ctx.compile(train.forward(y))
+    stats = r.fn.stats
+    print(json.dumps({
+        "compile_count": first,
+        "after_recompile": ctx.compile_count,
+        "same_fn": r2.fn is r.fn,
+        "cache_path": stats.cache_path,
+        "hits": sum(stats.cache_hits.values()),
+        "misses": sum(stats.cache_misses.values()),
+        "y": ctx.get_values(y).tolist(),
+    }))
+    """
+)
+
+
+def _cold(cache: Path, c: float) -> dict:
+    env = {**os.environ, "OCANNL_CACHE_DIR": str(cache)}
+    out = subprocess.run([sys.executable, "-c", _COLD, repr(c)], env=env, capture_output=True,
+                         text=True, timeout=300, check=False)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_cold_process_reuses_the_on_disk_cache(tmp_path):
+    """OCANNL_CACHE_DIR selects the folder; the first process compiles and writes Numba's
+    index and object files there, the second loads them (a cache hit, no miss)."""
+    cache = tmp_path / "cache"
+    c = 0.25
+    first = _cold(cache, c)
+    folder = cache / "numba"
+    sources = sorted(folder.glob("r_*.py"))
+    assert len(sources) == 1
+    index = sorted((folder / "__pycache__").glob("r_*.nbi"))
+    objects = sorted((folder / "__pycache__").glob("r_*.nbc"))
+    assert len(index) == 1 and len(objects) >= 1
+    assert Path(first["cache_path"]) == folder / "__pycache__"
+    assert first["misses"] == 1 and first["hits"] == 0
+    assert first["compile_count"] == 1 and first["after_recompile"] == 1 and first["same_fn"]
+    stamp = {p: p.stat().st_mtime_ns for p in [*sources, *index, *objects]}
+
+    second = _cold(cache, c)
+    assert second["hits"] == 1 and second["misses"] == 0
+    assert second["after_recompile"] == second["compile_count"] and second["same_fn"]
+    assert second["y"] == first["y"]
+    np.testing.assert_allclose(second["y"], np.exp(np.arange(5.0) * c), rtol=1e-6)
+    # nothing was rewritten: the generated source keeps its stamp, so the index stays valid
+    assert {p: p.stat().st_mtime_ns for p in stamp} == stamp
+    assert sorted(folder.glob("r_*.py")) == sources
+
+    # Other code in the same folder is a miss, and adds its own files.
+    third = _cold(cache, 0.5)
+    assert third["misses"] == 1 and third["hits"] == 0
+    assert len(list(folder.glob("r_*.py"))) == 2
+    # A different folder starts cold.
+    fourth = _cold(tmp_path / "elsewhere", c)
+    assert fourth["misses"] == 1 and fourth["hits"] == 0
