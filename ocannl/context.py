@@ -123,7 +123,8 @@ class Context:
     def _buffer(self, node: Tnode) -> Buffer:
         entry = self._buffers.get(node.id)
         if entry is None:
-            raise ValueError(f"node {node.name} has no buffer in this {self.backend_name()} context")
+            raise ValueError(
+                f"node {node.name} has no buffer in this {self.backend_name()} context")
         return entry[1]
 
     @staticmethod
@@ -170,7 +171,8 @@ class Context:
                 raise ValueError(f"node {node.name} has dims {node.dims}: give an index")
             return 0
         idx = tuple(idx)
-        if len(idx) != len(node.dims) or any(not 0 <= i < d for i, d in zip(idx, node.dims)):
+        in_range = all(0 <= i < d for i, d in zip(idx, node.dims, strict=False))
+        if len(idx) != len(node.dims) or not in_range:
             raise ValueError(f"index {idx} out of range for {node.name} with dims {node.dims}")
         return int(np.ravel_multi_index(idx, node.dims))
 

@@ -40,7 +40,9 @@ def one_hot(labels: np.ndarray, classes: int) -> np.ndarray:
     return np.eye(classes, dtype=np.float32)[labels]
 
 
-def gaussian_classes(n: int, dim: int, classes: int, *, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def gaussian_classes(
+    n: int, dim: int, classes: int, *, seed: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
     """Gaussian blobs around random class centres: a synthetic task wide enough for GEMMs."""
     rng = np.random.default_rng(seed)
     centres = rng.normal(0, 1, (classes, dim))

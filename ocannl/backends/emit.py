@@ -136,7 +136,8 @@ def nest_body(a: Accum, has_reduction: bool, flavour: Flavour, iters: dict[int, 
         w.lines.append(flavour.store(a.lhs, off, value))
         return NestBody([], w.lines, [])
     if not has_reduction:
-        w.lines.append(flavour.store(a.lhs, off, w.combine(a.accum, flavour.load(a.lhs, off), value)))
+        combined = w.combine(a.accum, flavour.load(a.lhs, off), value)
+        w.lines.append(flavour.store(a.lhs, off, combined))
         return NestBody([], w.lines, [])
     w.lines.append(flavour.assign("acc", w.combine(a.accum, "acc", value)))
     inner, w.lines = w.lines, []

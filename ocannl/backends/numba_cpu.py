@@ -21,7 +21,7 @@ from numba import types as numba_types
 
 from ocannl.backends.base import host_to_storage, storage_to_host
 from ocannl.backends.emit import Flavour, float_literal, nest_body
-from ocannl.ir.lowering import Fill, Gemm, Lowered, LoopNest, MatrixView
+from ocannl.ir.lowering import Fill, Gemm, LoopNest, Lowered, MatrixView
 from ocannl.ir.ops import Precision
 from ocannl.ir.tnode import Tnode
 

@@ -52,7 +52,8 @@ def f16_to_f32(h):
         return -v if sign else v
     if e == 31:
         return bits_f32(np.uint32(sign | np.uint32(0x7F800000) | (m << np.uint32(13))))
-    return bits_f32(np.uint32(sign | ((e + np.uint32(112)) << np.uint32(23)) | (m << np.uint32(13))))
+    exponent = (e + np.uint32(112)) << np.uint32(23)
+    return bits_f32(np.uint32(sign | exponent | (m << np.uint32(13))))
 
 
 @njit(**_JIT)

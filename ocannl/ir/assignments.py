@@ -53,7 +53,8 @@ class Apply:
         if self.op not in OPS:
             raise ValueError(f"unknown op {self.op!r}: expected one of {sorted(OPS)}")
         if OPS[self.op].arity != len(self.args):
-            raise ValueError(f"op {self.op} takes {OPS[self.op].arity} operands, got {len(self.args)}")
+            raise ValueError(
+                f"op {self.op} takes {OPS[self.op].arity} operands, got {len(self.args)}")
 
 
 Expr = Get | Const | Apply

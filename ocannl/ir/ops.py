@@ -2,9 +2,9 @@
 
 Each op carries one template per code flavour ("py" for the Numba emitter, "c" for CUDA C);
 ``{0}``, ``{1}``, ``{2}`` stand for the already-rendered operands, ``{zero}`` and ``{one}`` for
-literals of the computation's precision (so f32 code stays f32 in Numba). Templates are written so that
-NaN and infinities propagate the way PyTorch's ops do (``relu(nan)`` is ``nan``), which the
-non-finite gradient checks rely on.
+literals of the computation's precision (so f32 code stays f32 in Numba). Templates are written
+so that NaN and infinities propagate the way PyTorch's ops do (``relu(nan)`` is ``nan``), which
+the non-finite gradient checks rely on.
 """
 
 from __future__ import annotations

@@ -284,7 +284,7 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
     n_res = len(shape.dims)
     k_its = tuple(range(n_res, n_res + len(a.shape.input)))
     space = shape.dims + a.shape.input
-    res_b, res_o = _all(len(batch)), tuple(range(len(batch), len(batch) + len(shape.output)))
+    res_o = tuple(range(len(batch), len(batch) + len(shape.output)))
     res_i = tuple(range(len(batch) + len(shape.output), n_res))
 
     def batch_proj(t: Tensor) -> tuple[Index, ...]:

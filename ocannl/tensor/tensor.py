@@ -16,7 +16,7 @@ import numpy as np
 
 from ocannl.ir.assignments import Accum, Comp, Const, Get
 from ocannl.ir.ops import Precision
-from ocannl.ir.tnode import MemoryMode, Tnode
+from ocannl.ir.tnode import Tnode
 from ocannl.tensor.shape import Shape
 
 InitFn = Callable[[tuple[int, ...], int, np.random.Generator], np.ndarray]
