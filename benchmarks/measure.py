@@ -14,6 +14,10 @@ from benchmarks.specs import TOLERANCE, VARIANTS
 
 Log = Callable[[str], None]
 
+# Pause before each runner's block of timed steps: BLAS and OpenMP worker threads of the
+# previous runner spin-wait for up to ~0.1 s after their last call, and would steal the cores.
+SETTLE_S = 0.15
+
 
 def tolerance_of(r: Runner) -> float:
     prec = VARIANTS[r.variant][0] if r.framework == "ocannl" else "f32"
@@ -77,6 +81,7 @@ def time_steps(fx: Fixture, runners: list[Runner], rows: list[Row], log: Log) ->
     clock = time.perf_counter
     for _ in range(w.rounds):
         for r, row in live:
+            time.sleep(SETTLE_S)
             samples = row.samples
             for i in range(step, step + per_round):
                 t0 = clock()

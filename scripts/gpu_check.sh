@@ -3,7 +3,7 @@
 #
 #   scripts/gpu_check.sh            # logs under $OUT (default: ./gpu_check_out)
 #
-# Runs, each under its own time limit (about 6 minutes in all, under 8 with start-up):
+# Runs, each under its own time limit (7.3 minutes at most in all):
 #   1. the environment: nvidia-smi, the Python packages ocannl needs, CuPy's device view;
 #   2. the gpu-marked tests (pytest -m gpu): CPU-backend parity on CUDA, set_values without
 #      recompiling, the on-device skip of a non-finite step;
@@ -28,7 +28,7 @@ step() {  # step NAME LIMIT_S COMMAND...: run with a time limit, log to $OUT/NAM
     local name="$1" limit="$2"
     shift 2
     local t0=$SECONDS
-    timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+    timeout --kill-after=5 "$limit" "$@" > "$OUT/$name.log" 2>&1
     local rc=$?
     local msg="$name: rc=$rc in $((SECONDS - t0)) s"
     [ "$rc" -eq 124 ] && msg="$msg (timed out after $limit s)"
@@ -40,7 +40,7 @@ step() {  # step NAME LIMIT_S COMMAND...: run with a time limit, log to $OUT/NAM
     echo "date: $(date -u)"; echo "python: $PY"; "$PY" --version
     nvidia-smi || echo "nvidia-smi: not available"
 } > "$OUT/env.log" 2>&1
-step packages 60 "$PY" - <<'EOF'
+step packages 30 "$PY" - <<'EOF'
 import importlib
 need = ["numpy", "numba", "scipy", "ml_dtypes", "cupy", "pytest", "hypothesis", "torch"]
 missing = []
@@ -67,10 +67,10 @@ if reason is None:
         print("cuBLAS: NOT loadable, GEMMs will run as generated kernels:", err)
 raise SystemExit(1 if missing or reason else 0)
 EOF
-step pytest_gpu 240 "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider tests
-step example 90 "$PY" examples/gpu_wide_mlp.py --backend cuda --steps 200
-step example_bf16 60 "$PY" examples/gpu_wide_mlp.py --backend cuda --prec bf16 --steps 100
-step timing 150 "$PY" scripts/gpu_timing.py --f16
+step pytest_gpu 180 "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider tests
+step example 60 "$PY" examples/gpu_wide_mlp.py --backend cuda --steps 200
+step example_bf16 45 "$PY" examples/gpu_wide_mlp.py --backend cuda --prec bf16 --steps 100
+step timing 100 "$PY" scripts/gpu_timing.py --f16
 echo "logs in $OUT" | tee -a "$summary"
 [ "$failed" -eq 0 ] && echo "gpu_check: all passed" | tee -a "$summary" \
     || echo "gpu_check: FAILURES (see the logs above)" | tee -a "$summary"

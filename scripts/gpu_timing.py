@@ -74,9 +74,12 @@ def time_backend(ctx: Context, m: Model, chunks: int, per_chunk: int) -> dict[st
     ctx.run(routine)
     first_loss = ctx.get_value(m.loss)  # the first run includes any lazy loading
     compile_s = time.perf_counter() - t0
+    t = time.perf_counter()
     for _ in range(3):
         ctx.run(routine)
     ctx.get_value(m.loss)
+    # Chunks of about a quarter second at most, so slow CPU runs stay short.
+    per_chunk = max(1, min(per_chunk, int(0.25 / ((time.perf_counter() - t) / 3))))
     per_step = []
     for _ in range(chunks):
         t = time.perf_counter()

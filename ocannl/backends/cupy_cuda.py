@@ -100,10 +100,15 @@ def map_launch(n: int) -> tuple[int, int]:
 
 class CudaFlavour(Flavour):
     """CUDA C: 16-bit buffers load through ``__half2float`` / ``__bfloat162float`` and store
-    rounding to nearest even; locals are ``auto`` so they keep the type of what they hold, as
-    the Numba flavour's untyped locals do."""
+    rounding to nearest even; every load is converted to the nest's compute precision (that
+    of its written node), so an expression is all ``float`` or all ``double``: C++ overloads
+    such as ``pow(double, float)`` would otherwise be ambiguous. Locals are ``auto``."""
 
     name = "c"
+
+    def __init__(self, nodes: list[Tnode], compute: Precision = Precision.f32) -> None:
+        super().__init__(nodes)
+        self.compute = compute
 
     def literal(self, value: float, compute: Precision) -> str:
         if compute is Precision.f64:
@@ -125,7 +130,11 @@ class CudaFlavour(Flavour):
 
     def load(self, node: Tnode, offset: str) -> str:
         ref = f"{self.buffer(node)}[{offset}]"
-        return f"{_WIDEN[node.prec]}({ref})" if node.prec.is_narrow else ref
+        if node.prec.is_narrow:
+            ref = f"{_WIDEN[node.prec]}({ref})"
+        if node.prec.compute is not self.compute:
+            ref = f"(({_CTYPE[self.compute]}){ref})"
+        return ref
 
     def store(self, node: Tnode, offset: str, value: str) -> str:
         if node.prec.is_narrow:
@@ -277,7 +286,7 @@ class _Planner:
 
     def fill(self, item: Fill) -> None:
         node = item.node
-        f = CudaFlavour([node])
+        f = CudaFlavour([node], node.prec.compute)
         ity = _index_type(node.size)
         grid, block = map_launch(node.size)
         lit = f.literal(item.value, node.prec.compute)
@@ -293,7 +302,7 @@ class _Planner:
     def convert(self, node: Tnode, s: Scratch, *, to_node: bool) -> None:
         """Copy between a node and a scratch buffer of another precision (exact widening,
         round-to-nearest-even narrowing)."""
-        f = CudaFlavour([node])
+        f = CudaFlavour([node], s.prec)
         ity = _index_type(node.size)
         grid, block = map_launch(node.size)
         stmt = f.store(node, "p", "s0[p]") if to_node else f"s0[p] = {f.load(node, 'p')};"
@@ -346,7 +355,7 @@ class _Planner:
         has_red = bool(red)
         strategy = nest_strategy(par_size, red_size, a.accum, has_red)
         nodes = _nodes_of_assign(a)
-        f = CudaFlavour(nodes)
+        f = CudaFlavour(nodes, a.lhs.prec.compute)
         names = {i: f"i{i}" for i in range(len(a.space))}
         body = nest_body(a, has_red, f, names)
         sizes = [math.prod(a.space), *(n.size for n in nodes)]

@@ -7,6 +7,7 @@ LLVM compile. GEMM-shaped assignments call ``np.dot``, which Numba routes to Sci
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import os
@@ -39,7 +40,7 @@ from numba import njit
 
 from ocannl.backends.numba_prims import (
     bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16, fill, narrow_bf16, narrow_f16,
-    widen_bf16, widen_f16,
+    widen_bf16_into, widen_f16_into,
 )
 
 
@@ -95,6 +96,9 @@ class _Writer:
         self.lines: list[str] = []
         self.depth = 1
         self.n = 0
+        # f32 scratch arrays for narrow GEMM operands, reused across GEMMs of one routine:
+        # (size, role) -> parameter name. Allocated once per compiled routine, not per step.
+        self.scratch: dict[tuple[int, str], str] = {}
 
     def line(self, text: str) -> None:
         self.lines.append("    " * self.depth + text)
@@ -102,6 +106,9 @@ class _Writer:
     def fresh(self, stem: str) -> str:
         self.n += 1
         return f"{stem}{self.n}"
+
+    def scratch_for(self, size: int, role: str) -> str:
+        return self.scratch.setdefault((size, role), f"s{len(self.scratch)}")
 
 
 def _loop_nest(w: _Writer, f: NumbaFlavour, nest: LoopNest) -> None:
@@ -127,11 +134,14 @@ def _loop_nest(w: _Writer, f: NumbaFlavour, nest: LoopNest) -> None:
     w.depth = base
 
 
-def _matrix(f: NumbaFlavour, v: MatrixView, compute: Precision) -> str:
+def _matrix(w: _Writer, f: NumbaFlavour, v: MatrixView, compute: Precision, role: str) -> str:
+    """The operand as a 2-D array expression; narrow storage is widened into scratch first."""
     src = f.buffer(v.node)
     if v.node.prec.is_narrow:
-        src = f"widen_{v.node.prec.value}({src})"
-    if v.node.prec.compute is not compute:
+        scratch = w.scratch_for(v.node.size, role)
+        w.line(f"widen_{v.node.prec.value}_into({src}, {scratch})")
+        src = scratch
+    elif v.node.prec.compute is not compute:
         src = f"{src}.astype({_NP[compute]})"
     if v.transposed:
         return f"{src}.reshape(({v.cols}, {v.rows})).T"
@@ -141,21 +151,21 @@ def _matrix(f: NumbaFlavour, v: MatrixView, compute: Precision) -> str:
 def _gemm(w: _Writer, f: NumbaFlavour, g: Gemm) -> None:
     lhs = g.assign.lhs
     compute = lhs.prec.compute
-    prod = f"np.dot({_matrix(f, g.a, compute)}, {_matrix(f, g.b, compute)})"
+    a, b = _matrix(w, f, g.a, compute, "a"), _matrix(w, f, g.b, compute, "b")
     out = f.buffer(lhs)
     if lhs.prec.is_narrow:
-        tmp = w.fresh("p")
-        w.line(f"{tmp} = {prod}")
+        out, narrow_to = w.scratch_for(lhs.size, "out"), out
         if not g.assign.reset:
-            w.line(f"{tmp} += widen_{lhs.prec.value}({out}).reshape(({g.rows}, {g.cols}))")
-        w.line(f"narrow_{lhs.prec.value}({tmp}.ravel(), {out})")
-    elif g.assign.reset:
-        w.line(f"np.dot({_matrix(f, g.a, compute)}, {_matrix(f, g.b, compute)}, "
-               f"{out}.reshape(({g.rows}, {g.cols})))")
+            w.line(f"widen_{lhs.prec.value}_into({narrow_to}, {out})")
+    shaped = f"{out}.reshape(({g.rows}, {g.cols}))"
+    if g.assign.reset:
+        w.line(f"np.dot({a}, {b}, {shaped})")
     else:
         view = w.fresh("o")
-        w.line(f"{view} = {out}.reshape(({g.rows}, {g.cols}))")
-        w.line(f"{view} += {prod}")
+        w.line(f"{view} = {shaped}")
+        w.line(f"{view} += np.dot({a}, {b})")
+    if lhs.prec.is_narrow:
+        w.line(f"narrow_{lhs.prec.value}({out}, {narrow_to})")
 
 
 def _fill(w: _Writer, f: NumbaFlavour, fill: Fill) -> None:
@@ -167,8 +177,9 @@ def _fill(w: _Writer, f: NumbaFlavour, fill: Fill) -> None:
         w.line(f"fill({f.buffer(node)}, {f.literal(fill.value, node.prec)})")
 
 
-def emit_source(code: list[Lowered], nodes: list[Tnode]) -> str:
-    """The Python source of a routine taking the nodes' buffers in order."""
+def emit_source(code: list[Lowered], nodes: list[Tnode]) -> tuple[str, list[int]]:
+    """The Python source of a routine, and the sizes of the f32 scratch arrays it takes first,
+    before the nodes' buffers in order."""
     f = NumbaFlavour(nodes)
     w = _Writer()
     for item in code:
@@ -180,9 +191,10 @@ def emit_source(code: list[Lowered], nodes: list[Tnode]) -> str:
             _loop_nest(w, f, item)
     if not code:
         w.line("return")
-    params = ", ".join(f.buffer(n) for n in nodes)
+    params = ", ".join([*w.scratch.values(), *(f.buffer(n) for n in nodes)])
     consts = [f"    {name} = {typed}" for typed, name in f.constants.items()]
-    return _HEADER.format(params=params) + "\n".join(consts + w.lines) + "\n"
+    source = _HEADER.format(params=params) + "\n".join(consts + w.lines) + "\n"
+    return source, [size for size, _ in w.scratch]
 
 
 class NumbaCpuBackend:
@@ -201,16 +213,19 @@ class NumbaCpuBackend:
         return storage_to_host(node, buf).copy()
 
     def compile(self, label: str, code: list[Lowered], nodes: list[Tnode]) -> tuple[Callable, bool]:
-        source = emit_source(code, nodes)
+        source, scratch = emit_source(code, nodes)
         key = hashlib.sha256(source.encode()).hexdigest()[:24]
         fn = self._compiled.get(key)
-        if fn is not None:
-            return fn, False
-        fn = _load(key, source)
-        # Compile now (or load from the on-disk cache), not at the first run.
-        fn.compile(tuple(_ARRAY[n.prec.storage_dtype] for n in nodes))
-        self._compiled[key] = fn
-        return fn, True
+        fresh = fn is None
+        if fresh:
+            fn = _load(key, source)
+            # Compile now (or load from the on-disk cache), not at the first run.
+            f32 = _ARRAY[np.dtype(np.float32)]
+            fn.compile((f32,) * len(scratch) + tuple(_ARRAY[n.prec.storage_dtype] for n in nodes))
+            self._compiled[key] = fn
+        if scratch:
+            fn = functools.partial(fn, *(np.empty(n, np.float32) for n in scratch))
+        return fn, fresh
 
 
 def _load(key: str, source: str) -> Callable:

@@ -41,53 +41,38 @@ def bits_f32(typingctx, x):  # noqa: ARG001 - numba intrinsic signature
     return types.float32(x), codegen
 
 
+# The conversions are written without branches (every case computed, one selected) so that
+# LLVM vectorizes the loops that call them; the exhaustive tests pin them to NumPy/ml_dtypes.
+
+
 @njit(**_JIT)
 def f16_to_f32(h):
-    h = np.uint32(h)
-    sign = (h & np.uint32(0x8000)) << np.uint32(16)
-    e = (h >> np.uint32(10)) & np.uint32(0x1F)
-    m = h & np.uint32(0x3FF)
-    if e == 0:
-        v = np.float32(m) * np.float32(5.960464477539063e-08)  # m * 2**-24, exact
-        return -v if sign else v
-    if e == 31:
-        return bits_f32(np.uint32(sign | np.uint32(0x7F800000) | (m << np.uint32(13))))
-    exponent = (e + np.uint32(112)) << np.uint32(23)
-    return bits_f32(np.uint32(sign | exponent | (m << np.uint32(13))))
+    h = np.int32(h)
+    sign = np.uint32(h & 0x8000) << np.uint32(16)
+    em = h & 0x7FFF
+    normal = np.uint32((em << 13) + 0x38000000)  # re-bias the exponent by 127 - 15
+    special = np.uint32((em << 13) + 0x70000000)  # inf / NaN: all-ones exponent, payload kept
+    tiny = f32_bits(np.float32(em) * np.float32(5.960464477539063e-08))  # em * 2**-24, exact
+    bits = special if em >= 0x7C00 else (normal if em >= 0x400 else tiny)
+    return bits_f32(bits | sign)
 
 
 @njit(**_JIT)
 def f32_to_f16(x):
     b = f32_bits(np.float32(x))
     sign = (b >> np.uint32(16)) & np.uint32(0x8000)
-    exp = np.int32((b >> np.uint32(23)) & np.uint32(0xFF))
-    mant = b & np.uint32(0x7FFFFF)
-    if exp == 255:
-        if mant == 0:
-            return np.uint16(sign | np.uint32(0x7C00))
-        payload = mant >> np.uint32(13)
-        if payload == 0:
-            payload = np.uint32(1)
-        return np.uint16(sign | np.uint32(0x7C00) | payload)
-    e = exp - 112  # re-biased exponent
-    if e >= 31:
-        return np.uint16(sign | np.uint32(0x7C00))
-    if e <= 0:
-        if e < -10:
-            return np.uint16(sign)
-        m = mant | np.uint32(0x800000)
-        shift = np.uint32(14 - e)
-        h = m >> shift
-        rem = m & ((np.uint32(1) << shift) - np.uint32(1))
-        half = np.uint32(1) << (shift - np.uint32(1))
-        if rem > half or (rem == half and (h & np.uint32(1))):
-            h += np.uint32(1)
-        return np.uint16(sign | h)
-    h = (np.uint32(e) << np.uint32(10)) | (mant >> np.uint32(13))
-    rem = mant & np.uint32(0x1FFF)
-    if rem > np.uint32(0x1000) or (rem == np.uint32(0x1000) and (h & np.uint32(1))):
-        h += np.uint32(1)
-    return np.uint16(sign | h)
+    a = b & np.uint32(0x7FFFFFFF)
+    payload = (a >> np.uint32(13)) & np.uint32(0x3FF)
+    nan = np.uint32(0x7C00) | (payload if payload != 0 else np.uint32(1))
+    odd = (a >> np.uint32(13)) & np.uint32(1)
+    # Normal range: re-bias, then round to nearest even by adding just under half an ulp.
+    normal = (a - np.uint32(0x38000000) + np.uint32(0xFFF) + odd) >> np.uint32(13)
+    # Below 2**-14: adding 0.5 makes the FPU round at the f16 subnormal quantum (2**-24).
+    tiny = f32_bits(bits_f32(a) + np.float32(0.5)) - np.uint32(0x3F000000)
+    h = nan if a > np.uint32(0x7F800000) else (
+        np.uint32(0x7C00) if a >= np.uint32(0x477FF000) else (
+            normal if a >= np.uint32(0x38800000) else tiny))
+    return np.uint16(h | sign)
 
 
 @njit(**_JIT)
@@ -98,10 +83,21 @@ def bf16_to_f32(h):
 @njit(**_JIT)
 def f32_to_bf16(x):
     b = f32_bits(np.float32(x))
-    if (b & np.uint32(0x7F800000)) == np.uint32(0x7F800000) and (b & np.uint32(0x7FFFFF)):
-        return np.uint16(((b >> np.uint32(16)) & np.uint32(0x8000)) | np.uint32(0x7FC0))  # NaN
-    rounding = np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))
-    return np.uint16((b + rounding) >> np.uint32(16))
+    nan = ((b >> np.uint32(16)) & np.uint32(0x8000)) | np.uint32(0x7FC0)
+    rounded = (b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+    return np.uint16(nan if (b & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000) else rounded)
+
+
+@njit(**_JIT)
+def widen_f16_into(bits, out):
+    for i in range(bits.size):
+        out[i] = f16_to_f32(bits[i])
+
+
+@njit(**_JIT)
+def widen_bf16_into(bits, out):
+    for i in range(bits.size):
+        out[i] = bf16_to_f32(bits[i])
 
 
 @njit(**_JIT)

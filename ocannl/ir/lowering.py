@@ -167,18 +167,22 @@ def _touches(a: Accum, node: Tnode) -> bool:
 
 def fuse_resets(assignments: tuple[Accum, ...]) -> list[Accum]:
     """Drop a zero fill whose next use is a covering ``+=`` into the node: that accumulation
-    resets instead (``=+``), so gradients are written once rather than zeroed then added."""
+    resets instead (``=+``), so gradients are written once rather than zeroed then added.
+    A fill whose node is next overwritten whole is dropped too."""
     out: list[Accum | None] = list(assignments)
     for k, a in enumerate(out):
-        if a is None or not (_is_fill(a) and a.expr.value == 0.0):
+        if a is None or not _is_fill(a):
             continue
         nxt = next((j for j in range(k + 1, len(out)) if out[j] is not None
                     and _touches(out[j], a.lhs)), None)
         if nxt is None:
             continue
         b = out[nxt]
-        if (b.lhs is a.lhs and b.accum == "+" and not b.reset and _covers(b)
-                and not any(g.node is a.lhs for g in reads(b.expr))):
+        if b.lhs is not a.lhs or not _covers(b) or any(g.node is a.lhs for g in reads(b.expr)):
+            continue
+        if b.accum == "=" and len(b.space) == len(b.lhs_idx):  # overwritten whole: dead fill
+            out[k] = None
+        elif b.accum == "+" and not b.reset and a.expr.value == 0.0:
             out[nxt] = Accum(b.lhs, b.lhs_idx, b.accum, b.expr, b.space, reset=True)
             out[k] = None
     return [a for a in out if a is not None]

@@ -101,3 +101,24 @@ def gemm_cases(seed: int = 0) -> tuple[Comp, list[Tnode]]:
         Accum(w, (0, 1), "+", apply("mul", Get(a, (0, 2)), Get(y, (2, 1))), space, reset=True),
     )
     return Comp(code, "gemms"), [c, z, w]
+
+
+def mixed_cases() -> tuple[Comp, list[Tnode]]:
+    """Ops whose operands have other precisions than the written node (an f32 node reading
+    f64 / f16 / bf16 data, an f64 node reading f32 / f16 data)."""
+    code, outs = [], []
+    n = len(SPECIAL_A)
+    for lhs_prec, (pa, pb, pc) in ((Precision.f32, (Precision.f64, Precision.f16, Precision.bf16)),
+                                   (Precision.f64, (Precision.f32, Precision.f16, Precision.f32))):
+        a = _data(f"a_{pa.value}", np.array(SPECIAL_A), pa)
+        b = _data(f"b_{pb.value}", np.array(SPECIAL_B), pb)
+        c = _data(f"c_{pc.value}", np.array(SPECIAL_C), pc)
+        ga, gb, gc = Get(a, (0,)), Get(b, (0,)), Get(c, (0,))
+        for name in ("add", "div", "pow", "max", "eq", "gt", "where"):
+            out = Tnode(f"mixed_{name}_{lhs_prec.value}", (n,), lhs_prec)
+            expr = apply(name, gc, ga, gb) if name == "where" else apply(name, ga, gb)
+            code.append(Accum(out, (0,), "=", expr, (n,)))
+            outs.append(out)
+        s = Tnode(f"mixed_sum_{lhs_prec.value}", (), lhs_prec)
+        code.append(Accum(s, (), "+", apply("mul", ga, gb), (n,), reset=True))
+    return Comp(tuple(code), "mixed"), outs

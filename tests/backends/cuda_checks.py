@@ -97,9 +97,16 @@ def compare(make_ctx: MakeCtx, comp: Comp, outs: list[Tnode],
 
 
 def ops(make_ctx: MakeCtx, tol: dict[Precision, float]) -> None:
+    """Every op at every precision, and ops over operands of other precisions."""
     for prec in Precision:
         comp, outs = cuda_cases.op_cases(prec)
         compare(make_ctx, comp, outs, tol)
+    comp, outs = cuda_cases.mixed_cases()
+    # CUDA computes in the written node's precision; the CPU backend in its operands' widest
+    # (an f32 node reading f64 data: f64; an f64 node reading f32 data: f32). They differ by
+    # an f32 rounding.
+    loose = max(tol[Precision.f32], 1e-6)
+    compare(make_ctx, comp, outs, {**tol, Precision.f32: loose, Precision.f64: loose})
 
 
 def reductions(make_ctx: MakeCtx) -> None:

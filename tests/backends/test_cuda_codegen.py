@@ -49,7 +49,8 @@ def _case_sources() -> dict[str, str]:
         comp, _ = cuda_cases.op_cases(prec)
         for s in cuda_sources(comp):
             out.setdefault(s, f"ops {prec.value}")
-    for label, (comp, _) in (("reductions", cuda_cases.reduction_cases()),
+    for label, (comp, _) in (("mixed precisions", cuda_cases.mixed_cases()),
+                             ("reductions", cuda_cases.reduction_cases()),
                              ("gemms", cuda_cases.gemm_cases())):
         for s in cuda_sources(comp):
             out.setdefault(s, label)

@@ -18,6 +18,7 @@ pytest.importorskip("torch")
 pytest.importorskip("safetensors")
 
 from benchmarks import fixtures, report, targets  # noqa: E402
+from benchmarks import measure as measure_mod  # noqa: E402
 from benchmarks.measure import measure  # noqa: E402
 from benchmarks.runners import Unavailable, make_runner  # noqa: E402
 from benchmarks.specs import WORKLOADS, scaled  # noqa: E402
@@ -70,7 +71,8 @@ class _Absent(_Off):
         raise Unavailable("no such device here")
 
 
-def test_parity_gate_and_report(tmp_path: Path) -> None:
+def test_parity_gate_and_report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(measure_mod, "SETTLE_S", 0.0)
     fx = fixtures.load(TINY, tmp_path)
     ref = make_runner(fx, "torch", "eager", "cpu")
     runners = [ref, make_runner(fx, "ocannl", "f32", "cpu"),

@@ -6,7 +6,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from hypothesis import given, settings
-from hypothesis import strategies as st
 from torch_oracle import shapes
 
 import ocannl.tensor as T

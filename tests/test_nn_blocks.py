@@ -1,0 +1,58 @@
+"""Model building blocks: the MLP's layout and the softmax cross-entropy's value."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import ocannl.tensor as T
+from ocannl import Context, Precision, nn_blocks, train
+from ocannl.tensor import Shape
+
+
+def test_mlp_layers_are_laid_out_as_torch_linear():
+    x = T.term(np.zeros((5, 3)), label="x")
+    logits, layers = nn_blocks.mlp(x, [7, 4], 2, label="net")
+    assert [(w.dims, b.dims) for w, b in layers] == [((7, 3), (7,)), ((4, 7), (4,)),
+                                                      ((2, 4), (2,))]
+    assert logits.shape == Shape((5,), (2,), ())
+    assert [w.label for w, _ in layers] == ["net_w0", "net_w1", "net_w2"]
+    assert all(p.kind == "param" for wb in layers for p in wb)
+    assert logits.params == [p for wb in layers for p in wb]
+
+
+def test_mlp_precision_and_forward_values():
+    rng = np.random.default_rng(0)
+    xs = rng.normal(size=(6, 3))
+    x = T.term(xs, label="x", prec="f64")
+    logits, layers = nn_blocks.mlp(x, [4], 2, prec="f64")
+    assert all(p.prec is Precision.f64 for wb in layers for p in wb)
+    ctx = Context.cpu()
+    weights = [(rng.normal(size=w.dims), rng.normal(size=b.dims)) for w, b in layers]
+    for (w, b), (wv, bv) in zip(layers, weights, strict=True):
+        ctx.set_values(w, wv)
+        ctx.set_values(b, bv)
+    ctx, r = ctx.compile(train.forward(logits))
+    ctx.run(r)
+    (w0, b0), (w1, b1) = weights
+    want = np.maximum(xs @ w0.T + b0, 0) @ w1.T + b1
+    np.testing.assert_allclose(ctx.get_values(logits), want, rtol=1e-12)
+
+
+@pytest.mark.parametrize("prec", ["f32", "f64"])
+def test_softmax_cross_entropy_value_is_stable(prec):
+    """Large logits do not overflow (the max is subtracted first); soft targets work."""
+    logits_v = np.array([[1000.0, 0.0, -1000.0], [2.0, 3.0, 1.0], [-50.0, -51.0, -49.0]])
+    targets_v = np.array([[0.0, 1.0, 0.0], [0.2, 0.5, 0.3], [1.0, 0.0, 0.0]])
+    logits = T.term(logits_v, label="logits", prec=prec)
+    targets = T.term(targets_v, label="targets", prec=prec)
+    loss = nn_blocks.softmax_cross_entropy(logits, targets)
+    assert loss.dims == ()
+    ctx = Context.cpu()
+    ctx, r = ctx.compile(train.forward(loss))
+    ctx.run(r)
+    z = logits_v - logits_v.max(axis=1, keepdims=True)
+    log_softmax = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
+    want = -(targets_v * log_softmax).sum(axis=1).mean()
+    rtol = 1e-6 if prec == "f32" else 1e-13
+    np.testing.assert_allclose(float(ctx.get_values(loss)), want, rtol=rtol)
