@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from ocannl.backends.base import host_to_storage, storage_to_host
-from ocannl.backends.emit import BodyWriter, Flavour, float_literal, nest_body
+from ocannl.backends.emit import BodyWriter, Flavour, NestBody, float_literal, nest_body
 from ocannl.ir.assignments import Accum, Comp, Fixed
 from ocannl.ir.lowering import (
     Fill,
@@ -386,7 +386,7 @@ class _Planner:
         self.steps.append(Kernel(strategy, name, src + "\n", grid, block, tuple(nodes)))
 
     def reduce(self, a: Accum, nodes: list[Tnode], f: CudaFlavour, names: dict[int, str],
-               par: list[int], red: list[int], body: Any) -> None:
+               par: list[int], red: list[int], body: NestBody) -> None:
         par_size = math.prod(a.space[i] for i in par)
         red_size = math.prod(a.space[i] for i in red)
         compute = a.lhs.prec.compute
@@ -478,7 +478,10 @@ def plan_routine(code: Sequence[Lowered], *, use_cublas: bool = True) -> Plan:
     for item in code:
         if isinstance(item, Gemm) and not use_cublas:
             for sub in lower_assignment(item.assign, allow_gemm=False):
-                p.fill(sub) if isinstance(sub, Fill) else p.nest(sub)
+                if isinstance(sub, Fill):
+                    p.fill(sub)
+                else:
+                    p.nest(sub)
         elif isinstance(item, Fill):
             p.fill(item)
         elif isinstance(item, Gemm):

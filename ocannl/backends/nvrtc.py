@@ -125,11 +125,12 @@ def _check(code: int, what: str, log: str = "") -> None:
 
 
 def compile_ptx(source: str, arch: str = "compute_90", options: tuple[str, ...] = (),
-                name: str = "kernel.cu") -> tuple[str, str]:
+                name: str = "kernel.cu", include_dirs: tuple[str, ...] | None = None
+                ) -> tuple[str, str]:
     """Compile CUDA C to PTX for ``arch`` (e.g. ``compute_70``); returns ``(ptx, log)``.
 
-    Raises :class:`NvrtcError` with the compiler log on any compile error. The include folder
-    of :func:`cuda_include_dir` is added when one is found.
+    Raises :class:`NvrtcError` with the compiler log on any compile error. ``include_dirs``
+    defaults to the folder of :func:`cuda_include_dir` when one is found.
     """
     lib = _lib()
     prog = ctypes.c_void_p()
@@ -137,9 +138,10 @@ def compile_ptx(source: str, arch: str = "compute_90", options: tuple[str, ...] 
                                   None), "nvrtcCreateProgram")
     try:
         opts = [f"--gpu-architecture={arch}", *options]
-        inc = cuda_include_dir()
-        if inc is not None:
-            opts.append(f"-I{inc}")
+        if include_dirs is None:
+            found = cuda_include_dir()
+            include_dirs = () if found is None else (found,)
+        opts += [f"-I{d}" for d in include_dirs]
         raw = [o.encode() for o in opts]
         arr = (ctypes.c_char_p * len(raw))(*raw)
         code = lib.nvrtcCompileProgram(prog, len(raw), arr)

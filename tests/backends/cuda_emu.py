@@ -17,6 +17,7 @@ CuPy itself: ``RawKernel``, ``cublas.gemm``, ``ndarray.set`` / ``get``.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import re
@@ -155,10 +156,21 @@ _CTYPE = {Precision.f64: "double", Precision.f32: "float", Precision.f16: "__hal
           Precision.bf16: "__nv_bfloat16"}
 
 
+@functools.cache
 def emulator_unavailable() -> str | None:
-    """None when g++ can build the emulator here, else why not."""
+    """None when g++ can build the emulator here (it needs ``_Float16``: GCC 12 or later on
+    x86-64), else why not."""
     if shutil.which("g++") is None:
         return "g++ is not installed"
+    probe = PRELUDE + ('extern "C" float probe(float x) '
+                       '{ return __half2float(__float2half_rn(x)); }\n')
+    with tempfile.TemporaryDirectory() as d:
+        src = Path(d) / "probe.cpp"
+        src.write_text(probe)
+        res = subprocess.run(["g++", "-std=c++17", "-shared", "-fPIC", "-w", str(src), "-o",
+                              str(Path(d) / "probe.so")], capture_output=True, text=True)
+    if res.returncode != 0:
+        return f"g++ cannot build the emulator prelude: {res.stderr.strip()[-300:]}"
     return None
 
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import cuda_cases
 import cuda_models
@@ -124,15 +126,21 @@ def test_a_broken_kernel_fails_the_compile() -> None:
         nvrtc.compile_ptx(src, "compute_90")
 
 
-def test_half_headers_found_and_self_contained() -> None:
-    """cuda_fp16.h / cuda_bf16.h come from the nvidia-cuda-runtime-cu12 wheel and need no
-    other header under NVRTC."""
-    assert nvrtc.cuda_include_dir() is not None
+def test_half_headers_found_and_self_contained(tmp_path: Path) -> None:
+    """cuda_fp16.h / cuda_bf16.h come from the nvidia-cuda-runtime-cu12 wheel and, under
+    NVRTC, need no other header: a folder holding only them and their .hpp parts is enough."""
+    inc = nvrtc.cuda_include_dir()
+    assert inc is not None
+    for name in ("cuda_fp16.h", "cuda_fp16.hpp", "cuda_bf16.h", "cuda_bf16.hpp"):
+        shutil.copy(Path(inc) / name, tmp_path / name)
     src = ("#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n"
            'extern "C" __global__ void k(__half* a, __nv_bfloat16* b) {\n'
            "  a[0] = __float2half_rn(__half2float(a[0]) + __bfloat162float(b[0]));\n}\n")
-    ptx, _ = nvrtc.compile_ptx(src, "compute_90")
-    assert ".entry k" in ptx
+    for arch in ARCHS:
+        ptx, _ = nvrtc.compile_ptx(src, arch, include_dirs=(str(tmp_path),))
+        assert ".entry k" in ptx
+    with pytest.raises(nvrtc.NvrtcError, match="cuda_fp16.h"):
+        nvrtc.compile_ptx(src, "compute_90", include_dirs=())
 
 
 def test_a_broken_kernel_in_a_batch_is_reported_by_name() -> None:
