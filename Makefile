@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-f32 test lint bench gpu-check
+.PHONY: demo demo-f32 test bench gpu-check
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,3 +25,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/quick_mlp.py
+
+# On a machine with an NVIDIA GPU, CuPy, PyTorch and Numba (installs nothing; logs under $OUT).
+gpu-check:
+	scripts/gpu_check.sh
