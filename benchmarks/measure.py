@@ -15,8 +15,8 @@ from benchmarks.specs import TOLERANCE, VARIANTS
 Log = Callable[[str], None]
 
 # Pause before each runner's block of timed steps: BLAS and OpenMP worker threads of the
-# previous runner spin-wait for up to ~0.1 s after their last call, and would steal the cores.
-SETTLE_S = 0.15
+# previous runner spin-wait for a while after their last call, and would steal the cores.
+SETTLE_S = 0.1
 
 
 def tolerance_of(r: Runner) -> float:

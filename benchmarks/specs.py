@@ -59,12 +59,12 @@ WORKLOADS: dict[str, Workload] = {
     "mlp_small": Workload(
         name="mlp_small", dataset="half_moons", sizes=(2, 32, 32, 2), batch=32, n_batches=16,
         learning_rate=0.1, seed=1, parity_steps=20, warmup_steps=50, timed_steps=2000,
-        rounds=5,
+        rounds=10,
     ),
     "mlp_wide": Workload(
         name="mlp_wide", dataset="gaussian_classes", sizes=(256, 1024, 1024, 10), batch=256,
         n_batches=8, learning_rate=0.01, seed=2, parity_steps=20, warmup_steps=5,
-        timed_steps=100, rounds=5,
+        timed_steps=100, rounds=20,
     ),
 }
 

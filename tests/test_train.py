@@ -12,6 +12,7 @@ import torch
 
 import ocannl.tensor as T
 from ocannl import Context, Precision, datasets, nn_blocks, train
+from ocannl.ir.lowering import Gemm, lower
 
 TOL = {Precision.f32: 1e-5, Precision.f64: 1e-10}
 TORCH_DTYPE = {Precision.f32: torch.float32, Precision.f64: torch.float64}
@@ -103,7 +104,6 @@ SGD_VARIANTS = {
     "momentum": {"momentum": 0.9},
     "nesterov": {"momentum": 0.9, "nesterov": True},
     "weight_decay": {"momentum": 0.5, "weight_decay": 0.01},
-    "plain_weight_decay": {"weight_decay": 0.05},
 }
 
 
@@ -261,6 +261,48 @@ def test_optimizer_argument_errors():
 
 
 @pytest.mark.parametrize("prec", ["f16", "bf16"])
+def test_16_bit_param_gradients_are_the_rounded_f32_gradients(prec):
+    """With 16-bit weights and f32 inputs the arithmetic runs in f32 and each gradient is
+    rounded once when stored: torch's f32 gradients from the same (16-bit) weights, to within
+    the 16-bit rounding. The sizes send the wide products, forward and backward, to BLAS
+    through f32 scratch buffers."""
+    eps = {"f16": 2.0 ** -11, "bf16": 2.0 ** -8}[prec]
+    xs, labels = datasets.gaussian_classes(64, 8, 3, seed=6)
+    x = T.term(xs, label="x")
+    y = T.term(datasets.one_hot(labels, 3), label="y")
+    logits, layers = nn_blocks.mlp(x, [48, 64], 3, prec=prec)
+    loss = nn_blocks.softmax_cross_entropy(logits, y)
+    ctx = Context.cpu()
+    rng = np.random.default_rng(6)
+    torch_params = []
+    for w, b in layers:
+        for p in (w, b):
+            ctx.set_values(p, rng.uniform(-0.4, 0.4, p.dims))
+            stored = ctx.get_values(p).astype(np.float32)  # the 16-bit values, widened
+            torch_params.append(torch.tensor(stored, requires_grad=True))
+    step = train.grad_update(loss)
+    gemms = [g for g in lower(step) if isinstance(g, Gemm)]
+    assert any(v.node.prec.is_narrow for g in gemms for v in (g.a, g.b))
+    assert any(g.assign.lhs.prec.is_narrow for g in gemms)  # a weight gradient
+    ctx, r = ctx.compile(step)
+    ctx.run(r)
+    h = torch.tensor(xs)
+    for k in range(len(layers)):
+        w, b = torch_params[2 * k], torch_params[2 * k + 1]
+        h = h @ w.T + b
+        if k < len(layers) - 1:
+            h = torch.relu(h)
+    t_loss = torch.nn.functional.cross_entropy(h, torch.tensor(labels))
+    t_loss.backward()
+    _assert_close(ctx.get_values(loss), t_loss.item(), 1e-5, "loss")
+    params = [p for wb in layers for p in wb]
+    for p, tp in zip(params, torch_params, strict=True):
+        got = ctx.get_values(p.grad)
+        assert got.dtype == Precision(prec).numpy_dtype
+        _assert_close(got.astype(np.float32), tp.grad.numpy(), eps + 1e-5, f"grad {p.label}")
+
+
+@pytest.mark.parametrize("prec", ["f16", "bf16"])
 def test_mlp_with_16_bit_params_trains_on_cpu(prec):
     T.set_seed(0)
     xs, labels = datasets.half_moons(128, seed=1)
@@ -278,10 +320,10 @@ def test_mlp_with_16_bit_params_trains_on_cpu(prec):
         ctx.run(r)
         losses.append(float(ctx.get_values(loss)))
     assert all(math.isfinite(v) for v in losses)
-    assert np.mean(losses[-10:]) < 0.6 * losses[0], losses[::10]
+    assert np.mean(losses[-10:]) < 0.25 * losses[0], losses[::10]
     w = ctx.get_values(layers[0][0])
     assert w.dtype == Precision(prec).numpy_dtype and np.isfinite(w.astype(np.float32)).all()
     mom = ctx.get_values(train.optimizer_state(layers[0][0], "momentum"))
     assert mom.dtype == Precision(prec).numpy_dtype
     pred = np.argmax(ctx.get_values(logits).astype(np.float32), axis=1)
-    assert (pred == labels).mean() > 0.8
+    assert (pred == labels).mean() >= 0.95

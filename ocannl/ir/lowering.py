@@ -18,7 +18,7 @@ from ocannl.ir.tnode import Tnode
 
 # Below this many multiply-adds a GEMM-shaped assignment stays a loop nest: the call into
 # BLAS costs more than the arithmetic.
-GEMM_MIN_FLOPS = 16384
+GEMM_MIN_FLOPS = 2048
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,8 @@ def _run(comp: Comp, inputs: dict[Tnode, np.ndarray], *, allow_gemm: bool,
     nodes = nodes_of(code)
     bufs = {n.id: backend.alloc(n) for n in nodes}
     for n, v in {**(initial or {}), **inputs}.items():
-        backend.write(n, bufs[n.id], np.asarray(v, n.prec.numpy_dtype).reshape(-1))
+        if n.id in bufs:  # (initial values may be given for nodes the code does not touch)
+            backend.write(n, bufs[n.id], np.asarray(v, n.prec.numpy_dtype).reshape(-1))
     fn, _ = backend.compile(comp.label, code, nodes)
     fn(*(bufs[n.id] for n in nodes))
     return {n.id: backend.read(n, bufs[n.id]).reshape(n.dims) for n in nodes}
@@ -133,6 +134,82 @@ def test_constants_and_narrow_targets():
     assert float(out[z.id]) == 300.0
 
 
+# --- dropping and fusing fills ----------------------------------------------------------------
+
+
+def _fill(node: Tnode, value: float) -> Accum:
+    return Accum(node, tuple(range(len(node.dims))), "=", Const(value), node.dims)
+
+
+def test_fills_lower_to_fill_items():
+    y = _node("y", (2, 3))
+    assert lower(Comp((_fill(y, 1.5),))) == [Fill(y, 1.5)]
+    out = _run(Comp((_fill(y, 1.5),)), {}, allow_gemm=True, initial={y: np.full((2, 3), 9.0)})
+    np.testing.assert_array_equal(out[y.id], np.full((2, 3), 1.5))
+
+
+def _fusion_case(case: str):
+    """A zero (or other) fill of ``y`` followed by a use; the expected final ``y`` when every
+    buffer starts out holding garbage (7), and whether the fill must stay (None: either)."""
+    x, y, z = _node("x", (3, 4)), _node("y", (3,)), _node("z", (3,))
+    xv = np.arange(12, dtype=np.float32).reshape(3, 4) - 5
+    row_sum = xv.sum(axis=1)
+    add_rows = Accum(y, (0,), "+", Get(x, (0, 1)), (3, 4))  # y[i] += sum_j x[i, j]
+    cases = {
+        # zero fill then a covering += that does not read y: becomes one reset accumulation
+        "fused": ([_fill(y, 0.0), add_rows], row_sum, False),
+        # a fill of another value must stay
+        "nonzero": ([_fill(y, 1.0), add_rows], row_sum + 1, True),
+        # the accumulation reads y itself: y[i] += y[i] * x[i, j] needs the zeros first
+        "self_read": ([_fill(y, 0.0), Accum(y, (0,), "+", apply("mul", Get(y, (0,)),
+                                                                  Get(x, (0, 1))), (3, 4))],
+                      np.zeros(3), True),
+        # y is read (into z) before it is accumulated into
+        "read_first": ([_fill(y, 0.0), Accum(z, (0,), "=", Get(y, (0,)), (3,)), add_rows],
+                       row_sum, True),
+        # overwritten whole by a pointwise "=": a dead fill
+        "overwritten": ([_fill(y, 3.0), Accum(y, (0,), "=", Get(x, (0, Fixed(2))), (3,))],
+                        xv[:, 2], False),
+        # "=" over a reduction space: the last write wins (whether the fill stays is free)
+        "last_write": ([_fill(y, 0.0), Accum(y, (0,), "=", Get(x, (0, 1)), (3, 4))],
+                       xv[:, 3], None),
+        # a non-covering += (one fixed cell) must keep the fill for the other cells
+        "partial": ([_fill(y, 0.0), Accum(y, (Fixed(1),), "+", Get(x, (Fixed(1), 0)), (4,))],
+                    np.array([0, row_sum[1], 0]), True),
+    }
+    code, want, fill_kept = cases[case]
+    return Comp(tuple(code)), x, xv, y, z, want, fill_kept
+
+
+@pytest.mark.parametrize("case", ["fused", "nonzero", "self_read", "read_first", "overwritten",
+                                  "last_write", "partial"])
+def test_fills_are_dropped_only_when_dead(case):
+    comp, x, xv, y, z, want, fill_kept = _fusion_case(case)
+    code = lower(comp)
+    fills = [it for it in code if isinstance(it, Fill) and it.node is y]
+    if fill_kept is not None:
+        assert bool(fills) == fill_kept, code
+    if case == "fused":
+        [nest] = code
+        assert isinstance(nest, LoopNest) and nest.assign.reset
+    garbage = {n: np.full(n.dims, 7.0) for n in (y, z)}
+    out = _run(comp, {x: xv}, allow_gemm=True, initial=garbage)
+    np.testing.assert_array_equal(out[y.id], want)
+    if case == "read_first":
+        np.testing.assert_array_equal(out[z.id], np.zeros(3))
+
+
+def test_zeroed_gradients_are_written_once():
+    """In a gradient update, a gradient's zero fill fuses into its first accumulation."""
+    x = T.term(np.ones((4, 3)), label="x")
+    w = T.param("w", output_dims=(2,))
+    loss = T.sum(T.tanh(w @ x))
+    code = lower(train.grad_update(loss))
+    assert not any(isinstance(it, Fill) and it.node is w.grad for it in code)
+    writes = [it for it in code if not isinstance(it, Fill) and it.assign.lhs is w.grad]
+    assert writes and writes[0].assign.reset
+
+
 # --- GEMM recognition -------------------------------------------------------------------------
 
 
@@ -184,6 +261,39 @@ def test_transposed_operands_and_swapped_result():
     out = _run(Comp((acc, acc2)), {a: av, b: bv}, allow_gemm=True)
     np.testing.assert_allclose(out[c.id], (av.T @ bv.T).T, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(out[c2.id], av.T @ bv.T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("reset", [True, False], ids=["reset", "accumulate"])
+@pytest.mark.parametrize("prec", [Precision.f16, Precision.bf16, Precision.f64],
+                         ids=lambda p: p.value)
+def test_gemms_at_every_precision(prec, reset):
+    """A GEMM whose operands and target are 16-bit goes through f32 scratch: the product is
+    the f32 product of the stored values, added to the target's old values when accumulating,
+    rounded once into the target. Mixed operands (an f32 matrix times a 16-bit one) too."""
+    m, k, n = 32, 24, 40
+    a, b = _node("a", (k, m), prec), _node("b", (k, n), Precision.f32)
+    c = _node("c", (m, n), prec)
+    # c[i, j] (+)= a[l, i] * b[l, j]: a transposed
+    acc = Accum(c, (0, 1), "+", apply("mul", Get(a, (2, 0)), Get(b, (2, 1))), (m, n, k),
+                reset=reset)
+    [g] = lower(Comp((acc,)))
+    assert isinstance(g, Gemm) and g.a.node is a and g.a.transposed
+    rng = np.random.default_rng(9)
+    dt = prec.numpy_dtype
+    av = rng.normal(size=(k, m)).astype(dt)
+    bv = rng.normal(size=(k, n)).astype(np.float32)
+    c0 = rng.normal(size=(m, n)).astype(dt)
+    out = _run(Comp((acc,)), {a: av, b: bv}, allow_gemm=True, initial={c: c0})[c.id]
+    assert out.dtype == dt
+    want = av.astype(np.float64).T @ bv.astype(np.float64)
+    if not reset:
+        want = want + c0.astype(np.float64)
+    if prec is Precision.f64:
+        np.testing.assert_allclose(out, want, rtol=1e-12, atol=1e-12)
+    else:
+        eps = 2.0 ** -11 if prec is Precision.f16 else 2.0 ** -8
+        err = np.abs(out.astype(np.float64) - want)
+        assert np.all(err <= eps * np.abs(want) + 1e-5 * np.abs(want).max())
 
 
 def test_grouped_axes_are_one_matrix_dimension():
@@ -239,7 +349,7 @@ def test_matmul_backprop_lowers_to_gemms_and_the_source_calls_blas():
     assert len(gemms) == 5
     lhs = {g.assign.lhs.id for g in gemms}
     assert {w1.grad.id, w2.grad.id} <= lhs
-    src = emit_source(code, nodes_of(code))
+    src, _ = emit_source(code, nodes_of(code))
     assert src.count("np.dot(") == 5
     assert "@njit(cache=True" in src
 
@@ -252,7 +362,7 @@ def test_sources_name_buffers_by_position():
     assert emit_source(code1, nodes_of(code1)) == emit_source(code2, nodes_of(code2))
     acc3, *_ = _matmul(5, 6, 8)
     code3 = lower(Comp((acc3,)))
-    assert emit_source(code3, nodes_of(code3)) != emit_source(code1, nodes_of(code1))
+    assert emit_source(code3, nodes_of(code3))[0] != emit_source(code1, nodes_of(code1))[0]
 
 
 # --- any contraction computes what einsum computes, as a GEMM or as loops ----------------------

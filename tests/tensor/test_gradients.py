@@ -3,6 +3,7 @@ shapes and values: relative 1e-5 at f32, 1e-10 at f64 (see ``torch_oracle``)."""
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import numpy as np
@@ -25,8 +26,31 @@ import ocannl.tensor as T
 from ocannl import Precision
 from ocannl.tensor import Shape
 
-SETTINGS = settings(max_examples=6, deadline=None)
 ids = {"ids": lambda p: p.value}
+
+
+def drawn(f32: int = 6, f64: int = 3):
+    """Run the test on ``f32`` (or ``f64``, by its ``prec`` argument) hypothesis examples, each
+    drawing from ``data``. f64 runs fewer: they check the same code at another precision, and
+    every example compiles a routine."""
+    count = {Precision.f32: f32, Precision.f64: f64}
+
+    def deco(body):
+        def test(**kwargs):
+            @settings(max_examples=count[kwargs["prec"]], deadline=None)
+            @given(data=st.data())
+            def run(data):
+                body(data=data, **kwargs)
+
+            run()
+
+        sig = inspect.signature(body)
+        test.__signature__ = sig.replace(parameters=[
+            p for name, p in sig.parameters.items() if name != "data"])
+        test.__name__, test.__doc__ = body.__name__, body.__doc__
+        return test
+
+    return deco
 
 # --- pointwise binary ops with broadcasting ---------------------------------------------------
 
@@ -40,8 +64,7 @@ BINARY = {
 
 @pytest.mark.parametrize("prec", PRECS, **ids)
 @pytest.mark.parametrize("op", list(BINARY))
-@SETTINGS
-@given(data=st.data())
+@drawn()
 def test_binary_op_gradients(op, prec, data):
     result = data.draw(shapes(), label="result shape")
     sa = data.draw(broadcast_operand(result), label="a shape")
@@ -85,8 +108,7 @@ UNARY = {  # ocannl, torch, the domain drawn from
 
 @pytest.mark.parametrize("prec", PRECS, **ids)
 @pytest.mark.parametrize("op", list(UNARY))
-@SETTINGS
-@given(data=st.data())
+@drawn()
 def test_unary_op_gradients(op, prec, data):
     fn, torch_fn, (lo, hi) = UNARY[op]
     shape = data.draw(shapes(), label="shape")
@@ -109,8 +131,7 @@ POWERS = [(2.0, True), (3.0, True), (-1.0, True), (0.5, False), (-1.5, False), (
 
 @pytest.mark.parametrize("prec", PRECS, **ids)
 @pytest.mark.parametrize(("c", "signed"), POWERS)
-@settings(max_examples=3, deadline=None)
-@given(data=st.data())
+@drawn(f32=3, f64=2)
 def test_pow_by_constant_gradients(c, signed, prec, data):
     shape = data.draw(shapes(), label="shape")
     av = data.draw(values(shape.dims, 0.2, 3.0, nonzero=signed), label="a")
@@ -153,8 +174,7 @@ def matmul_shapes(draw):
 
 
 @pytest.mark.parametrize("prec", PRECS, **ids)
-@SETTINGS
-@given(data=st.data())
+@drawn()
 def test_matmul_gradients(prec, data):
     """``a @ b`` with broadcast batch rows, multi-axis (or no) contracted axes, and b's input
     axes carried to the result."""
@@ -169,8 +189,7 @@ def test_matmul_gradients(prec, data):
 
 
 @pytest.mark.parametrize("prec", PRECS, **ids)
-@SETTINGS
-@given(data=st.data())
+@drawn()
 def test_param_input_dims_are_inferred_at_first_matmul(prec, data):
     """A parameter created with only output dims takes its input axes from the right operand's
     output axes; the weight is laid out (out, in) as torch.nn.Linear's."""
@@ -238,8 +257,7 @@ def _operand_dims(spec: str, extent: dict[str, int]) -> list[Shape]:
 
 @pytest.mark.parametrize("prec", PRECS, **ids)
 @pytest.mark.parametrize(("spec", "equation"), EINSUMS)
-@settings(max_examples=3, deadline=None)
-@given(data=st.data())
+@drawn(f32=3, f64=2)
 def test_einsum_gradients(spec, equation, prec, data):
     letters = sorted(set(equation) - set(",->"))
     extent = dict(zip(letters, data.draw(st.lists(st.integers(1, 4), min_size=len(letters),
@@ -286,8 +304,7 @@ def _torch_reduce(kind: str, x: torch.Tensor, axes: list[int]) -> torch.Tensor:
 
 @pytest.mark.parametrize("prec", PRECS, **ids)
 @pytest.mark.parametrize("kind", ["sum", "mean", "max"])
-@SETTINGS
-@given(data=st.data())
+@drawn()
 def test_reduction_gradients(kind, prec, data):
     """Reductions over all axes, a row, or chosen positions. ``max`` values are distinct (on
     ties ocannl routes the gradient to every maximal element, torch splits it)."""
@@ -323,7 +340,7 @@ CASTS = [(Precision.f32, Precision.f64), (Precision.f64, Precision.f32),
 
 
 @pytest.mark.parametrize(("src", "dst"), CASTS, ids=lambda p: p.value)
-@SETTINGS
+@settings(max_examples=5, deadline=None)
 @given(data=st.data())
 def test_cast_gradients(src, dst, data):
     """A cast rounds the value to nearest even and passes the gradient back, itself rounded
@@ -352,8 +369,7 @@ def test_cast_gradients(src, dst, data):
 
 
 @pytest.mark.parametrize("prec", PRECS, **ids)
-@SETTINGS
-@given(data=st.data())
+@drawn(f32=4, f64=2)
 def test_shared_subexpressions(prec, data):
     shape = data.draw(shapes(batch=1, output=2, inp=0), label="shape")
     av = data.draw(values(shape.dims, 0.5, 2.0), label="a")
