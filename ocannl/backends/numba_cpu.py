@@ -23,6 +23,7 @@ from numba import types as numba_types
 from ocannl.backends import numba_prims
 from ocannl.backends.base import host_to_storage, storage_to_host
 from ocannl.backends.emit import Flavour, float_literal, nest_body
+from ocannl.ir.assignments import Fixed, reads
 from ocannl.ir.lowering import Fill, Gemm, LoopNest, Lowered, MatrixView
 from ocannl.ir.ops import Precision
 from ocannl.ir.tnode import Tnode
@@ -123,26 +124,54 @@ class _Writer:
         return self.scratch.setdefault((size, role), f"s{len(self.scratch)}")
 
 
-def _loop_nest(w: _Writer, f: NumbaFlavour, nest: LoopNest) -> None:
+def _par_order(nest: LoopNest) -> list[int]:
+    """Parallel loops follow the lhs axis order so the innermost store is contiguous."""
+    return list(dict.fromkeys(i for i in nest.assign.lhs_idx if isinstance(i, int)))
+
+
+def _fusable(group: list[LoopNest], nxt: LoopNest) -> bool:
+    """Whether ``nxt`` can run inside ``group``'s loops, point by point, with the same result:
+    same pointwise space, and every buffer the group writes is read by ``nxt`` only at the
+    point being written (and ``nxt``'s target is not read by the group at all)."""
+    first = group[0]
+    b = nxt.assign
+    if nxt.red or b.space != first.assign.space or _par_order(nxt) != _par_order(first):
+        return False
+    if any(isinstance(i, Fixed) for i in b.lhs_idx):
+        return False
+    written = {m.assign.lhs.id: m.assign.lhs_idx for m in group}
+    if b.lhs.id in written:
+        return False
+    for g in reads(b.expr):
+        if g.node.id in written and g.idx != written[g.node.id]:
+            return False
+    return not any(g.node is b.lhs for m in group for g in reads(m.assign.expr))
+
+
+def _loop_nests(w: _Writer, f: NumbaFlavour, group: list[LoopNest]) -> None:
+    """One loop nest running the bodies of ``group`` (a single nest, or fused pointwise ones)."""
+    nest = group[0]
     a = nest.assign
-    # Parallel loops follow the lhs axis order so the innermost store is contiguous.
-    par = list(dict.fromkeys(i for i in a.lhs_idx if isinstance(i, int)))
+    par = _par_order(nest)
     iters = {i: f"i{i}" for i in range(len(a.space))}
-    body = nest_body(a, bool(nest.red), f, iters)
+    bodies = [nest_body(m.assign, bool(m.red), f, iters) for m in group]
     base = w.depth
     for i in par:
         w.line(f"for {iters[i]} in range({a.space[i]}):")
         w.depth += 1
-    for s in body.init:
-        w.line(s)
+    for body in bodies:
+        for s in body.init:
+            w.line(s)
     for i in nest.red:
         w.line(f"for {iters[i]} in range({a.space[i]}):")
         w.depth += 1
-    for s in body.inner:
-        w.line(s)
+    for body in bodies:
+        for s in body.inner:
+            w.line(s)
     w.depth = base + len(par)
-    for s in body.final:
-        w.line(s)
+    for body in bodies:
+        for s in body.final:
+            w.line(s)
     w.depth = base
 
 
@@ -194,13 +223,22 @@ def emit_source(code: list[Lowered], nodes: list[Tnode]) -> tuple[str, list[int]
     before the nodes' buffers in order."""
     f = NumbaFlavour(nodes)
     w = _Writer()
+    group: list[LoopNest] = []
     for item in code:
+        if isinstance(item, LoopNest) and group and not group[0].red and _fusable(group, item):
+            group.append(item)
+            continue
+        if group:
+            _loop_nests(w, f, group)
+            group = []
         if isinstance(item, Fill):
             _fill(w, f, item)
         elif isinstance(item, Gemm):
             _gemm(w, f, item)
         else:
-            _loop_nest(w, f, item)
+            group = [item]
+    if group:
+        _loop_nests(w, f, group)
     if not code:
         w.line("return")
     params = ", ".join([*w.scratch.values(), *(f.buffer(n) for n in nodes)])
