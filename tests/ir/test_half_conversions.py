@@ -13,6 +13,7 @@ import warnings
 import ml_dtypes
 import numpy as np
 import pytest
+from numba import njit
 
 import ocannl.tensor as T
 from ocannl import Context, Precision
@@ -22,8 +23,18 @@ ALL_BITS = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
 DTYPES = {"f16": np.dtype(np.float16), "bf16": np.dtype(ml_dtypes.bfloat16)}
 WIDEN = {"f16": P.widen_f16, "bf16": P.widen_bf16}
 NARROW = {"f16": P.narrow_f16, "bf16": P.narrow_bf16}
-TO_F32 = {"f16": P.f16_to_f32, "bf16": P.bf16_to_f32}
-FROM_F32 = {"f16": P.f32_to_f16, "bf16": P.f32_to_bf16}
+# The scalar conversions the generated code calls; the hardware f16 ones are intrinsics, usable
+# only inside compiled code, hence the njit wrappers. The software f16 ones are checked too.
+TO_F32 = {
+    "f16": njit(lambda h: P.f16_to_f32(h)),
+    "f16_soft": P.f16_to_f32_soft,
+    "bf16": P.bf16_to_f32,
+}
+FROM_F32 = {
+    "f16": njit(lambda x: P.f32_to_f16(x)),
+    "f16_soft": P.f32_to_f16_soft,
+    "bf16": P.f32_to_bf16,
+}
 
 
 def _oracle_narrow(kind: str, values: np.ndarray) -> np.ndarray:
@@ -168,3 +179,34 @@ def test_cast_routine_widens_like_the_oracle(kind):
     got = ctx.get_values(y)
     want = ALL_BITS.view(DTYPES[kind]).astype(np.float32)
     _assert_same_bits(got.view(np.uint32), want.view(np.uint32), ALL_BITS, f"cast {kind}->f32")
+
+
+@njit
+def _soft_widen(bits: np.ndarray) -> np.ndarray:
+    out = np.empty(bits.size, np.float32)
+    for i in range(bits.size):
+        out[i] = P.f16_to_f32_soft(bits[i])
+    return out
+
+
+@njit
+def _soft_narrow(values: np.ndarray) -> np.ndarray:
+    out = np.empty(values.size, np.uint16)
+    for i in range(values.size):
+        out[i] = P.f32_to_f16_soft(values[i])
+    return out
+
+
+def test_software_f16_conversions_match_numpy_exhaustively():
+    """The integer-only f16 path (used where the CPU has no conversion instructions) is exact
+    too: every pattern widens as NumPy's does, and narrows back, and random f32 patterns
+    narrow as NumPy's cast does."""
+    widened = _soft_widen(ALL_BITS)
+    want = ALL_BITS.view(np.float16).astype(np.float32)
+    np.testing.assert_array_equal(widened.view(np.uint32), want.view(np.uint32))
+    np.testing.assert_array_equal(_soft_narrow(want), ALL_BITS)
+    rng = np.random.default_rng(99)
+    raw = rng.integers(0, 1 << 32, 1 << 18, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    with np.errstate(over="ignore"):
+        oracle = raw.astype(np.float16).view(np.uint16)
+    np.testing.assert_array_equal(_soft_narrow(raw), oracle)
