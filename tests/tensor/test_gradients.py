@@ -52,6 +52,7 @@ def drawn(f32: int = 6, f64: int = 3):
 
     return deco
 
+
 # --- pointwise binary ops with broadcasting ---------------------------------------------------
 
 BINARY = {
