@@ -9,11 +9,13 @@ buffers are read by the routine, never folded into its code.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from ocannl.context import Context, Routine
 from ocannl.ir.assignments import Accum, Comp, Const, Expr, Fixed, Get, apply
 from ocannl.ir.ops import Precision
 from ocannl.ir.tnode import Tnode
+from ocannl.tensor.shape import Shape
 from ocannl.tensor.tensor import Tensor, copy_into
 
 Scalar = float | Tensor
@@ -114,8 +116,6 @@ def grad_checksum(loss: Tensor) -> tuple[Tensor, Comp]:
     It sums ``g * 0`` over every gradient element: 0 for finite values (so it never overflows),
     NaN for an infinity or a NaN.
     """
-    from ocannl.tensor.shape import Shape
-
     flag = Tensor(Tnode(f"checksum_{loss.label}", (), Precision.f32), Shape(), kind="op",
                   differentiable=False)
     code = [copy_into(flag.value, Const(0.0))]
@@ -138,7 +138,7 @@ def to_routine(ctx: Context, comp: Comp, bindings: dict | None = None) -> tuple[
     return ctx.compile(comp, bindings)
 
 
-def sequential_loop(n: int, body: callable) -> None:
+def sequential_loop(n: int, body: Callable[[int], object]) -> None:
     """Run ``body(i)`` for ``i`` in ``0 .. n-1`` (OCANNL's loop over a static index)."""
     for i in range(n):
         body(i)
