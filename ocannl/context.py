@@ -162,7 +162,10 @@ class Context:
 
     def get_value(self, t: Any, idx: tuple[int, ...] | None = None) -> float:
         node = _as_node(t)
-        return float(self.get_values(node).reshape(-1)[self._flat_index(node, idx)])
+        buf = self._buffer(node)
+        pos = self._flat_index(node, idx)
+        # Read one element, not the whole buffer: the host gate does this every step.
+        return float(self._backend.read(node, buf[pos:pos + 1])[0])
 
     @staticmethod
     def _flat_index(node: Tnode, idx: tuple[int, ...] | None) -> int:

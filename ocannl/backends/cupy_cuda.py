@@ -105,6 +105,9 @@ class CudaFlavour(Flavour):
     such as ``pow(double, float)`` would otherwise be ambiguous. Locals are ``auto``."""
 
     name = "c"
+    widen = _WIDEN
+    narrow = _NARROW
+    end = ";"
 
     def __init__(self, nodes: list[Tnode], compute: Precision = Precision.f32) -> None:
         super().__init__(nodes)
@@ -129,23 +132,13 @@ class CudaFlavour(Flavour):
         return f"({text})" if text.startswith("-") else text
 
     def load(self, node: Tnode, offset: str) -> str:
-        ref = f"{self.buffer(node)}[{offset}]"
-        if node.prec.is_narrow:
-            ref = f"{_WIDEN[node.prec]}({ref})"
+        ref = super().load(node, offset)
         if node.prec.compute is not self.compute:
             ref = f"(({_CTYPE[self.compute]}){ref})"
         return ref
 
-    def store(self, node: Tnode, offset: str, value: str) -> str:
-        if node.prec.is_narrow:
-            value = f"{_NARROW[node.prec]}({value})"
-        return f"{self.buffer(node)}[{offset}] = {value};"
-
     def declare(self, name: str, value: str, compute: Precision) -> str:
         return f"auto {name} = {value};"
-
-    def assign(self, name: str, value: str) -> str:
-        return f"{name} = {value};"
 
 
 # --- launch plans -------------------------------------------------------------------------------

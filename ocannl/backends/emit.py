@@ -30,21 +30,29 @@ class Flavour:
     def buffer(self, node: Tnode) -> str:
         return self.names[node.id]
 
+    # Per language: the functions converting 16-bit storage to f32 and back, the statement end.
+    widen: dict[Precision, str]
+    narrow: dict[Precision, str]
+    end: str = ""
+
     def literal(self, value: float, compute: Precision) -> str:
         raise NotImplementedError
 
     def load(self, node: Tnode, offset: str) -> str:
-        raise NotImplementedError
+        ref = f"{self.buffer(node)}[{offset}]"
+        return f"{self.widen[node.prec]}({ref})" if node.prec.is_narrow else ref
 
     def store(self, node: Tnode, offset: str, value: str) -> str:
-        raise NotImplementedError
+        if node.prec.is_narrow:
+            value = f"{self.narrow[node.prec]}({value})"
+        return f"{self.buffer(node)}[{offset}] = {value}{self.end}"
 
     def declare(self, name: str, value: str, compute: Precision) -> str:
         """A statement binding a fresh local to a value."""
         raise NotImplementedError
 
     def assign(self, name: str, value: str) -> str:
-        raise NotImplementedError
+        return f"{name} = {value}{self.end}"
 
 
 def offset(node: Tnode, idx: Projection, iters: dict[int, str]) -> str:

@@ -74,6 +74,8 @@ def cache_dir() -> Path:
 
 class NumbaFlavour(Flavour):
     name = "py"
+    widen = _WIDEN
+    narrow = _NARROW
 
     def __init__(self, nodes: list[Tnode]) -> None:
         super().__init__(nodes)
@@ -88,19 +90,7 @@ class NumbaFlavour(Flavour):
         typed = f"{_NP[compute]}({text})"
         return self.constants.setdefault(typed, f"k{len(self.constants)}")
 
-    def load(self, node: Tnode, offset: str) -> str:
-        ref = f"{self.buffer(node)}[{offset}]"
-        return f"{_WIDEN[node.prec]}({ref})" if node.prec.is_narrow else ref
-
-    def store(self, node: Tnode, offset: str, value: str) -> str:
-        if node.prec.is_narrow:
-            value = f"{_NARROW[node.prec]}({value})"
-        return f"{self.buffer(node)}[{offset}] = {value}"
-
     def declare(self, name: str, value: str, compute: Precision) -> str:
-        return f"{name} = {value}"
-
-    def assign(self, name: str, value: str) -> str:
         return f"{name} = {value}"
 
 
