@@ -137,7 +137,7 @@ class Context:
                 f"set_values on {node.name}: got {arr.size} values (shape {arr.shape}), "
                 f"expected {node.size} (dims {node.dims})"
             )
-        return arr.reshape(-1).astype(node.prec.numpy_dtype)
+        return arr.reshape(-1)  # the backend rounds to the node's precision as it writes
 
     def set_values(self, t: Any, values: Any) -> Context:
         """Write host values into the node's buffer in place, allocating it if absent."""

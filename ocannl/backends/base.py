@@ -20,7 +20,8 @@ class Backend(Protocol):
         """A zero-filled flat buffer for the node, in its storage dtype."""
 
     def write(self, node: Tnode, buf: Buffer, host: np.ndarray) -> None:
-        """Copy host values (already in the node's host dtype, flat) into the buffer in place."""
+        """Copy flat host values of any numeric dtype into the buffer in place, rounding them
+        to the node's precision."""
 
     def read(self, node: Tnode, buf: Buffer) -> np.ndarray:
         """The buffer's values as a flat host array of the node's host dtype."""

@@ -21,7 +21,7 @@ import numpy as np
 from numba import types as numba_types
 
 from ocannl.backends import numba_prims
-from ocannl.backends.base import host_to_storage, storage_to_host
+from ocannl.backends.base import storage_to_host
 from ocannl.backends.emit import Flavour, float_literal, nest_body
 from ocannl.ir.assignments import Fixed, reads
 from ocannl.ir.lowering import Fill, Gemm, LoopNest, Lowered, MatrixView
@@ -247,7 +247,9 @@ class NumbaCpuBackend:
         return np.zeros(node.size, dtype=node.prec.storage_dtype)
 
     def write(self, node: Tnode, buf: np.ndarray, host: np.ndarray) -> None:
-        buf[:] = host_to_storage(node, host)
+        # One pass, rounding once (NumPy's casts are round-to-nearest-even, f64 -> f16 direct).
+        target = buf.view(node.prec.numpy_dtype) if node.prec.is_narrow else buf
+        np.copyto(target, host, casting="unsafe")
 
     def read(self, node: Tnode, buf: np.ndarray) -> np.ndarray:
         return storage_to_host(node, buf).copy()
