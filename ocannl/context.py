@@ -8,6 +8,7 @@ buffers, so a host-side change reaches every routine without recompiling.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ class Routine:
     nodes: tuple[Tnode, ...]
     buffers: tuple[Buffer, ...]
     owner: int  # id of the buffer table it is bound to
+    call: Callable[[], None]  # runs the code on the bound buffers
 
     def __repr__(self) -> str:
         return f"Routine({self.label!r}, {len(self.nodes)} buffers)"
@@ -100,12 +102,14 @@ class Context:
         if fresh:
             self.compile_count += 1
         bufs = tuple(self._buffers[n.id][1] for n in nodes)
-        return self, Routine(comp.label, fn, tuple(nodes), bufs, id(self._buffers))
+        bind = getattr(fn, "bind", None)
+        call = bind(bufs) if bind is not None else functools.partial(fn, *bufs)
+        return self, Routine(comp.label, fn, tuple(nodes), bufs, id(self._buffers), call)
 
     def run(self, routine: Routine) -> Context:
         if routine.owner != id(self._buffers):
             raise ValueError(f"{routine!r} was compiled by another context")
-        routine.fn(*routine.buffers)
+        routine.call()
         return self
 
     # --- buffers ------------------------------------------------------------------------------

@@ -209,3 +209,23 @@ def fill(buf, value):
     """A call to one compiled loop: cheaper to compile into a routine than an inlined loop."""
     for i in range(buf.size):
         buf[i] = value
+
+
+def _pointer_intrinsic(ty: types.Type):
+    @intrinsic
+    def as_pointer(typingctx, addr):  # noqa: ARG001 - numba intrinsic signature
+        """An integer address as a typed pointer, for ``numba.carray`` in an entry point."""
+        if not isinstance(addr, types.Integer):
+            return None
+
+        def codegen(context, builder, signature, args):
+            return builder.inttoptr(args[0], context.get_value_type(types.CPointer(ty)))
+
+        return types.CPointer(ty)(addr), codegen
+
+    return as_pointer
+
+
+ptr_f64 = _pointer_intrinsic(types.float64)
+ptr_f32 = _pointer_intrinsic(types.float32)
+ptr_u16 = _pointer_intrinsic(types.uint16)
