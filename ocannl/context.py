@@ -8,7 +8,6 @@ buffers, so a host-side change reaches every routine without recompiling.
 
 from __future__ import annotations
 
-import functools
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -102,8 +101,7 @@ class Context:
         if fresh:
             self.compile_count += 1
         bufs = tuple(self._buffers[n.id][1] for n in nodes)
-        bind = getattr(fn, "bind", None)
-        call = bind(bufs) if bind is not None else functools.partial(fn, *bufs)
+        call = self._backend.bind(fn, bufs)
         return self, Routine(comp.label, fn, tuple(nodes), bufs, id(self._buffers), call)
 
     def run(self, routine: Routine) -> Context:

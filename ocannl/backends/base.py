@@ -26,6 +26,9 @@ class Backend(Protocol):
     def read(self, node: Tnode, buf: Buffer) -> np.ndarray:
         """The buffer's values as a flat host array of the node's host dtype."""
 
+    def bind(self, compiled: Callable, buffers: tuple[Buffer, ...]) -> Callable[[], None]:
+        """A callable running the compiled code on these buffers (bound once, run often)."""
+
     def compile(self, label: str, code: list[Lowered], nodes: list[Tnode]) -> tuple[Callable, bool]:
         """A callable taking the nodes' buffers in order and running the code once, and
         whether it was compiled anew (False: reused from the in-process cache)."""

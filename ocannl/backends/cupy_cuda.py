@@ -17,6 +17,7 @@ with NVRTC (:mod:`ocannl.backends.nvrtc`) on a machine with no GPU.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import warnings
@@ -701,6 +702,9 @@ class CupyCudaBackend:
         if node.prec.is_narrow:
             host = host.view(np.uint16)
         return storage_to_host(node, host).copy()
+
+    def bind(self, compiled: Callable, buffers: tuple[Any, ...]) -> Callable[[], None]:
+        return functools.partial(compiled, *buffers)
 
     def compile(self, label: str, code: list[Lowered], nodes: list[Tnode]) -> tuple[Callable, bool]:
         use_cublas = self._dev.cublas is not None

@@ -267,6 +267,9 @@ class NumbaCpuBackend:
     def read(self, node: Tnode, buf: np.ndarray) -> np.ndarray:
         return storage_to_host(node, buf).copy()
 
+    def bind(self, compiled: CompiledRoutine, buffers: tuple) -> Callable[[], None]:
+        return compiled.bind(buffers)
+
     def compile(self, label: str, code: list[Lowered], nodes: list[Tnode]) -> tuple[Callable, bool]:
         source, scratch = emit_source(code, nodes)
         key = hashlib.sha256(source.encode()).hexdigest()[:24]

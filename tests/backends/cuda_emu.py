@@ -285,6 +285,9 @@ class EmulatedCudaBackend:
     def alloc(self, node: Tnode) -> np.ndarray:
         return np.zeros(node.size, dtype=_storage_dtype(node.prec))
 
+    def bind(self, compiled: Callable, buffers: tuple) -> Callable[[], None]:
+        return functools.partial(compiled, *buffers)
+
     def write(self, node: Tnode, buf: np.ndarray, host: np.ndarray) -> None:
         arr = host_to_storage(node, host)
         buf[:] = arr.view(buf.dtype) if arr.dtype != buf.dtype else arr
