@@ -21,8 +21,8 @@ import ml_dtypes
 import numpy as np
 import safetensors
 
-from ocannl import Failure
 from ocannl.context import Context
+from ocannl.errors import Failure
 from ocannl.ir.ops import Precision
 from ocannl.ir.tnode import Tnode
 from ocannl.tensor.tensor import Tensor

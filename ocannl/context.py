@@ -55,13 +55,13 @@ class Context:
 
     @classmethod
     def cpu(cls) -> Context:
-        from ocannl.backends.numba_cpu import NumbaCpuBackend
+        from ocannl.backends.cpu.backend import NumbaCpuBackend
 
         return cls(NumbaCpuBackend())
 
     @classmethod
     def cuda(cls, device_id: int = 0) -> Context:
-        from ocannl.backends.cupy_cuda import CupyCudaBackend
+        from ocannl.backends.cuda.runtime import CupyCudaBackend
 
         return cls(CupyCudaBackend(device_id))
 

@@ -31,8 +31,8 @@ from typing import TypeVar
 import numpy as np
 
 import ocannl.tensor as T
-from ocannl import Failure
 from ocannl.context import Context, Routine
+from ocannl.errors import Failure
 from ocannl.ir.assignments import Accum, Comp, Const, Get, apply
 from ocannl.ir.ops import Precision, precision_of
 from ocannl.ir.tnode import Tnode

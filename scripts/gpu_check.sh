@@ -51,8 +51,8 @@ for name in need:
     except Exception as err:  # noqa: BLE001
         missing.append(name)
         print(f"{name}: MISSING ({err})")
-from ocannl.backends.cupy_cuda import cuda_unavailable_reason
-from ocannl.backends.nvrtc import cuda_include_dir
+from ocannl.backends.cuda.runtime import cuda_unavailable_reason
+from ocannl.backends.cuda.nvrtc import cuda_include_dir
 reason = cuda_unavailable_reason()
 print("GPU:", "usable" if reason is None else reason)
 print("cuda_fp16.h folder:", cuda_include_dir())

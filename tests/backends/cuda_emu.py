@@ -31,14 +31,8 @@ from typing import Any
 import numpy as np
 
 from ocannl.backends.base import host_to_storage, storage_to_host
-from ocannl.backends.cupy_cuda import (
-    CudaRoutine,
-    Device,
-    Kernel,
-    Plan,
-    _storage_dtype,
-    plan_routine,
-)
+from ocannl.backends.cuda.plan import Kernel, Plan, plan_routine
+from ocannl.backends.cuda.runtime import CudaRoutine, Device, _storage_dtype
 from ocannl.ir.lowering import Lowered
 from ocannl.ir.ops import Precision
 from ocannl.ir.tnode import Tnode

@@ -116,7 +116,7 @@ def install(monkeypatch: Any, *, devices: int = 1, cublas: bool = True) -> types
         monkeypatch.setitem(sys.modules, "cupy.cublas", mod)
     else:
         monkeypatch.setitem(sys.modules, "cupy.cublas", None)  # import fails
-    from ocannl.backends import cupy_cuda
+    from ocannl.backends.cuda import runtime
 
-    monkeypatch.setattr(cupy_cuda._CupyDevice, "_kernels", {})
+    monkeypatch.setattr(runtime._CupyDevice, "_kernels", {})
     return cp

@@ -17,8 +17,8 @@ import cuda_cases
 import cuda_models
 import pytest
 
-from ocannl.backends import nvrtc
-from ocannl.backends.cupy_cuda import cuda_sources
+from ocannl.backends.cuda import nvrtc
+from ocannl.backends.cuda.plan import cuda_sources
 from ocannl.ir.ops import Precision
 
 ARCHS = ("compute_70", "compute_90")

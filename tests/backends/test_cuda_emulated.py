@@ -18,7 +18,7 @@ import pytest
 from cuda_emu import EmulatedCudaBackend, emulator_unavailable
 
 from ocannl import Context
-from ocannl.backends.cupy_cuda import CupyCudaBackend
+from ocannl.backends.cuda.runtime import CupyCudaBackend
 from ocannl.ir.ops import Precision
 
 _missing = emulator_unavailable()

@@ -11,7 +11,7 @@ import cuda_checks as C
 import pytest
 
 from ocannl import Context
-from ocannl.backends.cupy_cuda import cuda_unavailable_reason
+from ocannl.backends.cuda.runtime import cuda_unavailable_reason
 from ocannl.ir.ops import Precision
 
 _reason = cuda_unavailable_reason()

@@ -17,7 +17,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ocannl import Context
-from ocannl.backends import cupy_cuda as cc
+from ocannl.backends.cuda import plan as cc
+from ocannl.backends.cuda import runtime as rt
 from ocannl.ir.lowering import lower
 from ocannl.ir.ops import Precision
 
@@ -176,19 +177,19 @@ def test_literals_are_exact_and_parenthesised() -> None:
 
 def test_no_cupy_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "cupy", None)
-    with pytest.raises(cc.CudaUnavailable, match="CuPy is not installed"):
+    with pytest.raises(rt.CudaUnavailable, match="CuPy is not installed"):
         Context.cuda()
 
 
 def test_no_device_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     fake_cupy.install(monkeypatch, devices=0)
-    with pytest.raises(cc.CudaUnavailable, match="no CUDA device"):
+    with pytest.raises(rt.CudaUnavailable, match="no CUDA device"):
         Context.cuda()
 
 
 def test_bad_device_id_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     fake_cupy.install(monkeypatch, devices=1)
-    with pytest.raises(cc.CudaUnavailable, match="device_id 3 is out of range: 1 CUDA"):
+    with pytest.raises(rt.CudaUnavailable, match="device_id 3 is out of range: 1 CUDA"):
         Context.cuda(3)
 
 
@@ -199,7 +200,7 @@ def test_no_driver_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
         raise RuntimeError("cudaErrorInsufficientDriver: CUDA driver version is insufficient")
 
     cp.cuda.runtime = types.SimpleNamespace(getDeviceCount=fail)
-    with pytest.raises(cc.CudaUnavailable, match="no usable NVIDIA driver"):
+    with pytest.raises(rt.CudaUnavailable, match="no usable NVIDIA driver"):
         Context.cuda()
 
 
@@ -215,5 +216,5 @@ def test_auto_falls_back_to_the_cpu_saying_so_once(monkeypatch: pytest.MonkeyPat
 
 
 def test_this_machine_reports_a_reason_or_none() -> None:
-    reason = cc.cuda_unavailable_reason()
+    reason = rt.cuda_unavailable_reason()
     assert reason is None or any(w in reason for w in ("CuPy", "driver", "device"))

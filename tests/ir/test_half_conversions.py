@@ -1,4 +1,4 @@
-"""The 16-bit float conversions of the CPU backend (``ocannl.backends.numba_prims``).
+"""The 16-bit float conversions of the CPU backend (``ocannl.backends.cpu.prims``).
 
 Oracles: NumPy's float16 and ml_dtypes' bfloat16, compared bit for bit (NaN payloads and the
 signs of zeros included) over all 65,536 patterns in both directions, over the exact halfway
@@ -17,7 +17,7 @@ from numba import njit
 
 import ocannl.tensor as T
 from ocannl import Context, Precision
-from ocannl.backends import numba_prims as P
+from ocannl.backends.cpu import prims as P
 
 ALL_BITS = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
 DTYPES = {"f16": np.dtype(np.float16), "bf16": np.dtype(ml_dtypes.bfloat16)}

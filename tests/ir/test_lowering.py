@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import ocannl.tensor as T
 from ocannl import Precision, train
-from ocannl.backends.numba_cpu import NumbaCpuBackend, emit_source
+from ocannl.backends.cpu.backend import NumbaCpuBackend, emit_source
 from ocannl.ir import lowering
 from ocannl.ir.assignments import Accum, Comp, Const, Fixed, Get, apply
 from ocannl.ir.lowering import GEMM_MIN_FLOPS, Fill, Gemm, LoopNest, lower, nodes_of

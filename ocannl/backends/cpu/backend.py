@@ -20,8 +20,8 @@ from typing import Any
 import numba
 import numpy as np
 
-from ocannl.backends import numba_prims
 from ocannl.backends.base import storage_to_host
+from ocannl.backends.cpu import prims
 from ocannl.backends.emit import Flavour, float_literal, nest_body
 from ocannl.ir.assignments import Fixed, reads
 from ocannl.ir.lowering import Fill, Gemm, LoopNest, Lowered, MatrixView
@@ -35,7 +35,7 @@ import math
 import numpy as np
 from numba import carray, cfunc, njit, types
 
-from ocannl.backends.numba_prims import (
+from ocannl.backends.cpu.prims import (
     bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16, fill, narrow_bf16, narrow_f16, ptr_f32,
     ptr_f64, ptr_u16, widen_bf16_into, widen_f16_into,
 )
@@ -53,9 +53,9 @@ _NP = {Precision.f64: "np.float64", Precision.f32: "np.float32"}
 def _prims_stamp() -> str:
     """Numba's disk cache does not see changes in called functions: name the primitives'
     version (and which f16 conversions this CPU uses) in every generated source instead."""
-    text = Path(numba_prims.__file__).read_bytes()
+    text = Path(prims.__file__).read_bytes()
     digest = hashlib.sha256(text).hexdigest()[:12]
-    return f"prims {digest}, hardware f16 {numba_prims.HARDWARE_F16}, numba {numba.__version__}"
+    return f"prims {digest}, hardware f16 {prims.HARDWARE_F16}, numba {numba.__version__}"
 
 
 _PRIMS_STAMP = _prims_stamp()
