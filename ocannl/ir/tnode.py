@@ -31,9 +31,13 @@ class Tnode:
     ``dims`` may be ``None`` for a parameter whose input axes are inferred from its first use;
     it is fixed once, by :meth:`set_dims`. ``host_data`` holds the values a data-backed node
     starts from (a term's array, a loss scale), copied into every context that allocates it.
+    ``zero_start``: all zeros is the node's defined initial value (optimizer state: momentum,
+    Adam's moments and step counter), so allocating it initializes it; any other node counts as
+    initialized in a context only once something writes it (see ``Context.is_initialized``).
     """
 
-    __slots__ = ("id", "label", "_dims", "prec", "memory_mode", "host_data", "__weakref__")
+    __slots__ = ("id", "label", "_dims", "prec", "memory_mode", "host_data", "zero_start",
+                 "__weakref__")
 
     def __init__(
         self,
@@ -43,6 +47,7 @@ class Tnode:
         *,
         memory_mode: MemoryMode = MemoryMode.materialized,
         host_data: np.ndarray | None = None,
+        zero_start: bool = False,
     ) -> None:
         self.id = next(_ids)
         self.label = label
@@ -50,6 +55,7 @@ class Tnode:
         self.prec = prec
         self.memory_mode = memory_mode
         self.host_data = host_data
+        self.zero_start = zero_start
 
     @property
     def dims(self) -> tuple[int, ...]:
