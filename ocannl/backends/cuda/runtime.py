@@ -15,7 +15,7 @@ import numpy as np
 
 from ocannl.backends.base import host_to_storage, storage_to_host
 from ocannl.backends.cuda.plan import GemmCall, Kernel, Plan, plan_routine
-from ocannl.ir.lowering import Gemm, Lowered, MatrixView
+from ocannl.ir.lowering import Lowered, MatrixView
 from ocannl.ir.ops import Precision
 from ocannl.ir.tnode import Tnode
 
@@ -233,14 +233,18 @@ class CupyCudaBackend:
     def bind(self, compiled: Callable, buffers: tuple[Any, ...]) -> Callable[[], None]:
         return functools.partial(compiled, *buffers)
 
-    def compile(self, label: str, code: list[Lowered], nodes: list[Tnode]) -> tuple[Callable, bool]:
-        use_cublas = self._dev.cublas is not None
-        if not use_cublas and any(isinstance(c, Gemm) for c in code) and not self._said_cublas:
+    @property
+    def has_gemm(self) -> bool:
+        """Whether lowering may hand matrix products to this backend (cuBLAS is loadable)."""
+        if self._dev.cublas is None and not self._said_cublas:
             self._said_cublas = True
             warnings.warn(f"ocannl: cuBLAS is not loadable ({self._dev.cublas_missing}); "
                           "matrix products run as generated kernels (pip install "
-                          "nvidia-cublas-cu12 for cuBLAS)", RuntimeWarning, stacklevel=3)
-        plan = plan_routine(code, use_cublas=use_cublas)
+                          "nvidia-cublas-cu12 for cuBLAS)", RuntimeWarning, stacklevel=4)
+        return self._dev.cublas is not None
+
+    def compile(self, label: str, code: list[Lowered], nodes: list[Tnode]) -> tuple[Callable, bool]:
+        plan = plan_routine(code)
         with self._device:
             routine = CudaRoutine(plan, nodes, self._dev)
         key = tuple(plan.sources()) + tuple(repr(_gemm_key(s)) for s in plan.steps
