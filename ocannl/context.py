@@ -131,18 +131,38 @@ class Context:
 
     @staticmethod
     def _checked(node: Tnode, values: Any) -> np.ndarray:
-        arr = np.asarray(values)
-        if arr.dtype.kind not in "biuf" and arr.dtype != node.prec.numpy_dtype:
-            raise ValueError(f"values for {node.name} must be numbers, got dtype {arr.dtype}")
-        if arr.size != node.size:
+        """``values`` as a flat host array for ``node``, or ``ValueError`` naming the node, what
+        was given and what was expected. Accepted: an array-like of real numbers (or booleans)
+        shaped exactly as the node's dims, or flat with the node's size, or a scalar for a
+        one-element node. Any other shape is refused, even one with the right element count: a
+        transposed batch would otherwise scramble the data."""
+        try:
+            arr = np.asarray(values)
+        except (ValueError, TypeError) as err:
+            kind = TypeError if isinstance(err, TypeError) else ValueError
+            raise kind(f"set_values on {node.name}: the values are not an array of numbers "
+                       f"({err})") from None
+        if arr.dtype.kind not in "biuf" and arr.dtype.name != "bfloat16":
+            raise ValueError(f"set_values on {node.name}: values must be numbers (real), got dtype "
+                             f"{arr.dtype}" + (" (non-numeric values, or integers too large "
+                                               "for int64)" if arr.dtype.kind == "O" else ""))
+        dims = tuple(node.dims)
+        if arr.shape != dims and arr.shape != (node.size,) and not (
+                node.size == 1 and arr.ndim == 0):
             raise ValueError(
-                f"set_values on {node.name}: got {arr.size} values (shape {arr.shape}), "
-                f"expected {node.size} (dims {node.dims})"
+                f"set_values on {node.name}: got {arr.size} values of shape {arr.shape}, expected "
+                f"{node.size} values shaped as the node's dims {dims} or flat ({node.size},)"
             )
         return arr.reshape(-1)  # the backend rounds to the node's precision as it writes
 
     def set_values(self, t: Any, values: Any) -> Context:
-        """Write host values into the node's buffer in place, allocating it if absent."""
+        """Write host values into the node's buffer in place, allocating it if absent.
+
+        ``values``: real numbers shaped exactly as the node's dims, or a flat array of the
+        node's size (a scalar for a one-element node). Any other shape raises ``ValueError``
+        naming both shapes, even with the right number of values (a transposed batch would be
+        scrambled), and so do non-numeric values; nothing is written or allocated then. Values
+        are rounded once, to nearest (ties to even), to the node's precision."""
         node = _as_node(t)
         host = self._checked(node, values)
         self._backend.write(node, self._ensure(node), host)

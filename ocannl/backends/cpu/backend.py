@@ -260,9 +260,14 @@ class NumbaCpuBackend:
         return np.zeros(node.size, dtype=node.prec.storage_dtype)
 
     def write(self, node: Tnode, buf: np.ndarray, host: np.ndarray) -> None:
-        # One pass, rounding once (NumPy's casts are round-to-nearest-even, f64 -> f16 direct).
-        target = buf.view(node.prec.numpy_dtype) if node.prec.is_narrow else buf
-        np.copyto(target, host, casting="unsafe")
+        """Round ``host`` once, from the values given, to the node's precision (ties to even;
+        a plain cast to bf16 would go through f32 and could round twice) and copy it in place."""
+        from ocannl.backends.rounding import to_precision
+
+        if node.prec.is_narrow:
+            buf.view(node.prec.numpy_dtype)[...] = to_precision(host, node.prec).reshape(-1)
+        else:
+            np.copyto(buf, host, casting="unsafe")  # NumPy's casts to f32 / f64 round once
 
     def read(self, node: Tnode, buf: np.ndarray) -> np.ndarray:
         return storage_to_host(node, buf).copy()
