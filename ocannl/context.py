@@ -4,33 +4,49 @@ Functional in style, as OCANNL's: every call returns the context to use next (th
 returns the same object, updated). Both ``Context.run(ctx, r)`` and ``ctx.run(r)`` work.
 A routine is bound to its buffers when compiled; ``set_values`` writes into those same
 buffers, so a host-side change reaches every routine without recompiling.
+
+Allocation and initialization are apart, as in OCANNL: ``compile`` allocates the buffers a
+routine needs; a node is *initialized* once something gives it values (``set_values``,
+``from_host``, ``train.init_params``, a routine writing it), or when allocated if it has host
+data or its defined start is zeros (``Tnode.zero_start``: optimizer state). A routine that
+would read a node whose values must come from outside (``Tnode.needs_init``: parameters, data)
+before anything initialized it refuses to run.
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from ocannl.backends.base import Backend, Buffer
 from ocannl.ir.assignments import Comp
-from ocannl.ir.lowering import lower, nodes_of
+from ocannl.ir.lowering import Effects, effects, lower, nodes_of
 from ocannl.ir.tnode import MemoryMode, Tnode
 
 
-@dataclass(frozen=True, eq=False)
 class Routine:
-    """A compiled computation bound to a context's buffers; run it with ``Context.run``."""
+    """A compiled computation bound to one context's buffers; run it with ``Context.run``.
 
-    label: str
-    fn: Callable
-    nodes: tuple[Tnode, ...]
-    buffers: tuple[Buffer, ...]
-    owner: int  # id of the buffer table it is bound to
-    call: Callable[[], None]  # runs the code on the bound buffers
+    ``compiled`` is the backend's code, shared by every routine of the same source;
+    ``buffers`` are this routine's, in the order of ``nodes``. ``inputs`` are the nodes it
+    reads before writing them whole: those a parameter's init or the host must provide are
+    checked before its first run. ``written``: what running it initializes.
+    """
+
+    def __init__(self, label: str, context: Context, nodes: tuple[Tnode, ...], compiled: Any,
+                 buffers: tuple[Buffer, ...], effects: Effects, call: Callable[[], None]) -> None:
+        self.label = label
+        self.context = context
+        self.nodes = nodes
+        self.compiled = compiled
+        self.buffers = buffers
+        self.inputs = effects.inputs
+        self.written = effects.written
+        self.call = call  # runs the code on the bound buffers
+        self.checked = False  # inputs found initialized once: they stay so
 
     def __repr__(self) -> str:
         return f"Routine({self.label!r}, {len(self.nodes)} buffers)"
@@ -49,6 +65,7 @@ class Context:
     def __init__(self, backend: Backend) -> None:
         self._backend = backend
         self._buffers: dict[int, tuple[Tnode, Buffer]] = {}
+        self._initialized: set[int] = set()
         self.compile_count = 0  # routines whose code was compiled anew by this context
 
     # --- construction -------------------------------------------------------------------------
@@ -93,20 +110,37 @@ class Context:
             raise ValueError(f"static index bindings are not supported, got {dict(bindings)!r}")
         if not isinstance(comp, Comp):
             raise TypeError(f"compile expects a Comp, got {type(comp).__name__}")
-        code = lower(comp)
+        code = lower(comp, gemm=self._backend.has_gemm)
         nodes = [n for n in nodes_of(code) if n.memory_mode is MemoryMode.materialized]
-        fn, fresh = self._backend.compile(comp.label, code, nodes)
+        compiled, compiled_anew = self._backend.compile(comp.label, code, nodes)
         for n in nodes:
             self._ensure(n)
-        if fresh:
+        if compiled_anew:
             self.compile_count += 1
         bufs = tuple(self._buffers[n.id][1] for n in nodes)
-        call = self._backend.bind(fn, bufs)
-        return self, Routine(comp.label, fn, tuple(nodes), bufs, id(self._buffers), call)
+        call = self._backend.bind(compiled, bufs)
+        return self, Routine(comp.label, self, tuple(nodes), compiled, bufs, effects(code), call)
 
     def run(self, routine: Routine) -> Context:
-        if routine.owner != id(self._buffers):
-            raise ValueError(f"{routine!r} was compiled by another context")
+        """Run a routine compiled by this context. Its first run checks that every parameter
+        and data node it reads has been initialized, naming those that are not."""
+        if not isinstance(routine, Routine):
+            raise TypeError(f"run expects a Routine, got {type(routine).__name__}: {routine!r}")
+        if routine.context is not self:
+            raise ValueError(f"{routine!r} was compiled by another context ({routine.context!r}),"
+                             f" not this one ({self!r})")
+        if not routine.checked:
+            missing = [n for n in routine.inputs
+                       if n.needs_init and n.id not in self._initialized]
+            if missing:
+                names = ", ".join(n.name for n in missing)
+                raise ValueError(
+                    f"{routine!r} reads {names}, which nothing has initialized in this context: "
+                    f"call train.init_params(ctx, loss) for parameters, ctx.set_values for data")
+            routine.call()
+            self._initialized.update(n.id for n in routine.written)
+            routine.checked = True
+            return self
         routine.call()
         return self
 
@@ -119,6 +153,8 @@ class Context:
             if node.host_data is not None:
                 self._backend.write(node, buf, self._checked(node, node.host_data))
             self._buffers[node.id] = (node, buf)
+            if node.host_data is not None or node.zero_start:
+                self._initialized.add(node.id)
             return buf
         return entry[1]
 
@@ -166,6 +202,7 @@ class Context:
         node = _as_node(t)
         host = self._checked(node, values)
         self._backend.write(node, self._ensure(node), host)
+        self._initialized.add(node.id)
         return self
 
     def get_values(self, t: Any) -> np.ndarray:
@@ -177,7 +214,7 @@ class Context:
         """Write one element; ``idx`` may be omitted for a one-element node."""
         node = _as_node(t)
         pos = self._flat_index(node, idx)
-        host = self.get_values(node).reshape(-1) if self.is_initialized(node) else np.zeros(
+        host = self.get_values(node).reshape(-1) if self.is_allocated(node) else np.zeros(
             node.size, node.prec.numpy_dtype)
         host[pos] = value
         return self.set_values(node, host)
@@ -215,6 +252,12 @@ class Context:
         return self
 
     def is_initialized(self, t: Any) -> bool:
+        """Whether the node has values in this context (not merely a buffer: see the module
+        docstring)."""
+        return _as_node(t).id in self._initialized
+
+    def is_allocated(self, t: Any) -> bool:
+        """Whether the node has a buffer in this context."""
         return _as_node(t).id in self._buffers
 
     def mem(self, t: Any = None) -> int:

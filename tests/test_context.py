@@ -153,8 +153,10 @@ def test_compile_allocates_and_initialises_data_nodes():
     ctx = Context.cpu()
     ctx, r = ctx.compile(train.forward(y))
     assert isinstance(r, Routine)
-    assert ctx.is_initialized(x) and ctx.is_initialized(s) and ctx.is_initialized(y)
+    assert ctx.is_initialized(x) and ctx.is_initialized(s)  # from their host data
+    assert ctx.is_allocated(y) and not ctx.is_initialized(y)  # until a routine writes it
     ctx = ctx.run(r)
+    assert ctx.is_initialized(y)
     np.testing.assert_allclose(ctx.get_values(y), np.arange(6) * 2.0 * c, rtol=1e-6)
 
 
@@ -183,17 +185,17 @@ def test_compiling_the_same_code_twice_reuses_the_function():
     assert ctx.compile_count == 1
     ctx, r2 = ctx.compile(train.forward(y))
     assert ctx.compile_count == 1
-    assert r2.fn is r1.fn and r2.buffers == r1.buffers
+    assert r2.compiled is r1.compiled and r2.buffers == r1.buffers
     # The same code over other nodes of the same dims is the same function, bound elsewhere.
     x2 = T.term(np.ones(6), label="x2")
     y2 = x2 * s * c  # the same folded constant: the same source
     ctx, r3 = ctx.compile(train.forward(y2))
-    assert ctx.compile_count == 1 and r3.fn is r1.fn
+    assert ctx.compile_count == 1 and r3.compiled is r1.compiled
     assert r3.buffers[0] is not r1.buffers[0]
     # Another context reuses the process's compiled function too, with its own buffers.
     other = Context.cpu()
     other, r4 = other.compile(train.forward(y))
-    assert other.compile_count == 0 and r4.fn is r1.fn
+    assert other.compile_count == 0 and r4.compiled is r1.compiled
     assert all(b1 is not b4 for b1, b4 in zip(r1.buffers, r4.buffers, strict=True))
     # New code is compiled anew.
     ctx, _ = ctx.compile(train.forward(x * _unique()))
@@ -223,7 +225,7 @@ def test_ocaml_style_calls():
     np.testing.assert_allclose(Context.get_values(ctx, y), np.arange(6) * 3.0 * c, rtol=1e-6)
     assert Context.get_value(ctx, s) == 3.0 and Context.is_initialized(ctx, y)
     ctx, r2 = train.to_routine(ctx, train.forward(y))
-    assert r2.fn is r.fn
+    assert r2.compiled is r.compiled
 
 
 def test_compile_argument_errors():
@@ -276,9 +278,9 @@ _COLD = textwrap.dedent(
     print(json.dumps({
         "compile_count": first,
         "after_recompile": ctx.compile_count,
-        "same_fn": r2.fn is r.fn,
-        "source": r.fn.module.__file__,
-        "from_disk": r.fn.loaded_from_disk,
+        "same_fn": r2.compiled is r.compiled,
+        "source": r.compiled.module.__file__,
+        "from_disk": r.compiled.loaded_from_disk,
         "y": ctx.get_values(y).tolist(),
     }))
     """
@@ -327,3 +329,92 @@ def test_a_cold_process_reuses_the_on_disk_cache(tmp_path):
     # A different folder starts cold.
     fourth = _cold(tmp_path / "elsewhere", c)
     assert not fourth["from_disk"]
+
+
+# --- allocation is not initialization ---------------------------------------------------------
+
+
+def _tiny_model(seed: int):
+    from ocannl import nn_blocks
+
+    T.set_seed(seed)
+    x = T.term(np.linspace(-1, 1, 12).reshape(6, 2), label="x")
+    y = T.term(np.eye(2)[[0, 1, 0, 1, 1, 0]], label="y")
+    logits, _ = nn_blocks.mlp(x, [5], 2)
+    return nn_blocks.softmax_cross_entropy(logits, y)
+
+
+def _trained_losses(init_first: bool) -> list[float]:
+    loss = _tiny_model(7)
+    ctx = Context.cpu()
+    step = train.grad_update(loss) + train.sgd_update(loss, learning_rate=0.5)
+    if init_first:
+        ctx = train.init_params(ctx, loss)
+        ctx, r = ctx.compile(step)
+    else:
+        ctx, r = ctx.compile(step)
+        ctx = train.init_params(ctx, loss)
+    out = []
+    for _ in range(5):
+        ctx = ctx.run(r)
+        out.append(float(ctx.get_values(loss)))
+    return out
+
+
+def test_init_params_before_or_after_compile_gives_the_same_model():
+    before, after = _trained_losses(True), _trained_losses(False)
+    assert before == after
+    assert before[0] != before[-1]  # it trains: the weights are not all zero
+
+
+def test_compile_allocates_but_does_not_initialize_parameters():
+    loss = _tiny_model(3)
+    ctx, r = Context.cpu().compile(train.forward(loss))
+    assert all(ctx.is_allocated(p) and not ctx.is_initialized(p) for p in loss.params)
+    ctx = train.init_params(ctx, loss)
+    assert all(ctx.is_initialized(p) for p in loss.params)
+    assert any(np.abs(ctx.get_values(p)).sum() > 0 for p in loss.params)
+
+
+def test_running_before_init_params_names_the_uninitialized_parameters():
+    loss = _tiny_model(4)
+    ctx, r = Context.cpu().compile(train.grad_update(loss))
+    before = {p.label: ctx.get_values(p).copy() for p in loss.params}
+    with pytest.raises(ValueError, match="nothing has initialized") as err:
+        ctx.run(r)
+    for p in loss.params:
+        assert p.value.name in str(err.value)
+        np.testing.assert_array_equal(ctx.get_values(p), before[p.label])
+    ctx = train.init_params(ctx, loss)
+    ctx = ctx.run(r)  # now it runs
+    assert np.isfinite(float(ctx.get_values(loss)))
+
+
+def test_a_data_node_without_values_must_be_set_before_a_run():
+    x = T.term(None, label="batch", output_dims=(3,))
+    y = T.exp(x)
+    ctx, r = Context.cpu().compile(train.forward(y))
+    with pytest.raises(ValueError, match=x.value.name):
+        ctx.run(r)
+    ctx = ctx.set_values(x, [0.0, 1.0, 2.0]).run(r)
+    np.testing.assert_allclose(ctx.get_values(y), np.exp([0.0, 1.0, 2.0]), rtol=1e-6)
+
+
+def test_optimizer_state_starts_at_zero_and_counts_as_initialized():
+    loss = _tiny_model(5)
+    step = train.grad_update(loss) + train.sgd_update(loss, learning_rate=0.1, momentum=0.9)
+    ctx = train.init_params(Context.cpu(), loss)
+    ctx, r = ctx.compile(step)
+    state = [n for n in r.inputs if n.zero_start]
+    assert state and all(ctx.is_initialized(n) for n in state)
+    assert all(not ctx.get_values(n).any() for n in state)
+    ctx.run(r)
+
+
+def test_a_routine_runs_only_on_the_context_that_compiled_it():
+    _, _, y, _ = _scaled()
+    ctx_a, r = Context.cpu().compile(train.forward(y))
+    ctx_b = Context.cpu()
+    with pytest.raises(ValueError, match="compiled by another context"):
+        ctx_b.run(r)
+    assert r.context is ctx_a

@@ -15,6 +15,7 @@ Buffer = Any  # a NumPy array on the CPU, a CuPy array on CUDA: flat, in storage
 
 class Backend(Protocol):
     name: str
+    has_gemm: bool  # lowering may hand matrix products to it (BLAS, cuBLAS)
 
     def alloc(self, node: Tnode) -> Buffer:
         """A zero-filled flat buffer for the node, in its storage dtype."""
@@ -29,8 +30,8 @@ class Backend(Protocol):
     def bind(self, compiled: Callable, buffers: tuple[Buffer, ...]) -> Callable[[], None]:
         """A callable running the compiled code on these buffers (bound once, run often)."""
 
-    def compile(self, label: str, code: list[Lowered], nodes: list[Tnode]) -> tuple[Callable, bool]:
-        """A callable taking the nodes' buffers in order and running the code once, and
+    def compile(self, label: str, code: list[Lowered], nodes: list[Tnode]) -> tuple[Any, bool]:
+        """The compiled code over the nodes' buffers (in this order), to :meth:`bind`, and
         whether it was compiled anew (False: reused from the in-process cache)."""
 
 

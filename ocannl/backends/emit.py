@@ -81,7 +81,8 @@ class BodyWriter:
     lines: list[str] = field(default_factory=list)
     _n: int = 0
 
-    def fresh(self, value: str) -> str:
+    def to_local(self, value: str) -> str:
+        """Bind ``value`` to a new local and return its name (for an operand used twice)."""
         name = f"t{self._n}"
         self._n += 1
         self.lines.append(self.flavour.declare(name, value, self.compute))
@@ -97,8 +98,8 @@ class BodyWriter:
         args = []
         for k, a in enumerate(e.args):
             s = self.expr(a)
-            if template.count("{" + str(k) + "}") > 1 and not _atomic(s):
-                s = self.fresh(s)
+            if template.count("{" + str(k) + "}") > 1 and not _is_name(s):
+                s = self.to_local(s)
             args.append(s)
         return self.fill(template, args)
 
@@ -109,10 +110,10 @@ class BodyWriter:
     def combine(self, accum: str, old: str, new: str) -> str:
         """``old (accum) new``: the accumulation as an op-table application."""
         template = getattr(OPS[_ACCUM_OPS[accum]], self.flavour.name)
-        if template.count("{0}") > 1 and not _atomic(old):
-            old = self.fresh(old)
-        if template.count("{1}") > 1 and not _atomic(new):
-            new = self.fresh(new)
+        if template.count("{0}") > 1 and not _is_name(old):
+            old = self.to_local(old)
+        if template.count("{1}") > 1 and not _is_name(new):
+            new = self.to_local(new)
         return self.fill(template, [old, new])
 
     def neutral(self, accum: str) -> str:
@@ -120,7 +121,8 @@ class BodyWriter:
         return self.flavour.literal(0.0 if v is None else v, self.compute)
 
 
-def _atomic(s: str) -> bool:
+def _is_name(s: str) -> bool:
+    """Whether a rendered operand is a plain name or number, cheap and safe to repeat."""
     return s.replace("_", "").isalnum()
 
 

@@ -1,10 +1,16 @@
-"""Lowering: each assignment becomes a loop nest (or a GEMM) that every backend can render.
+"""Lowering: assignments become the loop structure every backend renders, decided once here.
 
-A :class:`LoopNest` splits the product space into *parallel* iterators (those the written
-buffer is indexed by: distinct points write distinct cells) and *reduction* iterators (the
-rest). Backends loop over the first and accumulate over the second in a local variable; the
-CUDA backend maps the first to threads. A :class:`Gemm` is an assignment shaped like a matrix
-product over plain iterators, handed to BLAS (CPU) or cuBLAS (GPU).
+- A :class:`LoopNest` splits the product space into *parallel* iterators (distinct points
+  write distinct cells of the written buffer) and *reduction* iterators (the rest: points that
+  differ only there write the same cell). Backends loop over the first and accumulate over the
+  second in a local; the CUDA backend maps the first to threads.
+- A :class:`LoopGroup` is consecutive pointwise nests that run inside one loop over the same
+  parallel space with the same result as run one after another (one loop on the CPU, one kernel
+  on CUDA). A nest with a reduction is always alone in its group.
+- A :class:`Gemm` is an assignment shaped like a matrix product over plain iterators, handed to
+  BLAS (CPU) or cuBLAS (GPU), when the backend has one (``lower(comp, gemm=...)``).
+
+Backends only render what this module decided; they never re-decide it.
 """
 
 from __future__ import annotations
@@ -31,7 +37,8 @@ class Fill:
 
 @dataclass(frozen=True)
 class LoopNest:
-    """Loops over ``par`` (outer, distinct cells) then ``red`` (inner, accumulated locally)."""
+    """Loops over ``par`` (outer, distinct cells, in the written node's axis order so the
+    innermost store is contiguous) then ``red`` (inner, accumulated locally)."""
 
     assign: Accum
     par: tuple[int, ...]
@@ -48,6 +55,17 @@ class LoopNest:
     @property
     def red_size(self) -> int:
         return math.prod(self.space[i] for i in self.red)
+
+
+@dataclass(frozen=True)
+class LoopGroup:
+    """Nests run point by point inside one loop over the first one's parallel iterators."""
+
+    nests: tuple[LoopNest, ...]
+
+    @property
+    def lead(self) -> LoopNest:
+        return self.nests[0]
 
 
 @dataclass(frozen=True)
@@ -72,7 +90,7 @@ class Gemm:
     inner: int
 
 
-Lowered = Fill | LoopNest | Gemm
+Lowered = Fill | LoopGroup | Gemm
 
 
 def _covers(a: Accum) -> bool:
@@ -136,18 +154,31 @@ def _as_gemm(a: Accum) -> Gemm | None:
                 rows, cols, inner)
 
 
-def lower_assignment(a: Accum, *, allow_gemm: bool = True) -> list[Lowered]:
-    gemm = _as_gemm(a) if allow_gemm else None
-    if gemm is not None:
-        return [gemm]
-    out: list[Lowered] = []
+def parallel_iterators(a: Accum) -> tuple[int, ...]:
+    """The iterators that pick distinct cells of ``a.lhs``, in its axis order: those indexing
+    an lhs axis of more than one cell. An iterator that indexes only size-1 axes writes one cell
+    from many points: it is a reduction, however the projection names it."""
+    out: dict[int, None] = {}
+    for i, d in zip(a.lhs_idx, a.lhs.dims, strict=True):
+        if not isinstance(i, Fixed) and (d > 1 or a.space[i] == 1):
+            out.setdefault(i)
+    return tuple(out)
+
+
+def loop_nest(a: Accum) -> LoopNest:
+    par = parallel_iterators(a)
+    return LoopNest(a, par, tuple(i for i in range(len(a.space)) if i not in par))
+
+
+def lower_assignment(a: Accum, *, gemm: bool = True) -> list[Fill | LoopNest | Gemm]:
+    as_gemm = _as_gemm(a) if gemm else None
+    if as_gemm is not None:
+        return [as_gemm]
+    out: list[Fill | LoopNest | Gemm] = []
     if a.reset and not _covers(a):
         out.append(Fill(a.lhs, _neutral(a.accum)))
         a = Accum(a.lhs, a.lhs_idx, a.accum, a.expr, a.space, reset=False)
-    in_lhs = {i for i in a.lhs_idx if not isinstance(i, Fixed)}
-    par = tuple(i for i in range(len(a.space)) if i in in_lhs)
-    red = tuple(i for i in range(len(a.space)) if i not in in_lhs)
-    out.append(LoopNest(a, par, red))
+    out.append(loop_nest(a))
     return out
 
 
@@ -188,25 +219,108 @@ def fuse_resets(assignments: tuple[Accum, ...]) -> list[Accum]:
     return [a for a in out if a is not None]
 
 
-def lower(comp: Comp, *, allow_gemm: bool = True) -> list[Lowered]:
-    """Lower a computation to the loop nests backends render, in order."""
+def fusable(group: list[LoopNest], nxt: LoopNest) -> bool:
+    """Whether ``nxt`` can run inside ``group``'s loop, point by point, with the same result:
+    every nest is pointwise (no reduction) over the same space and parallel order, every buffer
+    the group writes is read by ``nxt`` only at the point being written, and ``nxt`` writes no
+    buffer the group reads or writes."""
+    lead, b = group[0], nxt.assign
+    if lead.red or nxt.red or b.space != lead.space or nxt.par != lead.par:
+        return False
+    if any(isinstance(i, Fixed) for i in b.lhs_idx):
+        return False
+    written = {m.assign.lhs.id: m.assign.lhs_idx for m in group}
+    if b.lhs.id in written:
+        return False
+    for g in reads(b.expr):
+        if g.node.id in written and g.idx != written[g.node.id]:
+            return False
+    return not any(g.node is b.lhs for m in group for g in reads(m.assign.expr))
+
+
+def lower(comp: Comp, *, gemm: bool = True) -> list[Lowered]:
+    """Lower a computation to what backends render, in order: fills, GEMMs (when the backend
+    has a GEMM: ``gemm``) and loop groups."""
     out: list[Lowered] = []
+    group: list[LoopNest] = []
     for a in fuse_resets(comp.assignments):
-        if _is_fill(a):
-            out.append(Fill(a.lhs, a.expr.value))
-        else:
-            out.extend(lower_assignment(a, allow_gemm=allow_gemm))
+        items = [Fill(a.lhs, a.expr.value)] if _is_fill(a) else lower_assignment(a, gemm=gemm)
+        for item in items:
+            if isinstance(item, LoopNest) and group and fusable(group, item):
+                group.append(item)
+                continue
+            if group:
+                out.append(LoopGroup(tuple(group)))
+                group = []
+            if isinstance(item, LoopNest):
+                group = [item]
+            else:
+                out.append(item)
+    if group:
+        out.append(LoopGroup(tuple(group)))
     return out
 
 
-def nodes_of(items: list[Lowered]) -> list[Tnode]:
-    """Every node the lowered code touches, in first-use order."""
-    seen: dict[int, Tnode] = {}
-    for it in items:
-        if isinstance(it, Fill):
-            seen.setdefault(it.node.id, it.node)
+def nests(code: list[Lowered]) -> list[LoopNest]:
+    """Every loop nest of lowered code, in order."""
+    return [n for item in code if isinstance(item, LoopGroup) for n in item.nests]
+
+
+def _assigns(code: list[Lowered]) -> list[Fill | Accum]:
+    out: list[Fill | Accum] = []
+    for it in code:
+        if isinstance(it, LoopGroup):
+            out.extend(n.assign for n in it.nests)
         else:
-            seen.setdefault(it.assign.lhs.id, it.assign.lhs)
-            for g in reads(it.assign.expr):
+            out.append(it if isinstance(it, Fill) else it.assign)
+    return out
+
+
+def nodes_of(code: list[Lowered]) -> list[Tnode]:
+    """Every node the lowered code touches, in first-use order (each written node before
+    what its assignment reads)."""
+    seen: dict[int, Tnode] = {}
+    for a in _assigns(code):
+        if isinstance(a, Fill):
+            seen.setdefault(a.node.id, a.node)
+        else:
+            seen.setdefault(a.lhs.id, a.lhs)
+            for g in reads(a.expr):
                 seen.setdefault(g.node.id, g.node)
     return list(seen.values())
+
+
+@dataclass(frozen=True)
+class Effects:
+    """What running lowered code needs and leaves: ``inputs``, the nodes it reads before
+    writing them whole (their values must come from somewhere), and ``written``, every node it
+    writes."""
+
+    inputs: tuple[Tnode, ...]
+    written: tuple[Tnode, ...]
+
+
+def effects(code: list[Lowered]) -> Effects:
+    """The :class:`Effects` of lowered code, in first-use order."""
+    whole: set[int] = set()
+    inputs: dict[int, Tnode] = {}
+    written: dict[int, Tnode] = {}
+
+    def read(n: Tnode) -> None:
+        if n.id not in whole:
+            inputs.setdefault(n.id, n)
+
+    for a in _assigns(code):
+        if isinstance(a, Fill):
+            whole.add(a.node.id)
+            written.setdefault(a.node.id, a.node)
+            continue
+        for g in reads(a.expr):
+            read(g.node)
+        overwrites = a.accum == "=" or a.reset
+        if not overwrites:
+            read(a.lhs)
+        if overwrites and _covers(a):
+            whole.add(a.lhs.id)
+        written.setdefault(a.lhs.id, a.lhs)
+    return Effects(tuple(inputs.values()), tuple(written.values()))

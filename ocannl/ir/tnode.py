@@ -34,10 +34,12 @@ class Tnode:
     ``zero_start``: all zeros is the node's defined initial value (optimizer state: momentum,
     Adam's moments and step counter), so allocating it initializes it; any other node counts as
     initialized in a context only once something writes it (see ``Context.is_initialized``).
+    ``needs_init``: its values must come from outside the routines (a parameter's init, data
+    from the host): a routine reading it before anything initialized it refuses to run.
     """
 
     __slots__ = ("id", "label", "_dims", "prec", "memory_mode", "host_data", "zero_start",
-                 "__weakref__")
+                 "needs_init", "__weakref__")
 
     def __init__(
         self,
@@ -48,6 +50,7 @@ class Tnode:
         memory_mode: MemoryMode = MemoryMode.materialized,
         host_data: np.ndarray | None = None,
         zero_start: bool = False,
+        needs_init: bool = False,
     ) -> None:
         self.id = next(_ids)
         self.label = label
@@ -56,6 +59,7 @@ class Tnode:
         self.memory_mode = memory_mode
         self.host_data = host_data
         self.zero_start = zero_start
+        self.needs_init = needs_init
 
     @property
     def dims(self) -> tuple[int, ...]:
@@ -66,6 +70,11 @@ class Tnode:
     @property
     def dims_known(self) -> bool:
         return self._dims is not None
+
+    @property
+    def dims_if_known(self) -> tuple[int, ...] | None:
+        """The dims, or None while they are still to be inferred (read-only)."""
+        return self._dims
 
     def set_dims(self, dims: tuple[int, ...]) -> None:
         if self._dims is not None and self._dims != tuple(dims):

@@ -49,7 +49,7 @@ def param(
     prec = precision_of(prec)
     shape = Shape(_dims_row("batch", batch_dims), _dims_row("output", output_dims),
                   _dims_row("input", input_dims))
-    node = Tnode(label, shape.dims if shape.input is not None else None, prec)
+    node = Tnode(label, shape.dims if shape.input is not None else None, prec, needs_init=True)
     seed = (_t._seed["base"], next(_t._param_counter))
 
     def draw(dims: tuple[int, ...], fan_in: int, _rng: object = None) -> np.ndarray:
@@ -88,7 +88,7 @@ def term(
     if arr is not None and arr.size != int(np.prod(shape.dims)):
         raise ValueError(f"term {label}: {arr.size} values (shape {arr.shape}) do not fill {shape}")
     host = None if arr is None else arr.reshape(shape.dims).astype(prec.numpy_dtype)
-    node = Tnode(label, shape.dims, prec, host_data=host)
+    node = Tnode(label, shape.dims, prec, host_data=host, needs_init=True)
     return Tensor(node, shape, kind="term", differentiable=False)
 
 
@@ -262,7 +262,7 @@ def _infer_input(a: Tensor, dims: tuple[int, ...]) -> None:
     a.value.set_dims(a.shape.dims)
     if a.grad is not None:
         a.grad.set_dims(a.shape.dims)
-    hook = getattr(a, "on_input_inferred", None)  # a cast twin completes its master
+    hook = a.on_input_inferred  # a cast twin completes its master
     if hook is not None:
         hook(a)
 

@@ -145,7 +145,7 @@ def test_half_headers_found_and_self_contained(tmp_path: Path) -> None:
 
 def test_a_broken_kernel_in_a_batch_is_reported_by_name() -> None:
     good = cuda_sources(cuda_cases.op_cases(Precision.f32)[0])
-    bad = good[0].replace("b0[", "b9[", 1)
+    bad = good[0].replace("b0[", "undeclared_buffer[", 1)
     failures = _compile_all({**{s: "good" for s in good}, bad: "the broken one"})
     assert failures and all(f.startswith("the broken one") for f in failures)
     assert len(failures) == len(ARCHS)

@@ -73,8 +73,8 @@ def test_map_launch_examples() -> None:
 # --- plans of the models ----------------------------------------------------------------------
 
 
-def _plan(comp: object, **kw: object) -> cc.Plan:
-    return cc.plan_routine(lower(comp), **kw)
+def _plan(comp: object, *, use_cublas: bool = True) -> cc.Plan:
+    return cc.plan_routine(lower(comp, gemm=use_cublas))
 
 
 def test_wide_mlp_checksum_and_loss_are_block_reductions() -> None:

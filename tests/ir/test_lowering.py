@@ -16,7 +16,16 @@ from ocannl import Precision, train
 from ocannl.backends.cpu.backend import NumbaCpuBackend, emit_source
 from ocannl.ir import lowering
 from ocannl.ir.assignments import Accum, Comp, Const, Fixed, Get, apply
-from ocannl.ir.lowering import GEMM_MIN_FLOPS, Fill, Gemm, LoopNest, lower, nodes_of
+from ocannl.ir.lowering import (
+    GEMM_MIN_FLOPS,
+    Fill,
+    Gemm,
+    LoopGroup,
+    LoopNest,
+    lower,
+    nests,
+    nodes_of,
+)
 from ocannl.ir.tnode import Tnode
 
 F32 = Precision.f32
@@ -26,11 +35,11 @@ def _node(label: str, dims: tuple[int, ...], prec: Precision = F32) -> Tnode:
     return Tnode(label, dims, prec)
 
 
-def _run(comp: Comp, inputs: dict[Tnode, np.ndarray], *, allow_gemm: bool,
+def _run(comp: Comp, inputs: dict[Tnode, np.ndarray], *, gemm: bool,
          initial: dict[Tnode, np.ndarray] | None = None) -> dict[int, np.ndarray]:
     """Lower, emit and run ``comp`` on fresh buffers; the values of every node by id."""
     backend = NumbaCpuBackend()
-    code = lower(comp, allow_gemm=allow_gemm)
+    code = lower(comp, gemm=gemm)
     nodes = nodes_of(code)
     bufs = {n.id: backend.alloc(n) for n in nodes}
     for n, v in {**(initial or {}), **inputs}.items():
@@ -55,7 +64,7 @@ def _matmul(m: int, k: int, n: int, *, reset: bool = True) -> tuple[Accum, Tnode
 def test_pointwise_is_one_parallel_nest():
     x, y = _node("x", (3, 4)), _node("y", (3, 4))
     a = Accum(y, (0, 1), "=", apply("exp", Get(x, (0, 1))), (3, 4))
-    [nest] = lower(Comp((a,)))
+    [nest] = nests(lower(Comp((a,))))
     assert isinstance(nest, LoopNest)
     assert nest.par == (0, 1) and nest.red == ()
     assert nest.par_size == 12 and nest.red_size == 1
@@ -64,13 +73,13 @@ def test_pointwise_is_one_parallel_nest():
 def test_reduction_iterators_are_the_ones_missing_from_the_target():
     x, y = _node("x", (3, 4, 5)), _node("y", (4,))
     a = Accum(y, (1,), "+", Get(x, (0, 1, 2)), (3, 4, 5), reset=True)
-    [nest] = lower(Comp((a,)))
+    [nest] = nests(lower(Comp((a,))))
     assert isinstance(nest, LoopNest)
     assert nest.par == (1,) and nest.red == (0, 2)
     assert nest.par_size == 4 and nest.red_size == 15
     xv = np.arange(60, dtype=np.float32).reshape(3, 4, 5)
     for gemm in (True, False):
-        out = _run(Comp((a,)), {x: xv}, allow_gemm=gemm)
+        out = _run(Comp((a,)), {x: xv}, gemm=gemm)
         np.testing.assert_allclose(out[y.id], xv.sum(axis=(0, 2)), rtol=1e-6)
 
 
@@ -78,15 +87,16 @@ def test_reset_of_a_target_it_does_not_cover_fills_first():
     """A diagonal store resets the whole target to the neutral element, then writes."""
     x, y = _node("x", (3,)), _node("y", (3, 3))
     a = Accum(y, (0, 0), "+", Get(x, (0,)), (3,), reset=True)
-    fill, nest = lower(Comp((a,)))
+    fill, group = lower(Comp((a,)))
     assert fill == Fill(y, 0.0)
+    [nest] = group.nests
     assert isinstance(nest, LoopNest) and not nest.assign.reset
-    out = _run(Comp((a,)), {x: [1, 2, 3]}, allow_gemm=True, initial={y: np.full((3, 3), 7.0)})
+    out = _run(Comp((a,)), {x: [1, 2, 3]}, gemm=True, initial={y: np.full((3, 3), 7.0)})
     np.testing.assert_array_equal(out[y.id], np.diag([1.0, 2.0, 3.0]))
     m = Accum(y, (Fixed(1), 0), "max", Get(x, (0,)), (3,), reset=True)
     fill, _ = lower(Comp((m,)))
     assert fill == Fill(y, -np.inf)
-    out = _run(Comp((m,)), {x: [1, 2, 3]}, allow_gemm=True)
+    out = _run(Comp((m,)), {x: [1, 2, 3]}, gemm=True)
     np.testing.assert_array_equal(out[y.id], [[-np.inf] * 3, [1, 2, 3], [-np.inf] * 3])
 
 
@@ -107,7 +117,7 @@ def test_accumulation_operators():
     }
     for (accum, reset), want in cases.items():
         a = Accum(y, (0, 1), accum, apply("mul", row, Get(s, (Fixed(2),))), (2, 3), reset=reset)
-        out = _run(Comp((a,)), {x: xv, s: sv}, allow_gemm=True, initial={y: y0})
+        out = _run(Comp((a,)), {x: xv, s: sv}, gemm=True, initial={y: y0})
         np.testing.assert_array_equal(out[y.id], want, err_msg=f"{accum} reset={reset}")
 
 
@@ -117,7 +127,7 @@ def test_max_reduction_with_and_without_reset():
     for reset, y0, want in [(True, [100, 100, 100], [4, 9, -3]),
                             (False, [3, 100, -10], [4, 100, -3])]:
         a = Accum(y, (1,), "max", Get(x, (0, 1)), (4, 3), reset=reset)
-        out = _run(Comp((a,)), {x: xv}, allow_gemm=True, initial={y: np.array(y0, np.float32)})
+        out = _run(Comp((a,)), {x: xv}, gemm=True, initial={y: np.array(y0, np.float32)})
         np.testing.assert_array_equal(out[y.id], want)
 
 
@@ -125,11 +135,11 @@ def test_constants_and_narrow_targets():
     """A literal expression; a bf16 target accumulates in f32 and rounds once per store."""
     y = _node("y", (5,), Precision.bf16)
     a = Accum(y, (0,), "=", apply("add", Const(1.0), Const(2.0 ** -9)), (5,))
-    out = _run(Comp((a,)), {}, allow_gemm=True)
+    out = _run(Comp((a,)), {}, gemm=True)
     np.testing.assert_array_equal(out[y.id].astype(np.float32), [1.0] * 5)  # tie to even
     x, z = _node("x", (300,)), _node("z", (), Precision.bf16)
     s = Accum(z, (), "+", Get(x, (0,)), (300,), reset=True)
-    out = _run(Comp((s,)), {x: np.ones(300)}, allow_gemm=True)
+    out = _run(Comp((s,)), {x: np.ones(300)}, gemm=True)
     # Summed in bf16 the total would stall at 256 (256 + 1 rounds back to 256).
     assert float(out[z.id]) == 300.0
 
@@ -144,7 +154,7 @@ def _fill(node: Tnode, value: float) -> Accum:
 def test_fills_lower_to_fill_items():
     y = _node("y", (2, 3))
     assert lower(Comp((_fill(y, 1.5),))) == [Fill(y, 1.5)]
-    out = _run(Comp((_fill(y, 1.5),)), {}, allow_gemm=True, initial={y: np.full((2, 3), 9.0)})
+    out = _run(Comp((_fill(y, 1.5),)), {}, gemm=True, initial={y: np.full((2, 3), 9.0)})
     np.testing.assert_array_equal(out[y.id], np.full((2, 3), 1.5))
 
 
@@ -190,10 +200,10 @@ def test_fills_are_dropped_only_when_dead(case):
     if fill_kept is not None:
         assert bool(fills) == fill_kept, code
     if case == "fused":
-        [nest] = code
+        [nest] = nests(code)
         assert isinstance(nest, LoopNest) and nest.assign.reset
     garbage = {n: np.full(n.dims, 7.0) for n in (y, z)}
-    out = _run(comp, {x: xv}, allow_gemm=True, initial=garbage)
+    out = _run(comp, {x: xv}, gemm=True, initial=garbage)
     np.testing.assert_array_equal(out[y.id], want)
     if case == "read_first":
         np.testing.assert_array_equal(out[z.id], np.zeros(3))
@@ -206,7 +216,8 @@ def test_zeroed_gradients_are_written_once():
     loss = T.sum(T.tanh(w @ x))
     code = lower(train.grad_update(loss))
     assert not any(isinstance(it, Fill) and it.node is w.grad for it in code)
-    writes = [it for it in code if not isinstance(it, Fill) and it.assign.lhs is w.grad]
+    writes = [it for it in [*nests(code), *(g for g in code if isinstance(g, Gemm))]
+              if it.assign.lhs is w.grad]
     assert writes and writes[0].assign.reset
 
 
@@ -220,14 +231,14 @@ def test_matmul_becomes_a_gemm():
     assert isinstance(g, Gemm)
     assert (g.rows, g.cols, g.inner) == (32, 32, 32)
     assert g.a.node is a and not g.a.transposed and g.b.node is b and not g.b.transposed
-    [nest] = lower(Comp((acc,)), allow_gemm=False)
+    [nest] = nests(lower(Comp((acc,)), gemm=False))
     assert isinstance(nest, LoopNest)
 
 
 def test_small_contractions_stay_loops():
     acc, *_ = _matmul(4, 4, 4)
     assert math.prod(acc.space) < GEMM_MIN_FLOPS
-    assert isinstance(lower(Comp((acc,)))[0], LoopNest)
+    assert isinstance(lower(Comp((acc,)))[0], LoopGroup)
 
 
 def test_gemm_threshold(monkeypatch):
@@ -235,7 +246,7 @@ def test_gemm_threshold(monkeypatch):
     monkeypatch.setattr(lowering, "GEMM_MIN_FLOPS", 64)
     assert isinstance(lower(Comp((acc,)))[0], Gemm)
     monkeypatch.setattr(lowering, "GEMM_MIN_FLOPS", 65)
-    assert isinstance(lower(Comp((acc,)))[0], LoopNest)
+    assert isinstance(lower(Comp((acc,)))[0], LoopGroup)
 
 
 def test_transposed_operands_and_swapped_result():
@@ -258,7 +269,7 @@ def test_transposed_operands_and_swapped_result():
     assert g2.b.node is b and g2.b.transposed
     rng = np.random.default_rng(0)
     av, bv = rng.normal(size=(k, m)), rng.normal(size=(n, k))
-    out = _run(Comp((acc, acc2)), {a: av, b: bv}, allow_gemm=True)
+    out = _run(Comp((acc, acc2)), {a: av, b: bv}, gemm=True)
     np.testing.assert_allclose(out[c.id], (av.T @ bv.T).T, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(out[c2.id], av.T @ bv.T, rtol=1e-5, atol=1e-5)
 
@@ -283,7 +294,7 @@ def test_gemms_at_every_precision(prec, reset):
     av = rng.normal(size=(k, m)).astype(dt)
     bv = rng.normal(size=(k, n)).astype(np.float32)
     c0 = rng.normal(size=(m, n)).astype(dt)
-    out = _run(Comp((acc,)), {a: av, b: bv}, allow_gemm=True, initial={c: c0})[c.id]
+    out = _run(Comp((acc,)), {a: av, b: bv}, gemm=True, initial={c: c0})[c.id]
     assert out.dtype == dt
     want = av.astype(np.float64).T @ bv.astype(np.float64)
     if not reset:
@@ -334,7 +345,7 @@ def test_non_gemm_shapes_stay_loops(case):
                      (s, s, s)),
     }[case]
     assert math.prod(acc.space) >= GEMM_MIN_FLOPS
-    [nest] = lower(Comp((acc,)))
+    [nest] = nests(lower(Comp((acc,))))
     assert isinstance(nest, LoopNest), case
 
 
@@ -425,7 +436,7 @@ def test_contractions_match_einsum(spec, seed):
         if grouped:
             assert kinds == [Gemm], spec
         elif set(xs) & set(ys) & set(rs):
-            assert kinds == [LoopNest], spec
+            assert kinds == [LoopGroup], spec
     rng = np.random.default_rng(seed)
     dt = prec.numpy_dtype
     xv = rng.normal(size=x.dims).astype(dt)
@@ -441,6 +452,67 @@ def test_contractions_match_einsum(spec, seed):
     acc_eps = 1e-15 if prec is Precision.f64 else 1e-6
     tol = rel * np.abs(want) + acc_eps * inner * scale
     with mock.patch.object(lowering, "GEMM_MIN_FLOPS", 1):
-        got = _run(Comp((acc,)), {x: xv, y: yv}, allow_gemm=True, initial={out: o0})
+        got = _run(Comp((acc,)), {x: xv, y: yv}, gemm=True, initial={out: o0})
     err = np.abs(got[out.id].astype(np.float64) - want)
     assert np.all(err <= tol), (spec, float(err.max()))
+
+
+# --- parallel vs reduction iterators, and what fuses ------------------------------------------
+
+
+def _sum_then_scale() -> tuple[Comp, Comp, Tnode, Tnode]:
+    """``y += x[i]`` (y has one cell), then ``z[i] = y * x[i]``: the second must see the whole
+    sum, so the two must not share a loop."""
+    x = Tnode("x", (5,), F32, host_data=np.arange(1, 6, dtype=np.float32))
+    y, z = _node("y", (1,)), _node("z", (5,))
+    a1 = Accum(y, (0,), "+", Get(x, (0,)), (5,))
+    a2 = Accum(z, (0,), "=", apply("mul", Get(y, (0,)), Get(x, (0,))), (5,))
+    return Comp((a1,), "sum"), Comp((a2,), "scale"), y, z
+
+
+def test_an_iterator_over_a_size_one_axis_of_the_target_is_a_reduction():
+    s1, s2, _, _ = _sum_then_scale()
+    [first, second] = lower(s1 + s2)
+    assert isinstance(first, LoopGroup) and isinstance(second, LoopGroup)
+    [nest] = first.nests
+    assert nest.par == () and nest.red == (0,)
+
+
+def test_a_reduction_is_never_fused_with_a_reader_of_its_result():
+    from ocannl import Context
+
+    s1, s2, y, z = _sum_then_scale()
+    ctx = Context.cpu()
+    ctx, one = ctx.compile(s1 + s2)
+    ctx = ctx.run(one)
+    np.testing.assert_array_equal(ctx.get_values(z), [15, 30, 45, 60, 75])
+    s1, s2, y, z = _sum_then_scale()
+    ctx = Context.cpu()
+    ctx, r1 = ctx.compile(s1)
+    ctx, r2 = ctx.compile(s2)
+    ctx = ctx.run(r1).run(r2)
+    np.testing.assert_array_equal(ctx.get_values(z), [15, 30, 45, 60, 75])
+
+
+def test_pointwise_nests_over_one_space_fuse_into_one_group():
+    x, y, z, w = (_node(n, (4, 3)) for n in "xyzw")
+    a1 = Accum(y, (0, 1), "=", apply("exp", Get(x, (0, 1))), (4, 3))
+    a2 = Accum(z, (0, 1), "=", apply("mul", Get(y, (0, 1)), Get(x, (0, 1))), (4, 3))
+    a3 = Accum(w, (1, 0), "=", Get(z, (1, 0)), (3, 4))  # other space: a group of its own
+    a4 = Accum(x, (0, 1), "=", Get(w, (1, 0)), (4, 3))  # writes what the group read
+    groups = lower(Comp((a1, a2, a3, a4)))
+    assert [len(g.nests) for g in groups] == [2, 1, 1]
+
+
+def test_a_nest_reading_a_group_result_elsewhere_does_not_fuse():
+    x, y, z = _node("x", (4,)), _node("y", (4,)), _node("z", (4,))
+    a1 = Accum(y, (0,), "=", apply("exp", Get(x, (0,))), (4,))
+    a2 = Accum(z, (0,), "=", Get(y, (Fixed(0),)), (4,))  # reads y at another point
+    assert [len(g.nests) for g in lower(Comp((a1, a2)))] == [1, 1]
+
+
+def test_effects_name_inputs_and_writes():
+    s1, s2, y, z = _sum_then_scale()
+    eff = lowering.effects(lower(s1 + s2))
+    assert [n.label for n in eff.inputs] == ["x", "y"]  # y is accumulated into, not reset
+    assert [n.label for n in eff.written] == ["y", "z"]

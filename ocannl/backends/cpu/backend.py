@@ -23,8 +23,7 @@ import numpy as np
 from ocannl.backends.base import storage_to_host
 from ocannl.backends.cpu import prims
 from ocannl.backends.emit import Flavour, float_literal, nest_body
-from ocannl.ir.assignments import Fixed, reads
-from ocannl.ir.lowering import Fill, Gemm, LoopNest, Lowered, MatrixView
+from ocannl.ir.lowering import Fill, Gemm, LoopGroup, Lowered, MatrixView
 from ocannl.ir.ops import Precision
 from ocannl.ir.tnode import Tnode
 
@@ -101,7 +100,7 @@ class _Writer:
     def line(self, text: str) -> None:
         self.lines.append("    " * self.depth + text)
 
-    def fresh(self, stem: str) -> str:
+    def new_name(self, stem: str) -> str:
         self.n += 1
         return f"{stem}{self.n}"
 
@@ -109,37 +108,13 @@ class _Writer:
         return self.scratch.setdefault((size, role), f"s{len(self.scratch)}")
 
 
-def _par_order(nest: LoopNest) -> list[int]:
-    """Parallel loops follow the lhs axis order so the innermost store is contiguous."""
-    return list(dict.fromkeys(i for i in nest.assign.lhs_idx if isinstance(i, int)))
-
-
-def _fusable(group: list[LoopNest], nxt: LoopNest) -> bool:
-    """Whether ``nxt`` can run inside ``group``'s loops, point by point, with the same result:
-    same pointwise space, and every buffer the group writes is read by ``nxt`` only at the
-    point being written (and ``nxt``'s target is not read by the group at all)."""
-    first = group[0]
-    b = nxt.assign
-    if nxt.red or b.space != first.assign.space or _par_order(nxt) != _par_order(first):
-        return False
-    if any(isinstance(i, Fixed) for i in b.lhs_idx):
-        return False
-    written = {m.assign.lhs.id: m.assign.lhs_idx for m in group}
-    if b.lhs.id in written:
-        return False
-    for g in reads(b.expr):
-        if g.node.id in written and g.idx != written[g.node.id]:
-            return False
-    return not any(g.node is b.lhs for m in group for g in reads(m.assign.expr))
-
-
-def _loop_nests(w: _Writer, f: NumbaFlavour, group: list[LoopNest]) -> None:
-    """One loop nest running the bodies of ``group`` (a single nest, or fused pointwise ones)."""
-    nest = group[0]
+def _loop_group(w: _Writer, f: NumbaFlavour, group: LoopGroup) -> None:
+    """One loop nest running the bodies of every nest of the group, point by point."""
+    nest = group.lead
     a = nest.assign
-    par = _par_order(nest)
+    par = nest.par
     iters = {i: f"i{i}" for i in range(len(a.space))}
-    bodies = [nest_body(m.assign, bool(m.red), f, iters) for m in group]
+    bodies = [nest_body(m.assign, bool(m.red), f, iters) for m in group.nests]
     base = w.depth
     for i in par:
         w.line(f"for {iters[i]} in range({a.space[i]}):")
@@ -187,7 +162,7 @@ def _gemm(w: _Writer, f: NumbaFlavour, g: Gemm) -> None:
     if g.assign.reset:
         w.line(f"np.dot({a}, {b}, {shaped})")
     else:
-        view = w.fresh("o")
+        view = w.new_name("o")
         w.line(f"{view} = {shaped}")
         w.line(f"{view} += np.dot({a}, {b})")
     if lhs.prec.is_narrow:
@@ -208,22 +183,13 @@ def emit_source(code: list[Lowered], nodes: list[Tnode]) -> tuple[str, list[int]
     before the nodes' buffers in order."""
     f = NumbaFlavour(nodes)
     w = _Writer()
-    group: list[LoopNest] = []
     for item in code:
-        if isinstance(item, LoopNest) and group and not group[0].red and _fusable(group, item):
-            group.append(item)
-            continue
-        if group:
-            _loop_nests(w, f, group)
-            group = []
         if isinstance(item, Fill):
             _fill(w, f, item)
         elif isinstance(item, Gemm):
             _gemm(w, f, item)
         else:
-            group = [item]
-    if group:
-        _loop_nests(w, f, group)
+            _loop_group(w, f, item)
     if not code:
         w.line("return")
     params = ", ".join([*w.scratch.values(), *(f.buffer(n) for n in nodes)])
@@ -254,6 +220,7 @@ class NumbaCpuBackend:
     """Buffers are flat NumPy arrays; routines are Numba functions cached by source hash."""
 
     name = "cpu"
+    has_gemm = True  # np.dot, which Numba routes to SciPy's BLAS
     _compiled: dict[str, CompiledRoutine] = {}  # shared by every CPU context in the process
 
     def alloc(self, node: Tnode) -> np.ndarray:
@@ -279,11 +246,11 @@ class NumbaCpuBackend:
         source, scratch = emit_source(code, nodes)
         key = hashlib.sha256(source.encode()).hexdigest()[:24]
         compiled = self._compiled.get(key)
-        fresh = compiled is None
-        if fresh:
+        compiled_anew = compiled is None
+        if compiled_anew:
             # Importing compiles now (or loads from the on-disk cache), not at the first run.
             compiled = self._compiled[key] = CompiledRoutine(_load(key, source), scratch)
-        return compiled, fresh
+        return compiled, compiled_anew
 
 
 class CompiledRoutine:

@@ -25,15 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ocannl.backends.emit import BodyWriter, Flavour, NestBody, float_literal, nest_body
-from ocannl.ir.assignments import Accum, Comp, Fixed
-from ocannl.ir.lowering import (
-    Fill,
-    Gemm,
-    LoopNest,
-    Lowered,
-    lower,
-    lower_assignment,
-)
+from ocannl.ir.assignments import Accum, Comp
+from ocannl.ir.lowering import Fill, Gemm, LoopGroup, Lowered, lower
 from ocannl.ir.ops import Precision
 from ocannl.ir.tnode import Tnode
 
@@ -195,10 +188,6 @@ class Plan:
         return list(dict.fromkeys(k.source for k in self.kernels))
 
 
-def _nodes_of_assign(a: Accum) -> list[Tnode]:
-    return list({n.id: n for n in a.nodes}.values())
-
-
 def _index_type(*sizes: int) -> str:
     return "int" if max(sizes, default=1) < 2**31 - 2 * MAX_GRID * BLOCK else "long long"
 
@@ -330,29 +319,28 @@ class _Planner:
 
     # -- loop nests --
 
-    def nest(self, nest: LoopNest) -> None:
-        a = nest.assign
-        # Threads own the iterators that pick distinct cells; an iterator indexing only size-1
-        # axes of the lhs writes one cell from many points, so it is a reduction here.
-        par = list(dict.fromkeys(
-            i for i, d in zip(a.lhs_idx, a.lhs.dims, strict=True)
-            if not isinstance(i, Fixed) and (d > 1 or a.space[i] == 1)
-        ))
-        red = [i for i in range(len(a.space)) if i not in par]
-        par_size = math.prod(a.space[i] for i in par)
-        red_size = math.prod(a.space[i] for i in red)
-        has_red = bool(red)
-        strategy = nest_strategy(par_size, red_size, a.accum, has_red)
-        nodes = _nodes_of_assign(a)
-        f = CudaFlavour(nodes, a.lhs.prec.compute)
+    def group(self, group: LoopGroup) -> None:
+        """One kernel for a loop group: threads over the parallel iterators lowering chose, each
+        running every nest's body at its point (a nest with a long reduction: a block reduction
+        instead, see :meth:`reduce`)."""
+        lead = group.lead
+        a = lead.assign
+        par, red = list(lead.par), list(lead.red)
+        strategy = nest_strategy(lead.par_size, lead.red_size, a.accum, bool(red))
+        nodes = list({n.id: n for m in group.nests for n in m.assign.nodes}.values())
         names = {i: f"i{i}" for i in range(len(a.space))}
-        body = nest_body(a, has_red, f, names)
-        sizes = [math.prod(a.space), *(n.size for n in nodes)]
+        bodies = [nest_body(m.assign, bool(m.red), CudaFlavour(nodes, m.assign.lhs.prec.compute),
+                            names) for m in group.nests]
         if strategy == "reduce":
-            self.reduce(a, nodes, f, names, par, red, body)
+            (body,) = bodies
+            self.reduce(a, nodes, CudaFlavour(nodes, a.lhs.prec.compute), names, par, red, body)
             return
-        ity = _index_type(*sizes)
-        grid, block = map_launch(par_size)
+        if len(bodies) > 1:  # each fused body in its own scope: their locals share names
+            body = NestBody([], [x for b in bodies for x in ["{", *_indent(b.inner, 1), "}"]], [])
+        else:
+            (body,) = bodies
+        ity = _index_type(math.prod(a.space), *(n.size for n in nodes))
+        grid, block = map_launch(lead.par_size)
         inner: list[str] = []
         loops = [i for i in red if a.space[i] > 1]
         for depth, i in enumerate(loops):
@@ -365,7 +353,7 @@ class _Planner:
                 if a.space[i] == 1 and _uses(text, names[i])]
         decl = _decompose("p", par, a.space, names, ity, text)
         lines = [
-            f"for ({ity} p = ({ity})blockIdx.x * {block} + threadIdx.x; p < {par_size}; "
+            f"for ({ity} p = ({ity})blockIdx.x * {block} + threadIdx.x; p < {lead.par_size}; "
             f"p += ({ity})gridDim.x * {block}) {{",
             *_indent(decl + ones + body.init + inner + body.final, 1),
             "}",
@@ -460,30 +448,25 @@ class _Planner:
                                  BLOCK, (a.lhs,), (part,)))
 
 
-def plan_routine(code: Sequence[Lowered], *, use_cublas: bool = True) -> Plan:
-    """The launch plan of lowered code: pure Python, no GPU needed. Without cuBLAS, GEMMs
-    are planned as the loop nests they came from."""
+def plan_routine(code: Sequence[Lowered]) -> Plan:
+    """The launch plan of lowered code, one step per lowered item (a split reduction takes two
+    passes, a 16-bit GEMM its conversions): pure Python, no GPU needed. Without cuBLAS, lower
+    with ``gemm=False``: the plan renders what lowering decided."""
     p = _Planner()
     for item in code:
-        if isinstance(item, Gemm) and not use_cublas:
-            for sub in lower_assignment(item.assign, allow_gemm=False):
-                if isinstance(sub, Fill):
-                    p.fill(sub)
-                else:
-                    p.nest(sub)
-        elif isinstance(item, Fill):
+        if isinstance(item, Fill):
             p.fill(item)
         elif isinstance(item, Gemm):
             p.gemm(item)
         else:
-            p.nest(item)
+            p.group(item)
     return Plan(tuple(p.steps), tuple(p.scratch))
 
 
 def cuda_sources(comp: Comp | Sequence[Lowered], *, use_cublas: bool = True) -> list[str]:
     """The CUDA C source of every distinct kernel of a computation (or of lowered code), as
     the CUDA backend would compile them; needs no GPU, so NVRTC can check them anywhere."""
-    code = lower(comp) if isinstance(comp, Comp) else list(comp)
-    return plan_routine(code, use_cublas=use_cublas).sources()
+    code = lower(comp, gemm=use_cublas) if isinstance(comp, Comp) else list(comp)
+    return plan_routine(code).sources()
 
 
