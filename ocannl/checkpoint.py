@@ -10,9 +10,11 @@ checkpoint intact; loading checks every name, shape and precision before it chan
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
-import tempfile
+import re
+import secrets
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +22,11 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import safetensors
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: saves take no lock and leave stale temporaries alone
+    fcntl = None  # type: ignore[assignment]
 
 from ocannl.context import Context
 from ocannl.errors import Failure
@@ -29,7 +36,10 @@ from ocannl.tensor.tensor import Tensor
 
 __all__ = ["Progress", "load", "node_names", "save", "training_state"]
 
-_FORMAT = "ocannl.checkpoint/1"
+_FORMAT = "ocannl.checkpoint/2"  # /2: SHA-256 of every tensor's bytes and of the header
+_FORMAT_1 = "ocannl.checkpoint/1"  # no digests: refused, its bytes cannot be verified
+_DIGEST_PREFIX = "sha256:"
+_HEADER_KEY = "header_sha256"
 # safetensors dtype names; f16 and bf16 are stored as themselves, exactly.
 _DTYPES = {Precision.f64: "F64", Precision.f32: "F32", Precision.f16: "F16",
            Precision.bf16: "BF16"}
@@ -68,6 +78,10 @@ class Progress:
             d = json.loads(text)
             p = cls(d["step"], d["epoch"], d["extra"])
             p.check()
+        except RecursionError:
+            raise Failure(f"checkpoint progress {text!r:.200} is not valid: its JSON is nested "
+                          f"too deeply (expected {{\"step\": int, \"epoch\": int, \"extra\": "
+                          f"{{str: str}}}})") from None
         except (ValueError, KeyError, TypeError) as err:
             raise Failure(f"checkpoint progress {text!r:.200} is not valid: {err}") from None
         return p
@@ -122,11 +136,101 @@ def _spec(arr: np.ndarray, dtype: str) -> object:
     return {"dtype": _SPEC_DTYPES[dtype], "shape": list(arr.shape), "data": arr.tobytes()}
 
 
+def _lock_file(path: Path) -> Path:
+    return path.with_name(f".{path.name}.lock")
+
+
+def _temporaries(path: Path) -> re.Pattern[str]:
+    """The names :func:`save` gives its temporary files for ``path`` (and those of the first
+    format, made by ``tempfile.mkstemp``): ``.NAME.<random>.tmp``, where the random part has
+    no dot, so another checkpoint's temporaries (``.NAME.x.<random>.tmp``) never match."""
+    return re.compile(rf"\.{re.escape(path.name)}\.(?:[0-9a-f]{{16}}|[a-z0-9_]{{8}})\.tmp")
+
+
+def _acquire(path: Path, *, wait: bool) -> int | None:
+    """An exclusive ``flock`` on ``.NAME.lock`` beside ``path``: a descriptor to pass to
+    :func:`_release`, or None when there is no lock to be had (no ``fcntl``, a folder we cannot
+    write, or -- without ``wait`` -- another live process holding it).
+
+    Every save holds the lock while its temporary file exists, so whoever holds it knows that
+    every temporary of ``path`` it finds was left by a save that died. The holder removes the
+    lock file as it releases it; a process that locked the file meanwhile finds it is no longer
+    the one at that name and starts over.
+    """
+    if fcntl is None:
+        return None
+    lock = _lock_file(path)
+    while True:
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o666)
+        except OSError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # busy (without wait), or no locks on this file system
+            os.close(fd)
+            return None
+        try:
+            same = os.path.samestat(os.fstat(fd), os.stat(lock))
+        except OSError:
+            same = False  # its last holder removed it as it released it
+        if same:
+            return fd
+        os.close(fd)
+
+
+def _release(path: Path, fd: int | None) -> None:
+    if fd is None:
+        return
+    try:
+        os.unlink(_lock_file(path))
+    except OSError:
+        pass
+    os.close(fd)
+
+
+def _remove_stale_temporaries(path: Path) -> None:
+    """Remove what saves of ``path`` that were killed left behind (call holding the lock)."""
+    pattern = _temporaries(path)
+    folder = path.parent if str(path.parent) else Path(".")
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return
+    for entry in entries:
+        if pattern.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
+            try:
+                os.unlink(entry.path)
+            except OSError:
+                pass
+
+
+def _digest(arr: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(arr).reshape(-1).view(np.uint8)).hexdigest()
+
+
+def _header_digest(meta: dict[str, str], shapes: dict[str, tuple[str, list[int]]]) -> str:
+    """The digest of everything the header says: the metadata (but this digest) and each
+    tensor's dtype and shape."""
+    text = json.dumps({"metadata": {k: v for k, v in meta.items() if k != _HEADER_KEY},
+                       "tensors": {k: list(v) for k, v in shapes.items()}},
+                      sort_keys=True, ensure_ascii=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 def save(path: str | os.PathLike, ctx: Context, nodes: Iterable[Tnode | Tensor],
          progress: Progress) -> None:
     """Write ``nodes``' values (read from ``ctx``) and ``progress`` to ``path``, atomically:
-    the bytes go to a temporary file in the same folder, are flushed to disk, then renamed over
-    ``path``, so a crash at any point leaves either the old or the new checkpoint."""
+    the bytes go to a temporary file ``.NAME.<random>.tmp`` in the same folder, are flushed to
+    disk, then renamed over ``path``, so a crash at any point leaves either the old or the new
+    checkpoint.
+
+    The file records the SHA-256 of every tensor's bytes and of the header (format
+    ``ocannl.checkpoint/2``), which :func:`load` verifies. A save holds an exclusive lock on
+    ``.NAME.lock`` beside ``path`` (waiting for another save of the same path to finish) and
+    first removes the temporaries of saves of ``path`` that were killed; the lock file is
+    removed when the save ends.
+    """
     nodes = _as_nodes(nodes)
     if not isinstance(progress, Progress):
         raise TypeError(f"progress must be a checkpoint.Progress, got {type(progress).__name__}")
@@ -138,16 +242,33 @@ def save(path: str | os.PathLike, ctx: Context, nodes: Iterable[Tnode | Tensor],
         arrays[name] = arr.reshape(node.dims)
         dtypes[name] = _DTYPES[node.prec]
         meta[f"label:{name}"] = node.label
+        meta[f"{_DIGEST_PREFIX}{name}"] = _digest(arr)
+    meta[_HEADER_KEY] = _header_digest(
+        meta, {k: (dtypes[k], list(a.shape)) for k, a in arrays.items()})
     specs = {k: _spec(a, dtypes[k]) for k, a in arrays.items()}
     data = bytes(safetensors.serialize(specs, metadata=meta))
     del specs  # the arrays it points into were alive until here
     path = Path(path)
     folder = path.parent if str(path.parent) else Path(".")
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{path.name}.", suffix=".tmp")
+    lock = _acquire(path, wait=True)
     try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.fchmod(fd, 0o666 & ~umask)  # mkstemp's 0600 would outlive the rename
+        if lock is not None:
+            _remove_stale_temporaries(path)
+        _write_atomically(path, folder, data)
+    finally:
+        _release(path, lock)
+
+
+def _write_atomically(path: Path, folder: Path, data: bytes) -> None:
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+    while True:
+        tmp = folder / f".{path.name}.{secrets.token_hex(8)}.tmp"
+        try:
+            fd = os.open(tmp, flags, 0o666)  # the umask applies, as to any new file
+            break
+        except FileExistsError:
+            continue
+    try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()
@@ -170,29 +291,60 @@ def save(path: str | os.PathLike, ctx: Context, nodes: Iterable[Tnode | Tensor],
 
 
 def _read(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """Tensors and metadata of a safetensors file; ``Failure`` when it is not one."""
+    """Tensors and metadata of an ocannl checkpoint whose digests all match; ``Failure`` when
+    it is not one, or any byte of it differs from what was saved."""
+    where = f"checkpoint {str(path)!r}"
     try:
         data = path.read_bytes()
     except OSError as err:
-        raise Failure(f"cannot read checkpoint {str(path)!r}: {err}") from None
+        raise Failure(f"cannot read {where}: {err}") from None
     try:
         n = int.from_bytes(data[:8], "little")
         header = json.loads(data[8:8 + n])
         meta = header.get("__metadata__") or {}
         tensors = safetensors.deserialize(data)
     except Exception as err:  # noqa: BLE001 - any decoding error means "not a checkpoint"
-        raise Failure(f"{str(path)!r} is not a safetensors checkpoint: {err}") from None
-    if not isinstance(meta, dict) or meta.get("format") != _FORMAT:
-        raise Failure(f"{str(path)!r} is not an ocannl checkpoint (format "
-                      f"{meta.get('format') if isinstance(meta, dict) else None!r}, expected "
+        kind = "nested too deeply" if isinstance(err, RecursionError) else str(err)
+        raise Failure(f"{str(path)!r} is not a safetensors checkpoint: {kind:.300}") from None
+    fmt = meta.get("format") if isinstance(meta, dict) else None
+    if fmt == _FORMAT_1:
+        raise Failure(f"{where} has format {_FORMAT_1!r}, written by an older ocannl without "
+                      f"integrity digests, so its bytes cannot be verified: this version loads "
+                      f"{_FORMAT!r} only (resume with the ocannl that wrote it, or restart)")
+    if fmt != _FORMAT:
+        raise Failure(f"{str(path)!r} is not an ocannl checkpoint (format {fmt!r:.80}, expected "
                       f"{_FORMAT!r})")
-    out = {}
+    out: dict[str, np.ndarray] = {}
+    shapes: dict[str, tuple[str, list[int]]] = {}
+    problems = []
     for name, t in tensors:
         dt = _NUMPY.get(t["dtype"])
         if dt is None:
-            raise Failure(f"checkpoint {str(path)!r}: tensor {name!r} has dtype {t['dtype']}, "
-                          f"expected one of {sorted(_NUMPY)}")
-        out[name] = np.frombuffer(bytes(t["data"]), dtype=dt).reshape(t["shape"])
+            raise Failure(f"{where}: tensor {name!r} has dtype {t['dtype']}, expected one of "
+                          f"{sorted(_NUMPY)}")
+        raw = bytes(t["data"])
+        want = meta.get(f"{_DIGEST_PREFIX}{name}")
+        got = hashlib.sha256(raw).hexdigest()
+        if want is None:
+            problems.append(f"tensor {name!r} has no digest")
+        elif got != want:
+            problems.append(f"tensor {name!r} is corrupted (its bytes have SHA-256 {got:.16}..., "
+                            f"saved {want!r:.20}...)")
+        try:
+            out[name] = np.frombuffer(raw, dtype=dt).reshape(t["shape"])
+        except ValueError as err:
+            raise Failure(f"{where}: tensor {name!r} of shape {t['shape']!r:.80} does not fit "
+                          f"its {len(raw)} bytes: {err}") from None
+        shapes[name] = (t["dtype"], list(t["shape"]))
+    stray = sorted(k[len(_DIGEST_PREFIX):] for k in meta
+                   if k.startswith(_DIGEST_PREFIX) and k[len(_DIGEST_PREFIX):] not in out)
+    if stray:
+        problems.append(f"digests of tensors that are not in the file: {stray}")
+    if not problems and meta.get(_HEADER_KEY) != _header_digest(meta, shapes):
+        problems.append("its header (progress, labels, dtypes, shapes) differs from what was "
+                        "saved")
+    if problems:
+        raise Failure(f"{where} is corrupted or altered: " + "; ".join(problems))
     return out, meta
 
 
@@ -201,12 +353,24 @@ def load(path: str | os.PathLike, ctx: Context,
     """Write the values saved in ``path`` into ``nodes`` on ``ctx``; returns the context and
     the saved progress.
 
-    The file must hold exactly these nodes' names (see :func:`node_names`), each with the
-    node's dims and precision; otherwise ``ocannl.Failure`` lists every mismatch and the context
-    is left as it was.
+    Every tensor's bytes and the header are checked against the SHA-256 digests :func:`save`
+    recorded: a flipped bit anywhere raises ``ocannl.Failure`` naming the tensor (or the
+    header). A file of the first format (``ocannl.checkpoint/1``, without digests) is refused
+    with ``Failure`` saying so. The file must hold exactly these nodes' names (see
+    :func:`node_names`), each with the node's dims and precision; otherwise ``ocannl.Failure``
+    lists every mismatch. On any failure the context is left as it was.
+
+    When no save of ``path`` is running (its lock is free), temporaries left by killed saves of
+    ``path`` are removed first.
     """
     nodes = _as_nodes(nodes)
     path = Path(path)
+    lock = _acquire(path, wait=False)
+    if lock is not None:
+        try:
+            _remove_stale_temporaries(path)
+        finally:
+            _release(path, lock)
     arrays, meta = _read(path)
     progress = Progress.from_json(meta.get("progress", ""))
     names = node_names(nodes)

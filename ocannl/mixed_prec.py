@@ -251,6 +251,36 @@ class Loss_scaler:  # noqa: N801 - the OCaml module's name, as the port's conven
                 f"growth_factor={self.growth_factor!r}, backoff_factor={self.backoff_factor!r}, "
                 f"growth_interval={self.growth_interval})")
 
+    MAX_GROWTH_INTERVAL = 10**19 - 1
+    """The largest ``growth_interval``: the state line carries integers of up to 19 digits."""
+
+    @staticmethod
+    def _shown(x: object) -> str:
+        """``repr(x)``, shortened when huge (an int of 400 digits is named, not printed)."""
+        r = repr(x)
+        if len(r) <= 60:
+            return r
+        if isinstance(x, int):
+            return f"{r[:16]}...{r[-4:]} (an integer of {len(r.lstrip('-'))} digits)"
+        return f"{r[:24]}...{r[-8:]} ({len(r)} characters)"
+
+    @staticmethod
+    def _rounded(given: object, v: float) -> str:
+        return "" if isinstance(given, float) else f" (as a float: {v!r})"
+
+    @classmethod
+    def _real(cls, name: str, x: object, expected: str) -> float:
+        """``x`` as a float, or ``ValueError`` naming it when it is no real number or is too
+        large for a float (``float(10**400)`` would raise ``OverflowError``)."""
+        if not _is_real(x):
+            raise ValueError(f"{name} must be {expected}, got {type(x).__name__}: "
+                             f"{cls._shown(x)}")
+        try:
+            return float(x)  # type: ignore[arg-type]
+        except (OverflowError, ValueError, TypeError):
+            raise ValueError(f"{name} must be {expected}, got {cls._shown(x)}, which is too "
+                             f"large for a float") from None
+
     # --- construction -------------------------------------------------------------------------
 
     @classmethod
@@ -263,19 +293,33 @@ class Loss_scaler:  # noqa: N801 - the OCaml module's name, as the port's conven
         growth_interval: int = 200,
     ) -> Loss_scaler:
         """A scaler starting at ``init_scale`` (rounded to f32, as torch keeps its scale) with
-        no good steps. Raises ``ValueError`` naming any argument out of range."""
-        if not _is_real(init_scale) or not math.isfinite(init_scale) or not init_scale > 0:
-            raise ValueError(f"init_scale must be a finite number > 0, got {init_scale!r}")
-        s = _f32(float(init_scale))
+        no good steps. Raises ``ValueError`` naming any argument out of range: ``init_scale``
+        must round to a finite f32 > 0; ``growth_factor`` a finite number > 1 and
+        ``backoff_factor`` one in (0, 1) (after rounding to a float); ``growth_interval`` an
+        integer in [1, 10**19 - 1], the range :meth:`save_state` writes and
+        :meth:`restore_state` reads back. Any real number type is accepted (int, float,
+        Fraction, NumPy scalars), but not bool; an int too large for a float is out of range."""
+        init = cls._real("init_scale", init_scale, "a finite number > 0")
+        if not math.isfinite(init) or not init > 0:
+            raise ValueError(f"init_scale must be a finite number > 0, got "
+                             f"{cls._shown(init_scale)}")
+        s = _f32(init)
         if not math.isfinite(s) or s == 0.0:
-            raise ValueError(f"init_scale={init_scale!r} is not representable in f32 "
+            raise ValueError(f"init_scale={cls._shown(init_scale)} is not representable in f32 "
                              f"(it rounds to {s!r}): expected a value in (0, {_F32_MAX!r}]")
-        if not _is_real(growth_factor) or not math.isfinite(growth_factor) or growth_factor <= 1:
-            raise ValueError(f"growth_factor must be a finite number > 1, got {growth_factor!r}")
-        if not _is_real(backoff_factor) or not 0 < backoff_factor < 1:
-            raise ValueError(f"backoff_factor must be a number in (0, 1), got {backoff_factor!r}")
-        if not _is_int(growth_interval) or growth_interval < 1:
-            raise ValueError(f"growth_interval must be an integer >= 1, got {growth_interval!r}")
+        growth = cls._real("growth_factor", growth_factor, "a finite number > 1")
+        if not math.isfinite(growth) or not growth > 1:
+            raise ValueError(f"growth_factor must be a finite number > 1, got "
+                             f"{cls._shown(growth_factor)}" + cls._rounded(growth_factor, growth))
+        backoff = cls._real("backoff_factor", backoff_factor, "a number in (0, 1)")
+        if not 0 < backoff < 1:
+            raise ValueError(f"backoff_factor must be a number in (0, 1), got "
+                             f"{cls._shown(backoff_factor)}"
+                             + cls._rounded(backoff_factor, backoff))
+        if not _is_int(growth_interval) or not 1 <= growth_interval <= cls.MAX_GROWTH_INTERVAL:
+            raise ValueError(f"growth_interval must be an integer in [1, "
+                             f"{cls.MAX_GROWTH_INTERVAL}] (the range save_state and "
+                             f"restore_state carry), got {cls._shown(growth_interval)}")
         t = object.__new__(cls)
         t._put(
             scale=T.term(np.float32(s), label="loss_scale", prec=Precision.f32),
@@ -283,8 +327,8 @@ class Loss_scaler:  # noqa: N801 - the OCaml module's name, as the port's conven
                            prec=Precision.f32),
             scale_val=s,
             good_steps=0,
-            growth_factor=float(growth_factor),
-            backoff_factor=float(backoff_factor),
+            growth_factor=growth,
+            backoff_factor=backoff,
             growth_interval=int(growth_interval),
             _warned_zero=False,
         )
@@ -311,11 +355,14 @@ class Loss_scaler:  # noqa: N801 - the OCaml module's name, as the port's conven
     def set_scale(self, ctx: Context, v: float) -> Context:
         """Set the scale to ``v`` (rounded to f32) and write it and its reciprocal to the
         device. The good-step count is kept. ``v`` must be finite and >= 0 in f32."""
-        if not _is_real(v) or not math.isfinite(v) or v < 0:
-            raise ValueError(f"set_scale: the scale must be a finite number >= 0, got {v!r}")
-        s = _f32(float(v))
+        fv = self._real("set_scale: the scale", v, "a finite number >= 0")
+        if not math.isfinite(fv) or fv < 0:
+            raise ValueError(f"set_scale: the scale must be a finite number >= 0, got "
+                             f"{self._shown(v)}")
+        s = _f32(fv)
         if not math.isfinite(s):
-            raise ValueError(f"set_scale: {v!r} overflows f32 (largest finite: {_F32_MAX!r})")
+            raise ValueError(f"set_scale: {self._shown(v)} overflows f32 (largest finite: "
+                             f"{_F32_MAX!r})")
         return self._write(ctx, abs(s))
 
     # --- the schedule --------------------------------------------------------------------------
