@@ -5,7 +5,8 @@ activations and their gradients in f16; the softmax cross-entropy runs in f32, a
 torch's autocast. The backprop is seeded with a dynamic loss scale (``Loss_scaler``), and a
 step whose gradients overflow is skipped, either by the host after every step
 (``--gate host``) or on the device inside one fused routine, the host sampling a sticky flag
-every ``--check-interval`` steps (``--gate fused``).
+every ``--check-interval`` steps (``--gate fused``). The optimizer updating the f32 masters is
+SGD with momentum (``--optimizer sgd``), Adam or AdamW.
 
     python examples/moons_mixed_precision.py                        # fused gate, CPU or GPU
     python examples/moons_mixed_precision.py --gate host --steps 800
@@ -30,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 import ocannl.tensor as T
-from ocannl import Context, Failure, checkpoint, datasets, mixed_prec, nn_blocks, train
+from ocannl import Context, Failure, checkpoint, datasets, mixed_prec, nn_blocks, optim, train
 
 TRAIN_POINTS, TEST_POINTS = 512, 512
 
@@ -45,6 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="fused gate: steps between two host reads of the overflow flag")
     ap.add_argument("--steps", type=int, default=600, help="training steps (default 600)")
     ap.add_argument("--batch", type=int, default=64, help="batch size (default 64)")
+    ap.add_argument("--optimizer", choices=["sgd", "adam", "adamw"], default="sgd",
+                    help="the optimizer updating the f32 masters (default sgd)")
     ap.add_argument("--lr", type=float, default=0.1, help="learning rate (default 0.1)")
     ap.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default 0.9)")
     ap.add_argument("--init-scale", type=float, default=65536.0, help="initial loss scale")
@@ -124,19 +127,19 @@ def main(argv: list[str] | None = None) -> int:
 
     scaler = mixed_prec.Loss_scaler.create(init_scale=args.init_scale,
                                            growth_interval=args.growth_interval)
-    opt = {"learning_rate": args.lr, "momentum": args.momentum}
-    ctx = train.init_params(ctx, loss)  # before compiling, which allocates zero buffers
-    t0 = time.perf_counter()
-    if args.gate == "fused":
-        gated = mixed_prec.gated_step(scaler, loss, check_interval=args.check_interval, **opt)
-        ctx, step_routine = ctx.compile(gated.comp)
-        state = checkpoint.training_state(loss) + gated.state_nodes()
+    if args.optimizer == "sgd":
+        opt: optim.Optimizer = optim.SGD(args.lr, momentum=args.momentum)
     else:
-        gated = None
-        checksum, grad_comp = mixed_prec.scaled_grad_update(scaler, loss)
-        ctx, grad_routine = ctx.compile(grad_comp)
-        ctx, sgd_routine = ctx.compile(mixed_prec.scaled_sgd_update(scaler, loss, **opt))
-        state = checkpoint.training_state(loss)
+        opt = {"adam": optim.Adam, "adamw": optim.AdamW}[args.optimizer](args.lr)
+    ctx = train.init_params(ctx, loss)
+    t0 = time.perf_counter()
+    recipe: mixed_prec.Recipe
+    if args.gate == "fused":
+        recipe = mixed_prec.gated_step(scaler, loss, opt, check_interval=args.check_interval)
+    else:
+        recipe = mixed_prec.scaled_step(scaler, loss, opt)
+    ctx = recipe.compile(ctx)
+    state = checkpoint.training_state(loss, opt) + recipe.state_nodes()
     ctx, forward_routine = ctx.compile(train.forward(logits))
     compile_s = time.perf_counter() - t0
 
@@ -144,12 +147,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.resume and args.checkpoint.exists():
         try:
             ctx, progress = checkpoint.load(args.checkpoint, ctx, state)
-            if progress.extra.get("gate") != args.gate:
-                raise Failure(f"it was written with --gate {progress.extra.get('gate')}, "
-                              f"not --gate {args.gate}")
+            for flag in ("gate", "optimizer"):
+                saved, mine = progress.extra.get(flag), getattr(args, flag)
+                if saved != mine:
+                    raise Failure(f"it was written with --{flag} {saved}, not --{flag} {mine}")
             ctx = scaler.restore_state(ctx, progress.extra["loss_scaler"])
-            if gated is not None:
-                gated.restore_state(progress.extra["gated_step"])
+            recipe.restore_state(progress.extra["recipe"])
         except (Failure, KeyError) as err:
             sys.exit(f"error: cannot resume from {args.checkpoint}: {err}")
         start = progress.step
@@ -158,9 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"no checkpoint at {args.checkpoint} yet: starting from step 0", flush=True)
 
     def save(step: int) -> None:
-        extra = {"gate": args.gate, "loss_scaler": scaler.save_state()}
-        if gated is not None:
-            extra["gated_step"] = gated.save_state()
+        extra = {"gate": args.gate, "optimizer": args.optimizer,
+                 "loss_scaler": scaler.save_state(), "recipe": recipe.save_state()}
         progress = checkpoint.Progress(step=step, epoch=step // (TRAIN_POINTS // args.batch),
                                        extra=extra)
         checkpoint.save(args.checkpoint, ctx, state, progress)
@@ -174,7 +176,6 @@ def main(argv: list[str] | None = None) -> int:
     # (step, loss, scale) samples. The fused recipe's point is not to wait for the device every
     # step, so it reads the loss only where it reads the overflow flag anyway: at window ends.
     history: list[tuple[int, float, float]] = []
-    skipped = 0
     for step in range(start, args.steps):
         idx = batch_indices(step, TRAIN_POINTS, args.batch, args.seed)
         xb = points[idx].copy()
@@ -183,13 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         ctx = ctx.set_values(x, xb)
         ctx = ctx.set_values(y, targets[idx])
         scale = scaler.scale_value()
-        if gated is not None:
-            ctx = gated.step(ctx, step_routine)
-        else:
-            ctx, ok = mixed_prec.scaled_step(scaler=scaler, grad_routine=grad_routine,
-                                             sgd_routine=sgd_routine, checksum=checksum, ctx=ctx)
-            skipped += not ok
-        if gated is None or gated.pending == 0:
+        ctx = recipe.step(ctx)
+        if recipe.pending == 0:  # the host sampled this step: reading the loss costs no sync
             history.append((step, ctx.get_value(loss), scale))
         if args.checkpoint is not None and (step + 1) % args.checkpoint_every == 0:
             save(step + 1)
@@ -198,8 +194,6 @@ def main(argv: list[str] | None = None) -> int:
             if step % 10 == 0:
                 last = history[-1][1] if history else math.nan
                 bar.set_postfix(loss=f"{last:.4f}", scale=f"{scale:g}")
-    if gated is not None:
-        skipped = gated.skipped_windows
     if bar is not None:
         bar.close()
     ran = start < args.steps
@@ -213,12 +207,13 @@ def main(argv: list[str] | None = None) -> int:
         pred = np.argmax(ctx.get_values(logits).astype(np.float32), axis=-1)
         correct += int(np.sum(pred == test_labels[k:k + args.batch]))
     evaluated = (TEST_POINTS // args.batch) * args.batch
-    what = "windows" if gated is not None else "steps"
+    # The host gate's windows are single steps.
+    what = "windows" if args.gate == "fused" else "steps"
     print(f"backend {ctx.backend_name()}, gate {args.gate}, compile {compile_s:.1f} s")
     finite = [v for _, v, _ in history if math.isfinite(v)]
     if finite:
         print(f"final loss {finite[-1]:.4g}, loss scale {scaler.scale_value():g} "
-              f"(good steps {scaler.good_steps}), skipped {what}: {skipped}")
+              f"(good steps {scaler.good_steps}), skipped {what}: {recipe.skipped_windows}")
     print(f"accuracy: {100.0 * correct / evaluated:.2f}% on {evaluated} held-out points",
           flush=True)
     if not args.no_plot and history:

@@ -1,4 +1,6 @@
-"""Training computations: forward, backprop, SGD, the gradient checksum, parameter init.
+"""Training computations: forward, backprop, the gradient checksum, parameter init, and
+OCANNL's functional ``sgd_update`` (a thin wrapper over :class:`ocannl.optim.SGD`; optimizers
+as objects, with their state, live in :mod:`ocannl.optim`).
 
 Each function returns a :class:`~ocannl.ir.assignments.Comp`; sequence them with ``+`` and
 compile the whole step once (``to_routine``), so running a step costs one call.
@@ -9,31 +11,21 @@ buffers are read by the routine, never folded into its code.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable
 
 from ocannl.context import Context, Routine
-from ocannl.ir.assignments import Accum, Comp, Const, Expr, Fixed, Get, apply
+from ocannl.ir.assignments import Accum, Comp, Const, Expr, Get, apply
 from ocannl.ir.ops import Precision
 from ocannl.ir.tnode import Tnode
+from ocannl.optim import SGD, Scalar, scalar_expr
 from ocannl.tensor.shape import Shape
 from ocannl.tensor.tensor import Tensor, copy_into
 
-Scalar = float | Tensor
-
-
-def scalar_expr(x: Scalar, what: str) -> Expr:
-    """A float as a literal, a one-element tensor as a read of its buffer."""
-    if isinstance(x, Tensor):
-        if x.value.size != 1:
-            raise ValueError(f"{what} must be a one-element tensor, got {x.label} {x.shape}")
-        if x.const is not None:
-            return Const(x.const)
-        return Get(x.value, tuple(Fixed(0) for _ in x.dims))
-    if isinstance(x, (int, float)):
-        if not math.isfinite(x):
-            raise ValueError(f"{what} must be finite, got {x!r}")
-        return Const(float(x))
-    raise TypeError(f"{what} must be a float or a one-element Tensor, got {type(x).__name__}")
+__all__ = [
+    "Scalar", "forward", "grad_checksum", "grad_update", "init_params", "optimizer_state",
+    "scalar_expr", "sequential_loop", "sgd_update", "to_routine",
+]
 
 
 def forward(t: Tensor) -> Comp:
@@ -53,12 +45,19 @@ def grad_update(loss: Tensor, *, loss_scale: Tensor | None = None) -> Comp:
     )
 
 
+# The buffers of the functional sgd_update, by parameter: repeated calls on one model share its
+# momentum. Weak keys: a model's buffers go with it.
+_sgd_buffers: weakref.WeakKeyDictionary[Tensor, dict[str, Tnode]] = weakref.WeakKeyDictionary()
+
+
 def optimizer_state(p: Tensor, name: str) -> Tnode:
-    """A persistent optimizer buffer of a parameter (its momentum), created on first use."""
-    state = p.__dict__.setdefault("optimizer_state", {})
-    if name not in state:
-        state[name] = Tnode(f"{name}_{p.label}", p.dims, p.prec)
-    return state[name]
+    """The buffer ``name`` (``"momentum"``) that :func:`sgd_update` keeps for parameter ``p``.
+    An :class:`~ocannl.optim.Optimizer` object keeps its own: see its ``state_of``."""
+    try:
+        return _sgd_buffers[p][name]
+    except (KeyError, TypeError):
+        raise ValueError(f"no {name!r} buffer for {p!r}: build train.sgd_update with "
+                         f"momentum over a loss of this parameter first") from None
 
 
 def sgd_update(
@@ -71,56 +70,39 @@ def sgd_update(
     grad_unscale: Tensor | None = None,
     gate: Expr | None = None,
 ) -> Comp:
-    """SGD over every parameter of ``loss``, as torch.optim.SGD (dampening 0).
+    """OCANNL's functional ``sgd_update``: :class:`ocannl.optim.SGD`'s update (torch.optim.SGD
+    with dampening 0), its momentum buffers kept per parameter across calls.
 
     ``grad_unscale`` multiplies each gradient before the optimizer math, so momentum sees true
     magnitudes. ``gate`` (an expression of the step) makes every store a select: where it is 0
     the parameters and momentum keep their old bits (used by the fused mixed-precision step).
+    To checkpoint, resume, or use another optimizer, build an optimizer object instead.
     """
-    lr = scalar_expr(learning_rate, "learning_rate")
-    if not 0.0 <= momentum < 1.0 or not math.isfinite(weight_decay) or weight_decay < 0:
-        raise ValueError(f"momentum must be in [0, 1) and weight_decay >= 0, got "
-                         f"momentum={momentum!r}, weight_decay={weight_decay!r}")
-    if nesterov and momentum == 0.0:
-        raise ValueError("nesterov momentum needs momentum > 0")
-    unscale = None if grad_unscale is None else scalar_expr(grad_unscale, "grad_unscale")
-    code: list[Accum] = []
-    for p in loss.params:
-        idx = tuple(range(len(p.dims)))
-        value = Get(p.value, idx)
-        g: Expr = Get(p.grad, idx)
-        if unscale is not None:
-            g = apply("mul", g, unscale)
-        if weight_decay:
-            g = apply("add", g, apply("mul", Const(weight_decay), value))
-        step = g
-        if momentum:
-            v = optimizer_state(p, "momentum")
-            v_get = Get(v, idx)
-            code.append(_store(v, idx, apply("add", apply("mul", Const(momentum), v_get), g),
-                               gate))
-            step = apply("add", g, apply("mul", Const(momentum), v_get)) if nesterov else v_get
-        code.append(_store(p.value, idx, apply("sub", value, apply("mul", lr, step)), gate))
-    return Comp(tuple(code), f"sgd_{loss.label}")
+    opt = SGD(learning_rate, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov,
+              buffers=_sgd_buffers)
+    return opt.update(loss, grad_unscale=grad_unscale, gate=gate)
 
 
-def _store(node: Tnode, idx: tuple[int, ...], new: Expr, gate: Expr | None) -> Accum:
-    if gate is not None:
-        new = apply("where", gate, new, Get(node, idx))
-    return Accum(node, idx, "=", new, node.dims)
+def grad_checksum(loss: Tensor, *, unscale: Scalar | None = None) -> tuple[Tensor, Comp]:
+    """A one-element f32 tensor that is non-finite exactly when some parameter gradient (times
+    ``unscale``, when given) is, and its computation; run it after the gradients.
 
-
-def grad_checksum(loss: Tensor) -> tuple[Tensor, Comp]:
-    """A one-element f32 tensor that is non-finite exactly when some parameter gradient is.
-
-    It sums ``g * 0`` over every gradient element: 0 for finite values (so it never overflows),
-    NaN for an infinity or a NaN.
+    It sums ``g * 0`` (``g * unscale * 0``) over every gradient element: 0 for finite values (so
+    it never overflows), NaN for an infinity or a NaN. With ``unscale`` (a loss scaler's
+    reciprocal) it checks what the optimizer would apply, as torch's GradScaler does: a scale
+    backed off to 0 (``0 * inf``) is then caught instead of writing NaN into the weights.
     """
+    if loss.grad is None:
+        raise ValueError(f"loss {loss.label} depends on no parameter: nothing to check")
+    u = None if unscale is None else scalar_expr(unscale, "unscale")
     flag = Tensor(Tnode(f"checksum_{loss.label}", (), Precision.f32), Shape(), kind="op",
                   differentiable=False)
     code = [copy_into(flag.value, Const(0.0))]
     for p in loss.params:
-        g = Get(p.grad, tuple(range(len(p.dims))))
+        assert p.grad is not None
+        g: Expr = Get(p.grad, tuple(range(len(p.dims))))
+        if u is not None:
+            g = apply("mul", g, u)
         code.append(Accum(flag.value, (), "+", apply("mul", g, Const(0.0)), p.dims))
     return flag, Comp(tuple(code), f"checksum_{loss.label}")
 

@@ -17,7 +17,7 @@ import pytest
 import safetensors
 
 import ocannl.tensor as T
-from ocannl import Context, Failure, checkpoint, mixed_prec, nn_blocks, train
+from ocannl import Context, Failure, checkpoint, mixed_prec, nn_blocks, optim
 from ocannl.checkpoint import Progress
 from ocannl.ir.ops import Precision
 from ocannl.ir.tnode import Tnode
@@ -194,14 +194,22 @@ def test_training_state_is_masters_and_optimizer_buffers() -> None:
                                                f=lambda: nn_blocks.mlp(x, [4], 2))
     loss = nn_blocks.softmax_cross_entropy(T.cast(logits, "f32"), y)
     sc = mixed_prec.Loss_scaler.create()
-    mixed_prec.scaled_sgd_update(sc, loss, learning_rate=0.1, momentum=0.9)
-    nodes = checkpoint.training_state(loss)
+    opt = optim.SGD(0.1, momentum=0.9)
+    early = checkpoint.training_state(loss, opt)  # before the update is built: the same list
+    recipe = mixed_prec.scaled_step(sc, loss, opt)
+    nodes = checkpoint.training_state(loss, opt)
+    assert nodes == early and recipe.state_nodes() == []
     params = loss.params
     assert nodes[:len(params)] == [p.value for p in params]
-    assert nodes[len(params):] == [train.optimizer_state(p, "momentum") for p in params]
+    assert nodes[len(params):] == [opt.state_of(p)["momentum"] for p in params]
+    assert all(n.prec is Precision.f32 and n.zero_start for n in nodes[len(params):])
     assert all(n.prec is Precision.f32 for n in nodes)
     ids = {n.id for n in nodes}
     assert not ids & {sc.scale.value.id, sc.unscale.value.id, x.value.id, y.value.id}
+    with pytest.raises(TypeError, match="optimizer"):
+        checkpoint.training_state(loss, None)  # type: ignore[arg-type]
+    plain = optim.SGD(0.1)  # no momentum: parameters only
+    assert checkpoint.training_state(loss, plain) == [p.value for p in params]
 
 
 # --- resume after SIGKILL ---------------------------------------------------------------------
@@ -219,11 +227,12 @@ def read_checkpoint(path: Path) -> tuple[dict[str, bytes], dict]:
     return tensors, json.loads(header["__metadata__"]["progress"])
 
 
-@pytest.mark.parametrize("gate", ["host", "fused"])
-def test_sigkill_then_resume_ends_bit_identical(tmp_path: Path, gate: str) -> None:
-    steps = "4000"
-    common = ["--gate", gate, "--steps", steps, "--checkpoint-every", "100", "--no-plot",
-              "--inject-nonfinite", "195,1234,2500,2501"]
+def sigkill_then_resume(tmp_path: Path, common: list[str], steps: int
+                        ) -> tuple[subprocess.CompletedProcess, dict[str, bytes], dict]:
+    """Run the example with ``common`` flags for ``steps`` steps uninterrupted; run it again,
+    SIGKILL it after a checkpoint at step 200 or later, resume it; assert both runs end with
+    the same checkpoint bytes and progress. Returns the uninterrupted run and its checkpoint."""
+    common = [*common, "--steps", str(steps), "--checkpoint-every", "100", "--no-plot"]
     whole = tmp_path / "whole.safetensors"
     done = run_example(*common, "--checkpoint", str(whole))
     assert done.returncode == 0, done.stderr
@@ -243,7 +252,7 @@ def test_sigkill_then_resume_ends_bit_identical(tmp_path: Path, gate: str) -> No
         proc.wait(timeout=60)
     assert proc.returncode == -signal.SIGKILL
     _, at_kill = read_checkpoint(killed)
-    assert 200 <= at_kill["step"] < int(steps)
+    assert 200 <= at_kill["step"] < steps
 
     resumed = run_example(*common, "--checkpoint", str(killed), "--resume")
     assert resumed.returncode == 0, resumed.stderr
@@ -251,10 +260,17 @@ def test_sigkill_then_resume_ends_bit_identical(tmp_path: Path, gate: str) -> No
 
     want_tensors, want_progress = read_checkpoint(whole)
     got_tensors, got_progress = read_checkpoint(killed)
-    assert got_progress == want_progress  # step, scale and good-step count (in extra)
-    assert got_tensors == want_tensors  # masters, momentum (and the fused gate's flag)
+    assert got_progress == want_progress  # step, scale, good steps, recipe counters (in extra)
+    assert got_tensors == want_tensors  # masters, optimizer state (and the fused gate's count)
     assert "loss_scaler" in want_progress["extra"]
-    assert want_progress["step"] == int(steps)
+    assert want_progress["step"] == steps
+    return done, want_tensors, want_progress
+
+
+@pytest.mark.parametrize("gate", ["host", "fused"])
+def test_sigkill_then_resume_ends_bit_identical(tmp_path: Path, gate: str) -> None:
+    common = ["--gate", gate, "--inject-nonfinite", "195,1234,2500,2501"]
+    done, _, _ = sigkill_then_resume(tmp_path, common, 4000)
     windows = re.search(r"skipped (?:windows|steps): (\d+)", done.stdout)
     assert windows is not None and int(windows[1]) >= 4  # the injected steps were skipped
 

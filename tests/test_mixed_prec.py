@@ -16,16 +16,18 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import ocannl.tensor as T
-from ocannl import Context, Failure, datasets, nn_blocks, train
+from ocannl import Context, Failure, checkpoint, datasets, nn_blocks, optim, train
 from ocannl.ir.assignments import Get
 from ocannl.ir.tnode import MemoryMode
 from ocannl.mixed_prec import (
+    GatedStep,
     Loss_scaler,
+    Recipe,
+    ScaledStep,
     cast_param,
     gated_step,
     master_of,
     scaled_grad_update,
-    scaled_sgd_update,
     scaled_step,
     with_master_weights,
 )
@@ -473,27 +475,36 @@ def make_rig(prec: str = "f16", seed: int = 0) -> Rig:
     return Rig(x, y, logits, loss, points, targets, ctx)
 
 
-def state_nodes(loss: T.Tensor) -> list:
-    return [p.value for p in loss.params] + [train.optimizer_state(p, "momentum")
-                                             for p in loss.params]
+def sgd() -> optim.SGD:
+    return optim.SGD(LR, momentum=MOMENTUM)
+
+
+def state_nodes(loss: T.Tensor, opt: optim.Optimizer) -> list:
+    return checkpoint.training_state(loss, opt)
 
 
 def snapshot(ctx: Context, nodes: list) -> list[bytes]:
     return [ctx.get_values(n).tobytes() for n in nodes]
 
 
-def host_recipe(rig: Rig, sc: Loss_scaler) -> tuple:
-    flag, grads = scaled_grad_update(sc, rig.loss)
-    rig.ctx, grad_routine = rig.ctx.compile(grads)
-    rig.ctx, sgd_routine = rig.ctx.compile(
-        scaled_sgd_update(sc, rig.loss, learning_rate=LR, momentum=MOMENTUM))
-    return flag, grad_routine, sgd_routine
+def host_recipe(rig: Rig, sc: Loss_scaler, opt: optim.Optimizer | None = None) -> ScaledStep:
+    recipe = scaled_step(sc, rig.loss, sgd() if opt is None else opt)
+    rig.ctx = recipe.compile(rig.ctx)
+    return recipe
+
+
+def fused_recipe(rig: Rig, sc: Loss_scaler, check_interval: int,
+                 opt: optim.Optimizer | None = None) -> GatedStep:
+    recipe = gated_step(sc, rig.loss, sgd() if opt is None else opt,
+                        check_interval=check_interval)
+    rig.ctx = recipe.compile(rig.ctx)
+    return recipe
 
 
 def test_set_scale_reaches_compiled_routine_without_recompiling() -> None:
     rig = make_rig()
     sc = Loss_scaler.create(init_scale=1024.0)
-    flag, grad_routine, _ = host_recipe(rig, sc)
+    rig.ctx, grad_routine = rig.ctx.compile(scaled_grad_update(sc, rig.loss)[1])
     masters = rig.loss.params
     ctx = rig.ctx.run(grad_routine)
     g1 = [ctx.get_values(p.grad) for p in masters]
@@ -523,27 +534,27 @@ def bad_batch(points: np.ndarray, kind: str) -> np.ndarray:
 def test_host_gate_skips_nonfinite_step_bit_exactly(kind: str) -> None:
     rig = make_rig()
     sc = Loss_scaler.create(init_scale=1024.0)
-    flag, grad_routine, sgd_routine = host_recipe(rig, sc)
+    recipe = host_recipe(rig, sc)
     ctx = rig.ctx
     for _ in range(2):
-        ctx, ok = scaled_step(scaler=sc, grad_routine=grad_routine, sgd_routine=sgd_routine,
-                              checksum=flag, ctx=ctx)
-        assert ok
-    nodes = state_nodes(rig.loss)
+        ctx = recipe.step(ctx)
+        assert recipe.last_applied
+    nodes = state_nodes(rig.loss, recipe.optimizer)
     before = snapshot(ctx, nodes)
     assert any(np.any(ctx.get_values(n) != 0) for n in nodes[len(nodes) // 2:])  # momentum
     ctx = ctx.set_values(rig.x, bad_batch(rig.points, kind))
-    ctx, ok = scaled_step(scaler=sc, grad_routine=grad_routine, sgd_routine=sgd_routine,
-                          checksum=flag, ctx=ctx)
-    assert not ok and not math.isfinite(ctx.get_value(flag))
+    ctx = recipe.step(ctx)
+    assert recipe.last_applied is False and not math.isfinite(ctx.get_value(recipe.checksum))
     assert any(not np.all(np.isfinite(ctx.get_values(p.grad))) for p in rig.loss.params)
     assert snapshot(ctx, nodes) == before
     assert (sc.scale_val, sc.good_steps) == (512.0, 0)
     assert device_state(ctx, sc) == (512.0, 1 / 512)
+    assert (recipe.applied_steps, recipe.skipped_steps, recipe.pending) == (2, 1, 0)
+    assert (recipe.windows, recipe.skipped_windows) == (3, 1)
     ctx = ctx.set_values(rig.x, rig.points)
-    ctx, ok = scaled_step(scaler=sc, grad_routine=grad_routine, sgd_routine=sgd_routine,
-                          checksum=flag, ctx=ctx)
-    assert ok and snapshot(ctx, nodes) != before
+    ctx = recipe.step(ctx)
+    assert recipe.last_applied and snapshot(ctx, nodes) != before
+    assert recipe.flush(ctx) is ctx and recipe.state_nodes() == []
 
 
 def test_scale_backed_off_to_zero_skips_every_step() -> None:
@@ -551,16 +562,15 @@ def test_scale_backed_off_to_zero_skips_every_step() -> None:
     (as torch's) skips the step rather than writing 0 * inf = NaN into the weights."""
     rig = make_rig()
     sc = Loss_scaler.create(init_scale=1024.0)
-    flag, grad_routine, sgd_routine = host_recipe(rig, sc)
+    recipe = host_recipe(rig, sc)
     ctx = sc.set_scale(rig.ctx, 0.0)
-    nodes = state_nodes(rig.loss)
+    nodes = state_nodes(rig.loss, recipe.optimizer)
     before = snapshot(ctx, nodes)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         for _ in range(3):
-            ctx, ok = scaled_step(scaler=sc, grad_routine=grad_routine,
-                                  sgd_routine=sgd_routine, checksum=flag, ctx=ctx)
-            assert not ok
+            ctx = recipe.step(ctx)
+            assert recipe.last_applied is False
     assert snapshot(ctx, nodes) == before and sc.scale_val == 0.0
 
 
@@ -568,37 +578,55 @@ def test_scale_backed_off_to_zero_skips_every_step() -> None:
 def test_fused_gate_skips_nonfinite_step_bit_exactly(kind: str) -> None:
     rig = make_rig()
     sc = Loss_scaler.create(init_scale=1024.0, growth_interval=200)
-    gs = gated_step(sc, rig.loss, learning_rate=LR, momentum=MOMENTUM, check_interval=5)
-    ctx, routine = rig.ctx.compile(gs.comp)
-    nodes = state_nodes(rig.loss)
+    gs = fused_recipe(rig, sc, 5)
+    ctx = rig.ctx
+    nodes = state_nodes(rig.loss, gs.optimizer)
     for _ in range(2):
-        ctx = gs.step(ctx, routine)
+        ctx = gs.step(ctx)
     assert gs.pending == 2 and ctx.get_value(gs.nonfinite_seen) == 0.0
+    assert gs.last_applied is None  # the host does not know before it samples
     before = snapshot(ctx, nodes)
     ctx = ctx.set_values(rig.x, bad_batch(rig.points, kind))
-    ctx = gs.step(ctx, routine)
+    ctx = gs.step(ctx)
     assert snapshot(ctx, nodes) == before  # parameters and momentum bit-unchanged
     assert not math.isfinite(ctx.get_value(gs.checksum))
     assert ctx.get_value(gs.nonfinite_seen) == 1.0 and sc.scale_val == 1024.0  # not sampled yet
     ctx = ctx.set_values(rig.x, rig.points)
-    ctx = gs.step(ctx, routine)  # a good step: applied, and the flag stays set
+    ctx = gs.step(ctx)  # a good step: applied, and the count stays
     after_good = snapshot(ctx, nodes)
     assert after_good != before and ctx.get_value(gs.nonfinite_seen) == 1.0
-    ctx = gs.step(ctx, routine)  # the fifth: the window closes
-    assert gs.pending == 0 and gs.skipped_windows == 1
+    ctx = gs.step(ctx)  # the fifth: the window closes
+    assert gs.pending == 0 and gs.skipped_windows == 1 and gs.windows == 1
+    assert (gs.applied_steps, gs.skipped_steps) == (4, 1)
     assert (sc.scale_val, sc.good_steps) == (512.0, 0)
     assert device_state(ctx, sc) == (512.0, 1 / 512)
     assert ctx.get_value(gs.nonfinite_seen) == 0.0
 
 
+def test_fused_gate_counts_every_skipped_step_of_a_window() -> None:
+    rig = make_rig()
+    sc = Loss_scaler.create(init_scale=1024.0)
+    gs = fused_recipe(rig, sc, 4)
+    ctx = rig.ctx
+    for step in range(6):
+        ctx = ctx.set_values(rig.x, bad_batch(rig.points, "nan") if step in (0, 2, 3)
+                             else rig.points)
+        ctx = gs.step(ctx)
+    assert ctx.get_value(gs.nonfinite_seen) == 0.0 and gs.pending == 2
+    assert (gs.applied_steps, gs.skipped_steps, gs.windows, gs.skipped_windows) == (1, 3, 1, 1)
+    ctx = gs.flush(ctx)
+    assert (gs.applied_steps, gs.skipped_steps, gs.windows, gs.skipped_windows) == (3, 3, 2, 1)
+    assert gs.flush(ctx) is ctx and gs.windows == 2  # nothing pending: nothing sampled
+
+
 def test_fused_windows_grow_like_the_per_step_schedule() -> None:
     rig = make_rig()
     sc = Loss_scaler.create(init_scale=64.0, growth_interval=4)
-    gs = gated_step(sc, rig.loss, learning_rate=LR, momentum=MOMENTUM, check_interval=3)
-    ctx, routine = rig.ctx.compile(gs.comp)
+    gs = fused_recipe(rig, sc, 3)
+    ctx = rig.ctx
     seen = []
     for _ in range(14):
-        ctx = gs.step(ctx, routine)
+        ctx = gs.step(ctx)
         seen.append((sc.scale_val, sc.good_steps))
     # windows end after steps 3, 6, 9, 12: credited 3, 6 -> grow (2 left), 5 -> grow (1), 4 -> grow
     assert seen[2] == (64.0, 3) and seen[5] == (128.0, 2) and seen[8] == (256.0, 1)
@@ -611,49 +639,73 @@ def test_fused_with_interval_one_equals_host_recipe() -> None:
     """The fused routine, sampled every step, takes exactly the host recipe's steps."""
     bad_steps = {3, 4, 9}
     results = []
-    for recipe in ("host", "fused"):
+    for recipe_kind in ("host", "fused"):
         rig = make_rig()
         sc = Loss_scaler.create(init_scale=2.0**17, growth_interval=3)
-        if recipe == "host":
-            flag, grad_routine, sgd_routine = host_recipe(rig, sc)
-        else:
-            gs = gated_step(sc, rig.loss, learning_rate=LR, momentum=MOMENTUM, check_interval=1)
-            rig.ctx, routine = rig.ctx.compile(gs.comp)
+        recipe: Recipe = host_recipe(rig, sc) if recipe_kind == "host" else \
+            fused_recipe(rig, sc, 1)
         ctx, trace = rig.ctx, []
         for step in range(14):
             xb = bad_batch(rig.points, "nan") if step in bad_steps else rig.points
             ctx = ctx.set_values(rig.x, xb)
-            if recipe == "host":
-                ctx, _ = scaled_step(scaler=sc, grad_routine=grad_routine,
-                                     sgd_routine=sgd_routine, checksum=flag, ctx=ctx)
-            else:
-                ctx = gs.step(ctx, routine)
+            ctx = recipe.step(ctx)
             trace.append((sc.scale_val, sc.good_steps, ctx.get_values(rig.loss).tobytes()))
-        results.append((trace, snapshot(ctx, state_nodes(rig.loss))))
+        counters = (recipe.applied_steps, recipe.skipped_steps, recipe.windows,
+                    recipe.skipped_windows)
+        results.append((trace, counters,
+                        snapshot(ctx, state_nodes(rig.loss, recipe.optimizer))))
     assert results[0] == results[1]
+    assert results[0][1] == (11, 3, 14, 3)
     scales = [s for s, _, _ in results[0][0]]
     assert len(set(scales)) > 2  # it both grew and backed off
 
 
-def test_gated_step_validation_and_state() -> None:
+def test_recipe_validation_and_state() -> None:
     rig = make_rig()
     sc = Loss_scaler.create()
     for bad in (0, -2, 1.5, True):
         with pytest.raises(ValueError, match="check_interval"):
-            gated_step(sc, rig.loss, learning_rate=LR, check_interval=bad)
+            gated_step(sc, rig.loss, sgd(), check_interval=bad)
     with pytest.raises(TypeError, match="Loss_scaler"):
-        gated_step(object(), rig.loss, learning_rate=LR)  # type: ignore[arg-type]
-    gs = gated_step(sc, rig.loss, learning_rate=LR, momentum=MOMENTUM, check_interval=4)
-    gs.pending = 3
+        gated_step(object(), rig.loss, sgd())  # type: ignore[arg-type]
+    for build in (scaled_step, gated_step):
+        with pytest.raises(TypeError, match="ocannl.optim optimizer"):
+            build(sc, rig.loss, {"learning_rate": LR})  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="loss Tensor"):
+            build(sc, "loss", sgd())  # type: ignore[arg-type]
+    gs = gated_step(sc, rig.loss, sgd(), check_interval=4)
+    with pytest.raises(ValueError, match="compile"):
+        gs.step(rig.ctx)  # not compiled yet
+    gs.pending, gs.applied_steps, gs.skipped_steps = 3, 40, 5
+    gs.windows, gs.skipped_windows = 11, 2
     s = gs.save_state()
-    gs.pending = 0
+    assert s == "ocannl.GatedStep/2 pending=3 applied=40 skipped=5 windows=11 skipped_windows=2"
+    gs.pending = gs.applied_steps = gs.skipped_steps = gs.windows = gs.skipped_windows = 0
     gs.restore_state(s)
-    assert gs.pending == 3
-    for bad_state in ("ocannl.GatedStep/1 pending=4", "pending=1", "", None):
+    assert (gs.pending, gs.applied_steps, gs.skipped_steps, gs.windows,
+            gs.skipped_windows) == (3, 40, 5, 11, 2)
+    gs.restore_state("ocannl.GatedStep/1 pending=2")  # the first format: a position only
+    assert (gs.pending, gs.applied_steps, gs.windows) == (2, 0, 0)
+    gs.restore_state(s)
+    for bad_state in ("ocannl.GatedStep/1 pending=4", "pending=1", "", None,
+                      s.replace("pending=3", "pending=4"),
+                      s.replace("skipped_windows=2", "skipped_windows=12"),
+                      s.replace("GatedStep", "ScaledStep")):
         with pytest.raises(Failure):
             gs.restore_state(bad_state)  # type: ignore[arg-type]
-        assert gs.pending == 3
+        assert (gs.pending, gs.applied_steps) == (3, 40)
     assert gs.state_nodes() == [gs.nonfinite_seen.value]
+    host = scaled_step(sc, rig.loss, sgd())
+    assert host.save_state() == ("ocannl.ScaledStep/2 pending=0 applied=0 skipped=0 windows=0 "
+                                 "skipped_windows=0")
+    with pytest.raises(Failure, match="check_interval=1"):
+        host.restore_state(s.replace("GatedStep", "ScaledStep"))  # pending=3: past its window
+    host.restore_state(s.replace("GatedStep", "ScaledStep").replace("pending=3", "pending=0"))
+    assert (host.applied_steps, host.skipped_steps) == (40, 5)
+    other = Context.cpu()
+    rig.ctx = host.compile(rig.ctx)
+    with pytest.raises(ValueError, match="compiled on"):
+        host.step(other)
 
 
 # --- master weights -----------------------------------------------------------------------------
@@ -665,15 +717,13 @@ def test_master_weights_twins_and_masters() -> None:
     assert [p.label for p in masters] == [f"mlp_{k}{i}" for i in range(3) for k in "wb"]
     assert all(p.kind == "param" and p.prec.value == "f32" for p in masters)
     assert all(p.grad is not None and p.grad.prec.value == "f32" for p in masters)
-    twins = [t for t in rig.loss.topo() if getattr(t, "master", None) is not None]
+    twins = [t for t in rig.loss.topo() if t.master is not None]
     assert len(twins) == len(masters)
     for tw in twins:
         assert tw.prec.value == "f16" and tw.grad.prec.value == "f16"
         assert tw.dims == master_of(tw).dims and master_of(tw) in masters
-    assert tensor_mod.param_postprocess is tensor_mod._no_postprocess  # the hook was removed
-    from ocannl import checkpoint
-
-    nodes = checkpoint.training_state(rig.loss)
+    assert tensor_mod.active_param_postprocess.get() is tensor_mod._no_postprocess  # reset
+    nodes = checkpoint.training_state(rig.loss, sgd())
     assert {n.prec.value for n in nodes} == {"f32"}
     assert not {tw.value.id for tw in twins} & {n.id for n in nodes}
 
@@ -720,7 +770,7 @@ def test_cast_param_and_with_master_weights_errors() -> None:
 
     with pytest.raises(RuntimeError):
         with_master_weights(prec="f16", f=boom)
-    assert tensor_mod.param_postprocess is tensor_mod._no_postprocess
+    assert tensor_mod.active_param_postprocess.get() is tensor_mod._no_postprocess
     assert T.param("plain", output_dims=[1], input_dims=()).kind == "param"
 
 
@@ -753,12 +803,11 @@ def test_f16_training_parity_with_torch_f32() -> None:
     rig = make_rig("f16")
     expected = torch_losses(rig, 20)
     sc = Loss_scaler.create()
-    flag, grad_routine, sgd_routine = host_recipe(rig, sc)
+    recipe = host_recipe(rig, sc)
     ctx, got = rig.ctx, []
     for _ in range(20):
-        ctx, ok = scaled_step(scaler=sc, grad_routine=grad_routine, sgd_routine=sgd_routine,
-                              checksum=flag, ctx=ctx)
-        assert ok  # no skipped step: the trajectories are comparable
+        ctx = recipe.step(ctx)
+        assert recipe.last_applied  # no skipped step: the trajectories are comparable
         got.append(ctx.get_value(rig.loss))
     np.testing.assert_allclose(got, expected, rtol=2e-3)
     assert expected[0] - expected[-1] > 0.05  # the loss moved well past the tolerance

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,7 +24,14 @@ InitFn = Callable[[tuple[int, ...], int, np.random.Generator], np.ndarray]
 
 
 class Tensor:
-    """A node of the model graph. Build tensors with the functions of ``ocannl.tensor``."""
+    """A node of the model graph. Build tensors with the functions of ``ocannl.tensor``.
+
+    Cast twins (``mixed_prec.cast_param``) are tensors too: ``master`` is the full-precision
+    parameter a twin is a rounded copy of (None for every other tensor), and
+    ``on_input_inferred``, when set, is called with the tensor once its input axes have been
+    inferred (at its first ``@``): a twin of a parameter whose input axes were left open
+    completes its master then.
+    """
 
     def __init__(
         self,
@@ -44,10 +52,13 @@ class Tensor:
         self.init = init
         self.forward_code: tuple[Accum, ...] = ()
         self.backprop_code: tuple[Accum, ...] = ()
+        self.master: Tensor | None = None
+        self.on_input_inferred: Callable[[Tensor], None] | None = None
         if differentiable is None:
             differentiable = any(c.grad is not None for c in children)
         self.grad: Tnode | None = (
-            Tnode(f"grad_{value.label}", value._dims, value.prec) if differentiable else None
+            Tnode(f"grad_{value.label}", value.dims_if_known, value.prec)
+            if differentiable else None
         )
 
     # --- graph traversal ----------------------------------------------------------------------
@@ -137,8 +148,15 @@ def _no_postprocess(t: Tensor) -> Tensor:
 
 
 # OCANNL's ``Tensor.param_postprocess``: applied to every tensor ``param`` creates, before it is
-# returned. ``mixed_prec.with_master_weights`` installs one that hands out cast twins.
-param_postprocess: Callable[[Tensor], Tensor] = _no_postprocess
+# returned. ``mixed_prec.with_master_weights`` sets one that hands out cast twins for the
+# duration of its model-building function (and resets it with the token, however it exits).
+active_param_postprocess: ContextVar[Callable[[Tensor], Tensor]] = ContextVar(
+    "active_param_postprocess", default=_no_postprocess)
+
+
+def param_postprocess(t: Tensor) -> Tensor:
+    """Apply the active postprocess to a freshly created parameter."""
+    return active_param_postprocess.get()(t)
 
 
 def set_seed(seed: int) -> None:

@@ -1,0 +1,336 @@
+"""Optimizers as objects that own their state: :class:`SGD`, :class:`Adam`, :class:`AdamW`.
+
+An optimizer holds its hyperparameters and, per parameter, the device buffers it keeps between
+steps (momentum; Adam's first and second moments), created on first use as
+``Tnode(..., zero_start=True)``: all zeros is their defined start, so a context counts them as
+initialized when it allocates them. Adam's step counter is a one-element device node of the
+same kind, advanced *inside* the update computation, so a checkpoint holding
+:meth:`Optimizer.state_nodes` resumes exactly and a gated-off step leaves it as it was.
+
+:meth:`Optimizer.update` returns the update as a :class:`~ocannl.ir.assignments.Comp` over every
+parameter of a loss; sequence it after ``train.grad_update`` and compile the whole step once.
+The arithmetic follows ``torch.optim`` (single-tensor implementations) operation for operation.
+
+A new optimizer is one subclass of :class:`Optimizer`: it names its per-parameter buffers
+(``buffer_names``) and writes :meth:`Optimizer._param_update` (and, for optimizer-wide device
+scalars, :meth:`Optimizer._prologue`).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import MutableMapping, Sequence
+
+import numpy as np
+
+from ocannl.ir.assignments import Accum, Comp, Const, Expr, Fixed, Get, apply
+from ocannl.ir.ops import Precision
+from ocannl.ir.tnode import Tnode
+from ocannl.tensor.tensor import Tensor
+
+__all__ = ["SGD", "Adam", "AdamW", "Optimizer", "Scalar", "gated_store", "scalar_expr"]
+
+Scalar = float | Tensor
+
+
+def scalar_expr(x: Scalar, what: str) -> Expr:
+    """A float as a literal, a one-element tensor as a read of its buffer (so the host can
+    change it with ``Context.set_values`` without recompiling)."""
+    if isinstance(x, Tensor):
+        if x.value.size != 1:
+            raise ValueError(f"{what} must be a one-element tensor, got {x.label} {x.shape}")
+        if x.const is not None:
+            return Const(x.const)
+        return Get(x.value, tuple(Fixed(0) for _ in x.dims))
+    if isinstance(x, (int, float)) and not isinstance(x, bool):
+        if not math.isfinite(x):
+            raise ValueError(f"{what} must be finite, got {x!r}")
+        return Const(float(x))
+    raise TypeError(f"{what} must be a float or a one-element Tensor, got {type(x).__name__}")
+
+
+def gated_store(node: Tnode, idx: tuple[int, ...], new: Expr, gate: Expr | None) -> Accum:
+    """``node[idx] = new`` over the node's extent; with a ``gate``, a select: where the gate is
+    0 the cell keeps its old bits (never a multiply by a 0/1 flag: ``inf * 0`` is NaN)."""
+    if gate is not None:
+        new = apply("where", gate, new, Get(node, idx))
+    return Accum(node, idx, "=", new, node.dims)
+
+
+def _real(name: str, x: object) -> float:
+    if not isinstance(x, numbers.Real) or isinstance(x, (bool, np.bool_)):
+        raise ValueError(f"{name} must be a real number, got {type(x).__name__}: {x!r}")
+    x = float(x)
+    if not math.isfinite(x):
+        raise ValueError(f"{name} must be finite, got {x!r}")
+    return x
+
+
+def _flag(name: str, x: object) -> bool:
+    if not isinstance(x, (bool, np.bool_)):
+        raise ValueError(f"{name} must be a bool, got {type(x).__name__}: {x!r}")
+    return bool(x)
+
+
+class Optimizer:
+    """What every optimizer shares: the learning rate, the per-parameter buffers (a dict keyed
+    by parameter, created on first use), and :meth:`update`'s walk over a loss's parameters.
+
+    ``learning_rate``: a float (folded into the code) or a one-element tensor (read from its
+    buffer at every step, so the host can schedule it without recompiling). ``buffers``: the
+    per-parameter buffer table to use instead of a fresh one, for optimizers that must share
+    their buffers (``train.sgd_update`` passes one, so repeated calls on one model share its
+    momentum, as OCANNL's functional ``sgd_update`` does).
+    """
+
+    label = "optimizer"  # prefix of the update computation's label and of optimizer-wide nodes
+
+    def __init__(self, learning_rate: Scalar, *,
+                 buffers: MutableMapping[Tensor, dict[str, Tnode]] | None = None) -> None:
+        scalar_expr(learning_rate, "learning_rate")  # type and finiteness
+        if not isinstance(learning_rate, Tensor) and learning_rate < 0:
+            raise ValueError(f"learning_rate must be >= 0, got {learning_rate!r}")
+        self.learning_rate = learning_rate
+        self._state: MutableMapping[Tensor, dict[str, Tnode]] = {} if buffers is None \
+            else buffers
+
+    # --- what a subclass defines ----------------------------------------------------------------
+
+    def buffer_names(self) -> tuple[str, ...]:
+        """The names of the buffers kept per parameter, in checkpoint order."""
+        return ()
+
+    def scalar_nodes(self) -> list[Tnode]:
+        """Optimizer-wide device state (Adam's step counter)."""
+        return []
+
+    def _prologue(self, lr: Expr, gate: Expr | None) -> list[Accum]:
+        """Assignments run once per update, before the parameters' (the step counter)."""
+        return []
+
+    def _param_update(self, p: Tensor, idx: tuple[int, ...], g: Expr, lr: Expr,
+                      gate: Expr | None) -> list[Accum]:
+        """The stores updating ``p`` and its buffers, given its (unscaled) gradient ``g``."""
+        raise NotImplementedError
+
+    # --- state ----------------------------------------------------------------------------------
+
+    def state_of(self, p: Tensor) -> dict[str, Tnode]:
+        """``p``'s buffers (name -> node), created zero-started on first use."""
+        if not isinstance(p, Tensor) or p.kind != "param" or p.grad is None:
+            raise ValueError(f"{type(self).__name__}: {p!r} is not a differentiable parameter")
+        state = self._state.setdefault(p, {})
+        for name in self.buffer_names():
+            if name not in state:
+                state[name] = Tnode(f"{name}_{p.label}", p.dims, p.prec, zero_start=True)
+        return state
+
+    def state_nodes(self) -> list[Tnode]:
+        """Every device node this optimizer keeps between steps: each parameter's buffers
+        (parameters in creation order, buffers in ``buffer_names`` order), then the
+        optimizer-wide ones. What a checkpoint must hold beyond the parameters."""
+        nodes: list[Tnode] = []
+        names = self.buffer_names()
+        for p in sorted(self._state, key=lambda t: t.value.id):
+            state = self._state[p]
+            nodes.extend(state[name] for name in names if name in state)
+        return nodes + self.scalar_nodes()
+
+    # --- the update -----------------------------------------------------------------------------
+
+    def update(self, loss: Tensor, *, grad_unscale: Scalar | None = None,
+               gate: Expr | None = None) -> Comp:
+        """One optimizer step over every parameter of ``loss``, reading their gradients (run it
+        after ``train.grad_update(loss)``).
+
+        ``grad_unscale`` multiplies each gradient before any optimizer math, so momentum and
+        moments see true magnitudes under loss scaling. ``gate``: an expression; where it is 0,
+        every store of this computation (parameters, buffers, the step counter) keeps its old
+        bits -- a skipped step changes no training state.
+        """
+        if not isinstance(loss, Tensor):
+            raise TypeError(f"update expects the loss Tensor, got {type(loss).__name__}")
+        if loss.grad is None:
+            raise ValueError(f"loss {loss.label} depends on no parameter: nothing to update")
+        lr = scalar_expr(self.learning_rate, "learning_rate")
+        unscale = None if grad_unscale is None else scalar_expr(grad_unscale, "grad_unscale")
+        code = self._prologue(lr, gate)
+        for p in loss.params:
+            assert p.grad is not None
+            idx = tuple(range(len(p.dims)))
+            g: Expr = Get(p.grad, idx)
+            if unscale is not None:
+                g = apply("mul", g, unscale)
+            code.extend(self._param_update(p, idx, g, lr, gate))
+        return Comp(tuple(code), f"{self.label}_{loss.label}")
+
+
+class SGD(Optimizer):
+    """``torch.optim.SGD`` with dampening 0: optional momentum, Nesterov momentum and (L2)
+    weight decay added to the gradient."""
+
+    label = "sgd"
+
+    def __init__(self, learning_rate: Scalar, *, momentum: float = 0.0,
+                 weight_decay: float = 0.0, nesterov: bool = False,
+                 buffers: MutableMapping[Tensor, dict[str, Tnode]] | None = None) -> None:
+        super().__init__(learning_rate, buffers=buffers)
+        for name, x in (("momentum", momentum), ("weight_decay", weight_decay)):
+            if not isinstance(x, numbers.Real) or isinstance(x, (bool, np.bool_)):
+                raise ValueError(f"{name} must be a real number, got {type(x).__name__}: {x!r}")
+        m, wd = float(momentum), float(weight_decay)
+        if not 0.0 <= m < 1.0 or not math.isfinite(wd) or wd < 0:
+            raise ValueError(f"momentum must be in [0, 1) and weight_decay >= 0, got "
+                             f"momentum={momentum!r}, weight_decay={weight_decay!r}")
+        if _flag("nesterov", nesterov) and m == 0.0:
+            raise ValueError(f"nesterov momentum needs momentum > 0, got momentum={momentum!r}")
+        self.momentum, self.weight_decay, self.nesterov = m, wd, bool(nesterov)
+
+    def buffer_names(self) -> tuple[str, ...]:
+        return ("momentum",) if self.momentum else ()
+
+    def _param_update(self, p: Tensor, idx: tuple[int, ...], g: Expr, lr: Expr,
+                      gate: Expr | None) -> list[Accum]:
+        value = Get(p.value, idx)
+        if self.weight_decay:
+            g = apply("add", g, apply("mul", Const(self.weight_decay), value))
+        code: list[Accum] = []
+        step = g
+        if self.momentum:
+            v = self.state_of(p)["momentum"]
+            v_get = Get(v, idx)
+            mu = Const(self.momentum)
+            code.append(gated_store(v, idx, apply("add", apply("mul", mu, v_get), g), gate))
+            step = apply("add", g, apply("mul", mu, v_get)) if self.nesterov else v_get
+        code.append(gated_store(p.value, idx, apply("sub", value, apply("mul", lr, step)), gate))
+        return code
+
+    def __repr__(self) -> str:
+        return (f"SGD(learning_rate={self.learning_rate!r}, momentum={self.momentum!r}, "
+                f"weight_decay={self.weight_decay!r}, nesterov={self.nesterov!r})")
+
+
+class Adam(Optimizer):
+    """``torch.optim.Adam``: bias-corrected first and second moments, ``eps`` added outside the
+    square root, L2 ``weight_decay`` added to the gradient, optional ``amsgrad`` (the running
+    maximum of the second moment).
+
+    The step counter is the one-element f32 device node :attr:`step_counter` (exact up to
+    2**24 steps, far past where the bias corrections round to 1). Each update increments it
+    first (gated like every other store), then computes the step's scalars once, as torch does
+    on the host: ``lr / (1 - beta1**t)``, ``sqrt(1 - beta2**t)`` (and AdamW's
+    ``1 - lr * weight_decay``) in f64, each rounded once to an f32 scratch node that the
+    parameter loops read. (In f32, ``1 - 0.999**t`` would be off by 1e-5 relative.)
+    """
+
+    label = "adam"
+    decoupled = False  # AdamW: weight decay applied to the parameter, not added to the gradient
+
+    def __init__(self, learning_rate: Scalar = 1e-3, *,
+                 betas: Sequence[float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, amsgrad: bool = False) -> None:
+        super().__init__(learning_rate)
+        if not isinstance(betas, Sequence) or isinstance(betas, str) or len(betas) != 2:
+            raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+        b1, b2 = _real("betas[0]", betas[0]), _real("betas[1]", betas[1])
+        for k, b in enumerate((b1, b2)):
+            if not 0.0 <= b < 1.0:
+                raise ValueError(f"betas[{k}] must be in [0, 1), got {b!r}")
+        e = _real("eps", eps)
+        if e < 0:
+            raise ValueError(f"eps must be >= 0, got {eps!r}")
+        wd = _real("weight_decay", weight_decay)
+        if wd < 0:
+            raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
+        self.betas = (b1, b2)
+        self.eps, self.weight_decay = e, wd
+        self.amsgrad = _flag("amsgrad", amsgrad)
+        self.step_counter = Tnode(f"{self.label}_step", (), Precision.f32, zero_start=True)
+        # scratch scalars, recomputed by every update before they are read: (f64, f32) pairs
+        self._scalars = {name: (Tnode(f"{self.label}_{name}_f64", (), Precision.f64),
+                                Tnode(f"{self.label}_{name}", (), Precision.f32))
+                         for name in ("step_size", "bias_correction2_sqrt", "decay")}
+
+    def buffer_names(self) -> tuple[str, ...]:
+        names = ("exp_avg", "exp_avg_sq")
+        return (*names, "max_exp_avg_sq") if self.amsgrad else names
+
+    def scalar_nodes(self) -> list[Tnode]:
+        return [self.step_counter]
+
+    def _scalar(self, name: str) -> Get:
+        return Get(self._scalars[name][1], ())
+
+    def _prologue(self, lr: Expr, gate: Expr | None) -> list[Accum]:
+        b1, b2 = self.betas
+        t = Get(self.step_counter, ())
+        one = Const(1.0)
+        wide = {
+            "step_size": apply("div", lr, apply("sub", one, apply("pow", Const(b1), t))),
+            "bias_correction2_sqrt": apply("sqrt", apply("sub", one,
+                                                         apply("pow", Const(b2), t))),
+        }
+        if self.decoupled and self.weight_decay:
+            wide["decay"] = apply("sub", one, apply("mul", lr, Const(self.weight_decay)))
+        # The counter first: what follows reads the incremented value, as torch's
+        # ``step_t += 1`` precedes the bias corrections. A gated-off step leaves it as it was
+        # (the scalars computed from it then go unused: every store below is gated too).
+        code = [gated_store(self.step_counter, (), apply("add", t, one), gate)]
+        for name, expr in wide.items():
+            w, n = self._scalars[name]
+            code.append(Accum(w, (), "=", expr, ()))
+            code.append(Accum(n, (), "=", Get(w, ()), ()))
+        return code
+
+    def _decayed(self, value: Expr) -> Expr:
+        """The parameter before the gradient step: decoupled decay ``p * (1 - lr * wd)``."""
+        if not (self.decoupled and self.weight_decay):
+            return value
+        return apply("mul", value, self._scalar("decay"))
+
+    def _param_update(self, p: Tensor, idx: tuple[int, ...], g: Expr, lr: Expr,
+                      gate: Expr | None) -> list[Accum]:
+        b1, b2 = self.betas
+        state = self.state_of(p)
+        value = Get(p.value, idx)
+        if self.weight_decay and not self.decoupled:
+            g = apply("add", g, apply("mul", Const(self.weight_decay), value))
+        m, v = state["exp_avg"], state["exp_avg_sq"]
+        m_get, v_get = Get(m, idx), Get(v, idx)
+        # exp_avg.lerp_(g, 1 - b1); exp_avg_sq.mul_(b2).addcmul_(g, g, value=1 - b2)
+        m_new = apply("add", m_get, apply("mul", Const(1.0 - b1), apply("sub", g, m_get)))
+        v_new = apply("add", apply("mul", v_get, Const(b2)),
+                      apply("mul", apply("mul", Const(1.0 - b2), g), g))
+        code = [gated_store(m, idx, m_new, gate), gated_store(v, idx, v_new, gate)]
+        second: Expr = Get(v, idx)
+        if self.amsgrad:
+            vmax = state["max_exp_avg_sq"]
+            code.append(gated_store(vmax, idx, apply("max", Get(vmax, idx), Get(v, idx)), gate))
+            second = Get(vmax, idx)
+        # denom = sqrt(v) / sqrt(1 - b2**t) + eps; p.addcdiv_(m, denom, value=-step_size)
+        denom = apply("add", apply("div", apply("sqrt", second),
+                                   self._scalar("bias_correction2_sqrt")), Const(self.eps))
+        step = apply("div", apply("mul", apply("neg", self._scalar("step_size")), Get(m, idx)),
+                     denom)
+        code.append(gated_store(p.value, idx, apply("add", self._decayed(value), step), gate))
+        return code
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(learning_rate={self.learning_rate!r}, "
+                f"betas={self.betas!r}, eps={self.eps!r}, weight_decay={self.weight_decay!r}, "
+                f"amsgrad={self.amsgrad!r})")
+
+
+class AdamW(Adam):
+    """``torch.optim.AdamW``: Adam with decoupled weight decay, ``p *= 1 - lr * weight_decay``
+    before the moment step (default ``weight_decay=1e-2``, as torch's)."""
+
+    label = "adamw"
+    decoupled = True
+
+    def __init__(self, learning_rate: Scalar = 1e-3, *,
+                 betas: Sequence[float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, amsgrad: bool = False) -> None:
+        super().__init__(learning_rate, betas=betas, eps=eps, weight_decay=weight_decay,
+                         amsgrad=amsgrad)
