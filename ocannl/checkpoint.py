@@ -32,6 +32,7 @@ from ocannl.context import Context
 from ocannl.errors import Failure
 from ocannl.ir.ops import Precision
 from ocannl.ir.tnode import Tnode
+from ocannl.optim import Optimizer
 from ocannl.tensor.tensor import Tensor
 
 __all__ = ["Progress", "load", "node_names", "save", "training_state"]
@@ -87,18 +88,23 @@ class Progress:
         return p
 
 
-def training_state(loss: Tensor) -> list[Tnode]:
+def training_state(loss: Tensor, optimizer: Optimizer) -> list[Tnode]:
     """The nodes a resumed run must restore: every parameter of ``loss`` (the f32 masters under
-    mixed precision) and each one's optimizer buffers, parameters first.
+    mixed precision), then ``optimizer.state_nodes()`` (its buffers per parameter, and its own
+    counters such as Adam's step). A mixed-precision recipe adds its ``state_nodes()``.
 
-    Build the optimizer computation (``train.sgd_update``) first: it creates the buffers.
+    The optimizer's buffers for ``loss``'s parameters are created here if its update was not
+    built yet, so the list is the same either way.
     """
+    if not isinstance(loss, Tensor):
+        raise TypeError(f"training_state expects the loss Tensor, got {type(loss).__name__}")
+    if not isinstance(optimizer, Optimizer):
+        raise TypeError(f"training_state expects an ocannl.optim optimizer (SGD, Adam, AdamW, "
+                        f"...), got {type(optimizer).__name__}: {optimizer!r:.80}")
     params = loss.params
-    nodes = [p.value for p in params]
     for p in params:
-        state = p.__dict__.get("optimizer_state", {})
-        nodes.extend(state[k] for k in sorted(state))
-    return nodes
+        optimizer.state_of(p)
+    return [p.value for p in params] + optimizer.state_nodes()
 
 
 def _as_nodes(nodes: Iterable[Tnode | Tensor]) -> list[Tnode]:

@@ -10,9 +10,10 @@ Three pieces, as in OCANNL's ``Mixed_prec``:
   backprop is seeded with a scale and the optimizer multiplies gradients by its reciprocal. The
   scale lives in one-element device buffers the host overwrites; compiled routines read them,
   so a new scale never recompiles anything. The schedule is torch-AMP's, to the bit.
-- **Steps**: :func:`scaled_step` (the host reads the gradient checksum after every gradient
-  routine and runs or skips the optimizer routine) and :func:`gated_step` (one fused routine
-  whose optimizer step is gated on the device; the host samples a sticky flag every
+- **Recipes** over any :mod:`ocannl.optim` optimizer, one interface (:class:`Recipe`):
+  :func:`scaled_step` (the host reads the gradient checksum after every gradient routine and
+  runs or skips the optimizer routine) and :func:`gated_step` (one fused routine whose
+  optimizer step is gated on the device; the host samples a skipped-step counter every
   ``check_interval`` steps).
 
 bf16 has f32's exponent range and needs no loss scaling; f16 does.
@@ -36,14 +37,13 @@ from ocannl.errors import Failure
 from ocannl.ir.assignments import Accum, Comp, Const, Get, apply
 from ocannl.ir.ops import Precision, precision_of
 from ocannl.ir.tnode import Tnode
-from ocannl.tensor import tensor as _tensor_mod
+from ocannl.optim import Optimizer
 from ocannl.tensor.shape import Shape
-from ocannl.tensor.tensor import Tensor
+from ocannl.tensor.tensor import Tensor, active_param_postprocess
 
 __all__ = [
-    "TWIN_PLACEMENTS", "GatedStep", "Loss_scaler", "cast_param", "gated_step", "master_of",
-    "scaled_grad_update", "scaled_sgd_update", "scaled_step", "unscaled_grad_checksum",
-    "with_master_weights",
+    "TWIN_PLACEMENTS", "GatedStep", "Loss_scaler", "Recipe", "ScaledStep", "cast_param",
+    "gated_step", "master_of", "scaled_grad_update", "scaled_step", "with_master_weights",
 ]
 
 R = TypeVar("R")
@@ -94,9 +94,9 @@ def cast_param(p: Tensor, *, prec: Precision | str, placement: str = "auto") -> 
     if p.prec.is_narrow:
         raise ValueError(f"cast_param: master {p.label} is {p.prec.value}; a master must be f32 "
                          f"or f64 (create the parameter at full precision)")
-    node = Tnode(f"{p.label}_{prec.value}", p.value._dims, prec)
+    node = Tnode(f"{p.label}_{prec.value}", p.value.dims_if_known, prec)
     twin = Tensor(node, p.shape, kind="op", children=(p,))
-    twin.master = p  # type: ignore[attr-defined]
+    twin.master = p
     if p.shape.input is not None:
         _link_twin(twin, p)
     else:
@@ -106,15 +106,17 @@ def cast_param(p: Tensor, *, prec: Precision | str, placement: str = "auto") -> 
             assert p.grad is not None
             p.grad.set_dims(p.shape.dims)
             _link_twin(tw, p)
-            tw.on_input_inferred = None  # type: ignore[attr-defined]
+            tw.on_input_inferred = None
 
-        twin.on_input_inferred = complete  # type: ignore[attr-defined]
+        twin.on_input_inferred = complete
     return twin
 
 
 def master_of(t: Tensor) -> Tensor:
     """The f32 master behind a cast twin (a tensor that is no twin is its own master)."""
-    return getattr(t, "master", t)
+    if not isinstance(t, Tensor):
+        raise TypeError(f"master_of expects a Tensor, got {type(t).__name__}: {t!r}")
+    return t if t.master is None else t.master
 
 
 def with_master_weights(*, prec: Precision | str, f: Callable[[], R],
@@ -129,16 +131,16 @@ def with_master_weights(*, prec: Precision | str, f: Callable[[], R],
     _check_placement(placement)
     if not callable(f):
         raise TypeError(f"with_master_weights: f must be callable, got {type(f).__name__}")
-    saved = _tensor_mod.param_postprocess
+    outer = active_param_postprocess.get()
 
     def hook(p: Tensor) -> Tensor:
-        return cast_param(saved(p), prec=prec, placement=placement)
+        return cast_param(outer(p), prec=prec, placement=placement)
 
-    _tensor_mod.param_postprocess = hook
+    token = active_param_postprocess.set(hook)
     try:
         return f()
     finally:
-        _tensor_mod.param_postprocess = saved
+        active_param_postprocess.reset(token)
 
 
 # --- f32 arithmetic of the scale --------------------------------------------------------------
@@ -480,61 +482,18 @@ class Loss_scaler:  # noqa: N801 - the OCaml module's name, as the port's conven
         return ctx
 
 
-# --- the per-step recipe ----------------------------------------------------------------------
-
-
-def unscaled_grad_checksum(t: Loss_scaler, loss: Tensor) -> tuple[Tensor, Comp]:
-    """A one-element f32 tensor that is non-finite exactly when some parameter gradient times
-    ``t.unscale`` is, i.e. when the optimizer would apply a non-finite value.
-
-    It sums ``g * unscale * 0`` over every gradient element: 0 when all are finite, NaN
-    otherwise. Checking the unscaled gradients, as torch's GradScaler does, also skips the steps
-    of a scale that has backed off to 0 (``0 * inf``) instead of writing NaN into the weights.
-    """
-    from ocannl.train import scalar_expr
-
-    if loss.grad is None:
-        raise ValueError(f"loss {loss.label} depends on no parameter: nothing to check")
-    flag = Tensor(Tnode(f"unscaled_checksum_{loss.label}", (), Precision.f32), Shape(),
-                  kind="op", differentiable=False)
-    unscale = scalar_expr(t.unscale, "unscale")
-    code = [Accum(flag.value, (), "=", Const(0.0), ())]
-    for p in loss.params:
-        assert p.grad is not None
-        g = Get(p.grad, tuple(range(len(p.dims))))
-        code.append(Accum(flag.value, (), "+",
-                          apply("mul", apply("mul", g, unscale), Const(0.0)), p.dims))
-    return flag, Comp(tuple(code), f"checksum_{loss.label}")
+# --- the recipes ------------------------------------------------------------------------------
 
 
 def scaled_grad_update(t: Loss_scaler, loss: Tensor) -> tuple[Tensor, Comp]:
-    """``train.grad_update`` seeded with the scale, then the gradient checksum, as one
-    computation; returns the checksum tensor with it. Compile it as its own routine: the host
-    reads the checksum before deciding whether to run the optimizer (:func:`scaled_step`)."""
+    """``train.grad_update`` seeded with the scale, then ``train.grad_checksum`` of the
+    gradients times ``t.unscale`` (what the optimizer would apply), as one computation; returns
+    the checksum tensor with it. Both recipes start from it."""
     from ocannl import train
 
     _check_scaler(t)
-    flag, check = unscaled_grad_checksum(t, loss)
+    flag, check = train.grad_checksum(loss, unscale=t.unscale)
     return flag, train.grad_update(loss, loss_scale=t.scale) + check
-
-
-def scaled_sgd_update(
-    t: Loss_scaler,
-    loss: Tensor,
-    *,
-    learning_rate: float | Tensor,
-    momentum: float = 0.0,
-    weight_decay: float = 0.0,
-    nesterov: bool = False,
-) -> Comp:
-    """``train.sgd_update`` with ``grad_unscale=t.unscale``: gradients are unscaled before the
-    optimizer math, so momentum and weight decay see true magnitudes."""
-    from ocannl import train
-
-    _check_scaler(t)
-    return train.sgd_update(loss, learning_rate=learning_rate, momentum=momentum,
-                            weight_decay=weight_decay, nesterov=nesterov,
-                            grad_unscale=t.unscale)
 
 
 def _check_scaler(t: object) -> None:
@@ -542,145 +501,246 @@ def _check_scaler(t: object) -> None:
         raise TypeError(f"expected a Loss_scaler, got {type(t).__name__}: {t!r}")
 
 
-def scaled_step(
-    *,
-    scaler: Loss_scaler,
-    grad_routine: Routine,
-    sgd_routine: Routine,
-    checksum: Tensor,
-    ctx: Context,
-) -> tuple[Context, bool]:
-    """One dynamically scaled step, gated on the host: run the gradient routine (compiled from
-    :func:`scaled_grad_update`), read the checksum, run the optimizer routine (compiled from
-    :func:`scaled_sgd_update`) only when it is finite, then update the scaler. Returns the
-    context and whether the step was applied. The read waits for the device every step; the
-    fused :func:`gated_step` avoids that."""
-    _check_scaler(scaler)
-    ctx = ctx.run(grad_routine)
-    grads_finite = math.isfinite(ctx.get_value(checksum))
-    if grads_finite:
-        ctx = ctx.run(sgd_routine)
-    ctx = scaler.update(ctx, grads_finite=grads_finite)
-    return ctx, grads_finite
+_COUNTERS = ("pending", "applied", "skipped", "windows", "skipped_windows")
+_NUM = r"(0|[1-9][0-9]{0,18})"
 
 
-# --- the fused recipe -------------------------------------------------------------------------
+class Recipe:
+    """A dynamically loss-scaled training step over any :mod:`ocannl.optim` optimizer; the
+    interface both recipes share (:class:`ScaledStep`: host gate, :class:`GatedStep`: fused)::
 
-_GATED_RE = re.compile(r"ocannl\.GatedStep/1 pending=(0|[1-9][0-9]{0,18})", re.ASCII)
+        recipe = mixed_prec.gated_step(scaler, loss, optim.Adam(1e-3))  # or scaled_step(...)
+        ctx = recipe.compile(ctx)          # its routine(s), bound to this context
+        for _ in range(steps):
+            ctx = recipe.step(ctx)
+        ctx = recipe.flush(ctx)            # sample what is still unsampled (fused)
+
+    A step whose unscaled gradients are not all finite is skipped: parameters, every optimizer
+    buffer and the optimizer's step counter keep their bits. The host samples the outcome at
+    the end of each *window* (one step for the host gate, ``check_interval`` steps for the fused
+    one) and updates the scaler then. Counters, as of the last sample: ``applied_steps``,
+    ``skipped_steps``, ``windows``, ``skipped_windows``; ``pending``: steps run since.
+
+    A checkpoint holds ``checkpoint.training_state(loss, optimizer) + recipe.state_nodes()``
+    and, in ``Progress.extra``, ``scaler.save_state()`` and ``recipe.save_state()``.
+    """
+
+    check_interval = 1
+
+    def __init__(self, scaler: Loss_scaler, loss: Tensor, optimizer: Optimizer) -> None:
+        _check_scaler(scaler)
+        if not isinstance(loss, Tensor):
+            raise TypeError(f"expected the loss Tensor, got {type(loss).__name__}: {loss!r}")
+        if not isinstance(optimizer, Optimizer):
+            raise TypeError(f"expected an ocannl.optim optimizer (SGD, Adam, AdamW, ...), got "
+                            f"{type(optimizer).__name__}: {optimizer!r:.80}")
+        self.scaler = scaler
+        self.loss = loss
+        self.optimizer = optimizer
+        self.checksum, self.grad_comp = scaled_grad_update(scaler, loss)
+        self.pending = 0
+        self.applied_steps = 0
+        self.skipped_steps = 0
+        self.windows = 0
+        self.skipped_windows = 0
+        self.last_applied: bool | None = None  # the last step's outcome, when the host knows it
+        self._ctx: Context | None = None
+
+    # --- the interface ----------------------------------------------------------------------
+
+    def compile(self, ctx: Context) -> Context:
+        """Compile this recipe's routine(s) on ``ctx``; :meth:`step` then runs them there."""
+        raise NotImplementedError
+
+    def step(self, ctx: Context) -> Context:
+        """Run one training step (and, at a window's end, sample it and update the scaler)."""
+        raise NotImplementedError
+
+    def flush(self, ctx: Context) -> Context:
+        """Close the current window now: sample it and update the scaler (nothing to do when
+        no step is pending)."""
+        self._check_ctx(ctx)
+        return ctx
+
+    def state_nodes(self) -> list[Tnode]:
+        """Device state beyond the optimizer's that a checkpoint must hold to resume exactly."""
+        return []
+
+    def save_state(self) -> str:
+        """The host's position and counters as one line, for ``checkpoint.Progress.extra``."""
+        vals = (self.pending, self.applied_steps, self.skipped_steps, self.windows,
+                self.skipped_windows)
+        fields = " ".join(f"{k}={v}" for k, v in zip(_COUNTERS, vals, strict=True))
+        return f"ocannl.{type(self).__name__}/2 {fields}"
+
+    def restore_state(self, s: str) -> None:
+        """Restore what :meth:`save_state` wrote; raises ``ocannl.Failure`` (and changes
+        nothing) on anything else, or on a position past the window."""
+        name = type(self).__name__
+        pattern = rf"ocannl\.{name}/2 " + " ".join(f"{k}={_NUM}" for k in _COUNTERS)
+        m = re.fullmatch(pattern, s, re.ASCII) if isinstance(s, str) else None
+        vals = None if m is None else [int(v) for v in m.groups()]
+        if vals is None:
+            vals = self._legacy_state(s)
+        if vals is None:
+            raise Failure(f"{name}.restore_state: {s!r:.200} is not a {name} state: expected "
+                          f"'ocannl.{name}/2 " + " ".join(f"{k}=<int>" for k in _COUNTERS)
+                          + "'")
+        pending, applied, skipped, windows, skipped_windows = vals
+        if pending >= self.check_interval:
+            raise Failure(f"{name}.restore_state: pending={pending} is not below "
+                          f"check_interval={self.check_interval}")
+        if skipped_windows > windows or skipped_windows > skipped:
+            raise Failure(f"{name}.restore_state: skipped_windows={skipped_windows} exceeds "
+                          f"windows={windows} or skipped={skipped}")
+        self.pending, self.applied_steps, self.skipped_steps = pending, applied, skipped
+        self.windows, self.skipped_windows = windows, skipped_windows
+
+    def _legacy_state(self, s: object) -> list[int] | None:
+        return None
+
+    # --- shared plumbing --------------------------------------------------------------------
+
+    def _bind(self, ctx: Context) -> None:
+        self._ctx = ctx
+
+    def _check_ctx(self, ctx: Context) -> None:
+        if self._ctx is None:
+            raise ValueError(f"{type(self).__name__}: call compile(ctx) before stepping")
+        if ctx is not self._ctx:
+            raise ValueError(f"{type(self).__name__} was compiled on {self._ctx!r}, not on "
+                             f"{ctx!r}: compile it on this context first")
+
+    def _close_window(self, ctx: Context, skipped: int) -> Context:
+        """Account for the pending steps, ``skipped`` of them skipped, and update the scaler."""
+        steps = self.pending
+        finite = skipped == 0
+        ctx = self.scaler.update_n(ctx, grads_finite=finite, steps=steps)
+        self.applied_steps += steps - skipped
+        self.skipped_steps += skipped
+        self.windows += 1
+        self.skipped_windows += not finite
+        self.pending = 0
+        return ctx
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}({self.optimizer!r}, check_interval="
+                f"{self.check_interval}, pending={self.pending}, applied={self.applied_steps}, "
+                f"skipped={self.skipped_steps})")
 
 
-class GatedStep:
+class ScaledStep(Recipe):
+    """The per-step host gate: the gradient routine (:func:`scaled_grad_update`), a host read
+    of the checksum, the optimizer routine only when it is finite, then ``Loss_scaler.update``.
+    Every step is a window of one; the read waits for the device every step, which the fused
+    :class:`GatedStep` avoids. Build one with :func:`scaled_step`."""
+
+    def __init__(self, scaler: Loss_scaler, loss: Tensor, optimizer: Optimizer) -> None:
+        super().__init__(scaler, loss, optimizer)
+        self.update_comp = optimizer.update(loss, grad_unscale=scaler.unscale)
+        self._routines: tuple[Routine, Routine] | None = None
+
+    def compile(self, ctx: Context) -> Context:
+        ctx, grads = ctx.compile(self.grad_comp)
+        ctx, update = ctx.compile(self.update_comp)
+        self._routines = (grads, update)
+        self._bind(ctx)
+        return ctx
+
+    def step(self, ctx: Context) -> Context:
+        self._check_ctx(ctx)
+        assert self._routines is not None
+        grads, update = self._routines
+        ctx = ctx.run(grads)
+        finite = math.isfinite(ctx.get_value(self.checksum))
+        if finite:
+            ctx = ctx.run(update)
+        self.pending = 1
+        ctx = self._close_window(ctx, 0 if finite else 1)
+        self.last_applied = finite
+        return ctx
+
+
+def scaled_step(scaler: Loss_scaler, loss: Tensor, optimizer: Optimizer) -> ScaledStep:
+    """Build the per-step, host-gated recipe (see :class:`ScaledStep`)."""
+    return ScaledStep(scaler, loss, optimizer)
+
+
+_GATED_V1 = re.compile(rf"ocannl\.GatedStep/1 pending={_NUM}", re.ASCII)
+
+
+class GatedStep(Recipe):
     """The fused recipe: one routine per step, no host read in between.
 
-    The routine (compile :attr:`comp`) computes the scaled gradients and their checksum, and
-    runs an optimizer step gated on the device: where the checksum is non-finite every
-    parameter and optimizer buffer keeps its old bits (a select, not a multiply by a 0/1 flag:
-    ``inf * 0`` is NaN). A sticky device flag, :attr:`nonfinite_seen`, records any skipped step.
-    :meth:`step` runs the routine and, every ``check_interval`` steps, reads the flag, feeds the
-    window to :meth:`Loss_scaler.update_n` and clears the flag. Build one with
-    :func:`gated_step`::
-
-        gs = mixed_prec.gated_step(scaler, loss, learning_rate=0.1, check_interval=16)
-        ctx, routine = ctx.compile(gs.comp)
-        for _ in range(steps):
-            ctx = gs.step(ctx, routine)
-        ctx = gs.flush(ctx)  # sample the last, partial window
+    The routine (:attr:`comp`) computes the scaled gradients and their checksum and runs the
+    optimizer's update gated on the device: where the checksum is non-finite every parameter,
+    optimizer buffer and step counter keeps its old bits (a select, not a multiply by a 0/1
+    flag: ``inf * 0`` is NaN). A device counter, :attr:`nonfinite_seen`, counts the skipped
+    steps of the window (non-zero: some step was skipped). :meth:`step` runs the routine and,
+    every ``check_interval`` steps, reads the counter, feeds the window to
+    :meth:`Loss_scaler.update_n` and clears it. Build one with :func:`gated_step`.
 
     The scale changes only at window ends, so after an overflow the rest of its window is
     likely skipped too: the price of not waiting for the device every step.
     """
 
-    def __init__(self, scaler: Loss_scaler, loss: Tensor, comp: Comp, checksum: Tensor,
-                 flag: Tensor, check_interval: int) -> None:
-        self.scaler = scaler
-        self.loss = loss
-        self.comp = comp
-        self.checksum = checksum
+    def __init__(self, scaler: Loss_scaler, loss: Tensor, optimizer: Optimizer, *,
+                 check_interval: int = 16) -> None:
+        if not _is_int(check_interval) or check_interval < 1:
+            raise ValueError(f"check_interval must be an integer >= 1, got {check_interval!r}")
+        super().__init__(scaler, loss, optimizer)
+        self.check_interval = int(check_interval)
+        finite = apply("isfinite", Get(self.checksum.value, ()))
+        update = optimizer.update(loss, grad_unscale=scaler.unscale, gate=finite)
+        flag = T.term(np.float32(0.0), label=f"nonfinite_seen_{loss.label}", prec=Precision.f32)
+        seen = Get(flag.value, ())
+        count = Accum(flag.value, (), "=",
+                      apply("where", finite, seen, apply("add", seen, Const(1.0))), ())
+        self.comp = Comp.seq([self.grad_comp, update, Comp((count,), "count_skipped")],
+                             f"gated_step_{loss.label}")
         self.nonfinite_seen = flag
-        self.check_interval = check_interval
-        self.pending = 0  # steps run since the flag was last sampled
-        self.windows = 0  # windows sampled
-        self.skipped_windows = 0  # windows whose sample was non-finite
+        self._routine: Routine | None = None
 
-    def step(self, ctx: Context, routine: Routine) -> Context:
-        """Run one fused step; at the end of a window, sample the flag and update the scaler."""
-        if routine.label != self.comp.label:
-            raise ValueError(f"GatedStep.step: {routine!r} was not compiled from this step's "
-                             f"comp {self.comp.label!r}")
-        ctx = ctx.run(routine)
+    def compile(self, ctx: Context) -> Context:
+        ctx, self._routine = ctx.compile(self.comp)
+        self._bind(ctx)
+        return ctx
+
+    def step(self, ctx: Context) -> Context:
+        self._check_ctx(ctx)
+        assert self._routine is not None
+        ctx = ctx.run(self._routine)
         self.pending += 1
         if self.pending >= self.check_interval:
             ctx = self.flush(ctx)
         return ctx
 
     def flush(self, ctx: Context) -> Context:
-        """Sample the flag now, closing the current window (nothing to do when it is empty):
-        ``update_n`` with the window's length, then clear the flag."""
+        self._check_ctx(ctx)
         if self.pending == 0:
             return ctx
-        finite = ctx.get_value(self.nonfinite_seen) == 0.0
-        ctx = self.scaler.update_n(ctx, grads_finite=finite, steps=self.pending)
-        if not finite:
+        seen = ctx.get_value(self.nonfinite_seen)
+        skipped = self.pending if not 0.0 <= seen <= self.pending else int(seen)
+        if seen != 0.0:
+            skipped = max(skipped, 1)
             ctx = ctx.set_value(self.nonfinite_seen, 0.0)
-            self.skipped_windows += 1
-        self.windows += 1
-        self.pending = 0
-        return ctx
+        return self._close_window(ctx, skipped)
 
     def state_nodes(self) -> list[Tnode]:
-        """Device state a checkpoint taken mid-window must hold (the sticky flag), to resume
-        exactly; add them to ``checkpoint.training_state(loss)``."""
+        """The skipped-step counter: a checkpoint taken mid-window must hold it."""
         return [self.nonfinite_seen.value]
 
-    def save_state(self) -> str:
-        """The host's position in the current window, one line, for ``Progress.extra``."""
-        return f"ocannl.GatedStep/1 pending={self.pending}"
-
-    def restore_state(self, s: str) -> None:
-        """Restore what :meth:`save_state` wrote; raises ``ocannl.Failure`` (and changes
-        nothing) on anything else or on a position past ``check_interval``."""
-        m = _GATED_RE.fullmatch(s) if isinstance(s, str) else None
-        if m is None:
-            raise Failure(f"GatedStep.restore_state: {s!r:.200} is not a GatedStep state: "
-                          f"expected 'ocannl.GatedStep/1 pending=<int>'")
-        pending = int(m[1])
-        if pending >= self.check_interval:
-            raise Failure(f"GatedStep.restore_state: pending={pending} is not below "
-                          f"check_interval={self.check_interval}")
-        self.pending = pending
-
-    def __repr__(self) -> str:
-        return (f"GatedStep(check_interval={self.check_interval}, pending={self.pending}, "
-                f"windows={self.windows}, skipped_windows={self.skipped_windows})")
+    def _legacy_state(self, s: object) -> list[int] | None:
+        m = _GATED_V1.fullmatch(s) if isinstance(s, str) else None
+        return None if m is None else [int(m[1]), 0, 0, 0, 0]
 
 
-def gated_step(
-    scaler: Loss_scaler,
-    loss: Tensor,
-    *,
-    learning_rate: float | Tensor,
-    momentum: float = 0.0,
-    weight_decay: float = 0.0,
-    nesterov: bool = False,
-    check_interval: int = 16,
-) -> GatedStep:
-    """Build the fused, device-gated training step (see :class:`GatedStep`).
+def gated_step(scaler: Loss_scaler, loss: Tensor, optimizer: Optimizer, *,
+               check_interval: int = 16) -> GatedStep:
+    """Build the fused, device-gated recipe (see :class:`GatedStep`).
 
-    ``check_interval``: how many steps run between two host reads of the sticky flag; 1 gives
-    the per-step schedule exactly, larger values trade reaction time for fewer device syncs.
+    ``check_interval``: how many steps run between two host reads of the skipped-step counter;
+    1 gives the per-step schedule exactly, larger values trade reaction time for fewer device
+    syncs.
     """
-    from ocannl import train
-
-    _check_scaler(scaler)
-    if not _is_int(check_interval) or check_interval < 1:
-        raise ValueError(f"check_interval must be an integer >= 1, got {check_interval!r}")
-    checksum, grads = scaled_grad_update(scaler, loss)
-    finite = apply("isfinite", Get(checksum.value, ()))
-    sgd = train.sgd_update(loss, learning_rate=learning_rate, momentum=momentum,
-                           weight_decay=weight_decay, nesterov=nesterov,
-                           grad_unscale=scaler.unscale, gate=finite)
-    flag = T.term(np.float32(0.0), label=f"nonfinite_seen_{loss.label}", prec=Precision.f32)
-    sticky = Accum(flag.value, (), "=", apply("where", finite, Get(flag.value, ()), Const(1.0)),
-                   ())
-    comp = Comp.seq([grads, sgd, Comp((sticky,), "sticky")], f"gated_step_{loss.label}")
-    return GatedStep(scaler, loss, comp, checksum, flag, int(check_interval))
+    return GatedStep(scaler, loss, optimizer, check_interval=check_interval)
