@@ -5,11 +5,11 @@ input stored at the same precision; the softmax cross-entropy runs in f32 (as un
 autocast). The optimizer updates the f32 masters.
 
 - ``bf16``: no loss scaling; grad_update and sgd_update fused into one routine.
-- ``f16``: dynamic loss scaling, per-step host gate (``scaled_step``: gradient routine, host
-  read of the checksum, optimizer routine, scaler update).
+- ``f16``: dynamic loss scaling, per-step host gate (the ``scaled_step`` recipe: gradient
+  routine, host read of the checksum, optimizer routine, scaler update).
 - ``f16-static``: a fixed loss scale, no checksum, no gate: one fused routine.
-- ``f16-gated16``: ``gated_step``: one fused routine gated on the device, the host sampling
-  the sticky flag every 16 steps.
+- ``f16-gated16``: the ``gated_step`` recipe: one fused routine gated on the device, the host
+  sampling its skipped-step counter every 16 steps.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 def build_mixed(r: OcannlRunner, variant: str) -> tuple[Callable[[], None], object]:
     """Build ``variant``'s model on ``r``'s context; the step callable and the loss tensor."""
     import ocannl.tensor as T
-    from ocannl import mixed_prec, train
+    from ocannl import mixed_prec, optim, train
     from ocannl.nn_blocks import mlp, softmax_cross_entropy
 
     w = r.fx.workload
@@ -38,10 +38,10 @@ def build_mixed(r: OcannlRunner, variant: str) -> tuple[Callable[[], None], obje
     loss = softmax_cross_entropy(T.cast(logits, "f32"), r.y)
     r.layers = [(mixed_prec.master_of(a), mixed_prec.master_of(b)) for a, b in twins]
     r._set_weights(r.layers)
-    lr = w.learning_rate
+    sgd = optim.SGD(w.learning_rate)  # plain SGD, as every runner of the suite
     ctx = r.ctx
     if variant == "bf16":
-        comp = train.grad_update(loss) + train.sgd_update(loss, learning_rate=lr)
+        comp = train.grad_update(loss) + sgd.update(loss)
         ctx, routine = ctx.compile(comp)
         r.ctx = ctx
         return (lambda: ctx.run(routine)), loss
@@ -50,25 +50,18 @@ def build_mixed(r: OcannlRunner, variant: str) -> tuple[Callable[[], None], obje
     r.scaler = scaler
     if variant == "f16-static":
         comp = (train.grad_update(loss, loss_scale=scaler.scale)
-                + train.sgd_update(loss, learning_rate=lr, grad_unscale=scaler.unscale))
+                + sgd.update(loss, grad_unscale=scaler.unscale))
         ctx, routine = ctx.compile(comp)
         r.ctx = ctx
         return (lambda: ctx.run(routine)), loss
+    recipe: mixed_prec.Recipe
     if variant == "f16":
-        checksum, grad_comp = mixed_prec.scaled_grad_update(scaler, loss)
-        ctx, grad_routine = ctx.compile(grad_comp)
-        ctx, sgd_routine = ctx.compile(mixed_prec.scaled_sgd_update(scaler, loss, learning_rate=lr))
-        r.ctx = ctx
-
-        def host_gated() -> None:
-            mixed_prec.scaled_step(scaler=scaler, grad_routine=grad_routine,
-                                   sgd_routine=sgd_routine, checksum=checksum, ctx=ctx)
-
-        return host_gated, loss
-    if variant == "f16-gated16":
-        gated = mixed_prec.gated_step(scaler, loss, learning_rate=lr, check_interval=16)
-        ctx, routine = ctx.compile(gated.comp)
-        r.ctx = ctx
-        r.gated = gated
-        return (lambda: gated.step(ctx, routine)), loss
-    raise ValueError(f"unknown mixed-precision variant {variant!r}")
+        recipe = mixed_prec.scaled_step(scaler, loss, sgd)
+    elif variant == "f16-gated16":
+        recipe = mixed_prec.gated_step(scaler, loss, sgd, check_interval=16)
+    else:
+        raise ValueError(f"unknown mixed-precision variant {variant!r}")
+    ctx = recipe.compile(ctx)
+    r.ctx = ctx
+    r.recipe = recipe
+    return (lambda: recipe.step(ctx)), loss
