@@ -92,7 +92,13 @@ class Context:
         except Exception as err:  # noqa: BLE001 - any reason the GPU is unusable means the CPU
             if not Context._fallback_said:
                 Context._fallback_said = True
-                warnings.warn(f"ocannl: using the CPU backend: {err}", RuntimeWarning, stacklevel=2)
+                # One plain line: the gist of the reason, not the driver's error text
+                # (Context.cuda() raises with all of it).
+                gist = str(err).split(": no GPU is usable: ", 1)[-1].strip()
+                gist = gist.splitlines()[0].split(" (", 1)[0].split("; ", 1)[0] if gist else ""
+                warnings.warn(f"ocannl: no usable GPU ({gist or type(err).__name__}), using the "
+                              f"CPU backend",
+                              RuntimeWarning, stacklevel=2)
             return cls.cpu()
 
     def backend_name(self) -> str:
