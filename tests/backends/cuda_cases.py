@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ocannl.ir.assignments import Accum, Comp, Fixed, Get, apply
+from ocannl.ir.assignments import Accum, Comp, Const, Fixed, Get, apply
 from ocannl.ir.ops import OPS, Precision
 from ocannl.ir.tnode import Tnode
 
@@ -122,3 +122,95 @@ def mixed_cases() -> tuple[Comp, list[Tnode]]:
         s = Tnode(f"mixed_sum_{lhs_prec.value}", (), lhs_prec)
         code.append(Accum(s, (), "+", apply("mul", ga, gb), (n,), reset=True))
     return Comp(tuple(code), "mixed"), outs
+
+
+def f64_gemm_cases(seed: int = 1) -> tuple[Comp, list[Tnode]]:
+    """f64 GEMMs (cuBLAS dgemm): plain, transposed operands, accumulating. The accumulated
+    output's terms cancel to a small fraction of their magnitude."""
+    rng = np.random.default_rng(seed)
+    f64 = Precision.f64
+    a = _data("da", rng.normal(size=(33, 70)) * 4, f64)
+    bt = _data("dbt", rng.normal(size=(45, 70)) * 2, f64)  # read transposed
+    at = _data("dat", rng.normal(size=(70, 33)), f64)  # read transposed
+    b = _data("db", rng.normal(size=(70, 45)), f64)
+    c = _data("dc", rng.normal(size=(33, 45)) * 50, f64)
+    out = Tnode("dout", (33, 45), f64)
+    space = (33, 45, 70)
+    code = (
+        Accum(out, (0, 1), "+", apply("mul", Get(a, (0, 2)), Get(bt, (1, 2))), space,
+              reset=True),
+        Accum(c, (0, 1), "+", apply("mul", Get(at, (2, 0)), Get(b, (2, 1))), space),
+    )
+    return Comp(code, "gemms_f64"), [out, c]
+
+
+def thin_gemm_cases(seed: int = 2) -> tuple[Comp, list[Tnode]]:
+    """GEMMs with one row or one column (a matrix-vector product either way, as a vector or as
+    a 1 x n / n x 1 matrix), stored plain or transposed, at f32, f16 and f64, resetting or
+    accumulating: the shapes where cuBLAS's leading dimensions are degenerate."""
+    rng = np.random.default_rng(seed)
+    f32, f16, f64 = Precision.f32, Precision.f16, Precision.f64
+    k, n, m = 300, 48, 40
+    code, outs = [], []
+    for prec in (f32, f16, f64):
+        p = prec.value
+        x = _data(f"x_{p}", rng.normal(size=k), prec)
+        row = _data(f"row_{p}", rng.normal(size=(1, k)), prec)
+        w = _data(f"w_{p}", rng.normal(size=(k, n)), prec)
+        wt = _data(f"wt_{p}", rng.normal(size=(n, k)), prec)  # read transposed
+        a = _data(f"a_{p}", rng.normal(size=(m, k)), prec)
+        at = _data(f"at_{p}", rng.normal(size=(k, m)), prec)  # read transposed
+        col = _data(f"col_{p}", rng.normal(size=(k, 1)), prec)
+        cases = [
+            (Tnode(f"xw_{p}", (n,), prec), (1,), apply("mul", Get(x, (0,)), Get(w, (0, 1))),
+             (k, n), True),
+            (_data(f"xwt_{p}", rng.normal(size=n), prec), (1,),
+             apply("mul", Get(x, (0,)), Get(wt, (1, 0))), (k, n), False),
+            (Tnode(f"roww_{p}", (1, n), prec), (0, 1),
+             apply("mul", Get(row, (0, 2)), Get(w, (2, 1))), (1, n, k), True),
+            (_data(f"ax_{p}", rng.normal(size=m), prec), (0,),
+             apply("mul", Get(a, (0, 1)), Get(x, (1,))), (m, k), False),
+            (Tnode(f"atx_{p}", (m,), prec), (0,), apply("mul", Get(at, (1, 0)), Get(x, (1,))),
+             (m, k), True),
+            (_data(f"acol_{p}", rng.normal(size=(m, 1)), prec), (0, 1),
+             apply("mul", Get(a, (0, 2)), Get(col, (2, 1))), (m, 1, k), False),
+        ]
+        for lhs, idx, expr, space, reset in cases:
+            code.append(Accum(lhs, idx, "+", expr, space, reset=reset))
+            outs.append(lhs)
+    return Comp(tuple(code), "thin_gemms"), outs
+
+
+def wide_reduction_cases(cells: int = 70_000, seed: int = 3) -> tuple[Comp, list[Tnode]]:
+    """Reductions into more than 65,535 cells (the launch grid's limit): each block of a block
+    reduction then covers several cells in turn, and a serial one's threads go round. A GPU
+    check (the emulator would take minutes)."""
+    rng = np.random.default_rng(seed)
+    f32 = Precision.f32
+    long_rows = _data("long_rows", rng.normal(size=(cells, 300)).astype(np.float32), f32)
+    short_rows = _data("short_rows", rng.normal(size=(cells, 40)).astype(np.float32), f32)
+    row_sum = Tnode("row_sum", (cells,), f32)  # block per cell (300 > SERIAL_RED_WIDE)
+    row_max = Tnode("row_max", (cells,), f32)
+    short_sum = _data("short_sum", rng.normal(size=cells), f32)  # serial, accumulating
+    code = (
+        Accum(row_sum, (0,), "+", Get(long_rows, (0, 1)), (cells, 300), reset=True),
+        Accum(row_max, (0,), "max", Get(long_rows, (0, 1)), (cells, 300), reset=True),
+        Accum(short_sum, (0,), "+", Get(short_rows, (0, 1)), (cells, 40)),
+    )
+    return Comp(code, "wide_reductions"), [row_sum, row_max, short_sum]
+
+
+def long_map_cases(n: int = 17_000_000, seed: int = 4) -> tuple[Comp, list[Tnode]]:
+    """Maps over more than 65,535 x 256 = 16.7M elements: a grid-stride loop goes round more
+    than once. An f32 affine map and an f32 -> f16 narrowing map (exact: one rounding)."""
+    rng = np.random.default_rng(seed)
+    f32, f16 = Precision.f32, Precision.f16
+    x = _data("long_x", rng.normal(size=n).astype(np.float32), f32)
+    y = Tnode("long_y", (n,), f32)
+    h = Tnode("long_h", (n,), f16)
+    code = (
+        Accum(y, (0,), "=", apply("add", apply("mul", Get(x, (0,)), Const(3.0)), Const(0.5)),
+              (n,)),
+        Accum(h, (0,), "=", Get(x, (0,)), (n,)),
+    )
+    return Comp(code, "long_maps"), [y, h]

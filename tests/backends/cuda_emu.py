@@ -1,17 +1,13 @@
-"""A CPU emulation of the CUDA backend's device, to run its generated kernels without a GPU.
+"""A CPU emulation of CUDA modules, the engine of the stand-in ``cupy`` (:mod:`fake_cupy`).
 
-The kernel sources are compiled by g++ as C++17 against a small prelude that stands in for
-the CUDA built-ins they use: ``threadIdx`` / ``blockIdx`` / ``blockDim`` / ``gridDim``,
-``__syncthreads`` (a barrier over the block's threads, which run as fibers),
-``__shfl_down_sync`` (an exchange through a per-warp slot array between two warp barriers),
-``__shared__`` (function statics: blocks run one after another), ``__half`` (via
-``_Float16``) and ``__nv_bfloat16`` (bit patterns, round to nearest even). Kernels with no
-barrier run their threads one after another without switching. GEMMs run in NumPy in the
-compute precision, with cuBLAS's ``beta`` meaning (``beta == 0`` never reads ``out``).
-
-Everything else is the real backend's code: :func:`plan_routine`, :class:`CudaRoutine` (binding,
-scratch, GEMM views), the buffer dtypes and host conversions. What stays unexercised is only
-CuPy itself: ``RawKernel``, ``cublas.gemm``, ``ndarray.set`` / ``get``.
+A module's CUDA source (as the backend hands it to ``cupy.RawModule``) is compiled by g++ as
+C++17 against a small prelude that stands in for the CUDA built-ins its kernels use:
+``threadIdx`` / ``blockIdx`` / ``blockDim`` / ``gridDim``, ``__syncthreads`` (a barrier over
+the block's threads, which run as fibers), ``__shfl_down_sync`` (an exchange through a
+per-warp slot array between two warp barriers), ``__shared__`` (function statics: blocks run
+one after another), ``__half`` (via ``_Float16``) and ``__nv_bfloat16`` (bit patterns, round
+to nearest even). Kernels with no barrier run their threads one after another without
+switching. Arithmetic is the host's: no flush to zero, no FMA contraction.
 """
 
 from __future__ import annotations
@@ -26,16 +22,8 @@ import subprocess
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import numpy as np
-
-from ocannl.backends.base import host_to_storage, storage_to_host
-from ocannl.backends.cuda.plan import Kernel, Plan, plan_routine
-from ocannl.backends.cuda.runtime import CudaRoutine, Device, _storage_dtype
-from ocannl.ir.lowering import Lowered
-from ocannl.ir.ops import Precision
-from ocannl.ir.tnode import Tnode
 
 PRELUDE = r"""
 #include <algorithm>
@@ -146,10 +134,6 @@ static void ocemu_run(int grid, int block, bool fibers, const std::function<void
 }
 """
 
-_CTYPE = {Precision.f64: "double", Precision.f32: "float", Precision.f16: "__half",
-          Precision.bf16: "__nv_bfloat16"}
-
-
 @functools.cache
 def emulator_unavailable() -> str | None:
     """None when g++ can build the emulator here (it needs ``_Float16``: GCC 12 or later on
@@ -176,126 +160,57 @@ def _cache() -> Path:
 
 _SIG = re.compile(r"__global__ void __launch_bounds__\(\d+\) (\w+)\((.*)\) \{")
 
+Launcher = Callable[[int, int, tuple[np.ndarray, ...]], None]
 
-def build_library(sources: list[str]) -> tuple[ctypes.CDLL, dict[str, int]]:
-    """Compile the distinct kernel sources into one shared library; returns it and, per
-    source, the index of its launcher ``ocemu_launch_<index>(grid, block, void** args)``.
-    Parameter types are read back from each kernel's signature."""
-    index: dict[str, int] = {}
-    parts = [PRELUDE]
-    for source in sources:
-        if source in index:
-            continue
-        i = index[source] = len(index)
-        body = re.sub(r"^#include .*$", "", source, flags=re.M).replace('extern "C" ', "")
-        m = _SIG.search(body)
-        assert m is not None, f"no kernel signature in:\n{source}"
-        name, params = m.group(1), [p.split("*")[0].strip() for p in m.group(2).split(",")]
-        fibers = "__syncthreads" in body or "__shfl" in body
+
+def build_module(code: str) -> dict[str, Launcher]:
+    """Compile a CUDA module's source for the CPU; returns a launcher ``fn(grid, block,
+    arrays)`` per kernel, by name. Parameter types are read back from each kernel's signature;
+    a kernel that synchronises (``__syncthreads``, ``__shfl_*``) runs its threads as fibers."""
+    body = re.sub(r"^#include .*$", "", code, flags=re.M).replace('extern "C" ', "")
+    sigs = list(_SIG.finditer(body))
+    assert sigs, f"no kernel signature in:\n{code}"
+    parts = [PRELUDE, f"namespace ockm {{\n{body}\n}}\n"]
+    kernels = []
+    for k, m in enumerate(sigs):
+        name = m.group(1)
+        params = [p.split("*")[0].strip() for p in m.group(2).split(",")]
+        text = body[m.start():sigs[k + 1].start() if k + 1 < len(sigs) else len(body)]
+        fibers = "__syncthreads" in text or "__shfl" in text
         call = ", ".join(f"({t}*)a[{j}]" for j, t in enumerate(params))
-        parts.append(f"namespace ock{i} {{\n{body}\n}}\n"
-                     f"extern \"C\" void ocemu_launch_{i}(int grid, int block, void** a) {{\n"
+        parts.append(f"extern \"C\" void ocemu_launch_{name}(int grid, int block, void** a) {{\n"
                      f"  ocemu_run(grid, block, {str(fibers).lower()}, "
-                     f"[&] {{ ock{i}::{name}({call}); }});\n}}\n")
-    text = "\n".join(parts)
+                     f"[&] {{ ockm::{name}({call}); }});\n}}\n")
+        kernels.append((name, len(params)))
+    lib = _compile("\n".join(parts))
+    return {name: _launcher(lib, name, n) for name, n in kernels}
+
+
+def _compile(text: str) -> ctypes.CDLL:
     key = hashlib.sha256(text.encode()).hexdigest()[:24]
     lib_path = _cache() / f"emu_{key}.so"
     if not lib_path.exists():
         src = _cache() / f"emu_{key}.cpp"
         src.write_text(text)
         tmp = lib_path.with_suffix(f".{os.getpid()}.tmp")
-        cmd = ["g++", "-std=c++17", "-O1", "-shared", "-fPIC", "-w", str(src),
-               "-o", str(tmp)]
+        cmd = ["g++", "-std=c++17", "-O1", "-shared", "-fPIC", "-w", str(src), "-o", str(tmp)]
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode != 0:
             raise RuntimeError(f"emulator build failed:\n{res.stderr[-4000:]}")
         os.replace(tmp, lib_path)
-    return ctypes.CDLL(str(lib_path)), index
+    return ctypes.CDLL(str(lib_path))
 
 
-def launcher(lib: ctypes.CDLL, i: int) -> Callable[[int, int, tuple[np.ndarray, ...]], None]:
-    """``fn(grid, block, arrays)`` running kernel ``i`` of an emulator library."""
-    fn = getattr(lib, f"ocemu_launch_{i}")
+def _launcher(lib: ctypes.CDLL, name: str, nparams: int) -> Launcher:
+    fn = getattr(lib, f"ocemu_launch_{name}")
     fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_void_p)]
     fn.restype = None
 
     def run(grid: int, block: int, args: tuple[np.ndarray, ...]) -> None:
+        assert len(args) == nparams, f"{name}: {len(args)} arguments for {nparams} parameters"
         for a in args:
             assert isinstance(a, np.ndarray) and a.flags.c_contiguous
         ptrs = (ctypes.c_void_p * len(args))(*(a.ctypes.data for a in args))
         fn(grid, block, ptrs)
 
     return run
-
-
-class EmuDevice(Device):
-    """Launches kernels from an emulator library built for one plan."""
-
-    def __init__(self) -> None:
-        self.lib: ctypes.CDLL | None = None
-        self.index: dict[str, int] = {}
-        self.launches: list[tuple[str, int, int]] = []  # (kind, grid, block) per launch
-
-    def prepare(self, plan: Plan) -> None:
-        self.lib, self.index = build_library([k.source for k in plan.kernels])
-
-    def kernel(self, k: Kernel) -> tuple[Callable[..., None], bool]:
-        assert self.lib is not None
-        run = launcher(self.lib, self.index[k.source])
-
-        def launch(grid: tuple[int], block: tuple[int], args: tuple[np.ndarray, ...]) -> None:
-            self.launches.append((k.kind, grid[0], block[0]))
-            run(grid[0], block[0], args)
-
-        return launch, True
-
-    def empty(self, size: int, prec: Precision) -> Any:
-        # NaN-filled f32 / f64 scratch: a kernel reading what nobody wrote shows up.
-        arr = np.empty(size, dtype=_storage_dtype(prec))
-        if arr.dtype.kind == "f":
-            arr.fill(np.nan)
-        return arr
-
-    def gemm(self, transa: str, transb: str, a: Any, b: Any, out: Any, beta: float) -> None:
-        assert a.dtype == b.dtype == out.dtype and out.flags.c_contiguous
-        x = a.T if transa == "T" else a
-        y = b.T if transb == "T" else b
-        res = np.matmul(x, y)
-        if beta == 0.0:
-            out[...] = res
-        else:
-            out += res
-
-
-class EmulatedCudaBackend:
-    """The CUDA backend with NumPy buffers (in the CUDA backend's storage dtypes) and
-    emulated kernels; pass it to :class:`ocannl.Context`."""
-
-    name = "cuda-emulated"
-
-    def __init__(self) -> None:
-        self.devices: list[EmuDevice] = []
-
-    def alloc(self, node: Tnode) -> np.ndarray:
-        return np.zeros(node.size, dtype=_storage_dtype(node.prec))
-
-    def bind(self, compiled: Callable, buffers: tuple) -> Callable[[], None]:
-        return functools.partial(compiled, *buffers)
-
-    def write(self, node: Tnode, buf: np.ndarray, host: np.ndarray) -> None:
-        arr = host_to_storage(node, host)
-        buf[:] = arr.view(buf.dtype) if arr.dtype != buf.dtype else arr
-
-    def read(self, node: Tnode, buf: np.ndarray) -> np.ndarray:
-        host = buf.view(np.uint16) if node.prec.is_narrow else buf
-        return storage_to_host(node, host).copy()
-
-    def compile(self, label: str, code: list[Lowered], nodes: list[Tnode]
-                ) -> tuple[Callable, bool]:
-        plan = plan_routine(code)
-        dev = EmuDevice()
-        dev.prepare(plan)
-        self.devices.append(dev)
-        routine = CudaRoutine(plan, nodes, dev)
-        routine.device_log = dev.launches  # type: ignore[attr-defined]
-        return routine, True

@@ -14,6 +14,7 @@ import ocannl.tensor as T
 from ocannl import datasets, train
 from ocannl.ir.assignments import Comp, Get, apply
 from ocannl.ir.ops import Precision, precision_of
+from ocannl.ir.tnode import Tnode
 from ocannl.nn_blocks import softmax_cross_entropy
 from ocannl.tensor.tensor import Tensor
 
@@ -88,3 +89,8 @@ def rel_err(a: Sequence[float], b: Sequence[float]) -> float:
     """Largest relative difference between two loss curves."""
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.max(np.abs(a - b) / np.maximum(np.abs(b), 1e-30)))
+
+
+def momenta(problem: Problem) -> list[Tnode]:
+    """The SGD momentum buffers of the problem's parameters."""
+    return [train.optimizer_state(p, "momentum") for p in problem.params]

@@ -1,92 +1,107 @@
-"""The generated CUDA kernels, run on the CPU through an emulation of the CUDA built-ins
-(:mod:`cuda_emu`), against the Numba CPU backend: same losses, same parameters, same gating,
-and the CuPy-facing backend code driven through a stand-in ``cupy`` (:mod:`fake_cupy`).
+"""The CUDA backend run without a GPU: ``Context.cuda()`` (the real
+:class:`~ocannl.backends.cuda.runtime.CupyCudaBackend`) over the stand-in ``cupy``
+(:mod:`fake_cupy`), whose modules run on the CPU through the kernel emulator (:mod:`cuda_emu`).
 
 These are the semantics checks of the GPU path that a machine without a GPU can make: the
-kernel sources, the launch plans (thread mapping, block and split reductions, GEMM conversions)
-and the routine binding are the real ones; only CuPy and the hardware are substituted.
+kernel sources, the modules, the launch plans (thread mapping, block and split reductions, GEMM
+conversions), the binding and the transfers are the real ones; only CuPy and the hardware are
+substituted. Kernel results are compared with an f64 reference (magnitude-scaled tolerance),
+training with the Numba CPU backend.
 """
 
 from __future__ import annotations
 
 import warnings
 
+import cuda_cases
 import cuda_checks as C
 import cuda_models as M
 import fake_cupy
 import pytest
-from cuda_emu import EmulatedCudaBackend, emulator_unavailable
+from cuda_emu import emulator_unavailable
 
 from ocannl import Context
-from ocannl.backends.cuda.runtime import CupyCudaBackend
-from ocannl.ir.ops import Precision
+from ocannl.backends.cuda import plan as cc
+from ocannl.backends.cuda.plan import GemmCall
 
 _missing = emulator_unavailable()
 pytestmark = pytest.mark.skipif(_missing is not None, reason=f"no emulator: {_missing}")
 
 
-def emu() -> Context:
-    return Context(EmulatedCudaBackend())
+@pytest.fixture(autouse=True)
+def fake(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_cupy.install(monkeypatch)
 
 
 @pytest.mark.parametrize("prec", ["f32", "f16", "bf16"])
 def test_training_matches_the_cpu_backend(prec: str) -> None:
-    C.training_parity(emu, prec)
+    ctx = C.training_parity(Context.cuda, prec)
+    assert ctx.backend_name() == "cuda"
 
 
 def test_large_batch_gated_step_uses_block_reductions_and_matches() -> None:
     """Batch 1024: the loss mean, the bias gradients and the checksum are block reductions
     (the checksum split over blocks); GEMMs go through the cuBLAS path."""
-    ctx = C.training_parity(emu, "f32", dims=(2, 64, 64, 2), batch=1024, steps=3,
-                            comp="gated")
-    kinds = {kind for kind, _, _ in ctx._backend.devices[-1].launches}
+    dims, batch = (2, 64, 64, 2), 1024
+    ctx = C.training_parity(Context.cuda, "f32", dims=dims, batch=batch, steps=3, comp="gated")
+    ctx, routine = ctx.compile(M.build("f32", dims=dims, batch=batch).comps["gated"])
+    plan = routine.compiled.plan
+    launched = {name for name, _, _ in fake_cupy.launches}
+    kinds = {k.kind for k in plan.kernels if routine.compiled.names[k.source] in launched}
     assert {"reduce", "partial", "final", "map", "serial"} <= kinds
+    assert any(isinstance(s, GemmCall) for s in plan.steps)
 
 
 def test_non_finite_input_skips_the_gated_step() -> None:
-    C.gated_injection(emu)
-
-
-def test_set_values_reaches_the_kernels_without_recompiling() -> None:
-    C.set_values_reach_kernels(emu)
-
-
-def test_every_op_matches_the_cpu_at_every_precision() -> None:
-    C.ops(emu, {Precision.f64: 1e-13, Precision.f32: 1e-6, Precision.f16: 1e-3,
-                Precision.bf16: 8e-3})
-
-
-def test_reductions_match_the_cpu() -> None:
-    C.reductions(emu)
-
-
-def test_gemms_match_the_cpu() -> None:
-    C.gemms(emu)
-
-
-# --- the CuPy-facing backend, driven through a stand-in cupy ---------------------------------
-
-
-def test_cupy_backend_through_a_fake_cupy(monkeypatch: pytest.MonkeyPatch) -> None:
-    fake_cupy.install(monkeypatch)
-    ctx = C.training_parity(Context.cuda, "f16", steps=4, comp="gated")
-    assert ctx.backend_name() == "cuda"
-    p = M.build("f16")
-    compiled = fake_cupy.RawKernel.compiles
-    count = ctx.compile_count
-    ctx, _ = ctx.compile(p.comps["gated"])  # same code: every kernel from the cache
-    assert fake_cupy.RawKernel.compiles == compiled and ctx.compile_count == count
-    ctx.set_values(p.x, M.build("f16").x.value.host_data)
-    x = ctx.get_values(p.x)
-    assert x.dtype.name == "float16" and x.shape == (32, 2)
+    C.gated_injection(Context.cuda)
     C.gated_injection(Context.cuda, "bf16")
 
 
-def test_cupy_backend_without_cublas_runs_gemms_as_kernels(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_set_values_reaches_the_kernels_without_recompiling() -> None:
+    C.set_values_reach_kernels(Context.cuda)
+
+
+def test_every_op_matches_the_f64_reference_at_every_precision() -> None:
+    C.ops(Context.cuda)
+
+
+def test_reductions_match_the_f64_reference() -> None:
+    C.reductions(Context.cuda)
+
+
+def test_gemms_match_the_f64_reference() -> None:
+    """16-bit, transposed and accumulating GEMMs, f64 GEMMs, one-row and one-column GEMMs."""
+    C.gemms(Context.cuda)
+
+
+def test_a_context_on_device_1(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Buffers, modules and launches all on device 1: the stand-in refuses any launch whose
+    arrays or module are not on the current device."""
+    fake_cupy.install(monkeypatch, devices=2)
+    ctx = C.training_parity(lambda: Context.cuda(1), "f16", steps=3, comp="gated")
+    p = M.build("f16")
+    ctx, _ = ctx.compile(p.comps["gated"])
+    assert ctx._buffer(p.x.value).device_id == 1
+    assert fake_cupy.launches
+
+
+def test_without_cublas_gemms_run_as_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     fake_cupy.install(monkeypatch, cublas=False)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        C.training_parity(lambda: Context(CupyCudaBackend()), "bf16", dims=(2, 64, 64, 2),
-                          batch=64, steps=2)
+        ctx = C.training_parity(Context.cuda, "bf16", dims=(2, 64, 64, 2), batch=64, steps=2)
     assert sum("cuBLAS is not loadable" in str(w.message) for w in seen) == 1
+    assert not ctx._backend.has_gemm
+    ctx, routine = ctx.compile(M.build("bf16", dims=(2, 64, 64, 2), batch=64).comps["step"])
+    assert not any(isinstance(s, GemmCall) for s in routine.compiled.plan.steps)
+
+
+def test_grid_and_block_stride_loops_going_round(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU checks over more than 65,535 cells / 16.7M elements, scaled down: with the grid
+    limited to 64 blocks, block reductions take several cells per block and maps go round
+    their grid-stride loop several times."""
+    monkeypatch.setattr(cc, "MAX_GRID", 64)
+    for comp, outs in (cuda_cases.wide_reduction_cases(cells=300),
+                       cuda_cases.long_map_cases(n=50_000)):
+        ctx, routine = C.check_comp(Context.cuda, comp, outs)
+        assert any(k.grid == 64 for k in routine.compiled.plan.kernels)

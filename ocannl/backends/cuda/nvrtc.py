@@ -20,19 +20,30 @@ class NvrtcError(RuntimeError):
     """NVRTC is missing, or it rejected a program (the message carries the compiler log)."""
 
 
-def _wheel_dir(package: str, sub: str) -> Path | None:
-    """``nvidia/<package>/<sub>`` of an installed NVIDIA wheel, if present."""
+def _nvidia_roots() -> list[Path]:
+    """The folders of the ``nvidia`` namespace package of NVIDIA's wheels, if any."""
     try:
         spec = importlib.util.find_spec("nvidia")
     except (ImportError, ValueError):
-        return None
+        return []
     if spec is None or not spec.submodule_search_locations:
-        return None
-    for root in spec.submodule_search_locations:
-        d = Path(root) / package / sub
+        return []
+    return [Path(root) for root in spec.submodule_search_locations]
+
+
+def _wheel_dir(package: str, sub: str) -> Path | None:
+    """``nvidia/<package>/<sub>`` of an installed NVIDIA wheel, if present."""
+    for root in _nvidia_roots():
+        d = root / package / sub
         if d.is_dir():
             return d
     return None
+
+
+def _wheel_dirs(sub: str) -> list[Path]:
+    """Every ``nvidia/*/<sub>`` folder: the CUDA 12 wheels keep one package per library
+    (``nvidia/cuda_runtime/include``), the CUDA 13 ones share ``nvidia/cu13/include``."""
+    return [d for root in _nvidia_roots() for d in sorted(root.glob(f"*/{sub}")) if d.is_dir()]
 
 
 @functools.cache
@@ -40,7 +51,8 @@ def cuda_include_dir() -> str | None:
     """A folder holding ``cuda_fp16.h`` and ``cuda_bf16.h``, or None when none is found.
 
     Searched in order: the ``nvidia-cuda-runtime-cu12`` wheel, ``cuda.pathfinder`` (a CuPy
-    dependency), ``$CUDA_PATH/include``, ``/usr/local/cuda/include``.
+    dependency), any other NVIDIA wheel's include folder (CUDA 13's ``nvidia/cu13/include``),
+    ``$CUDA_PATH/include``, ``/usr/local/cuda/include``.
     """
     candidates: list[Path] = []
     wheel = _wheel_dir("cuda_runtime", "include")
@@ -54,6 +66,7 @@ def cuda_include_dir() -> str | None:
             candidates.append(Path(found))
     except Exception:  # noqa: BLE001 - optional helper; any failure means "not found here"
         pass
+    candidates += _wheel_dirs("include")
     for env in ("CUDA_PATH", "CUDA_HOME"):
         if os.environ.get(env):
             candidates.append(Path(os.environ[env]) / "include")
@@ -68,12 +81,12 @@ def cuda_include_dir() -> str | None:
 def _lib() -> ctypes.CDLL:
     paths: list[str] = []
     wheel = _wheel_dir("cuda_nvrtc", "lib")
-    if wheel is not None:
-        paths += [str(p) for p in sorted(wheel.glob("libnvrtc.so*")) if "builtins" not in p.name]
+    for d in ([wheel] if wheel is not None else []) + _wheel_dirs("lib"):
+        paths += [str(p) for p in sorted(d.glob("libnvrtc.so*")) if "builtins" not in p.name]
     found = ctypes.util.find_library("nvrtc")
     if found:
         paths.append(found)
-    paths += ["libnvrtc.so.12", "libnvrtc.so"]
+    paths += ["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"]
     errors = []
     for p in paths:
         try:

@@ -1,25 +1,66 @@
-"""Running CUDA launch plans through CuPy: buffers, kernels compiled by NVRTC, cuBLAS GEMMs.
+"""Running CUDA launch plans through CuPy: buffers, one NVRTC module per routine, cuBLAS GEMMs.
 
-CuPy is imported only when a backend is created, so :mod:`ocannl.backends.cuda.plan` and the
-NVRTC checks work on a machine with no GPU.
+CuPy is imported only when a backend is created, so this module, :mod:`.plan` and the NVRTC
+checks (:mod:`.nvrtc`) work on a machine with no GPU.
+
+**Compile, bind, run.** :meth:`CupyCudaBackend.compile` turns lowered code into a launch plan
+(:func:`~ocannl.backends.cuda.plan.plan_routine`) and compiles the plan's distinct kernels as
+*one* ``cupy.RawModule`` (one NVRTC program per routine, each kernel renamed apart by
+:func:`module_source`), cached per (device, options, module source) for the process.
+:meth:`CupyCudaBackend.bind` then builds, once, a launch closure per step over the routine's
+buffers and its own scratch buffers; running a bound routine is calling those closures under
+the device's context, nothing else (launches are asynchronous; reads synchronise).
+
+**Storage.** The backend owns its storage dtypes: f64 / f32 / f16 buffers are CuPy arrays of
+those dtypes, bf16 buffers are ``uint16`` bit patterns (the kernels read both 16-bit kinds
+through ``__half`` / ``__nv_bfloat16`` pointers). ``write`` rounds the host values once, from
+the values given, into the storage dtype (:func:`ocannl.backends.rounding.to_precision`: a
+plain ``astype(bfloat16)`` of f64 rounds twice, through f32) and copies them into the buffer in
+place, so a bound routine's pointers never change; ``read`` copies the storage out as the
+node's host dtype.
+
+**Floating point on the GPU, against the CPU backend:**
+
+- *Flush to zero.* CuPy appends ``-ftz=true`` to every NVRTC compile, after the caller's
+  options, so it cannot be undone from here: f32 arithmetic flushes subnormal operands and
+  results (magnitude below 2**-126, about 1.2e-38) to a zero of the same sign. That covers
+  the f32 arithmetic on widened f16 / bf16 values: f16 subnormals (2**-24 to 2**-14) are normal
+  once widened to f32 and survive, but bf16 subnormals (f32's exponent range) become 0 as soon
+  as they take part in a sum or product. f64 arithmetic is not affected. Loads, stores and the
+  16-bit conversion intrinsics move subnormals unchanged, so a copy or a cast keeps them. The
+  Numba CPU backend keeps subnormals (gradual underflow): values passing through that range
+  differ, e.g. the smallest gradients of a bf16 model.
+- *FMA contraction.* NVRTC contracts ``a * b + c`` into one fused multiply-add (``--fmad=true``
+  is its default): one rounding instead of two, so such results differ from the CPU's (Numba
+  without fastmath never contracts) by about an ulp of the terms, not of the result, where
+  ``a * b`` and ``c`` cancel. cuBLAS uses FMA whatever the option says, and block reductions
+  sum in another order than the CPU's loops, so the GPU never reproduces the CPU's bits for
+  sums; results are compared with an f64 reference and a tolerance scaled by the magnitude of
+  the summed terms. **Default: contraction on** (at least as accurate per operation, and what
+  cuBLAS does anyway). ``CupyCudaBackend(fmad=False)``, or ``OCANNL_CUDA_FMAD=0`` in the
+  environment for ``Context.cuda()``, compiles with ``--fmad=false``: every product rounds
+  before it is added, as on the CPU, which brings elementwise kernels closer to the CPU's bits
+  (transcendental functions still come from libdevice, not glibc). Its cost is **unmeasured**:
+  no GPU has run this code yet; expected small for these memory-bound kernels.
 """
 
 from __future__ import annotations
 
-import functools
+import os
+import re
 import warnings
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
-from ocannl.backends.base import host_to_storage, storage_to_host
 from ocannl.backends.cuda.plan import GemmCall, Kernel, Plan, plan_routine
+from ocannl.backends.rounding import to_precision
 from ocannl.ir.lowering import Lowered, MatrixView
 from ocannl.ir.ops import Precision
 from ocannl.ir.tnode import Tnode
-
-# --- running plans --------------------------------------------------------------------------
 
 
 class CudaUnavailable(RuntimeError):
@@ -46,9 +87,77 @@ def cuda_unavailable_reason(device_id: int = 0) -> str | None:
     return None
 
 
-def _storage_dtype(prec: Precision) -> Any:
-    return {Precision.f64: np.float64, Precision.f32: np.float32, Precision.f16: np.float16,
-            Precision.bf16: np.uint16}[prec]
+# --- storage -------------------------------------------------------------------------------------
+
+_STORAGE = {Precision.f64: np.dtype(np.float64), Precision.f32: np.dtype(np.float32),
+            Precision.f16: np.dtype(np.float16), Precision.bf16: np.dtype(np.uint16)}
+
+
+def storage_dtype(prec: Precision) -> np.dtype:
+    """The dtype of a CUDA buffer of ``prec``: itself, except bf16 as ``uint16`` bit patterns
+    (CuPy has no bfloat16)."""
+    return _STORAGE[prec]
+
+
+def to_storage(node: Tnode, host: np.ndarray) -> np.ndarray:
+    """Flat host values as a contiguous array of the node's CUDA storage dtype, each rounded
+    once from the value given (values already of the node's host dtype are copied bit for
+    bit, NaN payloads included)."""
+    host = np.asarray(host).reshape(-1)
+    if host.dtype == node.prec.numpy_dtype:
+        values = host
+    else:
+        values = to_precision(host, node.prec)
+    if node.prec is Precision.bf16:
+        values = values.view(np.uint16)
+    return np.ascontiguousarray(values)
+
+
+def from_storage(node: Tnode, stored: np.ndarray) -> np.ndarray:
+    """A host copy of a CUDA buffer's contents as the node's host dtype (no copy of its own)."""
+    return stored.view(ml_dtypes.bfloat16) if node.prec is Precision.bf16 else stored
+
+
+# --- one module per routine ----------------------------------------------------------------------
+
+_INCLUDE_LINE = re.compile(r"^#include\s*<[^>]+>\s*$", re.M)
+
+
+def module_source(plan: Plan) -> tuple[str, dict[str, str]]:
+    """One CUDA translation unit holding every distinct kernel of ``plan``, and the function
+    name of each kernel source in it.
+
+    Kernels keep their names but get their position appended (``ocannl_map`` becomes
+    ``ocannl_map_3``): names must be unique within a module, and a plan repeats them. The
+    ``#include`` lines of all kernels go once at the top. Pure: needs no GPU.
+    """
+    includes: dict[str, None] = {}
+    bodies: list[str] = []
+    names: dict[str, str] = {}
+    for k in plan.kernels:
+        if k.source in names:
+            continue
+        name = f"{k.name}_{len(names)}"
+        for line in _INCLUDE_LINE.findall(k.source):
+            includes[line.strip()] = None
+        body = _INCLUDE_LINE.sub("", k.source).strip("\n")
+        body, n = re.subn(rf"\b{re.escape(k.name)}\(", f"{name}(", body, count=1)
+        if n != 1:
+            raise ValueError(f"kernel {k.name}: no function of that name in its source:\n"
+                             f"{k.source}")
+        names[k.source] = name
+        bodies.append(body)
+    source = "\n".join(includes) + ("\n\n" if includes else "") + "\n\n".join(bodies) + "\n"
+    return source, names
+
+
+def _fmad_from_env() -> bool:
+    value = os.environ.get("OCANNL_CUDA_FMAD", "1").strip().lower()
+    if value in ("1", "true", "yes", "on", ""):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"OCANNL_CUDA_FMAD must be 0 or 1 (or true / false), got {value!r}")
 
 
 def _matrix(buf: Any, v: MatrixView) -> tuple[Any, str]:
@@ -58,214 +167,183 @@ def _matrix(buf: Any, v: MatrixView) -> tuple[Any, str]:
     return buf.reshape((v.rows, v.cols)), "N"
 
 
-class Device:
-    """What a routine needs from a device: kernels by source, buffers, a GEMM. The CuPy one is
-    :class:`_CupyDevice`; tests substitute a CPU emulation to run the same plans."""
-
-    def kernel(self, k: Kernel) -> tuple[Callable[..., None], bool]:
-        """A launcher ``fn(grid, block, args)`` for the kernel, and whether it was compiled
-        anew."""
-        raise NotImplementedError
-
-    def empty(self, size: int, prec: Precision) -> Any:
-        raise NotImplementedError
-
-    def gemm(self, transa: str, transb: str, a: Any, b: Any, out: Any, beta: float) -> None:
-        """``out = op(a) @ op(b) + beta * out`` (2-D; ``out`` C-contiguous)."""
-        raise NotImplementedError
+def _gemm_key(s: GemmCall) -> tuple:
+    g = s.gemm
+    return (g.rows, g.cols, g.inner, g.a.transposed, g.b.transposed, s.beta,
+            g.a.node.prec.value, g.b.node.prec.value, g.assign.lhs.prec.value)
 
 
-class CudaRoutine:
-    """A compiled plan: called with the routine's node buffers in order, it launches every
-    step on the device's current stream (asynchronously; reads synchronise)."""
+class CompiledPlan:
+    """A routine's plan with its kernels loaded on the device: what ``compile`` returns and
+    ``bind`` binds. Shared by every routine of the same code; each binding gets its own
+    scratch buffers."""
 
-    def __init__(self, plan: Plan, nodes: Sequence[Tnode], device: Device) -> None:
+    def __init__(self, backend: CupyCudaBackend, plan: Plan, nodes: Sequence[Tnode],
+                 functions: dict[str, Any], names: dict[str, str]) -> None:
+        self.backend = backend
         self.plan = plan
-        self.device = device
-        pos = {n.id: k for k, n in enumerate(nodes)}
-        self.fresh = False
-        self._launchers: list[Any] = []
-        for step in plan.steps:
-            if isinstance(step, Kernel):
-                for n in step.nodes:
-                    if n.id not in pos:
-                        raise ValueError(f"kernel reads node {n.name}, which has no buffer "
-                                         f"(memory mode {n.memory_mode.value})")
-                fn, new = device.kernel(step)
-                self.fresh |= new
-                self._launchers.append(fn)
-            else:
-                for v in (step.gemm.a, step.gemm.b, step.gemm.assign.lhs):
-                    n = v.node if isinstance(v, MatrixView) else v
-                    if n.id not in pos:
-                        raise ValueError(f"GEMM reads node {n.name}, which has no buffer")
-                self._launchers.append(None)
-        self._pos = pos
-        self._scratch = [device.empty(s.size, s.prec) for s in plan.scratch]
-        self._bound: tuple[Any, ...] | None = None
-        self._calls: list[Callable[[], None]] = []
+        self.nodes = tuple(nodes)
+        self.functions = functions  # kernel source -> loaded function
+        self.names = names  # kernel source -> its function name in the module
+        self._pos = {n.id: k for k, n in enumerate(nodes)}
 
-    def _bind(self, bufs: tuple[Any, ...]) -> None:
-        calls: list[Callable[[], None]] = []
-        scratch = self._scratch
-        for step, fn in zip(self.plan.steps, self._launchers, strict=True):
+    def bind(self, buffers: tuple[Any, ...]) -> Callable[[], None]:
+        """The routine over ``buffers`` (in ``nodes`` order): every launch built now."""
+        if len(buffers) != len(self.nodes):
+            raise ValueError(f"bind: {len(buffers)} buffers for {len(self.nodes)} nodes")
+        be = self.backend
+        pos = self._pos
+        with be.device:
+            scratch = [be.cp.empty(s.size, dtype=storage_dtype(s.prec))
+                       for s in self.plan.scratch]
+        launches: list[Callable[[], Any]] = []
+        for step in self.plan.steps:
             if isinstance(step, Kernel):
-                args = tuple(bufs[self._pos[n.id]] for n in step.nodes) + tuple(
+                args = tuple(buffers[pos[n.id]] for n in step.nodes) + tuple(
                     scratch[s.slot] for s in step.scratch)
-                calls.append(_launch_call(fn, step.grid, step.block, args))
-            else:
-                g = step.gemm
+                launches.append(partial(self.functions[step.source], (step.grid,),
+                                        (step.block,), args))
+                continue
+            g = step.gemm
 
-                def src(v: MatrixView, slot: int | None) -> Any:
-                    return bufs[self._pos[v.node.id]] if slot is None else scratch[slot]
+            def operand(v: MatrixView, slot: int | None) -> Any:
+                return buffers[pos[v.node.id]] if slot is None else scratch[slot]
 
-                a, ta = _matrix(src(g.a, step.a_slot), g.a)
-                b, tb = _matrix(src(g.b, step.b_slot), g.b)
-                out_buf = (bufs[self._pos[g.assign.lhs.id]] if step.out_slot is None
-                           else scratch[step.out_slot])
-                out = out_buf.reshape((g.rows, g.cols))
-                calls.append(_gemm_call(self.device, ta, tb, a, b, out, step.beta))
-        self._calls = calls
-        self._bound = bufs
+            a, ta = _matrix(operand(g.a, step.a_slot), g.a)
+            b, tb = _matrix(operand(g.b, step.b_slot), g.b)
+            out = (buffers[pos[g.assign.lhs.id]] if step.out_slot is None
+                   else scratch[step.out_slot]).reshape((g.rows, g.cols))
+            launches.append(partial(be.cublas.gemm, ta, tb, a, b, out=out, beta=step.beta))
+        steps = tuple(launches)
+        device = be.device
 
-    def __call__(self, *bufs: Any) -> None:
-        bound = self._bound
-        if bound is None or len(bound) != len(bufs) or any(
-                x is not y for x, y in zip(bound, bufs, strict=True)):
-            self._bind(bufs)
-        for call in self._calls:
-            call()
+        def run() -> None:
+            with device:
+                for launch in steps:
+                    launch()
 
-
-def _launch_call(fn: Callable[..., None], grid: int, block: int,
-                 args: tuple[Any, ...]) -> Callable[[], None]:
-    g, b = (grid,), (block,)
-    return lambda: fn(g, b, args)
-
-
-def _gemm_call(device: Device, ta: str, tb: str, a: Any, b: Any, out: Any,
-               beta: float) -> Callable[[], None]:
-    return lambda: device.gemm(ta, tb, a, b, out, beta)
-
-
-class _CupyDevice(Device):
-    """Kernels are ``cupy.RawKernel`` compiled once per (device, source) in the process."""
-
-    _kernels: dict[tuple[int, str], Any] = {}
-
-    def __init__(self, cupy: Any, device_id: int) -> None:
-        self.cp = cupy
-        self.device_id = device_id
-        from ocannl.backends.cuda.nvrtc import cuda_include_dir
-
-        inc = cuda_include_dir()
-        self.options = (f"-I{inc}",) if inc else ()
-        self.include_found = inc is not None
-        try:
-            from cupy import cublas
-        except ImportError as err:  # CuPy 14 wheels do not bundle cuBLAS
-            self.cublas = None
-            self.cublas_missing = str(err)
-        else:
-            self.cublas = cublas
-            self.cublas_missing = ""
-
-    def kernel(self, k: Kernel) -> tuple[Callable[..., None], bool]:
-        key = (self.device_id, k.source)
-        fn = self._kernels.get(key)
-        if fn is not None:
-            return fn, False
-        if "#include" in k.source and not self.include_found:
-            raise CudaUnavailable(
-                "a 16-bit kernel needs cuda_fp16.h / cuda_bf16.h and none was found: "
-                "pip install nvidia-cuda-runtime-cu12, or set CUDA_PATH")
-        fn = self.cp.RawKernel(k.source, k.name, options=self.options)
-        fn.compile()
-        self._kernels[key] = fn
-        return fn, True
-
-    def empty(self, size: int, prec: Precision) -> Any:
-        return self.cp.empty(size, dtype=_storage_dtype(prec))
-
-    def gemm(self, transa: str, transb: str, a: Any, b: Any, out: Any, beta: float) -> None:
-        self.cublas.gemm(transa, transb, a, b, out=out, beta=beta)
+        run.launches = steps  # type: ignore[attr-defined]
+        run.scratch = scratch  # type: ignore[attr-defined]  # alive while the routine is
+        return run
 
 
 class CupyCudaBackend:
-    """Buffers are flat CuPy arrays on one device; routines are :class:`CudaRoutine` plans of
-    ``RawKernel`` launches and cuBLAS calls. ``write`` copies in place, so the buffer's device
-    pointer never changes and bound routines see new values without recompiling."""
+    """Buffers are flat CuPy arrays on one device (see the module docstring for their dtypes);
+    routines are :class:`CompiledPlan` s of kernel launches from one ``RawModule`` and cuBLAS
+    calls. ``write`` copies in place, so the buffer's device pointer never changes and bound
+    routines see new values without recompiling.
+
+    ``fmad``: whether NVRTC may contract multiply-adds into FMAs (None: ``OCANNL_CUDA_FMAD``,
+    default on); see the module docstring.
+    """
 
     name = "cuda"
+    # Compiled modules for the process: (device id, options, module source) -> (module,
+    # {function name: function}).
+    _modules: dict[tuple[int, tuple[str, ...], str], tuple[Any, dict[str, Any]]] = {}
+    # Plans of GEMMs alone seen (device id, GEMM shapes): such a plan counts as compiled anew
+    # the first time only.
+    _seen: set[tuple] = set()
 
-    def __init__(self, device_id: int = 0) -> None:
+    def __init__(self, device_id: int = 0, *, fmad: bool | None = None) -> None:
         reason = cuda_unavailable_reason(device_id)
         if reason is not None:
             raise CudaUnavailable(f"Context.cuda(device_id={device_id}): no GPU is usable: "
                                   f"{reason}")
         import cupy
 
+        from ocannl.backends.cuda.nvrtc import cuda_include_dir
+
         self.cp = cupy
         self.device_id = device_id
-        self._device = cupy.cuda.Device(device_id)
-        self._dev = _CupyDevice(cupy, device_id)
-        self._seen: set[tuple[str, ...]] = set()
-        self._said_cublas = False
-
-    def alloc(self, node: Tnode) -> Any:
-        with self._device:
-            return self.cp.zeros(node.size, dtype=_storage_dtype(node.prec))
-
-    def write(self, node: Tnode, buf: Any, host: np.ndarray) -> None:
-        arr = host_to_storage(node, host)
-        if arr.dtype != buf.dtype:
-            arr = arr.view(buf.dtype)  # f16 bits as float16: same bytes
-        with self._device:
-            buf.set(np.ascontiguousarray(arr))
-
-    def read(self, node: Tnode, buf: Any) -> np.ndarray:
-        with self._device:
-            host = buf.get()
-        if node.prec.is_narrow:
-            host = host.view(np.uint16)
-        return storage_to_host(node, host).copy()
-
-    def bind(self, compiled: Callable, buffers: tuple[Any, ...]) -> Callable[[], None]:
-        return functools.partial(compiled, *buffers)
+        self.device = cupy.cuda.Device(device_id)  # a context manager making it current
+        self.fmad = _fmad_from_env() if fmad is None else bool(fmad)
+        inc = cuda_include_dir()
+        self.include_dir = inc
+        self.options: tuple[str, ...] = ((f"-I{inc}",) if inc else ()) + (
+            () if self.fmad else ("--fmad=false",))
+        try:
+            from cupy import cublas
+        except ImportError as err:  # CuPy 14 wheels do not bundle cuBLAS
+            self.cublas: Any = None
+            self.cublas_missing = str(err)
+            warnings.warn(f"ocannl: cuBLAS is not loadable ({err}); matrix products run as "
+                          "generated kernels (pip install nvidia-cublas-cu12 for cuBLAS)",
+                          RuntimeWarning, stacklevel=3)
+        else:
+            self.cublas = cublas
+            self.cublas_missing = ""
 
     @property
     def has_gemm(self) -> bool:
         """Whether lowering may hand matrix products to this backend (cuBLAS is loadable)."""
-        if self._dev.cublas is None and not self._said_cublas:
-            self._said_cublas = True
-            warnings.warn(f"ocannl: cuBLAS is not loadable ({self._dev.cublas_missing}); "
-                          "matrix products run as generated kernels (pip install "
-                          "nvidia-cublas-cu12 for cuBLAS)", RuntimeWarning, stacklevel=4)
-        return self._dev.cublas is not None
+        return self.cublas is not None
 
-    def compile(self, label: str, code: list[Lowered], nodes: list[Tnode]) -> tuple[Callable, bool]:
+    # --- buffers ------------------------------------------------------------------------------
+
+    def alloc(self, node: Tnode) -> Any:
+        with self.device:
+            return self.cp.zeros(node.size, dtype=storage_dtype(node.prec))
+
+    def write(self, node: Tnode, buf: Any, host: np.ndarray) -> None:
+        values = to_storage(node, host)
+        with self.device:
+            buf.set(values)
+
+    def read(self, node: Tnode, buf: Any) -> np.ndarray:
+        with self.device:
+            return from_storage(node, buf.get())
+
+    # --- routines -----------------------------------------------------------------------------
+
+    def compile(self, label: str, code: list[Lowered], nodes: list[Tnode]
+                ) -> tuple[CompiledPlan, bool]:
         plan = plan_routine(code)
-        with self._device:
-            routine = CudaRoutine(plan, nodes, self._dev)
-        key = tuple(plan.sources()) + tuple(repr(_gemm_key(s)) for s in plan.steps
-                                            if isinstance(s, GemmCall))
-        fresh = routine.fresh or key not in self._seen
-        self._seen.add(key)
-        device = self._device
+        have = {n.id for n in nodes}
+        for step in plan.steps:
+            used = (step.nodes if isinstance(step, Kernel) else
+                    (step.gemm.a.node, step.gemm.b.node, step.gemm.assign.lhs))
+            for n in used:
+                if n.id not in have:
+                    raise ValueError(f"{label}: a step reads node {n.name}, which has no buffer "
+                                     f"(memory mode {n.memory_mode.value})")
+        gemms = tuple(_gemm_key(s) for s in plan.steps if isinstance(s, GemmCall))
+        if gemms and self.cublas is None:
+            raise CudaUnavailable(f"{label}: the code holds matrix products for cuBLAS, which is "
+                                  f"not loadable ({self.cublas_missing}); lower it with "
+                                  f"gemm=False")
+        functions: dict[str, Any] = {}
+        names: dict[str, str] = {}
+        if plan.kernels:
+            source, names = module_source(plan)
+            functions, compiled_anew = self._load(source, names)
+        else:
+            key = (self.device_id, gemms)
+            compiled_anew = key not in self._seen
+            self._seen.add(key)
+        return CompiledPlan(self, plan, nodes, functions, names), compiled_anew
 
-        def run(*bufs: Any) -> None:
-            with device:
-                routine(*bufs)
+    def _load(self, source: str, names: dict[str, str]) -> tuple[dict[str, Any], bool]:
+        """The module's functions by kernel source, and whether it was compiled anew."""
+        key = (self.device_id, self.options, source)
+        entry = self._modules.get(key)
+        compiled_anew = entry is None
+        if entry is None:
+            if "#include" in source and self.include_dir is None:
+                raise CudaUnavailable(
+                    "a 16-bit kernel needs cuda_fp16.h / cuda_bf16.h and none was found: "
+                    "pip install nvidia-cuda-runtime-cu12, or set CUDA_PATH")
+            with self.device:
+                module = self.cp.RawModule(code=source, options=self.options)
+                module.compile()
+                fns = {name: module.get_function(name) for name in names.values()}
+            entry = self._modules[key] = (module, fns)
+        fns = entry[1]
+        return {src: fns[name] for src, name in names.items()}, compiled_anew
 
-        run.routine = routine  # type: ignore[attr-defined]
-        return run, fresh
+    def bind(self, compiled: CompiledPlan, buffers: tuple[Any, ...]) -> Callable[[], None]:
+        return compiled.bind(buffers)
 
     def synchronize(self) -> None:
         """Wait for every launched kernel (for timings; reads synchronise by themselves)."""
-        self._device.synchronize()
-
-
-def _gemm_key(s: GemmCall) -> tuple:
-    g = s.gemm
-    return (g.rows, g.cols, g.inner, g.a.transposed, g.b.transposed, s.beta,
-            g.a.node.prec.value, g.b.node.prec.value, g.assign.lhs.prec.value)
+        self.device.synchronize()
