@@ -11,7 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ocannl.ir.assignments import Accum, Apply, Const, Expr, Fixed, Get, Projection
+from ocannl.ir.assignments import Affine, Apply, Const, Expr, Fixed, Get, Projection
+from ocannl.ir.lowering import LoopNest
 from ocannl.ir.ops import ACCUMS, OPS, Precision
 from ocannl.ir.tnode import Tnode
 
@@ -54,6 +55,23 @@ class Flavour:
     def assign(self, name: str, value: str) -> str:
         return f"{name} = {value}{self.end}"
 
+    # Per language: a conditional expression (only the chosen branch is evaluated), a
+    # conjunction, and a statement run only when a condition holds.
+    def select(self, cond: str, then: str, other: str) -> str:
+        raise NotImplementedError
+
+    conj: str
+
+    def guarded(self, cond: str, statement: str) -> str:
+        raise NotImplementedError
+
+
+def _affine(a: Affine, iters: dict[int, str]) -> str:
+    terms = [iters[i] if c == 1 else f"{c} * {iters[i]}" for c, i in a.terms if c]
+    if a.offset or not terms:
+        terms.append(str(a.offset))
+    return "(" + " + ".join(terms).replace("+ -", "- ") + ")"
+
 
 def offset(node: Tnode, idx: Projection, iters: dict[int, str]) -> str:
     """The flat row-major offset of ``node[idx]`` as an expression over loop variables."""
@@ -63,12 +81,29 @@ def offset(node: Tnode, idx: Projection, iters: dict[int, str]) -> str:
         if isinstance(i, Fixed):
             const += i.pos * stride
         elif dim == 1:
-            continue
+            continue  # in bounds, the position is 0 (out of bounds, nothing is accessed)
         else:
-            terms.append(iters[i] if stride == 1 else f"{iters[i]} * {stride}")
+            at = _affine(i, iters) if isinstance(i, Affine) else iters[i]
+            terms.append(at if stride == 1 else f"{at} * {stride}")
     if const or not terms:
         terms.append(str(const))
     return " + ".join(terms)
+
+
+def in_bounds(node: Tnode, idx: Projection, space: tuple[int, ...],
+              iters: dict[int, str]) -> list[str]:
+    """Conditions under which every affine index of ``node[idx]`` is inside its axis, leaving
+    out those that hold over the whole product space (no padding there)."""
+    conds = []
+    for i, dim in zip(idx, node.dims, strict=True):
+        if isinstance(i, Affine):
+            lo, hi = i.bounds(space)
+            at = _affine(i, iters)
+            if lo < 0:
+                conds.append(f"{at} >= 0")
+            if hi >= dim:
+                conds.append(f"{at} < {dim}")
+    return conds
 
 
 @dataclass
@@ -78,6 +113,7 @@ class BodyWriter:
     flavour: Flavour
     compute: Precision
     iters: dict[int, str]
+    space: tuple[int, ...]
     lines: list[str] = field(default_factory=list)
     _n: int = 0
 
@@ -92,7 +128,7 @@ class BodyWriter:
         if isinstance(e, Const):
             return self.flavour.literal(e.value, self.compute)
         if isinstance(e, Get):
-            return self.flavour.load(e.node, offset(e.node, e.idx, self.iters))
+            return self.load(e.node, e.idx)
         assert isinstance(e, Apply)
         template = getattr(OPS[e.op], self.flavour.name)
         args = []
@@ -102,6 +138,15 @@ class BodyWriter:
                 s = self.to_local(s)
             args.append(s)
         return self.fill(template, args)
+
+    def load(self, node: Tnode, idx: Projection) -> str:
+        """``node[idx]``, or 0 where an affine index falls outside the node (padding)."""
+        value = self.flavour.load(node, offset(node, idx, self.iters))
+        conds = in_bounds(node, idx, self.space, self.iters)
+        if not conds:
+            return value
+        return self.flavour.select(self.flavour.conj.join(conds), value,
+                                   self.flavour.literal(0.0, self.compute))
 
     def fill(self, template: str, args: list[str]) -> str:
         lit = self.flavour.literal
@@ -136,12 +181,20 @@ class NestBody:
     final: list[str]
 
 
-def nest_body(a: Accum, has_reduction: bool, flavour: Flavour, iters: dict[int, str]) -> NestBody:
-    """Render ``lhs (accum)= expr``: a reduction accumulates in a local, stored once."""
+def nest_body(nest: LoopNest, flavour: Flavour, iters: dict[int, str]) -> NestBody:
+    """Render ``lhs (accum)= expr``: a reduction accumulates in a local, stored once; a
+    scatter combines into its (moving) cell at every point, skipping cells outside the node."""
+    a, has_reduction = nest.assign, bool(nest.red)
     compute = a.lhs.prec.compute
-    w = BodyWriter(flavour, compute, iters)
+    w = BodyWriter(flavour, compute, iters, a.space)
     off = offset(a.lhs, a.lhs_idx, iters)
     value = w.expr(a.expr)
+    if nest.scatter:
+        new = value if a.accum == "=" else w.combine(a.accum, w.load(a.lhs, a.lhs_idx), value)
+        store = flavour.store(a.lhs, off, new)
+        conds = in_bounds(a.lhs, a.lhs_idx, a.space, iters)
+        w.lines.append(flavour.guarded(flavour.conj.join(conds), store) if conds else store)
+        return NestBody([], w.lines, [])
     if a.accum == "=" or (a.reset and not has_reduction):
         w.lines.append(flavour.store(a.lhs, off, value))
         return NestBody([], w.lines, [])

@@ -23,8 +23,41 @@ class Fixed:
     pos: int
 
 
-Index = int | Fixed  # an iterator number, or a fixed position
+@dataclass(frozen=True)
+class Affine:
+    """``sum(coef * iterator) + offset`` along one axis (a convolution's ``stride * oh + kh -
+    pad``). A read at a position outside the axis gives 0 (zero padding); a write there does
+    not happen."""
+
+    terms: tuple[tuple[int, int], ...]  # (coefficient, iterator number)
+    offset: int = 0
+
+    @property
+    def iterators(self) -> tuple[int, ...]:
+        return tuple(i for _, i in self.terms)
+
+    def bounds(self, space: tuple[int, ...]) -> tuple[int, int]:
+        """The least and the greatest position it takes over the product space."""
+        lo = hi = self.offset
+        for c, i in self.terms:
+            lo += min(0, c * (space[i] - 1))
+            hi += max(0, c * (space[i] - 1))
+        return lo, hi
+
+
+Index = int | Fixed | Affine  # an iterator number, a fixed position, or an affine combination
 Projection = tuple[Index, ...]
+
+
+def iterators_of(idx: Projection) -> set[int]:
+    """Every iterator a projection mentions."""
+    out: set[int] = set()
+    for i in idx:
+        if isinstance(i, Affine):
+            out.update(i.iterators)
+        elif isinstance(i, int):
+            out.add(i)
+    return out
 
 
 @dataclass(frozen=True, eq=False)
@@ -99,6 +132,11 @@ class Accum:
                     f"projection {g.idx} has {len(g.idx)} indices for node {g.node.name} "
                     f"with dims {g.node.dims}"
                 )
+        for idx in (self.lhs_idx, *(g.idx for g in reads(self.expr))):
+            bad = [i for i in iterators_of(idx) if not 0 <= i < len(self.space)]
+            if bad:
+                raise ValueError(f"projection {idx} names iterators {bad} outside the product "
+                                 f"space {self.space}")
 
     @property
     def nodes(self) -> list[Tnode]:

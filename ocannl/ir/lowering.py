@@ -18,7 +18,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ocannl.ir.assignments import Accum, Apply, Comp, Const, Fixed, Get, Projection, reads
+from ocannl.ir.assignments import (
+    Accum,
+    Affine,
+    Apply,
+    Comp,
+    Const,
+    Get,
+    Projection,
+    reads,
+)
 from ocannl.ir.ops import ACCUMS
 from ocannl.ir.tnode import Tnode
 
@@ -38,11 +47,14 @@ class Fill:
 @dataclass(frozen=True)
 class LoopNest:
     """Loops over ``par`` (outer, distinct cells, in the written node's axis order so the
-    innermost store is contiguous) then ``red`` (inner, accumulated locally)."""
+    innermost store is contiguous) then ``red`` (inner, accumulated locally). ``scatter``: the
+    written cell moves with reduction iterators too (an affine target index: a convolution's
+    input gradient), so every point reads, combines and writes its cell in turn."""
 
     assign: Accum
     par: tuple[int, ...]
     red: tuple[int, ...]
+    scatter: bool = False
 
     @property
     def space(self) -> tuple[int, ...]:
@@ -95,7 +107,7 @@ Lowered = Fill | LoopGroup | Gemm
 
 def _covers(a: Accum) -> bool:
     """True when the lhs projection visits every cell exactly once per reduction slice."""
-    its = [i for i in a.lhs_idx if not isinstance(i, Fixed)]
+    its = [i for i in a.lhs_idx if isinstance(i, int)]
     return (
         len(its) == len(a.lhs_idx)
         and len(set(its)) == len(its)
@@ -121,7 +133,7 @@ def _as_gemm(a: Accum) -> Gemm | None:
     if not (isinstance(x, Get) and isinstance(y, Get) and _covers(a)):
         return None
     for idx in (x.idx, y.idx):
-        if any(isinstance(i, Fixed) for i in idx) or len(set(idx)) != len(idx):
+        if not all(isinstance(i, int) for i in idx) or len(set(idx)) != len(idx):
             return None
     lhs, xs, ys = set(a.lhs_idx), set(x.idx), set(y.idx)
     if xs | ys != set(range(len(a.space))) or not lhs <= xs | ys:
@@ -160,14 +172,15 @@ def parallel_iterators(a: Accum) -> tuple[int, ...]:
     from many points: it is a reduction, however the projection names it."""
     out: dict[int, None] = {}
     for i, d in zip(a.lhs_idx, a.lhs.dims, strict=True):
-        if not isinstance(i, Fixed) and (d > 1 or a.space[i] == 1):
+        if isinstance(i, int) and (d > 1 or a.space[i] == 1):
             out.setdefault(i)
     return tuple(out)
 
 
 def loop_nest(a: Accum) -> LoopNest:
     par = parallel_iterators(a)
-    return LoopNest(a, par, tuple(i for i in range(len(a.space)) if i not in par))
+    red = tuple(i for i in range(len(a.space)) if i not in par)
+    return LoopNest(a, par, red, scatter=any(isinstance(i, Affine) for i in a.lhs_idx))
 
 
 def lower_assignment(a: Accum, *, gemm: bool = True) -> list[Fill | LoopNest | Gemm]:
@@ -227,7 +240,7 @@ def fusable(group: list[LoopNest], nxt: LoopNest) -> bool:
     lead, b = group[0], nxt.assign
     if lead.red or nxt.red or b.space != lead.space or nxt.par != lead.par:
         return False
-    if any(isinstance(i, Fixed) for i in b.lhs_idx):
+    if not all(isinstance(i, int) for i in b.lhs_idx):
         return False
     written = {m.assign.lhs.id: m.assign.lhs_idx for m in group}
     if b.lhs.id in written:

@@ -87,6 +87,14 @@ class NumbaFlavour(Flavour):
     def declare(self, name: str, value: str, compute: Precision) -> str:
         return f"{name} = {value}"
 
+    conj = " and "
+
+    def select(self, cond: str, then: str, other: str) -> str:
+        return f"({then} if {cond} else {other})"
+
+    def guarded(self, cond: str, statement: str) -> str:
+        return f"if {cond}: {statement}"
+
 
 class _Writer:
     def __init__(self) -> None:
@@ -114,7 +122,7 @@ def _loop_group(w: _Writer, f: NumbaFlavour, group: LoopGroup) -> None:
     a = nest.assign
     par = nest.par
     iters = {i: f"i{i}" for i in range(len(a.space))}
-    bodies = [nest_body(m.assign, bool(m.red), f, iters) for m in group.nests]
+    bodies = [nest_body(m, f, iters) for m in group.nests]
     base = w.depth
     for i in par:
         w.line(f"for {iters[i]} in range({a.space[i]}):")

@@ -129,6 +129,14 @@ class CudaFlavour(Flavour):
     def declare(self, name: str, value: str, compute: Precision) -> str:
         return f"auto {name} = {value};"
 
+    conj = " && "
+
+    def select(self, cond: str, then: str, other: str) -> str:
+        return f"(({cond}) ? {then} : {other})"
+
+    def guarded(self, cond: str, statement: str) -> str:
+        return f"if ({cond}) {statement}"
+
 
 # --- launch plans -------------------------------------------------------------------------------
 
@@ -326,11 +334,13 @@ class _Planner:
         lead = group.lead
         a = lead.assign
         par, red = list(lead.par), list(lead.red)
-        strategy = nest_strategy(lead.par_size, lead.red_size, a.accum, bool(red))
+        # A scatter moves its target cell within a thread's reduction loop: serial, never split.
+        strategy = "serial" if lead.scatter else nest_strategy(lead.par_size, lead.red_size,
+                                                                a.accum, bool(red))
         nodes = list({n.id: n for m in group.nests for n in m.assign.nodes}.values())
         names = {i: f"i{i}" for i in range(len(a.space))}
-        bodies = [nest_body(m.assign, bool(m.red), CudaFlavour(nodes, m.assign.lhs.prec.compute),
-                            names) for m in group.nests]
+        bodies = [nest_body(m, CudaFlavour(nodes, m.assign.lhs.prec.compute), names)
+                  for m in group.nests]
         if strategy == "reduce":
             (body,) = bodies
             self.reduce(a, nodes, CudaFlavour(nodes, a.lhs.prec.compute), names, par, red, body)
@@ -370,7 +380,7 @@ class _Planner:
         acc_type = _CTYPE[compute]
         splits, chunk = reduce_splits(par_size, red_size)
         ity = _index_type(math.prod(a.space), par_size * splits, *(n.size for n in nodes))
-        w = BodyWriter(f, compute, names)
+        w = BodyWriter(f, compute, names, a.space)
         combine = _block_reduce(w, a.accum, acc_type, BLOCK)
         prologue = [
             f"__shared__ {acc_type} sh[{BLOCK // WARP}];",

@@ -1,0 +1,95 @@
+"""Convolution and pooling over channels-last images, with backprop.
+
+An image is a tensor whose output row is ``(height, width, channels)`` (batch axes in the batch
+row), as in OCANNL. Both ops are single assignments whose input index is affine in the
+iterators, ``stride * oh + kh - pad``: a read outside the image gives 0 (zero padding), and
+their gradients into the image are scatters over the same projections.
+"""
+
+from __future__ import annotations
+
+from ocannl.ir.assignments import Affine, Index
+from ocannl.tensor.operations import _contract, _lift, _reduce_with, div
+from ocannl.tensor.shape import Shape, broadcast_projection
+from ocannl.tensor.tensor import Tensor
+
+
+def _image_rows(x: Tensor, what: str) -> tuple[int, int, int]:
+    if x.shape.input not in ((), None) or len(x.shape.output) != 3:
+        raise ValueError(f"{what}: {x.label} {x.shape} is not an image: expected an output row "
+                         f"(height, width, channels) and no input axes")
+    h, w, c = x.shape.output
+    return h, w, c
+
+
+def _out_size(size: int, window: int, stride: int, pad: int, what: str, axis: str) -> int:
+    if stride < 1:
+        raise ValueError(f"{what}: stride must be >= 1, got {stride}")
+    if window < 1 or window > size + 2 * pad:
+        raise ValueError(f"{what}: window {window} does not fit the image {axis} {size} "
+                         f"(padding {pad} each side)")
+    return (size + 2 * pad - window) // stride + 1
+
+
+def _window_space(x: Tensor, window: int, stride: int, pad: int, extra: tuple[int, ...],
+                  what: str) -> tuple[Shape, tuple[int, ...], tuple[Index, ...], int]:
+    """The product space ``batch..., oh, ow, <extra>..., kh, kw, c`` and x's projection.
+
+    Returns the result shape for a result whose output row is ``(oh, ow, *extra)`` (channels
+    appended by the caller through ``extra``), the space, x's projection, and where the
+    iterators after the result's start (kh)."""
+    h, w, c = _image_rows(x, what)
+    oh = _out_size(h, window, stride, pad, what, "height")
+    ow = _out_size(w, window, stride, pad, what, "width")
+    nb = len(x.shape.batch)
+    shape = Shape(x.shape.batch, (oh, ow, *extra), ())
+    i_oh, i_ow = nb, nb + 1
+    i_kh = nb + 2 + len(extra)
+    space = (*x.shape.batch, oh, ow, *extra, window, window)
+    proj = (*broadcast_projection(Shape(batch=x.shape.batch), Shape(batch=x.shape.batch)),
+            Affine(((stride, i_oh), (1, i_kh)), -pad),
+            Affine(((stride, i_ow), (1, i_kh + 1)), -pad))
+    return shape, space, proj, i_kh
+
+
+def conv2d(x: Tensor, kernel: Tensor, *, stride: int = 1, padding: int = 0) -> Tensor:
+    """``y[b, oh, ow, o] = sum_{kh, kw, c} x[b, stride*oh + kh - padding, stride*ow + kw -
+    padding, c] * kernel[o, kh, kw, c]``; ``kernel``'s output row is ``(out_channels,)`` and its
+    input row ``(k, k, in_channels)`` (torch's weight, channels last)."""
+    x, kernel = _lift(x), _lift(kernel)
+    _, _, c = _image_rows(x, "conv2d")
+    k_in = kernel.shape.input
+    if len(kernel.shape.output) != 1 or k_in is None or len(k_in) != 3 or k_in[0] != k_in[1] \
+            or k_in[2] != c or kernel.shape.batch:
+        raise ValueError(f"conv2d: kernel {kernel.label} {kernel.shape} does not fit image "
+                         f"{x.label} {x.shape}: expected output row (out_channels,) and input "
+                         f"row (k, k, {c})")
+    (o,), k = kernel.shape.output, k_in[0]
+    shape, space, xproj, i_kh = _window_space(x, k, stride, padding, (o,), "conv2d")
+    i_o, i_c = i_kh - 1, i_kh + 2
+    space = (*space, c)
+    return _contract("conv2d", x, kernel, (*xproj, i_c), (i_o, i_kh, i_kh + 1, i_c), shape,
+                     space)
+
+
+def _pool(name: str, x: Tensor, window: int, stride: int, accum: str) -> Tensor:
+    x = _lift(x)
+    _, _, c = _image_rows(x, name)
+    shape, space, xproj, i_kh = _window_space(x, window, stride, 0, (), name)
+    i_c = i_kh + 2
+    nb = len(x.shape.batch)
+    res = (*range(nb), nb, nb + 1, i_c)
+    # The channel iterator follows the window's: reorder so the result's come first.
+    shape = Shape(shape.batch, (*shape.output, c), ())
+    return _reduce_with(name, x, (*xproj, i_c), res, shape, (*space, c), accum)
+
+
+def max_pool2d(x: Tensor, *, window: int = 2, stride: int = 2) -> Tensor:
+    """The maximum over each ``window x window`` patch, patches ``stride`` apart (no padding:
+    a partial patch at the border is dropped, as torch's default)."""
+    return _pool("max_pool2d", x, window, stride, "max")
+
+
+def avg_pool2d(x: Tensor, *, window: int = 2, stride: int = 2) -> Tensor:
+    """The mean over each ``window x window`` patch, patches ``stride`` apart (no padding)."""
+    return div(_pool("avg_pool2d", x, window, stride, "+"), float(window * window))
