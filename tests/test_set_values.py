@@ -165,6 +165,14 @@ def test_to_precision_keeps_nan_and_handles_scalars() -> None:
         assert to_precision(np.array([1e5, 1.0]), Precision.f16)[0] == np.inf
 
 
+@pytest.mark.parametrize("prec", [Precision.f16, Precision.bf16])
+def test_values_of_the_node_precision_are_stored_bit_for_bit(prec: Precision) -> None:
+    bits = np.arange(1 << 16, dtype=np.uint16)  # NaN payloads and signs included
+    node = Tnode("same", (bits.size,), prec)
+    ctx = Context.cpu().set_values(node, bits.view(prec.numpy_dtype))
+    assert np.array_equal(ctx.get_values(node).view(np.uint16), bits)
+
+
 # --- shapes -----------------------------------------------------------------------------------
 
 

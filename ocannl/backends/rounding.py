@@ -75,12 +75,15 @@ def to_precision(host: np.ndarray, prec: Precision) -> np.ndarray:
     rounded to odd (see the module docstring), since a plain cast may round twice.
     """
     host = np.asarray(host)
+    if host.dtype == prec.numpy_dtype:
+        return host.copy()  # bit for bit, NaN payloads included
     if not prec.is_narrow:
         return host.astype(prec.numpy_dtype)  # warns on overflow, as NumPy does
     with np.errstate(over="ignore", invalid="ignore"):
         out = _f32_to_odd(host).astype(prec.numpy_dtype)
-    inf = np.isinf(out)
-    if inf.any() and (inf & ~np.isinf(host)).any():
+        inf = np.isinf(out)
+        overflow = inf.any() and (inf & ~np.isinf(host)).any()
+    if overflow:
         warnings.warn(f"overflow encountered in cast to {prec.value}: finite values beyond its "
                       f"range became infinities", RuntimeWarning, stacklevel=2)
     return out
