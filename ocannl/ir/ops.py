@@ -10,6 +10,7 @@ the non-finite gradient checks rely on.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 
 import ml_dtypes
@@ -96,6 +97,94 @@ def _op(name: str, arity: int, py: str, c: str) -> Op:
     return Op(name, arity, py, c)
 
 
+# --- counter-based random numbers: integer hashing as op-table rows --------------------------
+#
+# A uniform draw is a pure function of integers (a seed, a step counter, an element index), so
+# CPU and GPU draw identical numbers. Templates are single expressions and CUDA C kernels may
+# hold no lambda (NVRTC treats one as host code), so a hash is a chain of small ops whose
+# operands the emitter binds to locals: each op reads its operands as integers, works modulo
+# 2**52, and returns the result as a float of the computation's precision, exact at f64.
+#
+#   u(x)                      x truncated to an unsigned integer; 0 for a negative, non-finite
+#                             or >= 2**53 operand (so no operand is undefined behaviour)
+#   hash_add(s, v)            (u(s) + (u(v) + 1) * G) mod 2**52
+#   hash_xsm(x, shift, mult)  ((u(x) xor (u(x) >> shift)) * u(mult)) mod 2**52
+#   hash_unit(x)              the top 24 bits of u(x) (52-bit) over 2**24: in [0, 1), exact in f32
+#
+# A chain is exact only at f64 (the random tensors compute at f64): at f32 an intermediate
+# above 2**24 would round. The mixing constants are splitmix64's, cut to 52 bits (odd).
+
+HASH_BITS = 52
+HASH_G = 0x9E3779B97F4A7C15 & ((1 << HASH_BITS) - 1)
+HASH_MIX = ((26, 0xBF58476D1CE4E5B9 & ((1 << HASH_BITS) - 1)),
+            (23, 0x94D049BB133111EB & ((1 << HASH_BITS) - 1)),
+            (26, 1))
+_M = f"{(1 << HASH_BITS) - 1:#x}"
+
+
+def _u_py(k: int) -> str:
+    x = "{" + str(k) + "}"
+    return f"(np.uint64({x}) if {x} >= 0 and {x} < 9007199254740992.0 else np.uint64(0))"
+
+
+def _u_c(k: int) -> str:
+    x = "{" + str(k) + "}"
+    return f"(({x} >= 0 && {x} < 9007199254740992.0f) ? (unsigned long long)({x}) : 0ULL)"
+
+
+_HASH_ROWS = {
+    "hash_add": (
+        f"({{one}} * (({_u_py(0)} + ({_u_py(1)} + np.uint64(1)) * np.uint64({HASH_G:#x})) "
+        f"& np.uint64({_M})))",
+        f"({{one}} * (({_u_c(0)} + ({_u_c(1)} + 1ULL) * {HASH_G:#x}ULL) & {_M}ULL))"),
+    "hash_xsm": (
+        f"({{one}} * ((({_u_py(0)} ^ ({_u_py(0)} >> ({_u_py(1)} & np.uint64(63)))) * {_u_py(2)})"
+        f" & np.uint64({_M})))",
+        f"({{one}} * ((({_u_c(0)} ^ ({_u_c(0)} >> ({_u_c(1)} & 63ULL))) * {_u_c(2)}) "
+        f"& {_M}ULL))"),
+    "hash_unit": (
+        f"(({{one}} * ({_u_py(0)} >> np.uint64({HASH_BITS - 24}))) / 16777216.0)",
+        f"(({{one}} * ({_u_c(0)} >> {HASH_BITS - 24})) / 16777216)"),
+}
+
+
+def _u_np(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, dtype=np.float64)
+    with np.errstate(invalid="ignore"):
+        ok = (x >= 0) & (x < 2.0**53)
+    return np.where(ok, x, 0.0).astype(np.uint64)
+
+
+def _hash_np(op: str, *args: np.ndarray) -> np.ndarray:
+    """NumPy semantics of the hash rows, as exact f64."""
+    m = np.uint64((1 << HASH_BITS) - 1)
+    a = np.broadcast_arrays(*(_u_np(x) for x in args))
+    with np.errstate(over="ignore"):
+        if op == "hash_add":
+            r = (a[0] + (a[1] + np.uint64(1)) * np.uint64(HASH_G)) & m
+        elif op == "hash_xsm":
+            r = ((a[0] ^ (a[0] >> (a[1] & np.uint64(63)))) * a[2]) & m
+        else:
+            return (a[0] >> np.uint64(HASH_BITS - 24)).astype(np.float64) / 16777216.0
+    return r.astype(np.float64)
+
+
+def uniform_reference(seed: np.ndarray | float, counter: np.ndarray | float,
+                      index: np.ndarray | float) -> np.ndarray:
+    """The draws of the random tensors (``ocannl.tensor.uniform``) in NumPy: f64, each exact
+    at f32. ``mix`` is three ``hash_xsm``; the draw is
+    ``hash_unit(mix(hash_add(mix(hash_add(mix(hash_add(0, seed)), counter)), index)))``."""
+    def mix(z: np.ndarray) -> np.ndarray:
+        for shift, mult in HASH_MIX:
+            z = _hash_np("hash_xsm", z, np.float64(shift), np.float64(mult))
+        return z
+
+    h = mix(_hash_np("hash_add", np.float64(0.0), seed))
+    h = mix(_hash_np("hash_add", h, counter))
+    h = mix(_hash_np("hash_add", h, index))
+    return _hash_np("hash_unit", h)
+
+
 OPS: dict[str, Op] = {
     op.name: op
     for op in [
@@ -121,6 +210,20 @@ OPS: dict[str, Op] = {
             "(isfinite({0}) ? {one} : {zero})"),
         # ternary: where(cond != 0, a, b); a select, never a multiply (inf * 0 is nan)
         _op("where", 3, "({1} if {0} != {zero} else {2})", "(({0} != {zero}) ? {1} : {2})"),
+        # comparisons beyond eq / gt: 0 or 1 (false against NaN, but ne)
+        _op("lt", 2, "({one} if {0} < {1} else {zero})", "(({0} < {1}) ? {one} : {zero})"),
+        _op("le", 2, "({one} if {0} <= {1} else {zero})", "(({0} <= {1}) ? {one} : {zero})"),
+        _op("ge", 2, "({one} if {0} >= {1} else {zero})", "(({0} >= {1}) ? {one} : {zero})"),
+        _op("ne", 2, "({one} if {0} != {1} else {zero})", "(({0} != {1}) ? {one} : {zero})"),
+        # minimum mirrors max: a NaN on either side propagates (torch.minimum)
+        _op("min", 2, "({0} if {0} <= {1} or {0} != {0} else {1})",
+            "(({0} <= {1} || {0} != {0}) ? {0} : {1})"),
+        _op("abs", 1, "abs({0})", "fabs({0})"),
+        _op("erf", 1, "math.erf({0})", "erf({0})"),
+        # integer hashing for counter-based random draws: see the comment above ``HASH_BITS``
+        _op("hash_add", 2, *_HASH_ROWS["hash_add"]),
+        _op("hash_xsm", 3, *_HASH_ROWS["hash_xsm"]),
+        _op("hash_unit", 1, *_HASH_ROWS["hash_unit"]),
     ]
 }
 
@@ -151,5 +254,20 @@ def reference(op: str, *args: np.ndarray) -> np.ndarray:
             "sqrt": lambda: np.sqrt(a[0]),
             "isfinite": lambda: np.isfinite(a[0]).astype(a[0].dtype),
             "where": lambda: np.where(a[0] != 0, a[1], a[2]),
+            "lt": lambda: (a[0] < a[1]).astype(a[0].dtype),
+            "le": lambda: (a[0] <= a[1]).astype(a[0].dtype),
+            "ge": lambda: (a[0] >= a[1]).astype(a[0].dtype),
+            "ne": lambda: (a[0] != a[1]).astype(a[0].dtype),
+            "min": lambda: np.minimum(a[0], a[1]),
+            "abs": lambda: np.abs(a[0]),
+            "erf": lambda: _erf(a[0]),
+            "hash_add": lambda: _hash_np("hash_add", *a).astype(a[0].dtype),
+            "hash_xsm": lambda: _hash_np("hash_xsm", *a).astype(a[0].dtype),
+            "hash_unit": lambda: _hash_np("hash_unit", *a).astype(a[0].dtype),
         }
         return table[op]()
+
+
+def _erf(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x)
+    return np.vectorize(math.erf, otypes=[np.float64])(x.astype(np.float64)).astype(x.dtype)
