@@ -36,6 +36,9 @@ test: $(TEST_STAMP)
 bench: $(TEST_STAMP)
 	$(PY) benchmarks/quick_mlp.py
 
-# On a machine with an NVIDIA GPU, CuPy, PyTorch and Numba (installs nothing; logs under $OUT).
+# On a machine with an NVIDIA GPU (a bare one will do): installs the project (`pip install -e .`,
+# extras only for what is missing), reports missing packages, then a smoke step, the gpu-marked
+# tests, compute-sanitizer, the GPU example and a timing, each under its own time limit (under
+# 8 minutes in all); logs under $OUT (default gpu_check_out/); exit status 0 only on a pass.
 gpu-check:
-	scripts/gpu_check.sh
+	bash scripts/gpu_check.sh

@@ -1,6 +1,7 @@
 """Train a wide MLP on synthetic Gaussian classes: a model big enough to be worth a GPU.
 
     python examples/gpu_wide_mlp.py                  # the GPU if CuPy sees one, else the CPU
+    python examples/gpu_wide_mlp.py --backend cuda   # the GPU, or an error saying why not
     python examples/gpu_wide_mlp.py --prec bf16      # f32 master weights, bf16 compute
     python examples/gpu_wide_mlp.py --backend cpu --steps 50
 
@@ -10,7 +11,8 @@ reaches it through ``set_values`` (copied into the same device buffers, no recom
 f16 / bf16 the model reads f32 master weights through cast twins and the optimizer step is
 gated on the device by the gradient checksum (a non-finite gradient skips the step); f16 also
 scales the loss by a fixed 1024, unscaling the gradients before the optimizer.
-Without a usable GPU it says why and trains on the CPU.
+Without a usable GPU, ``--backend auto`` says why and trains on the CPU; ``--backend cuda``
+exits with the reason.
 """
 
 from __future__ import annotations
@@ -32,12 +34,15 @@ from ocannl.tensor.tensor import Tensor  # noqa: E402
 
 
 def make_context(backend: str) -> Context:
-    """The requested backend; CUDA falls back to the CPU with the reason printed."""
+    """The requested backend. ``auto``: CUDA when usable, else the CPU with the reason printed;
+    ``cuda``: CUDA or an exit with the reason (never a silent CPU run)."""
     if backend == "cpu":
         return Context.cpu()
     try:
         return Context.cuda()
-    except Exception as err:  # noqa: BLE001 - any reason the GPU is unusable means the CPU
+    except Exception as err:  # noqa: BLE001 - any reason the GPU is unusable
+        if backend == "cuda":
+            sys.exit(f"error: --backend cuda: no usable GPU: {err}")
         print(f"No usable GPU, training on the CPU instead.\n  reason: {err}", flush=True)
         return Context.cpu()
 

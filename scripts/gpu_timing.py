@@ -7,6 +7,11 @@ compile times and the loss agreement. Not the benchmark suite: a smoke-level com
 says whether the GPU path is sane and worth it. ``--f16`` adds the fused gated f16 step
 (cast twins of f32 master weights, on-device checksum), whose cost relative to f32 shows
 whether the checksum reduction is parallel.
+
+Backends (``--backends``, default ``cpu,cuda,cuda-nofma``): ``cuda-nofma`` is the CUDA backend
+compiled with ``--fmad=false`` (no multiply-add contraction), so the run also measures what
+that option costs. A CUDA backend asked for and not usable is an error (exit status 2, with the
+reason): the script never times the CPU alone in place of the GPU.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import ocannl.tensor as T  # noqa: E402
 from ocannl import Context, datasets, train  # noqa: E402
+from ocannl.backends.cuda.runtime import CupyCudaBackend  # noqa: E402
 from ocannl.ir.assignments import Comp, Get, apply  # noqa: E402
 from ocannl.nn_blocks import softmax_cross_entropy  # noqa: E402
 from ocannl.tensor.tensor import Tensor  # noqa: E402
@@ -91,36 +97,49 @@ def time_backend(ctx: Context, m: Model, chunks: int, per_chunk: int) -> dict[st
     return {"compile_s": compile_s, "p10": p10, "p50": p50, "p90": p90, "loss0": first_loss}
 
 
+BACKENDS = {"cpu": Context.cpu, "cuda": Context.cuda,
+            "cuda-nofma": lambda: Context(CupyCudaBackend(fmad=False))}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--chunks", type=int, default=7)
     ap.add_argument("--per-chunk", type=int, default=20)
     ap.add_argument("--f16", action="store_true", help="also time the fused gated f16 step")
+    ap.add_argument("--backends", default="cpu,cuda,cuda-nofma",
+                    help="comma-separated, of: " + ", ".join(BACKENDS))
     args = ap.parse_args(argv)
-    try:
-        Context.cuda()
-    except Exception as err:  # noqa: BLE001 - report any reason and time the CPU alone
-        print(f"no GPU: {err}\ntiming the CPU backend only")
-        backends = ["cpu"]
-    else:
-        backends = ["cpu", "cuda"]
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    unknown = [b for b in backends if b not in BACKENDS]
+    if unknown or not backends:
+        ap.error(f"--backends: unknown {unknown}, expected some of {list(BACKENDS)}")
+    if any(b.startswith("cuda") for b in backends):
+        try:
+            Context.cuda()
+        except Exception as err:  # noqa: BLE001 - any reason: no timing without the GPU
+            print(f"error: CUDA was asked for (--backends {args.backends}) and no GPU is "
+                  f"usable: {err}", file=sys.stderr)
+            return 2
     precs = ["f32", "f16"] if args.f16 else ["f32"]
-    print(f"{'model':28} {'prec':5} {'backend':7} {'compile s':>9} {'p10 ms':>8} "
+    print(f"{'model':28} {'prec':5} {'backend':10} {'compile s':>9} {'p10 ms':>8} "
           f"{'p50 ms':>8} {'p90 ms':>8} {'first loss':>11}")
     for name, dims, batch in MODELS:
         for prec in precs:
             rows = {}
             for b in backends:
-                ctx = Context.cpu() if b == "cpu" else Context.cuda()
-                r = time_backend(ctx, build(dims, batch, prec), args.chunks, args.per_chunk)
+                r = time_backend(BACKENDS[b](), build(dims, batch, prec), args.chunks,
+                                 args.per_chunk)
                 rows[b] = r
-                print(f"{name:28} {prec:5} {b:7} {r['compile_s']:9.2f} {r['p10']:8.3f} "
+                print(f"{name:28} {prec:5} {b:10} {r['compile_s']:9.2f} {r['p10']:8.3f} "
                       f"{r['p50']:8.3f} {r['p90']:8.3f} {r['loss0']:11.6f}", flush=True)
-            if len(rows) == 2:
+            if "cpu" in rows and "cuda" in rows:
                 speed = rows["cpu"]["p50"] / rows["cuda"]["p50"]
                 rel = abs(rows["cpu"]["loss0"] - rows["cuda"]["loss0"]) / abs(rows["cpu"]["loss0"])
                 print(f"  -> GPU speed-up (p50) {speed:.2f}x; first-loss relative difference "
                       f"{rel:.2e}", flush=True)
+            if "cuda" in rows and "cuda-nofma" in rows:
+                cost = rows["cuda-nofma"]["p50"] / rows["cuda"]["p50"] - 1
+                print(f"  -> --fmad=false costs {100 * cost:+.1f}% per step (p50)", flush=True)
     return 0
 
 

@@ -167,9 +167,9 @@ def test_compute_sanitizer_on_a_fused_gated_step(tool: str) -> None:
     cmd = [exe, "--tool", tool, "--error-exitcode", "86", "--print-limit", "20",
            sys.executable, str(HERE / "sanitizer_target.py")]
     try:
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=110, env=env)
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=65, env=env)
     except subprocess.TimeoutExpired as err:
-        pytest.fail(f"compute-sanitizer --tool {tool} ran over 110 s: "
+        pytest.fail(f"compute-sanitizer --tool {tool} ran over 65 s: "
                     f"{(err.stdout or b'')[-2000:]!r}")
     out = res.stdout + res.stderr
     if "Device not supported" in out or "not supported on this platform" in out:
