@@ -3,8 +3,10 @@ weights, and f16 / bf16 training parity with PyTorch's f32 run."""
 
 from __future__ import annotations
 
+import contextvars
 import math
 import re
+import threading
 import warnings
 from dataclasses import dataclass
 
@@ -746,6 +748,38 @@ def test_twin_gradients_accumulate_into_f32_master() -> None:
     np.testing.assert_array_equal(twin_grad.reshape(-1), np.array(expected, np.float16))
     np.testing.assert_array_equal(ctx.get_values(p.grad), twin_grad.astype(np.float32))
     np.testing.assert_array_equal(ctx.get_values(tw), ctx.get_values(p).astype(np.float16))
+
+
+def test_twins_are_declared_tensor_fields_and_the_postprocess_is_context_local() -> None:
+    plain = T.param("plain_p", output_dims=[2], input_dims=())
+    assert plain.master is None and plain.on_input_inferred is None and master_of(plain) is plain
+    seen: list = []
+    elsewhere: list = []
+
+    def build() -> T.Tensor:
+        seen.append(tensor_mod.active_param_postprocess.get())
+        # a thread starts in its own context: the hook does not leak into it
+        worker = threading.Thread(target=lambda: elsewhere.append(
+            T.param("in_thread", output_dims=[1], input_dims=())))
+        worker.start()
+        worker.join()
+        return T.param("open", output_dims=[3])  # input axes left to inference
+
+    before = contextvars.copy_context()
+    tw = with_master_weights(prec="bf16", f=build)
+    assert seen[0] is not tensor_mod._no_postprocess
+    assert elsewhere[0].kind == "param" and elsewhere[0].master is None
+    assert before.run(tensor_mod.active_param_postprocess.get) is tensor_mod._no_postprocess
+    assert tensor_mod.active_param_postprocess.get() is tensor_mod._no_postprocess
+    p = master_of(tw)
+    assert tw.master is p and p.master is None and p.kind == "param"
+    assert tw.on_input_inferred is not None and tw.value.dims_if_known is None
+    out = tw @ T.term(np.ones((4, 5)), label="x5")
+    assert tw.on_input_inferred is None  # completed once
+    assert p.dims == tw.dims == (3, 5) and p.grad.dims == (3, 5)
+    assert out.params == [p]
+    with pytest.raises(TypeError, match="master_of expects a Tensor"):
+        master_of("w")  # type: ignore[arg-type]
 
 
 def test_cast_param_and_with_master_weights_errors() -> None:
