@@ -4,7 +4,7 @@ The model (a 2-16-16-2 relu MLP) reads f16 twins of its f32 master weights, and 
 activations and their gradients in f16; the softmax cross-entropy runs in f32, as under
 torch's autocast. The backprop is seeded with a dynamic loss scale (``Loss_scaler``), and a
 step whose gradients overflow is skipped, either by the host after every step
-(``--gate host``) or on the device inside one fused routine, the host sampling a sticky flag
+(``--gate host``) or on the device inside one fused routine, the host sampling a skip count
 every ``--check-interval`` steps (``--gate fused``). The optimizer updating the f32 masters is
 SGD with momentum (``--optimizer sgd``), Adam or AdamW.
 
