@@ -40,6 +40,8 @@ def exact_rounding(x: int | float, prec: Precision) -> float:
         n, d = abs(x).as_integer_ratio()
         k = d.bit_length() - 1  # d is a power of two
     e = n.bit_length() - 1 - k  # floor(log2 |x|)
+    if e > emax:
+        return sign * math.inf  # at least 2**(emax + 1): beyond the largest value and a half
     q = max(e, emin) - (p - 1)  # the exponent of one unit in the last place
     s = k + q  # |x| / 2**q == n / 2**s
     if s <= 0:
