@@ -68,7 +68,10 @@ def test_set_values_takes_any_array_like_of_the_right_size():
     assert ctx.is_initialized(p)
     got = ctx.get_values(p)
     assert got.dtype == np.float32 and got.shape == (2, 3)
-    ctx.set_values(p, np.arange(6).reshape(3, 2))  # same size, another shape: row-major
+    ctx.set_values(p, np.arange(6))  # flat, row-major
+    np.testing.assert_array_equal(ctx.get_values(p), np.arange(6).reshape(2, 3))
+    with pytest.raises(ValueError, match=r"shape \(3, 2\)"):  # same size, another shape
+        ctx.set_values(p, np.arange(6).reshape(3, 2))
     np.testing.assert_array_equal(ctx.get_values(p), np.arange(6).reshape(2, 3))
     ctx.set_values(p, range(6, 12))
     np.testing.assert_array_equal(ctx.get_values(p).ravel(), np.arange(6, 12))
