@@ -35,7 +35,7 @@ from ocannl.ir.tnode import Tnode
 from ocannl.optim import Optimizer
 from ocannl.tensor.tensor import Tensor
 
-__all__ = ["Progress", "load", "node_names", "save", "training_state"]
+__all__ = ["Progress", "load", "node_names", "read_progress", "save", "training_state"]
 
 _FORMAT = "ocannl.checkpoint/2"  # /2: SHA-256 of every tensor's bytes and of the header
 _FORMAT_1 = "ocannl.checkpoint/1"  # no digests: refused, its bytes cannot be verified
@@ -352,6 +352,14 @@ def _read(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     if problems:
         raise Failure(f"{where} is corrupted or altered: " + "; ".join(problems))
     return out, meta
+
+
+def read_progress(path: str | os.PathLike) -> Progress:
+    """The progress saved in ``path``, after the same checks as :func:`load` (digests,
+    format), without touching any context: a resume checks the run's settings recorded in
+    ``extra`` before it loads tensors into a model that may not fit them."""
+    _, meta = _read(Path(path))
+    return Progress.from_json(meta.get("progress", ""))
 
 
 def load(path: str | os.PathLike, ctx: Context,
