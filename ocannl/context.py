@@ -16,7 +16,7 @@ before anything initialized it refuses to run.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -66,6 +66,7 @@ class Context:
         self._backend = backend
         self._buffers: dict[int, tuple[Tnode, Buffer]] = {}
         self._initialized: set[int] = set()
+        self._views: set[int] = set()  # nodes whose buffer is a view of a shared flat buffer
         self.compile_count = 0  # routines whose code was compiled anew by this context
 
     # --- construction -------------------------------------------------------------------------
@@ -163,6 +164,60 @@ class Context:
                 self._initialized.add(node.id)
             return buf
         return entry[1]
+
+    def share_flat(self, nodes: Sequence[Any], *, label: str = "flat", align: int = 64) -> Tnode:
+        """Allocate one flat, zero-filled buffer holding ``nodes`` back to back, and make each
+        node's buffer a view of its part of it; returns a 1-D node standing for the whole
+        buffer (``get_values`` / ``set_values`` / :meth:`device_buffer` work on it).
+
+        Call it before compiling any routine over these nodes: routines bind the views, so one
+        operation on the flat buffer (a data-parallel allreduce of every gradient) reaches them
+        all. Each part starts at a multiple of ``align`` elements; the padding between parts
+        stays zero. Every node must be materialized, of known dims, not yet allocated in this
+        context, and of one precision; ``ValueError`` names the first that is not.
+        """
+        ns = [_as_node(n) for n in nodes]
+        if not ns:
+            raise ValueError("share_flat: no nodes given")
+        if not isinstance(align, int) or align < 1:
+            raise ValueError(f"share_flat: align must be an integer >= 1, got {align!r}")
+        if len({n.id for n in ns}) != len(ns):
+            raise ValueError(f"share_flat: a node is listed twice in {[n.name for n in ns]}")
+        prec = ns[0].prec
+        for n in ns:
+            if n.memory_mode is not MemoryMode.materialized:
+                raise ValueError(f"share_flat: {n.name} is {n.memory_mode.value}, not materialized")
+            if not n.dims_known:
+                raise ValueError(f"share_flat: {n.name} has dims not yet inferred")
+            if n.prec is not prec:
+                raise ValueError(f"share_flat: {n.name} is {n.prec.value}, {ns[0].name} is "
+                                 f"{prec.value}: one flat buffer holds one precision")
+            if n.id in self._buffers:
+                raise ValueError(f"share_flat: {n.name} already has a buffer in this context "
+                                 f"(routines compiled before are bound to it): share it before "
+                                 f"compiling")
+        offsets, total = [], 0
+        for n in ns:
+            total = -(-total // align) * align
+            offsets.append(total)
+            total += n.size
+        flat = Tnode(label, (total,), prec, zero_start=True)
+        buf = self._ensure(flat)
+        for n, off in zip(ns, offsets, strict=True):
+            view = buf[off:off + n.size]
+            if n.host_data is not None:
+                self._backend.write(n, view, self._checked(n, n.host_data))
+            self._buffers[n.id] = (n, view)
+            self._views.add(n.id)
+            if n.host_data is not None or n.zero_start:
+                self._initialized.add(n.id)
+        return flat
+
+    def device_buffer(self, t: Any) -> Buffer:
+        """The backend's own buffer of a node: a flat NumPy array (CPU) or CuPy array (CUDA) in
+        the storage dtype. For communicators, which operate on device memory in place; user
+        code reads and writes values with ``get_values`` / ``set_values``."""
+        return self._buffer(_as_node(t))
 
     def _buffer(self, node: Tnode) -> Buffer:
         entry = self._buffers.get(node.id)
@@ -272,7 +327,8 @@ class Context:
             node = _as_node(t)
             self._buffer(node)
             return node.size * node.prec.itemsize
-        return sum(n.size * n.prec.itemsize for n, _ in self._buffers.values())
+        return sum(n.size * n.prec.itemsize for n, _ in self._buffers.values()
+                   if n.id not in self._views)
 
     def nodes(self) -> list[Tnode]:
         return [n for n, _ in self._buffers.values()]

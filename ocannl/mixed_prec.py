@@ -27,7 +27,7 @@ import re
 import warnings
 from collections.abc import Callable
 from fractions import Fraction
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import numpy as np
 
@@ -42,8 +42,9 @@ from ocannl.tensor.shape import Shape
 from ocannl.tensor.tensor import Tensor, active_param_postprocess
 
 __all__ = [
-    "TWIN_PLACEMENTS", "GatedStep", "Loss_scaler", "Recipe", "ScaledStep", "cast_param",
-    "gated_step", "master_of", "scaled_grad_update", "scaled_step", "with_master_weights",
+    "TWIN_PLACEMENTS", "GatedStep", "GradReducer", "Loss_scaler", "Recipe", "ScaledStep",
+    "cast_param", "gated_step", "master_of", "scaled_grad_update", "scaled_step",
+    "with_master_weights",
 ]
 
 R = TypeVar("R")
@@ -501,6 +502,27 @@ def _check_scaler(t: object) -> None:
         raise TypeError(f"expected a Loss_scaler, got {type(t).__name__}: {t!r}")
 
 
+class GradReducer(Protocol):
+    """What a recipe calls between its gradient routine and its optimizer step: data-parallel
+    training's allreduce (:class:`ocannl.parallel.DataParallel`).
+
+    With a reducer, a recipe's gradient routine computes the scaled gradients only; then
+    :meth:`reduce` runs (it may change them in place, e.g. sum them over processes); then the
+    checksum is taken over the reduced gradients, so every process sees the same bits and
+    gates the same steps. The checksum and the optimizer multiply gradients by
+    :meth:`grad_unscale`'s tensor instead of ``scaler.unscale``; :meth:`reduce` keeps it in
+    step with the scaler (a data-parallel reducer folds the batch mean's ``1 / world`` in).
+    """
+
+    def grad_unscale(self, scaler: Loss_scaler) -> Tensor:
+        """The one-element tensor gradients are multiplied by before the optimizer math."""
+        ...
+
+    def reduce(self, ctx: Context, scaler: Loss_scaler) -> Context:
+        """Run after the gradient routine, before the checksum and the optimizer step."""
+        ...
+
+
 _COUNTERS = ("pending", "applied", "skipped", "windows", "skipped_windows")
 _NUM = r"(0|[1-9][0-9]{0,18})"
 
@@ -523,11 +545,16 @@ class Recipe:
 
     A checkpoint holds ``checkpoint.training_state(loss, optimizer) + recipe.state_nodes()``
     and, in ``Progress.extra``, ``scaler.save_state()`` and ``recipe.save_state()``.
+
+    ``reducer`` (a :class:`GradReducer`): run between the gradient routine and the checksum
+    and optimizer step (data-parallel training); the gradient routine then holds the
+    gradients alone (:attr:`grad_comp`), the checksum is :attr:`check_comp`.
     """
 
     check_interval = 1
 
-    def __init__(self, scaler: Loss_scaler, loss: Tensor, optimizer: Optimizer) -> None:
+    def __init__(self, scaler: Loss_scaler, loss: Tensor, optimizer: Optimizer, *,
+                 reducer: GradReducer | None = None) -> None:
         _check_scaler(scaler)
         if not isinstance(loss, Tensor):
             raise TypeError(f"expected the loss Tensor, got {type(loss).__name__}: {loss!r}")
@@ -537,7 +564,17 @@ class Recipe:
         self.scaler = scaler
         self.loss = loss
         self.optimizer = optimizer
-        self.checksum, self.grad_comp = scaled_grad_update(scaler, loss)
+        self.reducer = reducer
+        self.check_comp: Comp | None = None
+        if reducer is None:
+            self.unscale = scaler.unscale
+            self.checksum, self.grad_comp = scaled_grad_update(scaler, loss)
+        else:
+            from ocannl import train
+
+            self.unscale = reducer.grad_unscale(scaler)
+            self.grad_comp = train.grad_update(loss, loss_scale=scaler.scale)
+            self.checksum, self.check_comp = train.grad_checksum(loss, unscale=self.unscale)
         self.pending = 0
         self.applied_steps = 0
         self.skipped_steps = 0
@@ -635,13 +672,17 @@ class ScaledStep(Recipe):
     Every step is a window of one; the read waits for the device every step, which the fused
     :class:`GatedStep` avoids. Build one with :func:`scaled_step`."""
 
-    def __init__(self, scaler: Loss_scaler, loss: Tensor, optimizer: Optimizer) -> None:
-        super().__init__(scaler, loss, optimizer)
-        self.update_comp = optimizer.update(loss, grad_unscale=scaler.unscale)
+    def __init__(self, scaler: Loss_scaler, loss: Tensor, optimizer: Optimizer, *,
+                 reducer: GradReducer | None = None) -> None:
+        super().__init__(scaler, loss, optimizer, reducer=reducer)
+        self.update_comp = optimizer.update(loss, grad_unscale=self.unscale)
         self._routines: tuple[Routine, Routine] | None = None
+        self._check: Routine | None = None
 
     def compile(self, ctx: Context) -> Context:
         ctx, grads = ctx.compile(self.grad_comp)
+        if self.check_comp is not None:
+            ctx, self._check = ctx.compile(self.check_comp)
         ctx, update = ctx.compile(self.update_comp)
         self._routines = (grads, update)
         self._bind(ctx)
@@ -652,6 +693,10 @@ class ScaledStep(Recipe):
         assert self._routines is not None
         grads, update = self._routines
         ctx = ctx.run(grads)
+        if self.reducer is not None:
+            assert self._check is not None
+            ctx = self.reducer.reduce(ctx, self.scaler)
+            ctx = ctx.run(self._check)
         finite = math.isfinite(ctx.get_value(self.checksum))
         if finite:
             ctx = ctx.run(update)
@@ -661,9 +706,10 @@ class ScaledStep(Recipe):
         return ctx
 
 
-def scaled_step(scaler: Loss_scaler, loss: Tensor, optimizer: Optimizer) -> ScaledStep:
+def scaled_step(scaler: Loss_scaler, loss: Tensor, optimizer: Optimizer, *,
+                reducer: GradReducer | None = None) -> ScaledStep:
     """Build the per-step, host-gated recipe (see :class:`ScaledStep`)."""
-    return ScaledStep(scaler, loss, optimizer)
+    return ScaledStep(scaler, loss, optimizer, reducer=reducer)
 
 
 _GATED_V1 = re.compile(rf"ocannl\.GatedStep/1 pending={_NUM}", re.ASCII)
@@ -685,23 +731,30 @@ class GatedStep(Recipe):
     """
 
     def __init__(self, scaler: Loss_scaler, loss: Tensor, optimizer: Optimizer, *,
-                 check_interval: int = 16) -> None:
+                 check_interval: int = 16, reducer: GradReducer | None = None) -> None:
         if not _is_int(check_interval) or check_interval < 1:
             raise ValueError(f"check_interval must be an integer >= 1, got {check_interval!r}")
-        super().__init__(scaler, loss, optimizer)
+        super().__init__(scaler, loss, optimizer, reducer=reducer)
         self.check_interval = int(check_interval)
         finite = apply("isfinite", Get(self.checksum.value, ()))
-        update = optimizer.update(loss, grad_unscale=scaler.unscale, gate=finite)
+        update = optimizer.update(loss, grad_unscale=self.unscale, gate=finite)
         flag = T.term(np.float32(0.0), label=f"nonfinite_seen_{loss.label}", prec=Precision.f32)
         seen = Get(flag.value, ())
         count = Accum(flag.value, (), "=",
                       apply("where", finite, seen, apply("add", seen, Const(1.0))), ())
-        self.comp = Comp.seq([self.grad_comp, update, Comp((count,), "count_skipped")],
+        # With a reducer, the gradients are a routine of their own and ``comp`` the rest: the
+        # checksum of the reduced gradients, the gated update and the count (same on every
+        # process, so the counter needs no reduction of its own).
+        first = self.grad_comp if self.check_comp is None else self.check_comp
+        self.comp = Comp.seq([first, update, Comp((count,), "count_skipped")],
                              f"gated_step_{loss.label}")
+        self._grads: Routine | None = None
         self.nonfinite_seen = flag
         self._routine: Routine | None = None
 
     def compile(self, ctx: Context) -> Context:
+        if self.reducer is not None:
+            ctx, self._grads = ctx.compile(self.grad_comp)
         ctx, self._routine = ctx.compile(self.comp)
         self._bind(ctx)
         return ctx
@@ -709,6 +762,10 @@ class GatedStep(Recipe):
     def step(self, ctx: Context) -> Context:
         self._check_ctx(ctx)
         assert self._routine is not None
+        if self.reducer is not None:
+            assert self._grads is not None
+            ctx = ctx.run(self._grads)
+            ctx = self.reducer.reduce(ctx, self.scaler)
         ctx = ctx.run(self._routine)
         self.pending += 1
         if self.pending >= self.check_interval:
@@ -736,11 +793,11 @@ class GatedStep(Recipe):
 
 
 def gated_step(scaler: Loss_scaler, loss: Tensor, optimizer: Optimizer, *,
-               check_interval: int = 16) -> GatedStep:
+               check_interval: int = 16, reducer: GradReducer | None = None) -> GatedStep:
     """Build the fused, device-gated recipe (see :class:`GatedStep`).
 
     ``check_interval``: how many steps run between two host reads of the skipped-step counter;
     1 gives the per-step schedule exactly, larger values trade reaction time for fewer device
     syncs.
     """
-    return GatedStep(scaler, loss, optimizer, check_interval=check_interval)
+    return GatedStep(scaler, loss, optimizer, check_interval=check_interval, reducer=reducer)

@@ -1,0 +1,113 @@
+"""A stand-in for ``cupy.cuda.nccl`` that reduces over MPI, on top of the stand-in ``cupy``
+(tests/backends/fake_cupy.py: NumPy arrays as device memory), so that
+:class:`ocannl.parallel.NcclCommunicator` runs its real bootstrap and call sequence on a
+machine without a GPU, under ``mpiexec``.
+
+Strict where NCCL would misbehave silently: the communicator is created with the id rank 0
+drew and every rank's distinct rank, on the rank's current device; every collective names the
+current stream of the current device and a buffer of it; data types and operations are NCCL's
+enum values. Every call is logged in :data:`calls`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import secrets
+import sys
+import types
+from typing import Any
+
+import numpy as np
+
+calls: list[list[Any]] = []
+
+NCCL_SUM, NCCL_PROD, NCCL_MAX, NCCL_MIN = 0, 1, 2, 3
+NCCL_INT8 = NCCL_CHAR = 0
+NCCL_UINT8 = 1
+NCCL_INT32 = NCCL_INT = 2
+NCCL_FLOAT16 = NCCL_HALF = 6
+NCCL_FLOAT32 = NCCL_FLOAT = 7
+NCCL_FLOAT64 = NCCL_DOUBLE = 8
+_DTYPES = {NCCL_UINT8: np.uint8, NCCL_INT32: np.int32, NCCL_FLOAT16: np.float16,
+           NCCL_FLOAT32: np.float32, NCCL_FLOAT64: np.float64}
+STREAM_BASE = 0x5EED00
+
+
+def _stream_ptr(device: int) -> int:
+    return STREAM_BASE + device
+
+
+def _host(ptr: int, count: int, dtype: Any) -> np.ndarray:
+    dt = np.dtype(dtype)
+    raw = (ctypes.c_uint8 * (count * dt.itemsize)).from_address(ptr)
+    return np.frombuffer(raw, dtype=dt)
+
+
+def get_unique_id() -> bytes:
+    calls.append(["get_unique_id"])
+    return secrets.token_bytes(128)
+
+
+class NcclCommunicator:
+    def __init__(self, ndev: int, commId: bytes, rank: int) -> None:  # noqa: N803 - CuPy's
+        from fake_cupy import current_device
+        from mpi4py import MPI
+
+        world = MPI.COMM_WORLD
+        assert isinstance(commId, bytes) and len(commId) == 128, commId
+        seen = world.allgather((commId, rank, ndev))
+        assert all(s[0] == commId for s in seen), "the ranks joined with different unique ids"
+        assert sorted(s[1] for s in seen) == list(range(ndev)) == list(range(world.size))
+        self._world, self._rank, self._device = world, rank, current_device()
+        calls.append(["init", ndev, rank, self._device])
+
+    def _check(self, what: str, stream: int) -> None:
+        from fake_cupy import current_device
+
+        assert current_device() == self._device, (
+            f"{what}: current device {current_device()}, the communicator's {self._device}")
+        assert stream == _stream_ptr(self._device), f"{what}: stream {stream:#x} is not current"
+
+    def allReduce(self, sendbuf: int, recvbuf: int, count: int, datatype: int, op: int,  # noqa: N802
+                  stream: int) -> None:
+        from mpi4py import MPI
+
+        self._check("allReduce", stream)
+        assert op == NCCL_SUM and datatype in _DTYPES
+        send = _host(sendbuf, count, _DTYPES[datatype])
+        recv = _host(recvbuf, count, _DTYPES[datatype])
+        if sendbuf == recvbuf:
+            self._world.Allreduce(MPI.IN_PLACE, recv, op=MPI.SUM)
+        else:
+            self._world.Allreduce(send, recv, op=MPI.SUM)
+        calls.append(["allReduce", count, datatype, op, stream, sendbuf == recvbuf])
+
+    def bcast(self, buff: int, count: int, datatype: int, root: int, stream: int) -> None:
+        self._check("bcast", stream)
+        self._world.Bcast(_host(buff, count, _DTYPES[datatype]), root=root)
+        calls.append(["bcast", count, datatype, root, stream])
+
+    def destroy(self) -> None:
+        calls.append(["destroy"])
+
+    def abort(self) -> None:
+        calls.append(["abort"])
+
+
+def install(devices: int = 2) -> types.ModuleType:
+    """The stand-in ``cupy`` with ``devices`` devices, a current stream per device, and this
+    module as ``cupy.cuda.nccl``; for the rest of the process."""
+    import fake_cupy
+    import pytest
+
+    cp = fake_cupy.install(pytest.MonkeyPatch(), devices=devices)
+
+    def get_current_stream(device_id: int | None = None) -> Any:
+        dev = fake_cupy.current_device() if device_id is None else device_id
+        return types.SimpleNamespace(ptr=_stream_ptr(dev), synchronize=lambda: None)
+
+    cp.cuda.get_current_stream = get_current_stream
+    cp.cuda.nccl = sys.modules[__name__]
+    sys.modules["cupy.cuda"] = cp.cuda  # type: ignore[assignment]
+    sys.modules["cupy.cuda.nccl"] = sys.modules[__name__]
+    return cp
