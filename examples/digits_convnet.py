@@ -1,0 +1,199 @@
+"""A LeNet-style convnet on scikit-learn's 8x8 handwritten digits, in mixed precision.
+
+The model (``nn_blocks.lenet``: two 3x3 conv / relu / 2x2 max-pool stages, then a relu MLP)
+reads f16 (or bf16) cast twins of its f32 master weights; Adam updates the masters. The
+backprop is seeded with a dynamic loss scale and overflowing steps are skipped on the device
+(the fused gate), the host sampling every ``--check-interval`` steps. The digits ship inside
+scikit-learn (no download); 20% are held out, and the accuracy on them is printed at the end.
+
+    python examples/digits_convnet.py                         # f16 twins, about a minute
+    python examples/digits_convnet.py --prec bf16
+    python examples/digits_convnet.py --checkpoint digits.safetensors   # kill it, then
+    python examples/digits_convnet.py --checkpoint digits.safetensors --resume
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import batch_indices, make_context  # noqa: E402
+
+import ocannl.tensor as T  # noqa: E402
+from ocannl import Failure, checkpoint, mixed_prec, nn_blocks, optim, train  # noqa: E402
+
+CLASSES = 10
+# The settings a checkpoint was trained under: a resume must use the same.
+CONFIG_KEYS = ("prec", "batch", "lr", "seed", "check_interval", "init_scale")
+
+
+def _positive_int(text: str) -> int:
+    v = int(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text}")
+    return v
+
+
+def _positive_float(text: str) -> float:
+    v = float(text)
+    if not math.isfinite(v) or v <= 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text}")
+    return v
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--prec", choices=["f16", "bf16", "f32"], default="f16",
+                    help="precision of the weights' cast twins (f32: no twins)")
+    ap.add_argument("--steps", type=_positive_int, default=700, help="training steps")
+    ap.add_argument("--batch", type=_positive_int, default=64, help="batch size")
+    ap.add_argument("--lr", type=_positive_float, default=3e-3, help="Adam's learning rate")
+    ap.add_argument("--check-interval", type=_positive_int, default=16,
+                    help="steps between two host reads of the skipped-step count")
+    ap.add_argument("--init-scale", type=_positive_float, default=1024.0,
+                    help="initial loss scale")
+    ap.add_argument("--seed", type=int, default=0, help="data split, order and init seed")
+    ap.add_argument("--checkpoint", type=Path, help="save the training state to this file")
+    ap.add_argument("--checkpoint-every", type=_positive_int, default=100,
+                    help="steps between checkpoints")
+    ap.add_argument("--resume", action="store_true",
+                    help="continue from --checkpoint when it exists")
+    ap.add_argument("--backend", choices=["auto", "cpu", "cuda"], default="auto",
+                    help="auto: the GPU when CuPy sees one, else the CPU")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = ap.parse_args(argv)
+    if args.resume and args.checkpoint is None:
+        ap.error("--resume needs --checkpoint PATH")
+    return args
+
+
+def load_digits(seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Images (n, 8, 8, 1) scaled to [0, 1] and labels, split 80/20 by a seeded shuffle."""
+    try:
+        from sklearn.datasets import load_digits as sk_digits
+    except ImportError:
+        sys.exit("error: this example needs scikit-learn (pip install -e '.[examples]')")
+    d = sk_digits()
+    images = (d.images / 16.0).reshape(-1, 8, 8, 1).astype(np.float32)
+    perm = np.random.default_rng(seed).permutation(len(images))
+    cut = int(0.8 * len(images))
+    tr, te = perm[:cut], perm[cut:]
+    return images[tr], d.target[tr], images[te], d.target[te]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    x_train, y_train, x_test, y_test = load_digits(args.seed)
+    if args.batch > len(x_train):
+        sys.exit(f"error: --batch {args.batch} is larger than the {len(x_train)} training images")
+    ctx = make_context(args.backend)
+    eye = np.eye(CLASSES, dtype=np.float32)
+
+    T.set_seed(args.seed)
+    x = T.term(np.zeros((args.batch, 8, 8, 1)), label="x", batch_dims=(args.batch,),
+               output_dims=(8, 8, 1))
+    y = T.term(np.zeros((args.batch, CLASSES)), label="y")
+
+    def build():  # noqa: ANN202
+        return nn_blocks.lenet(x, num_classes=CLASSES)
+
+    if args.prec == "f32":
+        logits, _ = build()
+    else:
+        logits, _ = mixed_prec.with_master_weights(prec=args.prec, f=build)
+        logits = T.cast(logits, "f32")
+    loss = nn_blocks.softmax_cross_entropy(logits, y)
+    adam = optim.Adam(args.lr)
+    scaler = mixed_prec.Loss_scaler.create(init_scale=args.init_scale)
+    recipe = mixed_prec.gated_step(scaler, loss, adam, check_interval=args.check_interval)
+    ctx = train.init_params(ctx, loss)
+    t0 = time.perf_counter()
+    ctx = recipe.compile(ctx)
+    ctx, forward = ctx.compile(train.forward(logits))
+    compile_s = time.perf_counter() - t0
+    state = checkpoint.training_state(loss, adam) + recipe.state_nodes()
+    config = {k: getattr(args, k) for k in CONFIG_KEYS}
+
+    start = 0
+    if args.resume and args.checkpoint.exists():
+        try:
+            ctx, progress = resume(args.checkpoint, ctx, state, config)
+            ctx = scaler.restore_state(ctx, progress.extra["loss_scaler"])
+            recipe.restore_state(progress.extra["recipe"])
+        except Failure as err:
+            sys.exit(f"error: cannot resume from {args.checkpoint}: {err}")
+        start = progress.step
+        print(f"resumed from {args.checkpoint} at step {start}", flush=True)
+
+    def save(step: int) -> None:
+        extra = {"config": json.dumps(config, sort_keys=True),
+                 "loss_scaler": scaler.save_state(), "recipe": recipe.save_state()}
+        checkpoint.save(args.checkpoint, ctx, state, checkpoint.Progress(step=step, extra=extra))
+
+    bar = None
+    if not args.no_progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=args.steps, initial=start, unit="step", dynamic_ncols=True)
+    last_loss = None
+    for step in range(start, args.steps):
+        idx = batch_indices(step, len(x_train), args.batch, args.seed)
+        ctx = ctx.set_values(x, x_train[idx]).set_values(y, eye[y_train[idx]])
+        ctx = recipe.step(ctx)
+        if recipe.pending == 0:  # sampled at this window's end: the loss costs no extra sync
+            last_loss = ctx.get_value(loss)
+            if bar is not None:
+                bar.set_postfix(loss=f"{last_loss:.4f}", scale=f"{scaler.scale_value():g}")
+        if bar is not None:
+            bar.update(1)
+        if args.checkpoint is not None and (step + 1) % args.checkpoint_every == 0:
+            ctx = recipe.flush(ctx)
+            save(step + 1)
+    if bar is not None:
+        bar.close()
+    ctx = recipe.flush(ctx)
+    if args.checkpoint is not None and start < args.steps:
+        save(args.steps)
+
+    correct = 0
+    for k in range(0, len(x_test), args.batch):
+        chunk = x_test[k:k + args.batch]
+        padded = np.zeros((args.batch, 8, 8, 1), np.float32)
+        padded[:len(chunk)] = chunk  # the last chunk is padded; its padding is not counted
+        ctx = ctx.set_values(x, padded).run(forward)
+        pred = np.argmax(ctx.get_values(logits), axis=-1)[:len(chunk)]
+        correct += int(np.sum(pred == y_test[k:k + len(chunk)]))
+    print(f"backend {ctx.backend_name()}, {args.prec} twins, compile {compile_s:.1f} s")
+    if last_loss is not None:
+        print(f"last sampled loss {last_loss:.4f}, loss scale {scaler.scale_value():g}, "
+              f"skipped steps {recipe.skipped_steps} of {recipe.applied_steps + recipe.skipped_steps}")
+    print(f"accuracy: {100.0 * correct / len(x_test):.2f}% on {len(x_test)} held-out digits",
+          flush=True)
+    return 0
+
+
+def resume(path: Path, ctx, state, config: dict):  # noqa: ANN001, ANN201
+    """Load ``path`` after checking that it was trained under ``config`` (naming each setting
+    that differs, before any tensor is touched)."""
+    saved_text = checkpoint.read_progress(path).extra.get("config")
+    if saved_text is None:
+        raise Failure("it records no run configuration")
+    saved = json.loads(saved_text)
+    diffs = [f"--{k.replace('_', '-')} {saved.get(k)!r} (now {config[k]!r})"
+             for k in CONFIG_KEYS if saved.get(k) != config[k]]
+    if diffs:
+        raise Failure("it was trained with other settings: " + ", ".join(diffs))
+    return checkpoint.load(path, ctx, state)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
