@@ -174,8 +174,9 @@ def main(argv: list[str] | None = None) -> int:
         correct += int(np.sum(pred == y_test[k:k + len(chunk)]))
     print(f"backend {ctx.backend_name()}, {args.prec} twins, compile {compile_s:.1f} s")
     if last_loss is not None:
+        ran = recipe.applied_steps + recipe.skipped_steps
         print(f"last sampled loss {last_loss:.4f}, loss scale {scaler.scale_value():g}, "
-              f"skipped steps {recipe.skipped_steps} of {recipe.applied_steps + recipe.skipped_steps}")
+              f"skipped steps {recipe.skipped_steps} of {ran}")
     print(f"accuracy: {100.0 * correct / len(x_test):.2f}% on {len(x_test)} held-out digits",
           flush=True)
     return 0
