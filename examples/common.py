@@ -1,4 +1,6 @@
-"""What several examples share: the backend choice and the per-epoch batch order.
+"""What several examples share: the backend choice, the per-epoch batch order, and a flag
+parser whose every mistake is one line (``ExampleParser`` with the checked ``integer`` /
+``real`` types and ``output_path``).
 
 An example run as a script (``python examples/NAME.py``) has this folder on ``sys.path``, so
 ``from common import make_context, batch_indices`` works there; tests load the examples the
@@ -7,14 +9,21 @@ same way.
 
 from __future__ import annotations
 
+import argparse
+import math
+import os
 import sys
 import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 
 from ocannl import Context
 
-__all__ = ["BACKENDS", "batch_indices", "make_context"]
+__all__ = ["BACKENDS", "F32_MAX", "DefaultsFormatter", "ExampleParser", "batch_indices",
+           "integer", "make_context", "output_path", "real"]
 
 BACKENDS = ("auto", "cpu", "cuda")
 
@@ -60,3 +69,112 @@ def batch_indices(step: int, n: int, batch: int, seed: int) -> np.ndarray:
     epoch, k = divmod(int(step), n // batch)
     perm = np.random.default_rng([int(seed), epoch]).permutation(n)
     return perm[k * batch:(k + 1) * batch]
+
+
+# --- flags ------------------------------------------------------------------------------------
+
+F32_MAX = float(np.finfo(np.float32).max)
+
+
+def _printable(text: str) -> str:
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii")
+                   for c in text)
+
+
+class ExampleParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose usage errors are one line on stderr,
+    ``PROG: error: MESSAGE (see --help)``, and exit with status 2 (control characters in the
+    message, e.g. from a typed value, are escaped). Defaults are shown in ``--help``
+    (:class:`DefaultsFormatter`)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", DefaultsFormatter)
+        super().__init__(*args, **kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        ns, rest = super().parse_known_args(args, namespace)
+        # ``--flag=--`` hands a one-value flag an empty list (argparse drops the '--' and
+        # skips the type): refuse it like any other value that is not one.
+        for action in self._actions:
+            if action.nargs is None and action.option_strings \
+                    and isinstance(getattr(ns, action.dest, None), list):
+                self.error(f"argument {'/'.join(action.option_strings)}: expected one value, "
+                           f"got '--'")
+        return ns, rest
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{_printable(self.prog)}: error: {_printable(message)} (see --help)\n")
+
+
+class DefaultsFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the description's layout and ends every option's help with its default:
+    ``(default: 16)``; ``none`` for no value, ``off`` for a flag."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "%(default)" in text or action.default is argparse.SUPPRESS or not action.option_strings:
+            return text
+        d = action.default
+        shown = ("off" if d is False else "on" if d is True else "none" if d in (None, "")
+                 else "%(default)s")
+        return f"{text} (default: {shown})"
+
+
+def integer(lo: int, hi: int | None = None) -> Callable[[str], int]:
+    """An argparse ``type``: an integer in ``[lo, hi]`` (no upper bound when ``hi`` is None)."""
+    want = f"an integer >= {lo}" if hi is None else f"an integer in [{lo}, {hi}]"
+
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {want}, got {text!r:.60}") from None
+        if v < lo or (hi is not None and v > hi):
+            raise argparse.ArgumentTypeError(f"expected {want}, got {text!r:.60}")
+        return v
+
+    parse.__name__ = "integer"
+    return parse
+
+
+def real(lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = False,
+         f32: bool = False) -> Callable[[str], float]:
+    """An argparse ``type``: a finite number in the interval from ``lo`` to ``hi`` (open at
+    either end as asked). ``f32``: also one that stays finite and, when non-zero, non-zero once
+    rounded to f32 (the precision the device holds it in)."""
+    want = (f"a finite number in {'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
+            + (" (an f32)" if f32 else ""))
+
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {want}, got {text!r:.60}") from None
+        inside = (math.isfinite(v) and (lo < v if lo_open else lo <= v)
+                  and (v < hi if hi_open else v <= hi))
+        if inside and f32:
+            with np.errstate(over="ignore", under="ignore"):
+                r = float(np.float32(v))
+            inside = math.isfinite(r) and (r != 0.0 or v == 0.0)
+        if not inside:
+            raise argparse.ArgumentTypeError(f"expected {want}, got {text!r:.60}")
+        return v
+
+    parse.__name__ = "real"
+    return parse
+
+
+def output_path(path: Path | str | None, flag: str) -> str | None:
+    """Why ``path`` cannot be written by the program (its folder is missing, or it is a
+    folder), as a message naming ``flag``; None when it can be (or is None)."""
+    if path is None:
+        return None
+    text = os.fspath(path)
+    if "\0" in text or text == "":
+        return f"{flag} {text!r:.80}: not a file name"
+    folder = os.path.dirname(os.path.abspath(text))
+    if not os.path.isdir(folder):
+        return f"{flag} {text!r:.80}: the folder {folder!r:.80} does not exist"
+    if os.path.isdir(text):
+        return f"{flag} {text!r:.80} is a folder: give a file name"
+    return None

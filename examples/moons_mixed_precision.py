@@ -16,102 +16,248 @@ SGD with momentum (``--optimizer sgd``), Adam or AdamW.
 ``--inject-nonfinite 200,201`` corrupts the input batch of those steps with an infinity, to
 watch the gate skip them and the scale back off. With ``--checkpoint`` the state is saved every
 ``--checkpoint-every`` steps and at the end; ``--resume`` continues from it and ends exactly as
-an uninterrupted run would. A PNG of the loss and the scale is written when matplotlib is there.
+an uninterrupted run would, reporting the same counts, scale and loss. The checkpoint records
+the settings that change the training; a resume with other values stops, naming each, unless
+``--override-config lr,momentum`` (say) lets those continue with their new values (--gate,
+--optimizer, --batch, --seed, --init-scale and --growth-interval can never change). The step
+budget may always grow. A PNG of the loss and the scale is written when matplotlib is there.
+Every flag is checked before any work: a mistake is one line on stderr and exit status 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import os
+import re
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import numpy as np
+import safetensors
+from common import (
+    BACKENDS,
+    F32_MAX,
+    ExampleParser,
+    batch_indices,
+    integer,
+    make_context,
+    output_path,
+    real,
+)
 
 import ocannl.tensor as T
-from ocannl import Context, Failure, checkpoint, datasets, mixed_prec, nn_blocks, optim, train
+from ocannl import Failure, checkpoint, datasets, mixed_prec, nn_blocks, optim, train
 
 TRAIN_POINTS, TEST_POINTS = 512, 512
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+# Settings that change the training, recorded in every checkpoint (``extra["config"]``) and
+# compared on --resume. The step budget is not one: no schedule here depends on it, so a
+# resume may always run further. Those below can never be overridden, with the reason.
+FIXED = {
+    "gate": "the checkpoint holds the other gate's state",
+    "optimizer": "the checkpoint holds the other optimizer's buffers",
+    "batch": "every epoch's data order is drawn for the batch size",
+    "seed": "the training points and their order are drawn from it",
+    "growth-interval": "the saved loss-scale schedule belongs to it",
+    "init-scale": "the loss scale continues from the checkpoint (--init-scale sets step 0's)",
+}
+OVERRIDABLE = ("lr", "momentum", "check-interval", "inject-nonfinite")
+
+
+def build_parser() -> ExampleParser:
+    ap = ExampleParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gate", choices=["host", "fused"], default="fused",
                     help="skip overflowing steps on the host after each step, or on the device "
-                         "in one fused routine (default: fused)")
-    ap.add_argument("--check-interval", type=int, default=16,
-                    help="fused gate: steps between two host reads of the overflow flag")
-    ap.add_argument("--steps", type=int, default=600, help="training steps (default 600)")
-    ap.add_argument("--batch", type=int, default=64, help="batch size (default 64)")
+                         "in one fused routine")
+    ap.add_argument("--check-interval", type=integer(1, 2**24), default=16,
+                    help="fused gate: steps between two host reads of the skipped-step count")
+    ap.add_argument("--steps", type=integer(1, 10**18), default=600, help="training steps")
+    ap.add_argument("--batch", type=integer(1, TRAIN_POINTS), default=64,
+                    help=f"batch size (at most the {TRAIN_POINTS} training points)")
     ap.add_argument("--optimizer", choices=["sgd", "adam", "adamw"], default="sgd",
-                    help="the optimizer updating the f32 masters (default sgd)")
-    ap.add_argument("--lr", type=float, default=0.1, help="learning rate (default 0.1)")
-    ap.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default 0.9)")
-    ap.add_argument("--init-scale", type=float, default=65536.0, help="initial loss scale")
-    ap.add_argument("--growth-interval", type=int, default=50,
+                    help="the optimizer updating the f32 masters")
+    ap.add_argument("--lr", type=real(0, F32_MAX, lo_open=True, f32=True), default=0.1,
+                    help="learning rate")
+    ap.add_argument("--momentum", type=real(0, 1, hi_open=True), default=0.9,
+                    help="SGD momentum, in [0, 1)")
+    ap.add_argument("--init-scale", type=real(0, F32_MAX, lo_open=True, f32=True),
+                    default=65536.0, help="initial loss scale")
+    ap.add_argument("--growth-interval", type=integer(1, 10**19 - 1), default=50,
                     help="good steps before the scale grows (torch's default is 2000)")
-    ap.add_argument("--seed", type=int, default=0, help="data and initialisation seed")
+    ap.add_argument("--seed", type=integer(0, 2**63 - 1), default=0,
+                    help="data and initialisation seed")
     ap.add_argument("--checkpoint", type=Path, help="save the training state to this file")
-    ap.add_argument("--checkpoint-every", type=int, default=100,
-                    help="steps between checkpoints (default 100)")
+    ap.add_argument("--checkpoint-every", type=integer(1), default=100,
+                    help="steps between checkpoints")
     ap.add_argument("--resume", action="store_true",
-                    help="continue from --checkpoint when it exists")
-    ap.add_argument("--backend", choices=["auto", "cpu", "cuda"], default="auto",
+                    help="continue from --checkpoint when it exists; it must have been written "
+                         "with the same settings (" + ", ".join(f"--{k}" for k in CONFIG_KEYS)
+                         + "), or the run stops naming each that differs")
+    ap.add_argument("--override-config", default="", metavar="NAMES",
+                    help="with --resume: comma-separated settings that may differ from the "
+                         "checkpoint's, the new values then applying from the resumed step on ("
+                         + ", ".join(OVERRIDABLE) + "; --momentum not between 0 and non-zero); "
+                         + ", ".join(FIXED) + " can never change")
+    ap.add_argument("--backend", choices=list(BACKENDS), default="auto",
                     help="auto: the GPU when CuPy sees one, else the CPU")
-    ap.add_argument("--inject-nonfinite", default="",
-                    help="comma-separated steps whose input batch gets an infinity")
+    ap.add_argument("--inject-nonfinite", default="", metavar="STEPS",
+                    help="comma-separated steps (from 0) whose input batch gets an infinity")
     ap.add_argument("--plot", type=Path, default=Path("moons_mixed_precision.png"),
-                    help="where to write the loss and scale plot")
+                    help="where to write the loss and scale plot (.png, .svg or .pdf)")
     ap.add_argument("--no-plot", action="store_true", help="do not write the plot")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return ap
+
+
+CONFIG_KEYS = ("gate", "optimizer", "batch", "seed", "lr", "momentum", "check-interval",
+               "init-scale", "growth-interval", "inject-nonfinite")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, every one checked: a mistake exits with status 2 and one line on stderr,
+    before anything is computed or written."""
+    ap = build_parser()
     args = ap.parse_args(argv)
-    for name in ("check_interval", "steps", "batch", "checkpoint_every", "growth_interval"):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    items = [s.strip() for s in args.inject_nonfinite.split(",") if s.strip()]
+    if not all(re.fullmatch("[0-9]{1,19}", s) for s in items):
+        ap.error(f"--inject-nonfinite expects comma-separated step numbers, got "
+                 f"{args.inject_nonfinite!r:.80}")
+    args.inject = {int(s) for s in items}
+    bad = sorted(s for s in args.inject if not 0 <= s < args.steps)
+    if bad:
+        ap.error(f"--inject-nonfinite {bad[0]}: steps run from 0 to {args.steps - 1} "
+                 f"(--steps {args.steps})")
     if args.resume and args.checkpoint is None:
         ap.error("--resume needs --checkpoint PATH")
-    if args.checkpoint is not None and not args.checkpoint.absolute().parent.is_dir():
-        ap.error(f"--checkpoint {args.checkpoint}: the folder {args.checkpoint.parent} does not "
-                 f"exist")
-    try:
-        args.inject = {int(s) for s in args.inject_nonfinite.split(",") if s.strip()}
-    except ValueError:
-        ap.error(f"--inject-nonfinite expects comma-separated step numbers, got "
-                 f"{args.inject_nonfinite!r}")
+    problem = output_path(args.checkpoint, "--checkpoint")
+    if problem is None and not args.no_plot:
+        problem = output_path(args.plot, "--plot")
+        if problem is None and args.plot.suffix.lower() not in (".png", ".svg", ".pdf"):
+            problem = f"--plot {str(args.plot)!r:.80}: the name must end in .png, .svg or .pdf"
+    if problem is not None:
+        ap.error(problem)
+    args.override = [k.strip() for k in args.override_config.split(",") if k.strip()]
+    if args.override_config and not args.resume:
+        ap.error("--override-config applies to --resume only")
+    if args.override_config and not args.override:
+        ap.error(f"--override-config expects comma-separated setting names, got "
+                 f"{args.override_config!r:.80}")
+    for k in args.override:
+        if k in FIXED:
+            ap.error(f"--override-config {k}: --{k} can never differ from the checkpoint's: "
+                     f"{FIXED[k]}")
+        if k == "steps":
+            ap.error("--override-config steps: the step budget is not checked (a resume may "
+                     "run to any --steps past its checkpoint): nothing to override")
+        if k not in OVERRIDABLE:
+            ap.error(f"--override-config {k!r:.40}: not a setting; the ones that may differ: "
+                     f"{', '.join(OVERRIDABLE)}")
     return args
 
 
-def make_context(backend: str) -> Context:
-    if backend == "cpu":
-        return Context.cpu()
-    if backend == "auto":
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            ctx = Context.auto()
-        for w in caught:
-            print(f"note: {w.message}", file=sys.stderr)
-        return ctx
+def run_config(args: argparse.Namespace) -> dict[str, str]:
+    """Every setting that changes the training, as the flag names and their canonical values:
+    --momentum only for SGD, --check-interval only for the fused gate."""
+    config = {"gate": args.gate, "optimizer": args.optimizer, "batch": str(args.batch),
+              "seed": str(args.seed), "lr": repr(args.lr),
+              "init-scale": repr(args.init_scale), "growth-interval": str(args.growth_interval),
+              "inject-nonfinite": ",".join(str(s) for s in sorted(args.inject))}
+    if args.optimizer == "sgd":
+        config["momentum"] = repr(args.momentum)
+    if args.gate == "fused":
+        config["check-interval"] = str(args.check_interval)
+    return config
+
+
+def config_problem(saved: dict[str, str] | None, mine: dict[str, str],
+                   override: list[str]) -> tuple[str | None, list[str]]:
+    """Compare the checkpoint's settings with this run's: (why the resume must stop, or None;
+    a note per overridden setting that differs)."""
+    if saved is None:
+        return ("it does not record the settings it was trained with (written by an older "
+                "version of this example), so a resume cannot check them: start afresh", [])
+    def shown(v: str | None) -> str:
+        return "(none)" if v in (None, "") else v
+
+    # A setting only one side has (--momentum, --check-interval) follows from --optimizer or
+    # --gate: named only when those agree.
+    same_kind = all(saved.get(k) == mine.get(k) for k in ("gate", "optimizer"))
+    diffs = [k for k in sorted(set(saved) | set(mine), key=_config_order)
+             if saved.get(k) != mine.get(k) and (same_kind or (k in saved and k in mine))]
+    stop = [k for k in diffs if k not in override]
+    if "momentum" in diffs and "momentum" in override and \
+            (float(saved.get("momentum", 0)) == 0) != (float(mine.get("momentum", 0)) == 0):
+        return (f"--momentum {shown(saved.get('momentum'))} in the checkpoint, "
+                f"{shown(mine.get('momentum'))} now: cannot be overridden between 0 and non-zero "
+                f"(SGD without momentum has no momentum buffers)", [])
+    if stop:
+        said = "; ".join(f"--{k} {shown(saved.get(k))} in the checkpoint, {shown(mine.get(k))} "
+                         f"now" for k in stop)
+        may = [k for k in stop if k in OVERRIDABLE]
+        fixed = [k for k in stop if k in FIXED]
+        hint = []
+        if may:
+            hint.append(f"--override-config {','.join(may)} continues with the new "
+                        f"value{'s' if len(may) > 1 else ''}")
+        hint += [f"--{k} can never change: {FIXED[k]}" for k in fixed]
+        return f"{said} ({'; '.join(hint)})", []
+    notes = [f"note: --override-config: --{k} {shown(saved.get(k))} in the checkpoint, "
+             f"{shown(mine.get(k))} from here on" for k in diffs]
+    return None, notes
+
+
+def resume_problem(args: argparse.Namespace, progress: checkpoint.Progress,
+                   config: dict[str, str]) -> tuple[str | None, list[str]]:
+    """Why this run cannot resume from ``progress`` (None: it can), and the notes to print."""
+    problem, notes = config_problem(saved_config(progress), config, args.override)
+    if problem is None and progress.step > args.steps:
+        problem = (f"it is at step {progress.step}, past --steps {args.steps} (give --steps "
+                   f"{progress.step} or more)")
+    return problem, notes
+
+
+def _config_order(k: str) -> int:
+    return CONFIG_KEYS.index(k) if k in CONFIG_KEYS else len(CONFIG_KEYS)
+
+
+def saved_config(progress: checkpoint.Progress) -> dict[str, str] | None:
+    text = progress.extra.get("config")
+    if text is None:
+        return None
     try:
-        return Context.cuda()
-    except Exception as err:  # noqa: BLE001 - every reason means: no usable GPU here
-        sys.exit(f"error: --backend cuda needs an NVIDIA GPU usable through CuPy, and none is "
-                 f"usable here ({type(err).__name__}: {err}). Use --backend cpu or auto.")
+        config = json.loads(text)
+    except ValueError:
+        return None
+    ok = isinstance(config, dict) and all(isinstance(v, str) for v in config.values())
+    return config if ok else None
 
 
-def batch_indices(step: int, n: int, batch: int, seed: int) -> np.ndarray:
-    """The points of a step: a fresh permutation per epoch, a function of the step alone (so a
-    resumed run sees the batches the uninterrupted one would have)."""
-    per_epoch = n // batch
-    epoch, k = divmod(step, per_epoch)
-    perm = np.random.default_rng([seed, epoch]).permutation(n)
-    return perm[k * batch:(k + 1) * batch]
+def peek_progress(path: Path) -> checkpoint.Progress | None:
+    """The progress a checkpoint records, read from its header alone (before any tensor is
+    loaded, so a mismatch is reported as one, not as a node that does not fit); None when the
+    header cannot be read (``checkpoint.load`` then says why)."""
+    try:
+        with safetensors.safe_open(str(path), framework="numpy") as fh:
+            meta = fh.metadata() or {}
+        return checkpoint.Progress.from_json(meta["progress"])
+    except Exception:  # noqa: BLE001 - any unreadable header: checkpoint.load reports it
+        return None
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    config = run_config(args)
+    resuming = args.resume and os.path.exists(args.checkpoint)
+    if resuming:  # the settings first: a checkpoint of another run refuses before any work
+        peeked = peek_progress(args.checkpoint)
+        if peeked is not None:
+            problem, _ = resume_problem(args, peeked, config)
+            if problem is not None:
+                sys.exit(f"error: cannot resume from {args.checkpoint}: {problem}")
     ctx = make_context(args.backend)
     points, labels = datasets.half_moons(TRAIN_POINTS, seed=args.seed)
     test_points, test_labels = datasets.half_moons(TEST_POINTS, seed=args.seed + 1)
@@ -144,24 +290,30 @@ def main(argv: list[str] | None = None) -> int:
     compile_s = time.perf_counter() - t0
 
     start = 0
-    if args.resume and args.checkpoint.exists():
+    saved_loss = math.nan  # the loss of the step before a checkpoint, as it recorded it
+    if resuming:
         try:
             ctx, progress = checkpoint.load(args.checkpoint, ctx, state)
-            for flag in ("gate", "optimizer"):
-                saved, mine = progress.extra.get(flag), getattr(args, flag)
-                if saved != mine:
-                    raise Failure(f"it was written with --{flag} {saved}, not --{flag} {mine}")
+            problem, notes = resume_problem(args, progress, config)
+            if problem is not None:
+                raise Failure(problem)
             ctx = scaler.restore_state(ctx, progress.extra["loss_scaler"])
             recipe.restore_state(progress.extra["recipe"])
-        except (Failure, KeyError) as err:
-            sys.exit(f"error: cannot resume from {args.checkpoint}: {err}")
+            saved_loss = float.fromhex(progress.extra["loss"])
+        except (Failure, KeyError, ValueError) as err:
+            sys.exit(f"error: cannot resume from {args.checkpoint}: "
+                     f"{type(err).__name__ + ' ' if isinstance(err, KeyError) else ''}{err}")
         start = progress.step
         print(f"resumed from {args.checkpoint} at step {start}", flush=True)
+        for note in notes:
+            print(note, flush=True)
     elif args.resume:
         print(f"no checkpoint at {args.checkpoint} yet: starting from step 0", flush=True)
 
     def save(step: int) -> None:
-        extra = {"gate": args.gate, "optimizer": args.optimizer,
+        # Before the window is flushed: the resumed run samples it where this one would.
+        extra = {"config": json.dumps(config, sort_keys=True),
+                 "loss": ctx.get_value(loss).hex(),
                  "loss_scaler": scaler.save_state(), "recipe": recipe.save_state()}
         progress = checkpoint.Progress(step=step, epoch=step // (TRAIN_POINTS // args.batch),
                                        extra=extra)
@@ -192,13 +344,21 @@ def main(argv: list[str] | None = None) -> int:
         if bar is not None:
             bar.update(1)
             if step % 10 == 0:
-                last = history[-1][1] if history else math.nan
-                bar.set_postfix(loss=f"{last:.4f}", scale=f"{scale:g}")
+                # nothing sampled yet in the fused gate's first window: no loss to show
+                last = f"{history[-1][1]:.4f}" if history else "-"
+                bar.set_postfix(loss=last, scale=f"{scale:g}")
     if bar is not None:
         bar.close()
     ran = start < args.steps
     if args.checkpoint is not None and ran and args.steps % args.checkpoint_every != 0:
         save(args.steps)
+    # Sample the last, partial window (the fused gate), so the scale and counts reported are
+    # those of every step; a run resumed from its last checkpoint reports the same.
+    pending = recipe.pending
+    ctx = recipe.flush(ctx)
+    final_loss = ctx.get_value(loss) if ran else saved_loss
+    if ran and pending:
+        history.append((args.steps - 1, final_loss, scaler.scale_value()))
 
     correct = 0
     for k in range(0, TEST_POINTS - args.batch + 1, args.batch):
@@ -207,13 +367,15 @@ def main(argv: list[str] | None = None) -> int:
         pred = np.argmax(ctx.get_values(logits).astype(np.float32), axis=-1)
         correct += int(np.sum(pred == test_labels[k:k + args.batch]))
     evaluated = (TEST_POINTS // args.batch) * args.batch
-    # The host gate's windows are single steps.
-    what = "windows" if args.gate == "fused" else "steps"
     print(f"backend {ctx.backend_name()}, gate {args.gate}, compile {compile_s:.1f} s")
-    finite = [v for _, v, _ in history if math.isfinite(v)]
-    if finite:
-        print(f"final loss {finite[-1]:.4g}, loss scale {scaler.scale_value():g} "
-              f"(good steps {scaler.good_steps}), skipped {what}: {recipe.skipped_windows}")
+    # Counts of the whole run (the recipe's counters travel in the checkpoint); the host gate's
+    # windows are single steps.
+    skipped = (f"skipped steps: {recipe.skipped_steps} of "
+               f"{recipe.applied_steps + recipe.skipped_steps}")
+    if args.gate == "fused":
+        skipped += f" (windows: {recipe.skipped_windows} of {recipe.windows})"
+    print(f"final loss {final_loss:.4g}, loss scale {scaler.scale_value():g} "
+          f"(good steps {scaler.good_steps}), {skipped}")
     print(f"accuracy: {100.0 * correct / evaluated:.2f}% on {evaluated} held-out points",
           flush=True)
     if not args.no_plot and history:
