@@ -1,5 +1,6 @@
 """The tensor DSL: build models as graphs of tensors; their code is generated from it."""
 
+from ocannl.tensor.einsum import einsum
 from ocannl.tensor.operations import (
     ClassIds,
     Rng,
@@ -10,7 +11,6 @@ from ocannl.tensor.operations import (
     class_ids,
     div,
     dropout,
-    einsum,
     embedding,
     eq,
     erf,

@@ -1,4 +1,4 @@
-"""The tensor DSL: leaves, pointwise ops, ``@``, reductions, ``einsum``, ``cast``, with backprop.
+"""The tensor DSL: leaves, pointwise ops, ``@``, reductions, ``cast``, with backprop.
 
 Every op builds one forward assignment over a product space and, when it is differentiable,
 one backprop assignment per differentiable operand over the same space, written with the
@@ -311,63 +311,6 @@ def _contract(label: str, a: Tensor, b: Tensor, pa: tuple[Index, ...], pb: tuple
             for t, p, other in ((a, pa, y), (b, pb, x)) if t.grad is not None
         )
     return out
-
-
-def _parse_operand(spec: str) -> tuple[str, str, str]:
-    """``"b|i->o"`` into (batch, input, output) label strings; parts may be absent."""
-    batch, rest = spec.split("|", 1) if "|" in spec else ("", spec)
-    inp, out = rest.split("->", 1) if "->" in rest else ("", rest)
-    return batch.strip(), inp.strip(), out.strip()
-
-
-def einsum(spec: str, a: Tensor, b: Tensor | None = None) -> Tensor:
-    """Generalised contraction, OCANNL style.
-
-    ``spec`` is ``"A;B=>R"`` (binary: the product of a and b) or ``"A=>R"`` (unary: a copy).
-    Each of A, B, R is ``"batch|input->output"``, each part a string of one-letter axis labels
-    (``"b|i->o"``; ``"i->o"`` has no batch axes; ``"o"`` only output axes). Equal labels are the
-    same iterator; labels missing from R are summed over. Example: ``"b|i->h;h->o=>b|i->o"``.
-    """
-    if "=>" not in spec:
-        raise ValueError(f"einsum spec {spec!r}: expected 'A;B=>R' or 'A=>R'")
-    lhs, res = spec.split("=>")
-    parts = lhs.split(";")
-    ts = [a] if b is None else [a, b]
-    if len(parts) != len(ts):
-        raise ValueError(f"einsum spec {spec!r} names {len(parts)} operands, got {len(ts)}")
-    ops = [_parse_operand(p) for p in parts]
-    r = _parse_operand(res)
-    extent: dict[str, int] = {}
-    owner: dict[str, Tensor] = {}  # the operand that first gave each axis its extent
-    for t, (pb, pi, po) in zip(ts, ops, strict=True):
-        for row, labels in (("batch", pb), ("input", pi), ("output", po)):
-            dims = t.shape.row(row)
-            if len(labels) != len(dims):
-                raise ValueError(
-                    f"einsum {spec!r}: {row} row {labels!r} has {len(labels)} axes but "
-                    f"{t.label} has shape {t.shape}"
-                )
-            for lab, d in zip(labels, dims, strict=True):
-                first = owner.setdefault(lab, t)
-                if extent.setdefault(lab, d) != d:
-                    raise ValueError(f"einsum {spec!r}: axis {lab!r} is {extent[lab]} in "
-                                     f"{first.label} {first.shape} and {d} in {t.label} {t.shape}")
-    for lab in "".join(r):
-        if lab not in extent:
-            raise ValueError(f"einsum {spec!r}: result axis {lab!r} appears in no operand")
-    rb, ri, ro = r
-    order = list(dict.fromkeys(rb + ro + ri))  # result iterators first, in dims order
-    order += [lab for lab in dict.fromkeys("".join(x[0] + x[2] + x[1] for x in ops))
-              if lab not in order]
-    it = {lab: k for k, lab in enumerate(order)}
-    space = tuple(extent[lab] for lab in order)
-    shape = Shape(tuple(extent[c] for c in rb), tuple(extent[c] for c in ro),
-                  tuple(extent[c] for c in ri))
-    projs = [tuple(it[c] for c in pb + po + pi) for pb, pi, po in ops]
-    if b is not None:
-        return _contract("einsum", a, b, projs[0], projs[1], shape, space)
-    return _reduce_with("einsum", a, projs[0], tuple(it[c] for c in rb + ro + ri), shape,
-                        space, "+")
 
 
 # --- reductions -------------------------------------------------------------------------------
