@@ -2,7 +2,8 @@
 
 One routine holds the whole step (forward, backprop, SGD); each step writes a fresh minibatch
 into the input tensors with ``set_values`` and runs it. Writes a decision-boundary PNG when
-matplotlib is installed.
+matplotlib is installed. Every flag is checked before any work: a mistake is one line on
+stderr and exit status 2.
 """
 
 from __future__ import annotations
@@ -12,21 +13,48 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from common import F32_MAX, ExampleParser, integer, output_path, real
 from tqdm import tqdm
 
 import ocannl.tensor as T
 from ocannl import Context, datasets, nn_blocks, train
 
+MAX_POINTS = 1_000_000
+
+
+def build_parser() -> ExampleParser:
+    ap = ExampleParser(description=__doc__)
+    ap.add_argument("--points", type=integer(2, MAX_POINTS), default=1024,
+                    help="training points")
+    ap.add_argument("--batch", type=integer(1, MAX_POINTS), default=64,
+                    help="batch size, at most --points")
+    ap.add_argument("--epochs", type=integer(1, 10**9), default=40, help="passes over the points")
+    ap.add_argument("--lr", type=real(0, F32_MAX, lo_open=True, f32=True), default=0.1,
+                    help="learning rate (halved for the last quarter of the epochs)")
+    ap.add_argument("--seed", type=integer(0, 2**63 - 1), default=0,
+                    help="data, order and initialisation seed")
+    ap.add_argument("--png", default="moons_demo.png",
+                    help="where to write the decision-boundary plot (.png)")
+    return ap
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, every one checked: a mistake exits with status 2 and one line on stderr."""
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if args.batch > args.points:
+        ap.error(f"--batch {args.batch} is more than the {args.points} training points "
+                 f"(--points)")
+    problem = output_path(args.png, "--png")
+    if problem is None and Path(args.png).suffix.lower() != ".png":
+        problem = f"--png {args.png!r:.80}: the name must end in .png"
+    if problem is not None:
+        ap.error(problem)
+    return args
+
 
 def main(argv: list[str] | None = None) -> float:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--points", type=int, default=1024)
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--epochs", type=int, default=40)
-    ap.add_argument("--lr", type=float, default=0.1)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--png", default="moons_demo.png")
-    args = ap.parse_args(argv)
+    args = parse_args(argv)
 
     T.set_seed(args.seed)
     points, labels = datasets.half_moons(args.points, seed=args.seed)
@@ -44,13 +72,14 @@ def main(argv: list[str] | None = None) -> float:
 
     rng = np.random.default_rng(args.seed)
     batches = args.points // args.batch
+    halve_at = (3 * args.epochs // 4) * batches  # 0 with fewer than 2 epochs: never halved
     bar = tqdm(range(args.epochs * batches), desc="moons f32", file=sys.stdout)
     running = None
     for i in bar:
         if i % batches == 0:
             order = rng.permutation(args.points)
             # Halve the learning rate for the last quarter of training: no recompilation.
-            if i == (3 * args.epochs // 4) * batches:
+            if i == halve_at and halve_at > 0:
                 ctx = ctx.set_values(lr, [args.lr / 2])
         sel = order[(i % batches) * args.batch:(i % batches + 1) * args.batch]
         ctx = ctx.set_values(x, points[sel]).set_values(y, targets[sel])

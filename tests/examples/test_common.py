@@ -1,0 +1,71 @@
+"""examples/common.py: the backend choice, the per-epoch batch order and the checked flag types."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+
+import common  # noqa: E402
+
+
+def test_batch_indices_walk_one_permutation_per_epoch() -> None:
+    n, batch = 100, 30  # 3 steps an epoch, 10 points left out of each
+    for epoch in range(3):
+        steps = [common.batch_indices(epoch * 3 + k, n, batch, seed=5) for k in range(3)]
+        seen = np.concatenate(steps)
+        assert all(len(s) == batch for s in steps)
+        assert len(set(seen.tolist())) == 90 and seen.min() >= 0 and seen.max() < n
+    a = common.batch_indices(7, n, batch, seed=5)
+    assert np.array_equal(a, common.batch_indices(7, n, batch, seed=5))  # a function of the step
+    assert not np.array_equal(a, common.batch_indices(7, n, batch, seed=6))
+    assert not np.array_equal(common.batch_indices(0, n, batch, 5),
+                              common.batch_indices(3, n, batch, 5))  # a fresh order each epoch
+    assert len(common.batch_indices(4, n, n, 0)) == n  # one batch: the whole set
+
+
+@pytest.mark.parametrize(("step", "n", "batch", "seed"), [
+    (0, 512, 1000, 0), (0, 512, 0, 0), (-1, 512, 64, 0), (0, 512, 64, -1), (0, 512, 1.5, 0),
+    (True, 512, 64, 0),
+])
+def test_batch_indices_refuse_what_has_no_batch(step, n, batch, seed) -> None:
+    with pytest.raises(ValueError, match="batch_indices"):
+        common.batch_indices(step, n, batch, seed)
+
+
+def test_make_context() -> None:
+    assert common.make_context("cpu").backend_name() == "cpu"
+    with pytest.raises(ValueError, match="'gpu'"):
+        common.make_context("gpu")
+
+
+def test_checked_types() -> None:
+    between = common.integer(1, 10)
+    assert between("10") == 10
+    for bad in ("0", "11", "1.0", "x", "9" * 5000):
+        with pytest.raises(argparse.ArgumentTypeError, match=r"an integer in \[1, 10\]"):
+            between(bad)
+    unit = common.real(0, 1, hi_open=True)
+    assert unit("0") == 0.0 and unit("0.5") == 0.5
+    for bad in ("1", "-1e-300", "nan", "inf", "x"):
+        with pytest.raises(argparse.ArgumentTypeError, match=r"\[0, 1\)"):
+            unit(bad)
+    f32 = common.real(0, common.F32_MAX, lo_open=True, f32=True)
+    assert f32("1e-45") == 1e-45 and f32("3.4e38") == 3.4e38
+    for bad in ("1e-46", "3.5e38", "0"):
+        with pytest.raises(argparse.ArgumentTypeError, match="f32"):
+            f32(bad)
+
+
+def test_output_path(tmp_path: Path) -> None:
+    assert common.output_path(None, "--x") is None
+    assert common.output_path(tmp_path / "a.png", "--x") is None
+    assert "does not exist" in common.output_path(tmp_path / "no" / "a.png", "--x")
+    assert "is a folder" in common.output_path(tmp_path, "--x")
+    assert "not a file name" in common.output_path("a\0b", "--x")
+    assert "does not exist" in common.output_path("/" + "x" * 5000 + "/a", "--x")
