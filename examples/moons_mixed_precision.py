@@ -22,6 +22,15 @@ the settings that change the training; a resume with other values stops, naming 
 --optimizer, --batch, --seed, --init-scale and --growth-interval can never change). The step
 budget may always grow. A PNG of the loss and the scale is written when matplotlib is there.
 Every flag is checked before any work: a mistake is one line on stderr and exit status 2.
+
+``--data-parallel`` trains on every process of an MPI job, each on its shard of the global
+``--batch``, the gradients summed once per step (``ocannl.parallel``; NCCL between GPUs)::
+
+    .venv/bin/mpiexec -n 2 .venv/bin/python -m mpi4py examples/moons_mixed_precision.py \
+        --data-parallel                                             # make demo-dp
+
+Every rank skips the same steps and keeps the same loss scale; rank 0 prints, plots and writes
+the checkpoint, which a run on another number of ranks (same --batch) may resume.
 """
 
 from __future__ import annotations
@@ -49,7 +58,17 @@ from common import (
 )
 
 import ocannl.tensor as T
-from ocannl import Failure, checkpoint, datasets, mixed_prec, nn_blocks, optim, train
+from ocannl import (
+    Context,
+    Failure,
+    checkpoint,
+    datasets,
+    mixed_prec,
+    nn_blocks,
+    optim,
+    parallel,
+    train,
+)
 
 TRAIN_POINTS, TEST_POINTS = 512, 512
 
@@ -104,6 +123,9 @@ def build_parser() -> ExampleParser:
                          + ", ".join(FIXED) + " can never change")
     ap.add_argument("--backend", choices=list(BACKENDS), default="auto",
                     help="auto: the GPU when CuPy sees one, else the CPU")
+    ap.add_argument("--data-parallel", action="store_true",
+                    help="train on every process of the MPI job (mpiexec -n N python -m mpi4py "
+                         "...), each on an equal shard of --batch; alone, a world of one")
     ap.add_argument("--inject-nonfinite", default="", metavar="STEPS",
                     help="comma-separated steps (from 0) whose input batch gets an infinity")
     ap.add_argument("--plot", type=Path, default=Path("moons_mixed_precision.png"),
@@ -248,6 +270,17 @@ def peek_progress(path: Path) -> checkpoint.Progress | None:
         return None
 
 
+def data_parallel_world(ctx: Context) -> tuple[parallel.Communicator, Context]:
+    """The ranks of this job (MPI under mpiexec, else a world of one) and the context to train
+    in: on GPUs with several ranks, NCCL and a context on this rank's device."""
+    comm = parallel.world()
+    if ctx.backend_name() == "cuda" and isinstance(comm, parallel.MpiCommunicator) \
+            and comm.size > 1:
+        comm = parallel.NcclCommunicator(comm)
+        ctx = Context.cuda(comm.device_id)
+    return comm, ctx
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     config = run_config(args)
@@ -259,17 +292,37 @@ def main(argv: list[str] | None = None) -> int:
             if problem is not None:
                 sys.exit(f"error: cannot resume from {args.checkpoint}: {problem}")
     ctx = make_context(args.backend)
+    comm: parallel.Communicator = parallel.SingleProcess()
+    if args.data_parallel:
+        comm, ctx = data_parallel_world(ctx)
+        if args.batch % comm.size:
+            sys.exit(f"error: --batch {args.batch} (the global batch) does not split into "
+                     f"{comm.size} equal shards: give a multiple of {comm.size}")
+    lead = comm.rank == 0  # the rank that prints, plots and writes the checkpoint
+    if not lead:
+        sys.stdout = open(os.devnull, "w")  # for the life of the process
+    local = args.batch // comm.size  # this rank's rows of each step
     points, labels = datasets.half_moons(TRAIN_POINTS, seed=args.seed)
     test_points, test_labels = datasets.half_moons(TEST_POINTS, seed=args.seed + 1)
     targets = datasets.one_hot(labels, 2)
 
     # The model: f16 input, f16 twins of f32 masters, f32 loss.
     T.set_seed(args.seed)
-    x = T.term(np.zeros((args.batch, 2)), label="x", prec="f16")
-    y = T.term(np.zeros((args.batch, 2)), label="y")
+    x = T.term(np.zeros((local, 2)), label="x", prec="f16")
+    y = T.term(np.zeros((local, 2)), label="y")
     logits, _ = mixed_prec.with_master_weights(
         prec="f16", f=lambda: nn_blocks.mlp(x, [16, 16], 2))
     loss = nn_blocks.softmax_cross_entropy(T.cast(logits, "f32"), y)
+    dp = None
+    if args.data_parallel:  # the gradients become views of one flat buffer, before compiling
+        dp = parallel.DataParallel(comm, loss, inputs=[x, y])
+        ctx = dp.setup(ctx)
+        print(f"data-parallel: {comm.size} rank(s) ({comm.name}), global batch {args.batch} = "
+              f"{comm.size} x {local}", flush=True)
+
+    def global_loss() -> float:  # the mean of the ranks' shard losses (a collective)
+        v = ctx.get_value(loss)
+        return v if dp is None else dp.mean(v)
 
     scaler = mixed_prec.Loss_scaler.create(init_scale=args.init_scale,
                                            growth_interval=args.growth_interval)
@@ -281,11 +334,14 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     recipe: mixed_prec.Recipe
     if args.gate == "fused":
-        recipe = mixed_prec.gated_step(scaler, loss, opt, check_interval=args.check_interval)
+        recipe = mixed_prec.gated_step(scaler, loss, opt, check_interval=args.check_interval,
+                                       reducer=dp)
     else:
-        recipe = mixed_prec.scaled_step(scaler, loss, opt)
+        recipe = mixed_prec.scaled_step(scaler, loss, opt, reducer=dp)
     ctx = recipe.compile(ctx)
     state = checkpoint.training_state(loss, opt) + recipe.state_nodes()
+    if dp is not None:
+        ctx = dp.broadcast(ctx, state)  # every rank starts from rank 0's parameters
     ctx, forward_routine = ctx.compile(train.forward(logits))
     compile_s = time.perf_counter() - t0
 
@@ -293,7 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     saved_loss = math.nan  # the loss of the step before a checkpoint, as it recorded it
     if resuming:
         try:
-            ctx, progress = checkpoint.load(args.checkpoint, ctx, state)
+            load = checkpoint.load if dp is None else dp.load  # every rank loads
+            ctx, progress = load(args.checkpoint, ctx, state)
             problem, notes = resume_problem(args, progress, config)
             if problem is not None:
                 raise Failure(problem)
@@ -313,15 +370,18 @@ def main(argv: list[str] | None = None) -> int:
     def save(step: int) -> None:
         # Before the window is flushed: the resumed run samples it where this one would.
         extra = {"config": json.dumps(config, sort_keys=True),
-                 "loss": ctx.get_value(loss).hex(),
+                 "loss": global_loss().hex(),
                  "loss_scaler": scaler.save_state(), "recipe": recipe.save_state()}
         progress = checkpoint.Progress(step=step, epoch=step // (TRAIN_POINTS // args.batch),
                                        extra=extra)
-        checkpoint.save(args.checkpoint, ctx, state, progress)
+        if dp is None:
+            checkpoint.save(args.checkpoint, ctx, state, progress)
+        else:  # rank 0 writes, the others wait for it
+            dp.save(args.checkpoint, ctx, state, progress)
         print(f"checkpoint: step {step} -> {args.checkpoint}", flush=True)
 
     bar = None
-    if not args.no_progress:
+    if not args.no_progress and lead:
         from tqdm import tqdm
 
         bar = tqdm(total=args.steps, initial=start, unit="step", dynamic_ncols=True)
@@ -330,15 +390,16 @@ def main(argv: list[str] | None = None) -> int:
     history: list[tuple[int, float, float]] = []
     for step in range(start, args.steps):
         idx = batch_indices(step, TRAIN_POINTS, args.batch, args.seed)
+        idx = parallel.shard(idx, comm.rank, comm.size)  # this rank's rows
         xb = points[idx].copy()
-        if step in args.inject:
+        if step in args.inject and lead:  # the global batch's first row
             xb[0, 0] = np.inf
         ctx = ctx.set_values(x, xb)
         ctx = ctx.set_values(y, targets[idx])
         scale = scaler.scale_value()
         ctx = recipe.step(ctx)
         if recipe.pending == 0:  # the host sampled this step: reading the loss costs no sync
-            history.append((step, ctx.get_value(loss), scale))
+            history.append((step, global_loss(), scale))
         if args.checkpoint is not None and (step + 1) % args.checkpoint_every == 0:
             save(step + 1)
         if bar is not None:
@@ -356,17 +417,17 @@ def main(argv: list[str] | None = None) -> int:
     # those of every step; a run resumed from its last checkpoint reports the same.
     pending = recipe.pending
     ctx = recipe.flush(ctx)
-    final_loss = ctx.get_value(loss) if ran else saved_loss
+    final_loss = global_loss() if ran else saved_loss
     if ran and pending:
         history.append((args.steps - 1, final_loss, scaler.scale_value()))
 
     correct = 0
-    for k in range(0, TEST_POINTS - args.batch + 1, args.batch):
-        ctx = ctx.set_values(x, test_points[k:k + args.batch])
+    for k in range(0, TEST_POINTS - local + 1, local):
+        ctx = ctx.set_values(x, test_points[k:k + local])
         ctx = ctx.run(forward_routine)
         pred = np.argmax(ctx.get_values(logits).astype(np.float32), axis=-1)
-        correct += int(np.sum(pred == test_labels[k:k + args.batch]))
-    evaluated = (TEST_POINTS // args.batch) * args.batch
+        correct += int(np.sum(pred == test_labels[k:k + local]))
+    evaluated = (TEST_POINTS // local) * local
     print(f"backend {ctx.backend_name()}, gate {args.gate}, compile {compile_s:.1f} s")
     # Counts of the whole run (the recipe's counters travel in the checkpoint); the host gate's
     # windows are single steps.
@@ -378,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
           f"(good steps {scaler.good_steps}), {skipped}")
     print(f"accuracy: {100.0 * correct / evaluated:.2f}% on {evaluated} held-out points",
           flush=True)
-    if not args.no_plot and history:
+    if not args.no_plot and history and lead:
         write_plot(args.plot, history)
     return 0
 
