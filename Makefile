@@ -8,8 +8,10 @@ VENV := .venv
 PY := $(VENV)/bin/python
 DEMO_STAMP := $(VENV)/.installed-demo
 TEST_STAMP := $(VENV)/.installed-test
+DIST_STAMP := $(VENV)/.installed-dist
+NP ?= 2
 
-.PHONY: demo demo-f32 test bench gpu-check
+.PHONY: demo demo-f32 demo-dp test bench gpu-check
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -20,7 +22,11 @@ $(DEMO_STAMP): pyproject.toml | $(PY)
 	touch $@
 
 $(TEST_STAMP): pyproject.toml | $(PY)
-	$(PY) -m pip install -q -e '.[plot,examples,test,gpu]'
+	$(PY) -m pip install -q -e '.[plot,examples,test,gpu,dist]'
+	touch $@
+
+$(DIST_STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install -q -e '.[plot,examples,dist]'
 	touch $@
 
 demo: $(DEMO_STAMP)
@@ -28,6 +34,11 @@ demo: $(DEMO_STAMP)
 
 demo-f32: $(DEMO_STAMP)
 	$(PY) examples/moons_demo.py
+
+# The mixed-precision example trained data-parallel on NP processes (default 2), launched by
+# the mpiexec of the project's environment (MPICH's wheel, the `dist` extra).
+demo-dp: $(DIST_STAMP)
+	$(VENV)/bin/mpiexec -n $(NP) $(PY) -m mpi4py examples/moons_mixed_precision.py --data-parallel
 
 test: $(TEST_STAMP)
 	$(PY) -m ruff check ocannl tests examples benchmarks scripts
