@@ -312,9 +312,9 @@ def test_ranks_disagreeing_on_the_model_or_shards_are_refused_before_any_collect
 
 
 def test_a_world_of_one_is_the_plain_recipe_bit_for_bit() -> None:
-    """SingleProcess: gradients, a no-op allreduce, then checksum and update, as two routines,
-    give the bits of the fused recipe without a reducer."""
-    for v in ("sgd-fused-f16",):
+    """SingleProcess: the gradient routine, a no-op allreduce, then the checksum and the
+    update give the bits of the recipe without a reducer (gradients and checksum fused)."""
+    for v in ("sgd-host-f32",):
         dp = W.run(parallel.SingleProcess(), v, global_batch=16)
         plain = W.run(parallel.SingleProcess(), v, global_batch=16, plain=True)
         assert same_state(dp, plain) and counters(dp) == counters(plain)
