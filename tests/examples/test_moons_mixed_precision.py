@@ -357,6 +357,21 @@ def test_resume_past_the_step_budget_refuses(saved: Path) -> None:
     assert "step 20" in done.stderr and "--steps 10" in done.stderr
 
 
+def test_resume_from_a_checkpoint_without_settings_refuses(tmp_path: Path) -> None:
+    import numpy as np
+
+    import ocannl.tensor as T
+    from ocannl import Context, checkpoint
+
+    path = tmp_path / "old.safetensors"
+    t = T.term(np.zeros(3, np.float32), label="w")
+    ctx = Context.cpu().set_values(t, np.zeros(3))
+    checkpoint.save(path, ctx, [t.value], checkpoint.Progress(step=10, extra={"gate": "fused"}))
+    done = resume(path)
+    assert done.returncode == 1 and done.stderr.count("\n") == 1, done.stderr
+    assert "does not record the settings" in done.stderr and "Traceback" not in done.stderr
+
+
 def test_checkpoint_records_the_configuration(saved: Path) -> None:
     data = saved.read_bytes()
     header = json.loads(data[8:8 + int.from_bytes(data[:8], "little")])
@@ -390,6 +405,10 @@ def test_killed_and_resumed_run_reports_what_the_uninterrupted_one_does(tmp_path
     assert whole.returncode == 0, whole.stderr
     want = summary(whole.stdout)
     assert want[0].startswith("final loss ") and want[-1].startswith("accuracy: "), want
+    # every step counted, the last partial window of the fused gate included
+    assert "skipped steps: " in want[0] and " of 300" in want[0], want
+    if gate == "fused":
+        assert want[0].endswith(" of 19)"), want  # 18 full windows of 16, then 12 steps
 
     path = tmp_path / "killed.safetensors"
     proc = subprocess.Popen([sys.executable, str(EXAMPLE), "--backend", "cpu", "--no-plot",
