@@ -90,11 +90,13 @@ class Job:
     left: list[int]  # processes of the job still alive after it ended (must be empty)
 
 
-def mpirun(n: int, *args: str | Path, timeout: float = 90.0, grace: float = 3.0) -> Job:
-    """``mpiexec -n N python -m mpi4py tests/parallel_worker.py ARGS``, in a new session; on
-    timeout SIGTERM to its process group and every process of the job, then SIGKILL."""
+def mpirun(n: int, *args: str | Path, timeout: float = 90.0, grace: float = 3.0,
+           script: Path = WORKER) -> Job:
+    """``mpiexec -n N python -m mpi4py SCRIPT ARGS`` (the worker by default), in a new
+    session; on timeout SIGTERM to its process group and every process of the job, then
+    SIGKILL."""
     mpiexec = str(MPIEXEC) if MPIEXEC.exists() else str(shutil.which("mpiexec"))
-    cmd = [mpiexec, "-n", str(n), sys.executable, "-m", "mpi4py", str(WORKER),
+    cmd = [mpiexec, "-n", str(n), sys.executable, "-m", "mpi4py", str(script),
            *map(str, args)]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     with tempfile.TemporaryFile("w+") as log:
@@ -494,6 +496,20 @@ def test_nccl_path_through_a_stand_in_reducing_over_mpi(two: Path, tmp_path: Pat
         reduces = [c for c in calls if c[0] == "allReduce"]
         assert len(reduces) == 12
         assert all(c == ["allReduce", r["flat_size"], 7, 0, stream, True] for c in reduces)
+
+
+@needs_mpi
+def test_the_readme_command_trains_the_example_data_parallel(tmp_path: Path) -> None:
+    """``make demo-dp``'s command, shortened: rank 0 alone prints; an unequal split is refused
+    on every rank."""
+    example = HERE.parent / "examples" / "moons_mixed_precision.py"
+    flags = ["--data-parallel", "--steps", "40", "--no-plot", "--no-progress", "--backend", "cpu"]
+    job = ok(mpirun(2, *flags, script=example, timeout=120))
+    assert job.out.count("data-parallel: 2 rank(s) (mpi), global batch 64 = 2 x 32") == 1
+    assert job.out.count("accuracy: ") == 1 and "skipped steps: " in job.out
+    job = mpirun(2, *flags, "--batch", "63", script=example, timeout=60)
+    assert job.rc != 0 and not job.timed_out and job.left == []
+    assert "--batch 63 (the global batch) does not split into 2 equal shards" in job.out
 
 
 @pytest.mark.gpu
