@@ -34,13 +34,3 @@ class Backend(Protocol):
         """The compiled code over the nodes' buffers (in this order), to :meth:`bind`, and
         whether it was compiled anew (False: reused from the in-process cache)."""
 
-
-def host_to_storage(node: Tnode, host: np.ndarray) -> np.ndarray:
-    """Host values as the storage dtype: narrow floats become their bit patterns."""
-    arr = np.ascontiguousarray(host, dtype=node.prec.numpy_dtype).reshape(-1)
-    return arr.view(np.uint16) if node.prec.is_narrow else arr
-
-
-def storage_to_host(node: Tnode, stored: np.ndarray) -> np.ndarray:
-    arr = np.ascontiguousarray(stored).reshape(-1)
-    return arr.view(node.prec.numpy_dtype) if node.prec.is_narrow else arr

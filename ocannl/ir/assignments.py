@@ -10,7 +10,7 @@ assignments of the same form into gradient nodes.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ocannl.ir.ops import ACCUMS, OPS
 from ocannl.ir.tnode import Tnode
@@ -149,13 +149,11 @@ class Comp:
 
     assignments: tuple[Accum, ...] = ()
     label: str = "comp"
-    embedded: frozenset[Tnode] = field(default_factory=frozenset)
 
     def __add__(self, other: Comp) -> Comp:
         return Comp(
             self.assignments + other.assignments,
             f"{self.label}+{other.label}" if self.assignments else other.label,
-            self.embedded | other.embedded,
         )
 
     @staticmethod
@@ -163,7 +161,7 @@ class Comp:
         out = Comp(label=label)
         for c in comps:
             out = out + c
-        return Comp(out.assignments, label, out.embedded)
+        return Comp(out.assignments, label)
 
     @property
     def nodes(self) -> list[Tnode]:

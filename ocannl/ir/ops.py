@@ -27,7 +27,7 @@ class Precision(enum.Enum):
 
     @property
     def is_narrow(self) -> bool:
-        """Stored as 16-bit patterns on the CPU backend."""
+        """A 16-bit float (f16, bf16): arithmetic on it runs in f32."""
         return self in (Precision.f16, Precision.bf16)
 
     @property
@@ -41,18 +41,14 @@ class Precision(enum.Enum):
         return np.dtype(_HOST_DTYPES[self])
 
     @property
-    def storage_dtype(self) -> np.dtype:
-        """The dtype of CPU buffers: narrow floats as their bit patterns."""
-        return np.dtype(np.uint16) if self.is_narrow else self.numpy_dtype
-
-    @property
     def rank(self) -> int:
         """Order used to promote mixed operands (f16 with bf16 promotes to f32)."""
         return _RANKS[self]
 
     @property
     def itemsize(self) -> int:
-        return self.storage_dtype.itemsize
+        """Bytes per element, on every backend."""
+        return self.numpy_dtype.itemsize
 
 
 _HOST_DTYPES = {

@@ -99,7 +99,7 @@ class Tensor:
 
     def forward_comp(self) -> Comp:
         code = tuple(a for t in self.topo() for a in t.forward_code)
-        return Comp(code, f"forward_{self.label}", frozenset(t.value for t in self.topo()))
+        return Comp(code, f"forward_{self.label}")
 
     def backprop_comp(self) -> Comp:
         """Zero every gradient in the graph, then propagate from this tensor's gradient.
@@ -108,7 +108,7 @@ class Tensor:
         """
         order = [t for t in self.topo() if t.grad is not None]
         code = tuple(a for t in reversed(order) for a in t.backprop_code)
-        return Comp(code, f"backprop_{self.label}", frozenset(t.grad for t in order))
+        return Comp(code, f"backprop_{self.label}")
 
     def zero_grads_comp(self) -> Comp:
         order = [t for t in self.topo() if t.grad is not None]

@@ -45,8 +45,8 @@ def _run(comp: Comp, inputs: dict[Tnode, np.ndarray], *, gemm: bool,
     for n, v in {**(initial or {}), **inputs}.items():
         if n.id in bufs:  # (initial values may be given for nodes the code does not touch)
             backend.write(n, bufs[n.id], np.asarray(v, n.prec.numpy_dtype).reshape(-1))
-    fn, _ = backend.compile(comp.label, code, nodes)
-    fn(*(bufs[n.id] for n in nodes))
+    compiled, _ = backend.compile(comp.label, code, nodes)
+    backend.bind(compiled, tuple(bufs[n.id] for n in nodes))()
     return {n.id: backend.read(n, bufs[n.id]).reshape(n.dims) for n in nodes}
 
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from ocannl import Context, Precision
+from ocannl.backends.cpu.backend import storage_dtype
 from ocannl.ir.assignments import Accum, Comp, Const, Get, apply
 from ocannl.ir.ops import ACCUMS, OPS, precision_of, promote, reference
 from ocannl.ir.tnode import Tnode
@@ -42,10 +43,11 @@ def test_precisions():
     assert [p.value for p in Precision] == ["f64", "f32", "f16", "bf16"]
     assert precision_of("f16") is Precision.f16
     assert precision_of(Precision.bf16) is Precision.bf16
-    assert Precision.f16.storage_dtype == np.uint16 and Precision.bf16.storage_dtype == np.uint16
+    assert storage_dtype(Precision.f16) == np.uint16 == storage_dtype(Precision.bf16)
     assert Precision.f16.numpy_dtype == np.float16
     assert Precision.bf16.numpy_dtype == ml_dtypes.bfloat16
-    assert Precision.f32.storage_dtype == np.float32 and Precision.f64.itemsize == 8
+    assert storage_dtype(Precision.f32) == np.float32 and Precision.f64.itemsize == 8
+    assert Precision.f16.itemsize == Precision.bf16.itemsize == 2
     assert Precision.f16.compute is Precision.f32 and Precision.bf16.compute is Precision.f32
     assert Precision.f64.compute is Precision.f64
     assert Precision.f16.is_narrow and not Precision.f32.is_narrow

@@ -20,7 +20,6 @@ from typing import Any
 import numba
 import numpy as np
 
-from ocannl.backends.base import storage_to_host
 from ocannl.backends.cpu import prims
 from ocannl.backends.emit import Flavour, float_literal, nest_body
 from ocannl.ir.lowering import Fill, Gemm, LoopGroup, Lowered, MatrixView
@@ -45,6 +44,14 @@ def routine({params}):
 """
 
 _WIDEN = {Precision.f16: "f16_to_f32", Precision.bf16: "bf16_to_f32"}
+
+
+def storage_dtype(prec: Precision) -> np.dtype:
+    """The dtype of this backend's buffers: Numba has no 16-bit floats, so f16 and bf16 are
+    stored as their bit patterns (uint16) and converted in the generated code."""
+    return np.dtype(np.uint16) if prec.is_narrow else prec.numpy_dtype
+
+
 _NARROW = {Precision.f16: "f32_to_f16", Precision.bf16: "f32_to_bf16"}
 _NP = {Precision.f64: "np.float64", Precision.f32: "np.float32"}
 
@@ -205,7 +212,7 @@ def emit_source(code: list[Lowered], nodes: list[Tnode]) -> tuple[str, list[int]
     source = _HEADER.format(params=params, prims=_PRIMS_STAMP) + "\n".join(consts + w.lines) + "\n"
     scratch = [size for size, _ in w.scratch]
     arrays = [(size, "f32") for size in scratch] + [
-        (n.size, _POINTER[n.prec.storage_dtype]) for n in nodes]
+        (n.size, _POINTER[storage_dtype(n.prec)]) for n in nodes]
     return source + _entry_point(arrays), scratch
 
 
@@ -232,7 +239,7 @@ class NumbaCpuBackend:
     _compiled: dict[str, CompiledRoutine] = {}  # shared by every CPU context in the process
 
     def alloc(self, node: Tnode) -> np.ndarray:
-        return np.zeros(node.size, dtype=node.prec.storage_dtype)
+        return np.zeros(node.size, dtype=storage_dtype(node.prec))
 
     def write(self, node: Tnode, buf: np.ndarray, host: np.ndarray) -> None:
         """Round ``host`` once, from the values given, to the node's precision (ties to even;
@@ -245,7 +252,7 @@ class NumbaCpuBackend:
             np.copyto(buf, host, casting="unsafe")  # NumPy's casts to f32 / f64 round once
 
     def read(self, node: Tnode, buf: np.ndarray) -> np.ndarray:
-        return storage_to_host(node, buf).copy()
+        return (buf.view(node.prec.numpy_dtype) if node.prec.is_narrow else buf).copy()
 
     def bind(self, compiled: CompiledRoutine, buffers: tuple) -> Callable[[], None]:
         return compiled.bind(buffers)
@@ -277,9 +284,6 @@ class CompiledRoutine:
 
     def _scratch(self) -> list[np.ndarray]:
         return [np.empty(n, np.float32) for n in self.scratch_sizes]
-
-    def __call__(self, *buffers: np.ndarray) -> None:
-        self.module.routine(*self._scratch(), *buffers)
 
     def bind(self, buffers: tuple[np.ndarray, ...]) -> Callable[[], None]:
         arrays = (*self._scratch(), *buffers)

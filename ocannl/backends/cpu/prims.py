@@ -177,22 +177,6 @@ def widen_bf16_into(bits, out):
 
 
 @njit(**_JIT)
-def widen_f16(bits):
-    out = np.empty(bits.size, np.float32)
-    for i in range(bits.size):
-        out[i] = f16_to_f32(bits[i])
-    return out
-
-
-@njit(**_JIT)
-def widen_bf16(bits):
-    out = np.empty(bits.size, np.float32)
-    for i in range(bits.size):
-        out[i] = bf16_to_f32(bits[i])
-    return out
-
-
-@njit(**_JIT)
 def narrow_f16(values, out):
     for i in range(values.size):
         out[i] = f32_to_f16(values[i])
