@@ -202,8 +202,15 @@ def config_problem(saved: dict[str, str] | None, mine: dict[str, str],
     if saved is None:
         return ("it does not record the settings it was trained with (written by an older "
                 "version of this example), so a resume cannot check them: start afresh", [])
+
     def shown(v: str | None) -> str:
         return "(none)" if v in (None, "") else v
+
+    def is_zero(v: str | None) -> bool:
+        try:
+            return float(v or 0) == 0
+        except ValueError:
+            return False
 
     # A setting only one side has (--momentum, --check-interval) follows from --optimizer or
     # --gate: named only when those agree.
@@ -212,7 +219,7 @@ def config_problem(saved: dict[str, str] | None, mine: dict[str, str],
              if saved.get(k) != mine.get(k) and (same_kind or (k in saved and k in mine))]
     stop = [k for k in diffs if k not in override]
     if "momentum" in diffs and "momentum" in override and \
-            (float(saved.get("momentum", 0)) == 0) != (float(mine.get("momentum", 0)) == 0):
+            is_zero(saved.get("momentum")) != is_zero(mine.get("momentum")):
         return (f"--momentum {shown(saved.get('momentum'))} in the checkpoint, "
                 f"{shown(mine.get('momentum'))} now: cannot be overridden between 0 and non-zero "
                 f"(SGD without momentum has no momentum buffers)", [])
@@ -226,7 +233,7 @@ def config_problem(saved: dict[str, str] | None, mine: dict[str, str],
             hint.append(f"--override-config {','.join(may)} continues with the new "
                         f"value{'s' if len(may) > 1 else ''}")
         hint += [f"--{k} can never change: {FIXED[k]}" for k in fixed]
-        return f"{said} ({'; '.join(hint)})", []
+        return said + (f" ({'; '.join(hint)})" if hint else ""), []
     notes = [f"note: --override-config: --{k} {shown(saved.get(k))} in the checkpoint, "
              f"{shown(mine.get(k))} from here on" for k in diffs]
     return None, notes
