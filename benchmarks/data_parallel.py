@@ -1,18 +1,23 @@
-"""Data-parallel scaling on the CPU: steps per second of the wide MLP (``specs.mlp_wide``:
-256 -> 1024 -> 1024 -> 10, softmax cross-entropy, plain SGD, global batch 256) at 1 and 2
-ranks, this project (``ocannl.parallel`` over MPI) next to PyTorch DDP with gloo, as the anchor,
-on the same machine.
+"""Data-parallel scaling on the CPU: steps per second at 1 and 2 ranks, this project
+(``ocannl.parallel`` over MPI) next to PyTorch DDP with gloo, as the anchor, on the same
+machine, for the workloads (``benchmarks.specs``, models from ``benchmarks.models``):
 
-    .venv/bin/python benchmarks/data_parallel.py [--ranks 1 2] [--steps 40] [--rounds 3]
+- ``mlp_wide``: 256 -> 1024 -> 1024 -> 10 relu MLP, plain SGD, global batch 256;
+- ``convnet``: ``nn_blocks.lenet`` on scikit-learn's 8x8 digits, Adam (lr 1e-3), global
+  batch 64.
 
-Strong scaling: the global batch stays 256, so each of N ranks trains on 256 / N rows; both
+    .venv/bin/python benchmarks/data_parallel.py [--workloads mlp_wide convnet]
+        [--ranks 1 2] [--steps 40] [--rounds 3]
+
+Strong scaling: the global batch stays fixed, so each of N ranks trains on batch / N rows; both
 frameworks run N processes with ``cores / N`` BLAS / OpenMP threads each (or
-``--threads-per-rank``), launched by the project's ``mpiexec``. Steps per second are timed on
-rank 0 between two barriers, after warm-up; the median over ``--rounds`` interleaved runs is
-reported. Scaling efficiency at N ranks: steps per second at N over N times steps per second at
-1 (1.0: perfect). A timing counts only where the parity gate passes: the first
-``parity_steps`` global losses (the mean of the ranks' shard losses) within 1e-5 relative of
-single-process PyTorch f32 over the global batch.
+``--threads-per-rank``), launched by the project's ``mpiexec``. Both start from the fixture's
+weights and train on the same batches. Steps per second are timed on rank 0 between two
+barriers, after warm-up; the median over ``--rounds`` interleaved runs is reported. Scaling
+efficiency at N ranks: steps per second at N over N times steps per second at 1 (1.0:
+perfect). A timing counts only where the parity gate passes: the first ``parity_steps`` global
+losses (the mean of the ranks' shard losses) within 1e-5 relative of single-process PyTorch f32
+over the global batch (a failing row keeps its raw timings in the JSON, not in the table).
 
 Measured, not asserted: writes ``DATA_PARALLEL.md`` and ``DATA_PARALLEL.json`` (``--out``).
 """
@@ -22,12 +27,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -35,11 +42,11 @@ if __package__ in (None, ""):
 
 import numpy as np  # noqa: E402
 
-from benchmarks import fixtures  # noqa: E402
+from benchmarks import fixtures, models  # noqa: E402
 from benchmarks.specs import TOLERANCE, WORKLOADS, Workload  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-WORKLOAD = "mlp_wide"
+DEFAULT_WORKLOADS = ("mlp_wide", "convnet")
 FRAMEWORKS = ("ocannl", "torch")
 
 
@@ -56,24 +63,23 @@ def _shard(w: Workload, rank: int, size: int, step: int, fx: fixtures.Fixture,
 
 def ocannl_worker(w: Workload, steps: int, warmup: int) -> dict:
     import ocannl.tensor as T
-    from ocannl import Context, nn_blocks, optim, parallel, train
+    from ocannl import Context, nn_blocks, parallel, train
 
     comm = parallel.world("mpi")
     fx = fixtures.load(w)
     onehot = fx.onehot()
     n = w.batch // comm.size
     t0 = time.perf_counter()
-    x = T.term(np.zeros((n, w.sizes[0]), np.float32), label="x")
+    x = models.ocannl_input(np.zeros((n, *w.input_shape), np.float32))
     y = T.term(np.zeros((n, w.classes), np.float32), label="y")
-    logits, layers = nn_blocks.mlp(x, list(w.sizes[1:-1]), w.classes, label="mlp")
+    logits, layers = models.ocannl_model(w, x)
     loss = nn_blocks.softmax_cross_entropy(logits, y)
     dp = parallel.DataParallel(comm, loss, inputs=[x, y])
     ctx = dp.setup(Context.cpu())
-    opt = optim.SGD(w.learning_rate)
+    opt = models.ocannl_optimizer(w)
     ctx, grads = ctx.compile(train.grad_update(loss))
     ctx, update = ctx.compile(opt.update(loss, grad_unscale=dp.grad_unscale()))
-    for (wt, bt), (wv, bv) in zip(layers, fx.weights, strict=True):
-        ctx = ctx.set_values(wt, wv).set_values(bt, bv)
+    ctx = models.set_ocannl_weights(ctx, layers, fx.weights)
     build_s = time.perf_counter() - t0
 
     def step(i: int) -> None:
@@ -111,17 +117,8 @@ def torch_worker(w: Workload, steps: int, warmup: int, port: int, threads: int) 
     fx = fixtures.load(w)
     onehot = fx.onehot()
     t0 = time.perf_counter()
-    layers: list[torch.nn.Module] = []
-    for k, (wv, bv) in enumerate(fx.weights):
-        lin = torch.nn.Linear(wv.shape[1], wv.shape[0])
-        with torch.no_grad():
-            lin.weight.copy_(torch.from_numpy(wv))
-            lin.bias.copy_(torch.from_numpy(bv))
-        layers.append(lin)
-        if k < len(fx.weights) - 1:
-            layers.append(torch.nn.ReLU())
-    model = DistributedDataParallel(torch.nn.Sequential(*layers))
-    opt = torch.optim.SGD(model.parameters(), lr=w.learning_rate)
+    model = DistributedDataParallel(models.torch_model(w, fx.weights))
+    opt = models.torch_optimizer(w, model.parameters())
     ce = torch.nn.functional.cross_entropy
     build_s = time.perf_counter() - t0
 
@@ -173,7 +170,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def launch(framework: str, ranks: int, steps: int, warmup: int, threads: int,
+def launch(w: Workload, framework: str, ranks: int, steps: int, warmup: int, threads: int,
            timeout: float) -> dict:
     mpiexec = Path(sys.executable).parent / "mpiexec"
     py = [sys.executable, "-m", "mpi4py"] if framework == "ocannl" else [sys.executable]
@@ -184,18 +181,22 @@ def launch(framework: str, ranks: int, steps: int, warmup: int, threads: int,
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "rank0.json"
         cmd = [str(mpiexec), "-n", str(ranks), *py, str(Path(__file__).resolve()), "--worker",
-               framework, "--steps", str(steps), "--warmup", str(warmup), "--port",
-               str(free_port()), "--threads", str(threads), "--result", str(out)]
+               framework, "--workloads", w.name, "--steps", str(steps), "--warmup",
+               str(warmup), "--port", str(free_port()), "--threads", str(threads), "--result",
+               str(out)]
         res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout,
                              start_new_session=True)
         if res.returncode != 0 or not out.exists():
-            raise RuntimeError(f"{framework} on {ranks} ranks failed (rc {res.returncode}):\n"
+            raise RuntimeError(f"{w.name}: {framework} on {ranks} ranks failed "
+                               f"(rc {res.returncode}):\n"
                                f"{(res.stdout + res.stderr)[-3000:]}")
         return json.loads(out.read_text())
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workloads", nargs="+", choices=list(WORKLOADS),
+                    default=list(DEFAULT_WORKLOADS))
     ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--steps", type=int, default=40, help="timed steps per run")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps after the parity ones")
@@ -210,8 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    w = WORKLOADS[WORKLOAD]
+    used = [WORKLOADS[name] for name in dict.fromkeys(args.workloads)]
     if args.worker:
+        w = used[0]
         if args.worker == "ocannl":
             res = ocannl_worker(w, args.steps, args.warmup)
         else:
@@ -221,41 +223,36 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     cores = os.cpu_count() or 1
-    bad = [n for n in args.ranks if n < 1 or w.batch % n]
-    if bad:
-        ap.error(f"--ranks {bad[0]}: must divide the global batch {w.batch}")
+    for w in used:
+        bad = [n for n in args.ranks if n < 1 or w.batch % n]
+        if bad:
+            ap.error(f"--ranks {bad[0]}: must divide {w.name}'s global batch {w.batch}")
+
     def threads(n: int) -> int:
         return args.threads_per_rank or max(1, cores // n)
 
-    ref = reference_losses(w)
-    runs: dict[tuple[str, int], list[dict]] = {}
-    for r in range(args.rounds):
-        for n in args.ranks:
-            for fw in FRAMEWORKS:
-                res = launch(fw, n, args.steps, args.warmup, threads(n), args.timeout)
-                runs.setdefault((fw, n), []).append(res)
-                print(f"round {r + 1}: {fw:6s} {n} rank(s): "
-                      f"{res['steps'] / res['seconds']:.2f} steps/s", flush=True)
+    load_start = os.getloadavg()
     rows = []
-    for fw in FRAMEWORKS:
-        for n in args.ranks:
-            rs = runs[(fw, n)]
-            sps = statistics.median(x["steps"] / x["seconds"] for x in rs)
-            err = max(abs(a - b) / abs(b) for a, b in zip(rs[0]["losses"], ref, strict=True))
-            rows.append({"framework": fw, "ranks": n, "rows_per_rank": w.batch // n,
-                         "threads_per_rank": threads(n), "steps_per_s": sps,
-                         "samples_per_s": sps * w.batch, "parity_max_rel": err,
-                         "parity_ok": err <= TOLERANCE["f32"],
-                         "all_steps_per_s": [x["steps"] / x["seconds"] for x in rs]})
-    base = {r["framework"]: r["steps_per_s"] for r in rows if r["ranks"] == 1}
-    for r in rows:
-        b = base.get(r["framework"])
-        r["efficiency"] = None if b is None else r["steps_per_s"] / (r["ranks"] * b)
+    for w in used:
+        ref = reference_losses(w)  # also writes the fixture before the ranks read it
+        runs: dict[tuple[str, int], list[dict]] = {}
+        for r in range(args.rounds):
+            for n in args.ranks:
+                for fw in FRAMEWORKS:
+                    res = launch(w, fw, n, args.steps, args.warmup, threads(n), args.timeout)
+                    runs.setdefault((fw, n), []).append(res)
+                    print(f"{w.name} round {r + 1}: {fw:6s} {n} rank(s): "
+                          f"{res['steps'] / res['seconds']:.2f} steps/s", flush=True)
+        rows += workload_rows(w, runs, ref, args.ranks, threads)
     from benchmarks.machine import commit, cpu_model
 
+    command = ["benchmarks/data_parallel.py", *(argv if argv is not None else sys.argv[1:])]
     info = {"cpu": cpu_model(), "cores": cores, "commit": commit(),
-            "load_avg": os.getloadavg(), "workload": w.name, "global_batch": w.batch,
-            "steps": args.steps, "rounds": args.rounds}
+            "load_avg_start": load_start, "load_avg": os.getloadavg(),
+            "workloads": {w.name: {"describe": w.describe(), "dataset": w.dataset,
+                                   "global_batch": w.batch} for w in used},
+            "steps": args.steps, "rounds": args.rounds,
+            "command": ".venv/bin/python " + shlex.join(command)}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "DATA_PARALLEL.json").write_text(json.dumps({"info": info, "rows": rows},
                                                             indent=1) + "\n")
@@ -265,27 +262,61 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def workload_rows(w: Workload, runs: dict[tuple[str, int], list[dict]], ref: list[float],
+                  ranks: list[int], threads: Callable[[int], int]) -> list[dict]:
+    """One row per (framework, ranks): the median steps/s, parity, scaling efficiency."""
+    rows = []
+    for fw in FRAMEWORKS:
+        for n in ranks:
+            rs = runs[(fw, n)]
+            sps = statistics.median(x["steps"] / x["seconds"] for x in rs)
+            err = max(abs(a - b) / abs(b) for a, b in zip(rs[0]["losses"], ref, strict=True))
+            rows.append({"workload": w.name, "framework": fw, "ranks": n,
+                         "rows_per_rank": w.batch // n, "threads_per_rank": threads(n),
+                         "steps_per_s": sps, "samples_per_s": sps * w.batch,
+                         "parity_max_rel": err, "parity_ok": err <= TOLERANCE["f32"],
+                         "all_steps_per_s": [x["steps"] / x["seconds"] for x in rs],
+                         "build_s": [x["build_s"] for x in rs]})
+    base = {r["framework"]: r for r in rows if r["ranks"] == 1}
+    for r in rows:
+        b = base.get(r["framework"])
+        r["efficiency"] = None if b is None else r["steps_per_s"] / (r["ranks"] * b["steps_per_s"])
+        # only timings that passed the gate, at N ranks and at 1, make an efficiency
+        r["efficiency_ok"] = b is not None and r["parity_ok"] and b["parity_ok"]
+    return rows
+
+
 def render(rows: list[dict], info: dict) -> str:
+    load = ", ".join(f"{v:.1f}" for v in info["load_avg"])
+    load0 = ", ".join(f"{v:.1f}" for v in info.get("load_avg_start", info["load_avg"]))
     lines = [
         "# Data-parallel scaling (CPU)", "",
-        f"`{info['workload']}` (256 -> 1024 -> 1024 -> 10, plain SGD), global batch "
-        f"{info['global_batch']} split over the ranks; {info['cpu']}, {info['cores']} cores, "
-        f"commit {info['commit']}, load average at the end "
-        f"{', '.join(f'{v:.1f}' for v in info['load_avg'])}. Median of {info['rounds']} runs "
-        f"of {info['steps']} timed steps. Regenerate: `.venv/bin/python "
-        f"benchmarks/data_parallel.py`.", "",
-        "| framework | ranks | rows per rank | threads per rank | steps/s | samples/s "
-        "| scaling efficiency | parity (max rel. loss err.) |",
-        "|---|---:|---:|---:|---:|---:|---:|---|",
+        f"{info['cpu']}, {info['cores']} cores, commit {info['commit']}; load average (1, 5, "
+        f"15 min) at the start {load0}, at the end {load} (other processes share the cores: "
+        f"every figure is noisy). Median of {info['rounds']} runs of {info['steps']} timed "
+        f"steps. Generated by `{info['command']}`.", "",
+        "Each workload's global batch is split over the ranks; both frameworks start from the "
+        "same fixture weights and train on the same batches. Parity: the first steps' global "
+        "losses against single-process PyTorch f32, max relative error, tolerance "
+        f"{TOLERANCE['f32']:.0e}; a row failing it shows no timing.", "",
     ]
-    for r in rows:
-        name = "ocannl (MPI)" if r["framework"] == "ocannl" else "PyTorch DDP (gloo)"
-        eff = "-" if r["efficiency"] is None else f"{r['efficiency']:.2f}"
-        sps = f"{r['steps_per_s']:.2f}" if r["parity_ok"] else "(parity failed)"
-        lines.append(f"| {name} | {r['ranks']} | {r['rows_per_rank']} | "
-                     f"{r['threads_per_rank']} | {sps} | {r['samples_per_s']:.0f} | {eff} | "
-                     f"{'ok' if r['parity_ok'] else 'FAIL'} ({r['parity_max_rel']:.1e}) |")
-    lines += ["", "Scaling efficiency: steps/s at N ranks / (N x steps/s at 1 rank)."]
+    for name, wi in info["workloads"].items():
+        lines += [f"## {name}", "",
+                  f"{wi['describe']}; {wi['dataset']}, global batch {wi['global_batch']}.", "",
+                  "| framework | ranks | rows per rank | threads per rank | steps/s | samples/s "
+                  "| scaling efficiency | parity (max rel. loss err.) |",
+                  "|---|---:|---:|---:|---:|---:|---:|---|"]
+        for r in (r for r in rows if r["workload"] == name):
+            fw = "ocannl (MPI)" if r["framework"] == "ocannl" else "PyTorch DDP (gloo)"
+            ok = r["parity_ok"]
+            eff = f"{r['efficiency']:.2f}" if r["efficiency_ok"] else "-"
+            sps = f"{r['steps_per_s']:.2f}" if ok else "(parity failed)"
+            samples = f"{r['samples_per_s']:.0f}" if ok else "-"
+            lines.append(f"| {fw} | {r['ranks']} | {r['rows_per_rank']} | "
+                         f"{r['threads_per_rank']} | {sps} | {samples} | {eff} | "
+                         f"{'ok' if ok else 'FAIL'} ({r['parity_max_rel']:.1e}) |")
+        lines.append("")
+    lines += ["Scaling efficiency: steps/s at N ranks / (N x steps/s at 1 rank)."]
     return "\n".join(lines) + "\n"
 
 

@@ -17,11 +17,12 @@ FIXTURE_DIR = Path(__file__).resolve().parent / "fixtures"
 
 @dataclass(frozen=True)
 class Fixture:
-    """A loaded fixture. Weights are (out, in) like torch.nn.Linear's."""
+    """A loaded fixture. Weights are (weight, bias) per layer, first layer first: a linear
+    layer's (out, in) like torch.nn.Linear's, a convolution's kernel (out, k, k, in)."""
 
     workload: Workload
     weights: list[tuple[np.ndarray, np.ndarray]]  # (w, b) per layer, f32
-    x: np.ndarray  # (n_batches, batch, in) f32
+    x: np.ndarray  # (n_batches, batch, *workload.input_shape) f32
     labels: np.ndarray  # (n_batches, batch) int64
 
     def batch(self, step: int) -> tuple[np.ndarray, np.ndarray]:
@@ -34,22 +35,52 @@ class Fixture:
         return np.eye(self.workload.classes, dtype=np.float32)[self.labels]
 
 
+def weight_shapes(w: Workload) -> list[tuple[int, ...]]:
+    """The weight (not bias) shape of every layer, first layer first (see ``Fixture``)."""
+    shapes: list[tuple[int, ...]] = []
+    if w.model == "lenet":
+        c_in = w.image[-1]
+        for c in w.channels:
+            shapes.append((c, 3, 3, c_in))
+            c_in = c
+    return shapes + [(o, i) for i, o in zip(w.sizes[:-1], w.sizes[1:], strict=True)]
+
+
+def digits(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """``n`` of scikit-learn's 8x8 digits (shipped with it, no download) in a seeded order:
+    images (n, 8, 8, 1) scaled to [0, 1], and labels."""
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError as err:
+        raise RuntimeError("the digits workload needs scikit-learn (pip install scikit-learn)"
+                           ) from err
+    d = load_digits()
+    if n > len(d.images):
+        raise ValueError(f"digits: {n} images asked for, {len(d.images)} exist")
+    pick = np.random.default_rng(seed).permutation(len(d.images))[:n]
+    return (d.images[pick] / 16.0).reshape(n, 8, 8, 1), d.target[pick]
+
+
 def generate(w: Workload) -> dict[str, np.ndarray]:
-    """The fixture's tensors, drawn from ``w.seed`` (kaiming-uniform weights as torch's)."""
+    """The fixture's tensors, drawn from ``w.seed`` (kaiming-uniform weights as torch's: bound
+    ``1 / sqrt(fan_in)`` for weights and biases)."""
     rng = np.random.default_rng(w.seed)
     out: dict[str, np.ndarray] = {}
-    for k, (fan_in, fan_out) in enumerate(zip(w.sizes[:-1], w.sizes[1:], strict=True)):
-        bound = 1.0 / np.sqrt(fan_in)
-        out[f"w{k}"] = rng.uniform(-bound, bound, (fan_out, fan_in)).astype(np.float32)
-        out[f"b{k}"] = rng.uniform(-bound, bound, (fan_out,)).astype(np.float32)
+    for k, shape in enumerate(weight_shapes(w)):
+        bound = 1.0 / np.sqrt(int(np.prod(shape[1:])))
+        out[f"w{k}"] = rng.uniform(-bound, bound, shape).astype(np.float32)
+        out[f"b{k}"] = rng.uniform(-bound, bound, shape[:1]).astype(np.float32)
     n = w.n_batches * w.batch
     if w.dataset == "half_moons":
         x, y = datasets.half_moons(n, seed=w.seed)
     elif w.dataset == "gaussian_classes":
         x, y = datasets.gaussian_classes(n, w.sizes[0], w.classes, seed=w.seed)
+    elif w.dataset == "digits":
+        x, y = digits(n, w.seed)
     else:
         raise ValueError(f"workload {w.name}: unknown dataset {w.dataset!r}")
-    out["x"] = np.ascontiguousarray(x.reshape(w.n_batches, w.batch, w.sizes[0]), np.float32)
+    out["x"] = np.ascontiguousarray(x.reshape(w.n_batches, w.batch, *w.input_shape),
+                                    np.float32)
     out["labels"] = y.reshape(w.n_batches, w.batch).astype(np.int64)
     return out
 
@@ -84,7 +115,7 @@ def load(w: Workload, folder: Path = FIXTURE_DIR) -> Fixture:
 
 def from_tensors(w: Workload, t: dict[str, np.ndarray]) -> Fixture:
     """A fixture from its tensors (as ``generate`` makes them and ``write`` stores them)."""
-    weights = [(t[f"w{k}"], t[f"b{k}"]) for k in range(len(w.sizes) - 1)]
+    weights = [(t[f"w{k}"], t[f"b{k}"]) for k in range(len(weight_shapes(w)))]
     return Fixture(w, weights, t["x"], t["labels"])
 
 

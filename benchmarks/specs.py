@@ -19,11 +19,13 @@ VARIANTS = {
 
 @dataclass(frozen=True)
 class Workload:
-    """One benchmark workload: an MLP on a generated dataset, trained with plain SGD."""
+    """One benchmark workload: a model (``benchmarks.models``) on a dataset, trained with plain
+    SGD or Adam, softmax cross-entropy."""
 
     name: str
-    dataset: str  # "half_moons" or "gaussian_classes"
-    sizes: tuple[int, ...]  # input, hidden..., classes
+    dataset: str  # "half_moons", "gaussian_classes" (generated) or "digits" (scikit-learn's)
+    # The MLP (of "mlp"; of "lenet", its head): input features, hidden..., classes.
+    sizes: tuple[int, ...]
     batch: int
     n_batches: int  # distinct batches in the fixture; step i uses batch i % n_batches
     learning_rate: float
@@ -34,14 +36,49 @@ class Workload:
     rounds: int
     init_loss_scale: float = 1024.0
     growth_interval: int = 100_000  # large: no growth during a run, so no skipped steps
+    model: str = "mlp"  # "mlp" or "lenet" (``nn_blocks.lenet``)
+    optimizer: str = "sgd"  # "sgd" (plain) or "adam" (torch's defaults but the lr)
+    image: tuple[int, ...] = ()  # lenet: (height, width, channels), channels-last
+    channels: tuple[int, ...] = ()  # lenet: each conv stage's output channels
+
+    def __post_init__(self) -> None:
+        if self.model == "lenet":
+            h, wd, _ = self.image
+            cut = 2 ** len(self.channels)  # each stage: same conv, 2x2 pool
+            flat = (h // cut) * (wd // cut) * self.channels[-1]
+            if len(self.sizes) != 3 or self.sizes[0] != flat:
+                raise ValueError(f"workload {self.name}: lenet's head must be sizes "
+                                 f"({flat}, hidden, classes), got {self.sizes}")
+        elif self.model != "mlp":
+            raise ValueError(f"workload {self.name}: unknown model {self.model!r}")
+        if self.optimizer not in ("sgd", "adam"):
+            raise ValueError(f"workload {self.name}: unknown optimizer {self.optimizer!r}")
 
     @property
     def classes(self) -> int:
         return self.sizes[-1]
 
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        """One example's shape: an image's (height, width, channels), or (features,)."""
+        return self.image if self.model == "lenet" else self.sizes[:1]
+
+    def describe(self) -> str:
+        """The model and optimizer in words, for reports."""
+        if self.model == "lenet":
+            k = " -> ".join(f"conv3x3 {c} / relu / maxpool2" for c in self.channels)
+            net = (f"lenet {'x'.join(map(str, self.image))} -> {k} -> flatten "
+                   f"{' -> '.join(map(str, self.sizes))}")
+        else:
+            net = f"relu MLP {' -> '.join(map(str, self.sizes))}"
+        opt = "plain SGD" if self.optimizer == "sgd" else "Adam"
+        return f"{net}, {opt} at lr {self.learning_rate:g}"
+
     def gemm_flops(self) -> int:
-        """FLOPs of the step's GEMMs: forward, weight gradient, and input gradient except for
-        the first layer (its input is data)."""
+        """FLOPs of an MLP step's GEMMs: forward, weight gradient, and input gradient except
+        for the first layer (its input is data)."""
+        if self.model != "mlp":
+            raise ValueError(f"workload {self.name}: gemm_flops counts MLP layers only")
         b = self.batch
         pairs = list(zip(self.sizes[:-1], self.sizes[1:], strict=True))
         return sum(2 * b * i * o * (2 if k == 0 else 3) for k, (i, o) in enumerate(pairs))
@@ -51,7 +88,8 @@ class Workload:
 
     def fixture_meta(self) -> dict[str, str]:
         """The metadata fields that determine a fixture's tensors (not the step counts)."""
-        keys = ("name", "dataset", "sizes", "batch", "n_batches", "learning_rate", "seed")
+        keys = ("name", "dataset", "sizes", "batch", "n_batches", "learning_rate", "seed",
+                "model", "image", "channels")
         return {k: v for k, v in self.to_meta().items() if k in keys}
 
 
@@ -65,6 +103,13 @@ WORKLOADS: dict[str, Workload] = {
         name="mlp_wide", dataset="gaussian_classes", sizes=(256, 1024, 1024, 10), batch=256,
         n_batches=8, learning_rate=0.01, seed=2, parity_steps=20, warmup_steps=5,
         timed_steps=100, rounds=20,
+    ),
+    # nn_blocks.lenet on scikit-learn's 8x8 digits (16 x 64 of them, a seeded draw), Adam at
+    # torch's default lr: 8x8x1 -> conv 8 -> pool 4x4 -> conv 16 -> pool 2x2 -> 64 -> 64 -> 10.
+    "convnet": Workload(
+        name="convnet", dataset="digits", sizes=(64, 64, 10), batch=64, n_batches=16,
+        learning_rate=1e-3, seed=3, parity_steps=20, warmup_steps=10, timed_steps=300,
+        rounds=10, model="lenet", optimizer="adam", image=(8, 8, 1), channels=(8, 16),
     ),
 }
 

@@ -1,10 +1,12 @@
 """The mixed-precision variants of this project's runner, built on ``ocannl.mixed_prec``.
 
-The model reads bf16 / f16 cast twins of f32 master weights (``with_master_weights``) and an
-input stored at the same precision; the softmax cross-entropy runs in f32 (as under torch's
-autocast). The optimizer updates the f32 masters.
+Any model: ``build_mixed`` takes a model builder (the input tensor -> the logits and the
+(weight, bias) pairs, as ``benchmarks.models.ocannl_model``) and the optimizer. The model reads
+bf16 / f16 cast twins of f32 master weights (``with_master_weights``) and an input stored at
+the same precision; the softmax cross-entropy runs in f32 (as under torch's autocast). The
+optimizer updates the f32 masters.
 
-- ``bf16``: no loss scaling; grad_update and sgd_update fused into one routine.
+- ``bf16``: no loss scaling; grad_update and the optimizer's update fused into one routine.
 - ``f16``: dynamic loss scaling, per-step host gate (the ``scaled_step`` recipe: gradient
   routine, host read of the checksum, optimizer routine, scaler update).
 - ``f16-static``: a fixed loss scale, no checksum, no gate: one fused routine.
@@ -15,33 +17,37 @@ autocast). The optimizer updates the f32 masters.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from benchmarks.specs import VARIANTS
 
 if TYPE_CHECKING:
     from benchmarks.runners.ocannl_runner import OcannlRunner
 
+# The input tensor -> the logits and the (weight, bias) parameter pairs, first layer first.
+ModelBuilder = Callable[[Any], tuple[Any, list[tuple[Any, Any]]]]
 
-def build_mixed(r: OcannlRunner, variant: str) -> tuple[Callable[[], None], object]:
-    """Build ``variant``'s model on ``r``'s context; the step callable and the loss tensor."""
+
+def build_mixed(r: OcannlRunner, variant: str, model: ModelBuilder, opt: Any
+                ) -> tuple[Callable[[], None], object]:
+    """Build ``variant``'s step of ``model`` on ``r``'s context, trained by the optimizer
+    ``opt`` (an ``ocannl.optim`` object); the step callable and the loss tensor. Sets ``r.x``
+    (the input, stored at the variant's precision) and ``r.layers`` (the f32 masters)."""
     import ocannl.tensor as T
-    from ocannl import mixed_prec, optim, train
-    from ocannl.nn_blocks import mlp, softmax_cross_entropy
+    from benchmarks.models import ocannl_input
+    from ocannl import mixed_prec, train
+    from ocannl.nn_blocks import softmax_cross_entropy
 
     w = r.fx.workload
     prec = VARIANTS[variant][0]
-    x0, _ = r.fx.batch(0)
-    r.x = T.term(x0, label="x", prec=prec)
-    logits, twins = mixed_prec.with_master_weights(
-        prec=prec, f=lambda: mlp(r.x, w.sizes[1:-1], w.classes, label="mlp"))
+    r.x = ocannl_input(r.fx.batch(0)[0], prec=prec)
+    logits, twins = mixed_prec.with_master_weights(prec=prec, f=lambda: model(r.x))
     loss = softmax_cross_entropy(T.cast(logits, "f32"), r.y)
     r.layers = [(mixed_prec.master_of(a), mixed_prec.master_of(b)) for a, b in twins]
     r._set_weights(r.layers)
-    sgd = optim.SGD(w.learning_rate)  # plain SGD, as every runner of the suite
     ctx = r.ctx
     if variant == "bf16":
-        comp = train.grad_update(loss) + sgd.update(loss)
+        comp = train.grad_update(loss) + opt.update(loss)
         ctx, routine = ctx.compile(comp)
         r.ctx = ctx
         return (lambda: ctx.run(routine)), loss
@@ -50,15 +56,15 @@ def build_mixed(r: OcannlRunner, variant: str) -> tuple[Callable[[], None], obje
     r.scaler = scaler
     if variant == "f16-static":
         comp = (train.grad_update(loss, loss_scale=scaler.scale)
-                + sgd.update(loss, grad_unscale=scaler.unscale))
+                + opt.update(loss, grad_unscale=scaler.unscale))
         ctx, routine = ctx.compile(comp)
         r.ctx = ctx
         return (lambda: ctx.run(routine)), loss
     recipe: mixed_prec.Recipe
     if variant == "f16":
-        recipe = mixed_prec.scaled_step(scaler, loss, sgd)
+        recipe = mixed_prec.scaled_step(scaler, loss, opt)
     elif variant == "f16-gated16":
-        recipe = mixed_prec.gated_step(scaler, loss, sgd, check_interval=16)
+        recipe = mixed_prec.gated_step(scaler, loss, opt, check_interval=16)
     else:
         raise ValueError(f"unknown mixed-precision variant {variant!r}")
     ctx = recipe.compile(ctx)

@@ -1,5 +1,6 @@
-"""This project's runner: the whole SGD step compiled into one routine (f32), or one of the
-mixed-precision recipes of ``ocannl.mixed_prec`` (see ``benchmarks.runners.mixed``)."""
+"""This project's runner: the whole training step (gradients and the workload's optimizer)
+compiled into one routine (f32), or one of the mixed-precision recipes of ``ocannl.mixed_prec``
+(see ``benchmarks.runners.mixed``). The model is the workload's (``benchmarks.models``)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ def make_context(device: str):  # noqa: ANN201 - ocannl.Context, imported lazily
 
 
 class OcannlRunner:
-    """Builds the fixture's MLP with ``nn_blocks.mlp`` and trains it with plain SGD."""
+    """Builds the workload's model (``models.ocannl_model``: ``nn_blocks.mlp`` or
+    ``nn_blocks.lenet``) and trains it with the workload's optimizer (plain SGD or Adam)."""
 
     framework = "ocannl"
 
@@ -35,32 +37,36 @@ class OcannlRunner:
 
     def build(self) -> None:
         import ocannl.tensor as T
-        from ocannl.nn_blocks import mlp, softmax_cross_entropy
+        from benchmarks import models
+        from ocannl.nn_blocks import softmax_cross_entropy
 
         w = self.fx.workload
         self.ctx = make_context(self.device)
-        x0, _ = self.fx.batch(0)
-        self.x = T.term(x0, label="x")
         self.y = T.term(self.onehot[0], label="y")
         if self.variant == "f32":
-            logits, self.layers = mlp(self.x, w.sizes[1:-1], w.classes, label="mlp")
+            self.x = models.ocannl_input(self.fx.batch(0)[0])
+            logits, self.layers = models.ocannl_model(w, self.x)
             self.loss_t = softmax_cross_entropy(logits, self.y)
             self._set_weights(self.layers)
             self._step = self._f32_step()
         else:
             from benchmarks.runners.mixed import build_mixed
 
-            self._step, self.loss_t = build_mixed(self, self.variant)
+            self._step, self.loss_t = build_mixed(
+                self, self.variant, lambda x: models.ocannl_model(w, x),
+                models.ocannl_optimizer(w))
 
     def _set_weights(self, layers: list) -> None:
-        for (wt, bt), (w, b) in zip(layers, self.fx.weights, strict=True):
-            self.ctx = self.ctx.set_values(wt, w).set_values(bt, b)
+        from benchmarks.models import set_ocannl_weights
+
+        self.ctx = set_ocannl_weights(self.ctx, layers, self.fx.weights)
 
     def _f32_step(self):  # noqa: ANN202 - a zero-argument callable
+        from benchmarks.models import ocannl_optimizer
         from ocannl import train
 
-        lr = self.fx.workload.learning_rate
-        comp = train.grad_update(self.loss_t) + train.sgd_update(self.loss_t, learning_rate=lr)
+        opt = ocannl_optimizer(self.fx.workload)
+        comp = train.grad_update(self.loss_t) + opt.update(self.loss_t)
         self.ctx, routine = self.ctx.compile(comp)
         ctx = self.ctx
         return lambda: ctx.run(routine)

@@ -1,5 +1,6 @@
 """PyTorch runners: eager, and torch.compile of the forward pass and loss (backward through
-AOTAutograd, SGD eager). Both train from the fixture's weights with torch.optim.SGD."""
+AOTAutograd, the optimizer eager). Both train the workload's model (``benchmarks.models``)
+from the fixture's weights with the workload's optimizer (torch.optim.SGD or Adam)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from benchmarks.runners.base import Unavailable
 
 
 class TorchRunner:
-    """Same model as OCANNL's: Linear / relu layers, softmax cross-entropy, plain SGD."""
+    """Same model as OCANNL's (``models.torch_model``), softmax cross-entropy, the same
+    optimizer."""
 
     framework = "torch"
 
@@ -23,18 +25,12 @@ class TorchRunner:
 
         if self.device == "cuda" and not torch.cuda.is_available():
             raise Unavailable("torch sees no CUDA device")
+        from benchmarks.models import torch_model, torch_optimizer
+
         dev = torch.device(self.device)
-        layers: list[torch.nn.Module] = []
-        for k, (w, b) in enumerate(self.fx.weights):
-            lin = torch.nn.Linear(w.shape[1], w.shape[0])
-            with torch.no_grad():
-                lin.weight.copy_(torch.from_numpy(w))
-                lin.bias.copy_(torch.from_numpy(b))
-            layers.append(lin)
-            if k < len(self.fx.weights) - 1:
-                layers.append(torch.nn.ReLU())
-        self.model = torch.nn.Sequential(*layers).to(dev)
-        self.opt = torch.optim.SGD(self.model.parameters(), lr=self.fx.workload.learning_rate)
+        w = self.fx.workload
+        self.model = torch_model(w, self.fx.weights).to(dev)
+        self.opt = torch_optimizer(w, self.model.parameters())
         self.xs = torch.from_numpy(self.fx.x).to(dev)
         self.ys = torch.from_numpy(self.fx.labels).to(dev)
         ce = torch.nn.functional.cross_entropy
