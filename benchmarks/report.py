@@ -122,10 +122,12 @@ def render(rows: list[Row], targets: list[Target], info: dict, chart: str | None
         "figures)",
         "",
         "## Method", "",
-        "Every runner trains the same relu MLP (softmax cross-entropy, plain SGD) from the same "
-        "fixture (`benchmarks/fixtures/*.safetensors`: initial weights, data, hyperparameters, "
-        "generated from the seeded specs in `benchmarks/specs.py`). A step feeds the next batch "
-        "and trains once. The parity gate compares the first `parity_steps` losses with PyTorch "
+        "Per workload, every runner trains the same model (`benchmarks/models.py`: a relu MLP "
+        "with plain SGD, or the LeNet-style convnet `nn_blocks.lenet` with Adam; softmax "
+        "cross-entropy) from the same fixture (`benchmarks/fixtures/*.safetensors`: initial "
+        "weights, data, hyperparameters, generated from the seeded specs in "
+        "`benchmarks/specs.py`). A step feeds the next batch and trains once. The parity "
+        "gate compares the first `parity_steps` losses with PyTorch "
         "CPU f32 (max relative error; f32 1e-5, f16 2e-3, bf16 4e-3); step times are reported "
         "only where it passes. Step times are p10 / p50 / p90 of per-step wall times after "
         "warm-up, the runners interleaved in rounds so background load falls on all alike. "
@@ -147,8 +149,8 @@ def render(rows: list[Row], targets: list[Target], info: dict, chart: str | None
         if not wrows:
             continue
         out += [f"## {name}", "",
-                f"{w.dataset}, {' -> '.join(map(str, w.sizes))}, batch {w.batch}, "
-                f"lr {w.learning_rate}, f16 initial loss scale {w.init_loss_scale:g} (growth "
+                f"{w.dataset}, {w.describe()}, batch {w.batch}, "
+                f"f16 initial loss scale {w.init_loss_scale:g} (growth "
                 f"interval {w.growth_interval}); {w.parity_steps} parity steps, "
                 f"{w.warmup_steps} warm-up "
                 f"steps, {w.timed_steps} timed steps per runner in {w.rounds} rounds.", ""]

@@ -1,5 +1,6 @@
 """Smoke test of the benchmark suite's plumbing (fixtures, parity gate, report), with tiny
-step counts. It asserts no timing: timings live in benchmarks/REPORT.md."""
+step counts, for an MLP and the convnet. It asserts no timing: timings live in
+benchmarks/REPORT.md."""
 
 from __future__ import annotations
 
@@ -24,6 +25,9 @@ from benchmarks.runners import Unavailable, make_runner  # noqa: E402
 from benchmarks.specs import WORKLOADS, scaled  # noqa: E402
 
 TINY = replace(scaled(WORKLOADS["mlp_small"], 0.01), parity_steps=4, n_batches=2)
+# The convnet at batch 8, 3 parity steps, 2 distinct batches, a handful of timed steps.
+CONV = replace(scaled(WORKLOADS["convnet"], 0.01), batch=8, n_batches=2, parity_steps=3,
+               timed_steps=4, rounds=2)
 
 
 def test_fixture_is_seeded_and_round_trips(tmp_path: Path) -> None:
@@ -91,3 +95,61 @@ def test_parity_gate_and_report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     text = report.render(rows, found, info, None, {TINY.name: TINY})
     assert "| ocannl f32 (cpu) |" in text and "**FAIL**" in text
     assert "no such device here" in text and "not measured" in text
+
+
+def test_convnet_fixture(tmp_path: Path) -> None:
+    pytest.importorskip("sklearn")
+    fx = fixtures.load(CONV, tmp_path)
+    assert [w.shape for w, _ in fx.weights] == [(8, 3, 3, 1), (16, 3, 3, 8), (64, 64), (10, 64)]
+    assert [b.shape for _, b in fx.weights] == [(8,), (16,), (64,), (10,)]
+    assert fx.x.shape == (2, 8, 8, 8, 1) and fx.labels.shape == (2, 8)
+    assert 0.0 <= fx.x.min() and fx.x.max() <= 1.0 and fx.x.max() > 0.5  # digits / 16
+    assert set(np.unique(fx.labels)) <= set(range(10))
+    bound = 1 / np.sqrt(3 * 3 * 8)  # kaiming-uniform over the kernel's fan-in
+    assert np.abs(fx.weights[1][0]).max() <= bound
+
+
+def _losses(runner: object, steps: int) -> list[float]:
+    runner.build()
+    out = []
+    for i in range(steps):
+        runner.step(i)
+        out.append(runner.loss())
+    return out
+
+
+def test_convnet_is_the_same_model(tmp_path: Path) -> None:
+    """Same weights, layout and data: the first loss (no update yet) agrees to f32 rounding;
+    then both train with Adam. The later steps are compared loosely: the max pool's gradient
+    at tied maxima (blank digit borders) is routed differently by the two frameworks, which
+    the suite's f32 parity gate reports on its own."""
+    pytest.importorskip("sklearn")
+    fx = fixtures.load(CONV, tmp_path)
+    ref = _losses(make_runner(fx, "torch", "eager", "cpu"), 3)
+    ours = _losses(make_runner(fx, "ocannl", "f32", "cpu"), 3)
+    assert ours[0] == pytest.approx(ref[0], rel=1e-6)
+    assert ours == pytest.approx(ref, rel=1e-3)
+    assert ref[-1] < ref[0]  # Adam moves it: not a comparison between constants
+
+
+def test_convnet_rows_and_report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("sklearn")
+    monkeypatch.setattr(measure_mod, "SETTLE_S", 0.0)
+    fx = fixtures.load(CONV, tmp_path)
+    ref = make_runner(fx, "torch", "eager", "cpu")
+    runners = [ref, make_runner(fx, "ocannl", "f32", "cpu"),
+               make_runner(fx, "ocannl", "f16-gated16", "cpu")]
+    rows = measure(fx, runners, ref, log=lambda _: None)
+    assert rows[0].status == "ok" and rows[0].parity_err == 0.0
+    for r in rows[1:]:  # built and stepped; the gate decides, with the suite's tolerances
+        assert r.status in ("ok", "parity-fail"), (r.name, r.status, r.note)
+        assert r.parity_err < 2e-3 and r.tolerance == {"f32": 1e-5, "f16-gated16": 2e-3}[
+            r.variant]
+        assert (r.p50 is not None) == (r.status == "ok")
+    assert rows[2].status == "ok"  # the mixed runner takes the convnet and Adam
+    info = {"command": "test", "date": "today", "runtime_s": 0.0, "cpu": "cpu", "cores": 2,
+            "memory": "1 GiB", "platform": "p", "commit": "c", "versions": {"numpy": "x"},
+            "sgemm": None, "load_start": "0", "load_end": "0"}
+    text = report.render(rows, targets.evaluate(rows, None), info, None, {CONV.name: CONV})
+    assert "## convnet" in text and "lenet 8x8x1" in text and "Adam" in text
+    assert "| ocannl f16-gated16 (cpu) |" in text
