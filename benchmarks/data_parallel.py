@@ -317,6 +317,9 @@ def render(rows: list[dict], info: dict) -> str:
                          f"{'ok' if ok else 'FAIL'} ({r['parity_max_rel']:.1e}) |")
         lines.append("")
     lines += ["Scaling efficiency: steps/s at N ranks / (N x steps/s at 1 rank)."]
+    if not all(r["parity_ok"] for r in rows):
+        lines += ["", "A row that failed the parity gate is not timed here; its measured "
+                  "steps/s stay in `DATA_PARALLEL.json` (`all_steps_per_s`), for diagnosis only."]
     return "\n".join(lines) + "\n"
 
 
