@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from ocannl.ir.assignments import Accum, Const, Expr, Fixed, Get, Index, apply
+from ocannl.ir.assignments import Accum, Const, Expr, Fixed, Get, Index, apply, iterators_of
 from ocannl.ir.ops import Precision, precision_of, promote
 from ocannl.ir.tnode import MemoryMode, Tnode
 from ocannl.tensor import tensor as _t
@@ -348,14 +348,41 @@ def _reduce(name: str, t: Tensor, axes: None | str | int | Sequence[int], accum:
 
 
 def _reduce_with(label: str, t: Tensor, proj: tuple[Index, ...], res_idx: tuple[Index, ...],
-                 shape: Shape, space: tuple[int, ...], accum: str) -> Tensor:
+                 shape: Shape, space: tuple[int, ...], accum: str, *,
+                 ties: str = "split") -> Tensor:
+    """``out[res_idx] (accum)= t[proj]`` over ``space``, with its gradient.
+
+    The gradient of a maximum (or minimum) goes to the elements equal to it. ``ties``: with
+    several, ``"split"`` shares it evenly among them (torch's ``amax``), ``"first"`` gives it
+    to the first in the reduced iterators' row-major order (torch's ``max_pool2d``). Either
+    way the shares sum to one: every tied element getting all of it would multiply it."""
     out = _new(label, shape, t.prec, (t,))
     x = _read(t, proj)
     out.forward_code = (Accum(out.value, res_idx, accum, x, space, reset=True),)
-    if out.grad is not None:
-        g = Get(out.grad, res_idx)
-        d = g if accum == "+" else apply("mul", g, apply("eq", x, Get(out.value, res_idx)))
-        out.backprop_code = (Accum(t.grad, proj, "+", d, space),)
+    if out.grad is None:
+        return out
+    g = Get(out.grad, res_idx)
+    if accum == "+":
+        out.backprop_code = (Accum(t.grad, proj, "+", g, space),)
+        return out
+    if ties not in ("split", "first"):
+        raise ValueError(f"ties must be 'split' or 'first', got {ties!r}")
+    hit = apply("eq", x, Get(out.value, res_idx))
+    tie = Tnode(f"{label}_ties", shape.dims, Precision.f32)
+    if ties == "split":  # tie = how many elements equal the extremum
+        count = Accum(tie, res_idx, "+", hit, space, reset=True)
+        d = apply("div", apply("mul", g, hit), Get(tie, res_idx))
+    else:  # tie = minus the position of the first such element; iota numbers the positions
+        red = [i for i in range(len(space)) if i not in iterators_of(res_idx)]
+        extents = tuple(space[i] for i in red)
+        iota = Tnode(f"{label}_positions", extents, Precision.f32,
+                     host_data=np.arange(int(np.prod(extents)), dtype=np.float32)
+                     .reshape(extents))
+        minus_pos = apply("neg", Get(iota, tuple(red)))
+        count = Accum(tie, res_idx, "max", apply("where", hit, minus_pos, Const(-np.inf)),
+                      space, reset=True)
+        d = apply("mul", g, apply("eq", minus_pos, Get(tie, res_idx)))
+    out.backprop_code = (count, Accum(t.grad, proj, "+", d, space))
     return out
 
 
@@ -365,7 +392,7 @@ def sum(t: Tensor, axes: None | str | int | Sequence[int] = None) -> Tensor:  # 
 
 
 def max(t: Tensor, axes: None | str | int | Sequence[int] = None) -> Tensor:  # noqa: A001
-    """Maximum over ``axes``; the gradient flows to every element equal to the maximum."""
+    """Maximum over ``axes``; the gradient is shared evenly by the elements equal to it."""
     return _reduce("max", t, axes, "max")
 
 

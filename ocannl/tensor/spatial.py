@@ -81,7 +81,7 @@ def _pool(name: str, x: Tensor, window: int, stride: int, accum: str) -> Tensor:
     res = (*range(nb), nb, nb + 1, i_c)
     # The channel iterator follows the window's: reorder so the result's come first.
     shape = Shape(shape.batch, (*shape.output, c), ())
-    return _reduce_with(name, x, (*xproj, i_c), res, shape, (*space, c), accum)
+    return _reduce_with(name, x, (*xproj, i_c), res, shape, (*space, c), accum, ties="first")
 
 
 def max_pool2d(x: Tensor, *, window: int = 2, stride: int = 2) -> Tensor:

@@ -110,3 +110,19 @@ def test_bad_images_and_windows_are_refused_at_build_time():
         max_pool2d(img, window=5)
     with pytest.raises(ValueError, match="stride must be >= 1"):
         avg_pool2d(img, window=2, stride=0)
+
+
+def test_pooling_ties_send_the_gradient_to_the_first_maximum_like_torch():
+    """Zero-padded relu maps are full of ties: every tied element taking the whole gradient
+    would multiply it (the digits convnet's parity with torch failed on this)."""
+    xv = np.zeros((1, 4, 4, 2))
+    xv[0, 0, 0, 0], xv[0, 2, 3, 1] = 1.0, -1.0
+    x = T.param("x", batch_dims=(1,), output_dims=(4, 4, 2), input_dims=())
+    check_parity(max_pool2d(x), lambda tx: _nhwc(F.max_pool2d(_nchw(tx), 2, 2)), [(x, xv)])
+
+
+def test_reduction_ties_share_the_gradient_evenly_like_torch_amax():
+    mv = np.array([[1.0, 3.0, 3.0, 0.0], [2.0, 2.0, 2.0, 2.0]])
+    m = T.param("m", batch_dims=(2,), output_dims=(4,), input_dims=())
+    check_parity(T.max(m, "output"), lambda tm: torch.amax(tm, dim=1), [(m, mv)])
+    check_parity(T.max(m), lambda tm: torch.amax(tm), [(m, mv)])
