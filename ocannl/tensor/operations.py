@@ -734,8 +734,8 @@ def _checked_ids(label: str, values: object, num_classes: int,
             bad = ~np.isfinite(arr) | (arr != np.trunc(arr))
         if bad.any():
             pos = tuple(int(i) for i in np.argwhere(bad)[0])
-            raise ValueError(f"class ids {label}: value {arr[pos]!r} at position {pos} is not "
-                             f"an integer")
+            raise ValueError(f"class ids {label}: value {float(arr[pos])!r} at position {pos} "
+                             f"is not an integer")
     bad = (arr < 0) | (arr >= num_classes)
     if bad.any():
         pos = tuple(int(i) for i in np.argwhere(bad)[0])
