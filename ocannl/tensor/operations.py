@@ -624,9 +624,9 @@ def _reduce_keep(name: str, t: Tensor, axes: None | str | int | Sequence[int], a
 
 def min(t: Tensor, axes: None | str | int | Sequence[int] = None,  # noqa: A001
         *, keepdims: bool = False) -> Tensor:
-    """Minimum over ``axes`` (as :func:`max`); the gradient flows to every element equal to the
-    minimum. Computed as ``-max(-t)`` in one node: the maximum of the negated values, negated
-    in place."""
+    """Minimum over ``axes`` (as :func:`max`); the gradient is shared evenly by the elements
+    equal to the minimum (torch's ``amin``). Computed as ``-max(-t)`` in one node: the maximum
+    of the negated values, negated in place."""
     t = _lift(t)
     red = set(_axes(t, axes))
     n = len(t.dims)
@@ -647,8 +647,13 @@ def min(t: Tensor, axes: None | str | int | Sequence[int] = None,  # noqa: A001
     )
     if out.grad is not None:
         g = Get(out.grad, res_idx)
-        d = apply("mul", g, apply("eq", x, Get(out.value, res_idx)))
-        out.backprop_code = (Accum(t.grad, _all(n), "+", d, t.dims),)
+        hit = apply("eq", x, Get(out.value, res_idx))
+        ties = Tnode("min_ties", shape.dims, Precision.f32)  # how many equal the minimum
+        out.backprop_code = (
+            Accum(ties, res_idx, "+", hit, t.dims, reset=True),
+            Accum(t.grad, _all(n), "+", apply("div", apply("mul", g, hit), Get(ties, res_idx)),
+                  t.dims),
+        )
     return out
 
 
