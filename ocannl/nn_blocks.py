@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
 
 import ocannl.tensor as T
+from ocannl.ir.assignments import Accum, Const, Fixed, Get, apply
 from ocannl.ir.ops import Precision
+from ocannl.ir.tnode import Tnode
+from ocannl.tensor.shape import Shape
 from ocannl.tensor.tensor import Tensor
 
 
@@ -117,3 +124,267 @@ def lenet(
         params += [kernel, bias]
     logits, layers = mlp(h, [hidden], num_classes, label=f"{label}_fc")
     return logits, params + [t for pair in layers for t in pair]
+
+
+# --- normalization, dropout, embeddings, attention ----------------------------------------------
+
+
+def _last_output_axis(x: Tensor, what: str) -> int:
+    if x.shape.input is None or not x.shape.output:
+        raise ValueError(f"{what}: {x.label} {x.shape} has no output axis to normalize over")
+    return x.shape.row_offsets()["output"] + len(x.shape.output) - 1
+
+
+def _vector_param(label: str, n: int, value: float, prec: Precision | str) -> Tensor:
+    init = T.Init("zeros") if value == 0.0 else T.Init("constant", value)
+    return T.param(label, output_dims=[n], input_dims=(), init=init, prec=prec)
+
+
+def layer_norm(
+    x: Tensor,
+    *,
+    eps: float = 1e-5,
+    label: str = "ln",
+    params: tuple[Tensor, Tensor] | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Layer normalization over the last output axis (torch.nn.LayerNorm over the last dim):
+    ``(x - mean) / sqrt(var + eps) * gamma + beta``, the variance biased. Returns
+    ``(y, gamma, beta)``; ``gamma`` starts at ones, ``beta`` at zeros (or pass ``params``
+    to share them)."""
+    ax = _last_output_axis(x, f"layer_norm {label}")
+    d = x.dims[ax]
+    gamma, beta = params if params is not None else (
+        _vector_param(f"{label}_gamma", d, 1.0, x.prec), _vector_param(f"{label}_beta", d, 0.0,
+                                                                         x.prec))
+    xc = x - T.reduce(x, "mean", [ax], keepdims=True)
+    var = T.reduce(xc * xc, "mean", [ax], keepdims=True)
+    return xc / T.sqrt(var + eps) * gamma + beta, gamma, beta
+
+
+class BatchNormParams(NamedTuple):
+    """A batch norm's parameters (``gamma``, ``beta``) and its running statistics (buffers:
+    checkpoint them with ``T.buffers(loss)``)."""
+
+    gamma: Tensor
+    beta: Tensor
+    running_mean: Tensor
+    running_var: Tensor
+
+
+def batch_norm(
+    x: Tensor,
+    *,
+    train: bool,
+    eps: float = 1e-5,
+    momentum: float = 0.1,
+    label: str = "bn",
+    params: BatchNormParams | None = None,
+) -> tuple[Tensor, BatchNormParams]:
+    """Batch normalization per channel, the channel being the last output axis (channels-last
+    images: per channel over batch, height and width), as torch's BatchNorm in both modes.
+
+    ``train=True``: normalizes with the batch statistics (the variance biased) and, every time
+    the forward code runs, updates the running statistics ``r = (1 - momentum) * r + momentum *
+    s`` with the batch mean and the *unbiased* batch variance. ``train=False``: normalizes with
+    the running statistics (mean from 0, variance from 1). Build the evaluation graph with the
+    training graph's ``params`` to share parameters and statistics. Returns
+    ``(y, BatchNormParams)``."""
+    ax = _last_output_axis(x, f"batch_norm {label}")
+    c = x.dims[ax]
+    axes = [k for k in range(len(x.dims)) if k != ax]
+    count = math.prod(x.dims[k] for k in axes)
+    if not 0.0 <= momentum <= 1.0:
+        raise ValueError(f"batch_norm {label}: momentum must be in [0, 1], got {momentum!r}")
+    if params is None:
+        rm = Tnode(f"{label}_running_mean", (c,), x.prec, zero_start=True)
+        rv = Tnode(f"{label}_running_var", (c,), x.prec, host_data=np.ones(c, x.prec.numpy_dtype))
+        stat_shape = Shape((), (c,), ())
+        params = BatchNormParams(
+            _vector_param(f"{label}_gamma", c, 1.0, x.prec),
+            _vector_param(f"{label}_beta", c, 0.0, x.prec),
+            Tensor(rm, stat_shape, kind="term", differentiable=False),
+            Tensor(rv, stat_shape, kind="term", differentiable=False))
+    gamma, beta, running_mean, running_var = params
+    if not train:
+        y = (x - running_mean) / T.sqrt(running_var + eps) * gamma + beta
+        T.register_buffers(y, [running_mean.value, running_var.value])
+        return y, params
+    if count < 2:
+        raise ValueError(f"batch_norm {label}: training needs more than one value per channel, "
+                         f"{x.label} {x.shape} has {count}")
+    mean = T.reduce(x, "mean", axes, keepdims=True)
+    xc = x - mean
+    var = T.reduce(xc * xc, "mean", axes, keepdims=True)
+    y = xc / T.sqrt(var + eps) * gamma + beta
+    at = tuple(0 if k == ax else Fixed(0) for k in range(len(x.dims)))  # (c,) in the stats
+
+    def update(r: Tensor, stat: Tensor, scale: float) -> Accum:
+        old = Get(r.value, (0,))
+        new = apply("add", apply("mul", Const(1.0 - momentum), old),
+                    apply("mul", Const(momentum * scale), Get(stat.value, at)))
+        return Accum(r.value, (0,), "=", new, (c,))
+
+    y.forward_code = y.forward_code + (update(running_mean, mean, 1.0),
+                                       update(running_var, var, count / (count - 1)))
+    T.register_buffers(y, [running_mean.value, running_var.value])
+    return y, params
+
+
+def dropout(x: Tensor, *, rate: float, train: bool, rng: T.Rng | None = None) -> Tensor:
+    """Inverted dropout while training (``train=True``: each element zeroed with probability
+    ``rate``, the rest scaled by ``1 / (1 - rate)``, a new mask every step, drawn on the device
+    from ``rng``); the identity otherwise. One ``rng`` can serve every dropout of a model: each
+    draw advances its counter."""
+    if not train or rate == 0.0:
+        if not isinstance(rate, (int, float)) or not 0.0 <= rate < 1.0:
+            raise ValueError(f"dropout: rate must be a number in [0, 1), got {rate!r}")
+        return x
+    if rng is None:
+        raise ValueError("dropout: training needs an rng (ocannl.tensor.Rng(seed)) to draw "
+                         "masks from")
+    return T.dropout(x, rate=rate, rng=rng)
+
+
+def embedding(
+    ids: T.ClassIds,
+    *,
+    vocab: int,
+    dim: int,
+    label: str = "emb",
+    prec: Precision | str = Precision.f32,
+    table: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """An embedding lookup: row ``ids[b]`` of a ``(vocab, dim)`` table (torch.nn.Embedding's
+    weight, drawn from N(0, 1) like it) at every batch position. Returns ``(y, table)``."""
+    if not isinstance(ids, T.ClassIds):
+        raise TypeError(f"embedding {label}: ids must come from ocannl.tensor.class_ids, "
+                        f"got {ids!r}")
+    if ids.num_classes != vocab:
+        raise ValueError(f"embedding {label}: the ids have {ids.num_classes} classes, the "
+                         f"table {vocab} rows")
+    if table is None:
+        table = T.param(f"{label}_table", output_dims=[vocab, dim], input_dims=(),
+                        init=T.Init("normal", 0.0, 1.0), prec=prec)
+    return T.embedding(ids, table), table
+
+
+_LETTERS = "ABCDEFGHIJKLMNOPRSTUVWXYZ"
+
+
+def multi_head_attention(
+    x: Tensor,
+    *,
+    num_heads: int,
+    d_k: int,
+    d_v: int | None = None,
+    causal: bool = False,
+    bias: bool = True,
+    label: str = "mha",
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Multi-head scaled dot-product self-attention over the sequence axis, the last batch axis
+    of ``x`` (``x``: batch row ``(..., seq)``, output row ``(d_model,)``).
+
+    Per head: ``softmax(q k^T / sqrt(d_k)) v`` over key positions, with ``causal=True``
+    masking the keys after each query (scores replaced by -1e9 before the stable softmax).
+    Projections ``q = wq @ x + bq`` with ``wq`` of dims ``(heads, d_k, d_model)`` (torch's
+    ``(heads * d_k, d_model)``, reshaped), likewise ``k`` and ``v``; the output projection
+    ``wo`` has dims ``(d_model, heads, d_v)``. Returns ``(y, params)``, ``params`` the weights
+    and biases by name (``wq, bq, wk, bk, wv, bv, wo, bo``; biases start at zero)."""
+    d_v = d_k if d_v is None else d_v
+    if x.shape.input not in ((), None) or len(x.shape.output) != 1 or not x.shape.batch:
+        raise ValueError(f"multi_head_attention {label}: expected x with batch row "
+                         f"(..., seq), output row (d_model,) and no input axes, got {x.shape}")
+    for name, v in (("num_heads", num_heads), ("d_k", d_k), ("d_v", d_v)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"multi_head_attention {label}: {name} must be an integer >= 1, "
+                             f"got {v!r}")
+    d_model = x.shape.output[0]
+    seq = x.shape.batch[-1]
+    pre = _LETTERS[:len(x.shape.batch) - 1]
+    params: dict[str, Tensor] = {}
+
+    def project(name: str, out_dims: tuple[int, ...], h: Tensor) -> Tensor:
+        w = T.param(f"{label}_w{name}", output_dims=out_dims, prec=h.prec)
+        params[f"w{name}"] = w
+        y = w @ h
+        if bias:
+            b = T.param(f"{label}_b{name}", output_dims=out_dims, input_dims=(), init="zeros",
+                        prec=h.prec)
+            params[f"b{name}"] = b
+            y = y + b
+        return y
+
+    q = project("q", (num_heads, d_k), x)
+    k = project("k", (num_heads, d_k), x)
+    v = project("v", (num_heads, d_v), x)
+    scores = T.einsum(f"{pre}q|hd;{pre}k|hd=>{pre}qk|h", q, k) * (1.0 / math.sqrt(d_k))
+    if causal:
+        mask = T.term(np.tril(np.ones((seq, seq))), label=f"{label}_causal",
+                      batch_dims=(seq, seq), output_dims=(), prec=x.prec)
+        scores = T.where(mask, scores, -1e9)
+    attn = T.softmax(scores, len(pre) + 1)  # over the key positions
+    heads = T.einsum(f"{pre}qk|h;{pre}k|hv=>{pre}q|hv", attn, v)
+    y = project("o", (d_model,), heads)
+    # the dict in the order wq, bq, wk, bk, wv, bv, wo, bo
+    return y, params
+
+
+def decoder_block(
+    x: Tensor,
+    *,
+    num_heads: int,
+    d_k: int | None = None,
+    d_v: int | None = None,
+    d_ff: int | None = None,
+    causal: bool = True,
+    eps: float = 1e-5,
+    gelu_approximate: str = "none",
+    dropout_rate: float = 0.0,
+    train: bool = False,
+    rng: T.Rng | None = None,
+    label: str = "dec",
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """A pre-norm transformer decoder block (GPT-style, no cross-attention)::
+
+        h = x + dropout(attention(layer_norm(x)))
+        y = h + dropout(w2 @ gelu(w1 @ layer_norm(h) + b1) + b2)
+
+    ``d_k`` defaults to ``d_model // num_heads``, ``d_v`` to ``d_k``, ``d_ff`` to
+    ``4 * d_model``. Returns ``(y, params)``: ``ln1_gamma, ln1_beta``, the attention's
+    (``wq`` ... ``bo``), ``ln2_gamma, ln2_beta, w1, b1, w2, b2``."""
+    if len(x.shape.output) != 1:
+        raise ValueError(f"decoder_block {label}: expected output row (d_model,), got {x.shape}")
+    d_model = x.shape.output[0]
+    d_k = d_k or max(1, d_model // num_heads)
+    d_ff = d_ff or 4 * d_model
+    params: dict[str, Tensor] = {}
+    z, params["ln1_gamma"], params["ln1_beta"] = layer_norm(x, eps=eps, label=f"{label}_ln1")
+    a, attn_params = multi_head_attention(z, num_heads=num_heads, d_k=d_k, d_v=d_v,
+                                          causal=causal, label=f"{label}_attn")
+    params.update(attn_params)
+    h = x + dropout(a, rate=dropout_rate, train=train, rng=rng)
+    z2, params["ln2_gamma"], params["ln2_beta"] = layer_norm(h, eps=eps, label=f"{label}_ln2")
+    w1 = T.param(f"{label}_w1", output_dims=[d_ff], prec=x.prec)
+    b1 = T.param(f"{label}_b1", output_dims=[d_ff], input_dims=(), init="zeros", prec=x.prec)
+    w2 = T.param(f"{label}_w2", output_dims=[d_model], prec=x.prec)
+    b2 = T.param(f"{label}_b2", output_dims=[d_model], input_dims=(), init="zeros", prec=x.prec)
+    m = w2 @ T.gelu(w1 @ z2 + b1, approximate=gelu_approximate) + b2
+    params.update(w1=w1, b1=b1, w2=w2, b2=b2)
+    return h + dropout(m, rate=dropout_rate, train=train, rng=rng), params
+
+
+def cross_entropy(logits: Tensor, class_ids: T.ClassIds) -> Tensor:
+    """Mean over the batch of ``-log_softmax(logits)[class]`` (torch's ``cross_entropy`` with
+    integer targets): ``logits`` has the ids' batch axes and one output axis of
+    ``num_classes`` logits; the log-softmax is max-shifted. An id that is not a valid class
+    (set through ``Context.set_values``, which does not validate) makes the loss NaN."""
+    if not isinstance(class_ids, T.ClassIds):
+        raise TypeError(f"cross_entropy: targets must come from ocannl.tensor.class_ids, "
+                        f"got {class_ids!r}")
+    expect = Shape(class_ids.shape.batch, (class_ids.num_classes,), ())
+    if logits.shape != expect:
+        raise ValueError(f"cross_entropy: logits {logits.label} {logits.shape} do not match "
+                         f"the targets: expected {expect}")
+    picked = T.sum(T.one_hot(class_ids, prec=logits.prec) * T.log_softmax(logits, "output"),
+                   "output")
+    return -T.mean(picked)
