@@ -119,16 +119,15 @@ def _losses(runner: object, steps: int) -> list[float]:
 
 
 def test_convnet_is_the_same_model(tmp_path: Path) -> None:
-    """Same weights, layout and data: the first loss (no update yet) agrees to f32 rounding;
-    then both train with Adam. The later steps are compared loosely: the max pool's gradient
-    at tied maxima (blank digit borders) is routed differently by the two frameworks, which
-    the suite's f32 parity gate reports on its own."""
+    """Same weights, layout and data: the first loss (no update yet) agrees to f32 rounding,
+    and so do the next, trained with Adam (the digits' blank borders tie the max pool's
+    maxima: both frameworks route the gradient to the first)."""
     pytest.importorskip("sklearn")
     fx = fixtures.load(CONV, tmp_path)
     ref = _losses(make_runner(fx, "torch", "eager", "cpu"), 3)
     ours = _losses(make_runner(fx, "ocannl", "f32", "cpu"), 3)
     assert ours[0] == pytest.approx(ref[0], rel=1e-6)
-    assert ours == pytest.approx(ref, rel=1e-3)
+    assert ours == pytest.approx(ref, rel=1e-5)
     assert ref[-1] < ref[0]  # Adam moves it: not a comparison between constants
 
 
@@ -141,12 +140,10 @@ def test_convnet_rows_and_report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
                make_runner(fx, "ocannl", "f16-gated16", "cpu")]
     rows = measure(fx, runners, ref, log=lambda _: None)
     assert rows[0].status == "ok" and rows[0].parity_err == 0.0
-    for r in rows[1:]:  # built and stepped; the gate decides, with the suite's tolerances
-        assert r.status in ("ok", "parity-fail"), (r.name, r.status, r.note)
-        assert r.parity_err < 2e-3 and r.tolerance == {"f32": 1e-5, "f16-gated16": 2e-3}[
-            r.variant]
-        assert (r.p50 is not None) == (r.status == "ok")
-    assert rows[2].status == "ok"  # the mixed runner takes the convnet and Adam
+    for r in rows[1:]:  # the mixed runner takes the convnet and Adam too
+        assert r.status == "ok", (r.name, r.status, r.note, r.parity_err)
+        assert r.tolerance == {"f32": 1e-5, "f16-gated16": 2e-3}[r.variant]
+        assert r.p50 is not None and r.steps_timed == CONV.timed_steps
     info = {"command": "test", "date": "today", "runtime_s": 0.0, "cpu": "cpu", "cores": 2,
             "memory": "1 GiB", "platform": "p", "commit": "c", "versions": {"numpy": "x"},
             "sgemm": None, "load_start": "0", "load_end": "0"}
