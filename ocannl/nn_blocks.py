@@ -10,7 +10,7 @@ import numpy as np
 
 import ocannl.tensor as T
 from ocannl.ir.assignments import Accum, Const, Fixed, Get, apply
-from ocannl.ir.ops import Precision
+from ocannl.ir.ops import Precision, precision_of
 from ocannl.ir.tnode import Tnode
 from ocannl.tensor.shape import Shape
 from ocannl.tensor.tensor import Tensor
@@ -135,9 +135,17 @@ def _last_output_axis(x: Tensor, what: str) -> int:
     return x.shape.row_offsets()["output"] + len(x.shape.output) - 1
 
 
+def _param_prec(prec: Precision | str) -> Precision:
+    """The precision of a block's parameters over activations of ``prec``: the same, but f32
+    for a narrow one (f16, bf16): such parameters are masters, and
+    ``mixed_prec.with_master_weights`` hands the model their twins at ``prec``."""
+    prec = precision_of(prec)
+    return Precision.f32 if prec.is_narrow else prec
+
+
 def _vector_param(label: str, n: int, value: float, prec: Precision | str) -> Tensor:
     init = T.Init("zeros") if value == 0.0 else T.Init("constant", value)
-    return T.param(label, output_dims=[n], input_dims=(), init=init, prec=prec)
+    return T.param(label, output_dims=[n], input_dims=(), init=init, prec=_param_prec(prec))
 
 
 def layer_norm(
@@ -304,12 +312,12 @@ def multi_head_attention(
     params: dict[str, Tensor] = {}
 
     def project(name: str, out_dims: tuple[int, ...], h: Tensor) -> Tensor:
-        w = T.param(f"{label}_w{name}", output_dims=out_dims, prec=h.prec)
+        w = T.param(f"{label}_w{name}", output_dims=out_dims, prec=_param_prec(h.prec))
         params[f"w{name}"] = w
         y = w @ h
         if bias:
             b = T.param(f"{label}_b{name}", output_dims=out_dims, input_dims=(), init="zeros",
-                        prec=h.prec)
+                        prec=_param_prec(h.prec))
             params[f"b{name}"] = b
             y = y + b
         return y
@@ -364,10 +372,11 @@ def decoder_block(
     params.update(attn_params)
     h = x + dropout(a, rate=dropout_rate, train=train, rng=rng)
     z2, params["ln2_gamma"], params["ln2_beta"] = layer_norm(h, eps=eps, label=f"{label}_ln2")
-    w1 = T.param(f"{label}_w1", output_dims=[d_ff], prec=x.prec)
-    b1 = T.param(f"{label}_b1", output_dims=[d_ff], input_dims=(), init="zeros", prec=x.prec)
-    w2 = T.param(f"{label}_w2", output_dims=[d_model], prec=x.prec)
-    b2 = T.param(f"{label}_b2", output_dims=[d_model], input_dims=(), init="zeros", prec=x.prec)
+    pp = _param_prec(x.prec)
+    w1 = T.param(f"{label}_w1", output_dims=[d_ff], prec=pp)
+    b1 = T.param(f"{label}_b1", output_dims=[d_ff], input_dims=(), init="zeros", prec=pp)
+    w2 = T.param(f"{label}_w2", output_dims=[d_model], prec=pp)
+    b2 = T.param(f"{label}_b2", output_dims=[d_model], input_dims=(), init="zeros", prec=pp)
     m = w2 @ T.gelu(w1 @ z2 + b1, approximate=gelu_approximate) + b2
     params.update(w1=w1, b1=b1, w2=w2, b2=b2)
     return h + dropout(m, rate=dropout_rate, train=train, rng=rng), params
@@ -388,3 +397,74 @@ def cross_entropy(logits: Tensor, class_ids: T.ClassIds) -> Tensor:
     picked = T.sum(T.one_hot(class_ids, prec=logits.prec) * T.log_softmax(logits, "output"),
                    "output")
     return -T.mean(picked)
+
+
+# --- a decoder-only transformer -----------------------------------------------------------------
+
+
+def gpt(
+    ids: T.ClassIds,
+    *,
+    vocab: int,
+    context: int,
+    d_model: int,
+    heads: int,
+    layers: int,
+    d_ff: int | None = None,
+    eps: float = 1e-5,
+    gelu_approximate: str = "none",
+    dropout_rate: float = 0.0,
+    train: bool = False,
+    rng: T.Rng | None = None,
+    label: str = "gpt",
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """A decoder-only (GPT-style) transformer over token ids: ``ids`` has batch row
+    ``(..., seq)``, ``seq <= context``. Computes::
+
+        h = tok_emb[ids] + pos_emb[0 .. seq-1]
+        h = decoder_block(h)            # `layers` times: pre-norm, causal self-attention
+        logits = head_w @ layer_norm(h) + head_b
+
+    ``logits`` has the ids' batch row and output row ``(vocab,)``: position ``t``'s logits
+    predict token ``t + 1`` and see only the tokens at ``0 .. t``. Heads of ``d_model // heads``
+    dims each; ``d_ff`` defaults to ``4 * d_model``; the gelu, layer-norm ``eps`` and dropout as
+    :func:`decoder_block` (dropout after the embeddings too).
+
+    Returns ``(logits, params)``, ``params`` by name in creation order: ``tok_emb``
+    ``(vocab, d_model)``, ``pos_emb`` ``(context, d_model)`` (torch.nn.Embedding's layout and
+    N(0, 1) init), ``block{k}.NAME`` for each :func:`decoder_block` parameter ``NAME``,
+    ``ln_f_gamma``, ``ln_f_beta``, and the head ``head_w`` ``(vocab, d_model)``, ``head_b``.
+    Every weight is (out, in) like torch's; the attention projections are torch's
+    ``(heads * d_k, d_model)`` reshaped to ``(heads, d_k, d_model)`` (``wo``:
+    ``(d_model, heads, d_k)``)."""
+    what = f"gpt {label}"
+    for name, v in (("vocab", vocab), ("context", context), ("d_model", d_model),
+                    ("heads", heads), ("layers", layers)):
+        if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{what}: {name} must be an integer >= 1, got {v!r}")
+    if d_ff is not None and (not isinstance(d_ff, (int, np.integer)) or d_ff < 1):
+        raise ValueError(f"{what}: d_ff must be an integer >= 1, got {d_ff!r}")
+    if d_model % heads:
+        raise ValueError(f"{what}: d_model {d_model} is not a multiple of heads {heads}")
+    if not isinstance(ids, T.ClassIds):
+        raise TypeError(f"{what}: ids must come from ocannl.tensor.class_ids, got {ids!r}")
+    if not ids.shape.batch or ids.shape.batch[-1] > context:
+        raise ValueError(f"{what}: the ids' last batch axis is the sequence, at most context="
+                         f"{context} long; got ids of dims {ids.dims}")
+    seq = ids.shape.batch[-1]
+    params: dict[str, Tensor] = {}
+    tok, params["tok_emb"] = embedding(ids, vocab=vocab, dim=d_model, label=f"{label}_tok")
+    positions = T.class_ids(np.arange(seq), num_classes=context, label=f"{label}_positions")
+    pos, params["pos_emb"] = embedding(positions, vocab=context, dim=d_model,
+                                       label=f"{label}_pos")
+    h = dropout(tok + pos, rate=dropout_rate, train=train, rng=rng)
+    for k in range(layers):
+        h, block = decoder_block(h, num_heads=heads, d_k=d_model // heads, d_ff=d_ff,
+                                 causal=True, eps=eps, gelu_approximate=gelu_approximate,
+                                 dropout_rate=dropout_rate, train=train, rng=rng,
+                                 label=f"{label}_block{k}")
+        params.update((f"block{k}.{name}", p) for name, p in block.items())
+    z, params["ln_f_gamma"], params["ln_f_beta"] = layer_norm(h, eps=eps, label=f"{label}_ln_f")
+    logits, ((params["head_w"], params["head_b"]),) = mlp(z, [], vocab, label=f"{label}_head",
+                                                         prec=_param_prec(z.prec))
+    return logits, params
