@@ -214,3 +214,60 @@ def long_map_cases(n: int = 17_000_000, seed: int = 4) -> tuple[Comp, list[Tnode
         Accum(h, (0,), "=", Get(x, (0,)), (n,)),
     )
     return Comp(code, "long_maps"), [y, h]
+
+
+# --- the ops beyond the MLP, as the tensor DSL generates them ----------------------------------
+
+
+def random_cases(seed: int = 1234) -> tuple[Comp, list[Tnode], object]:
+    """Counter-based draws (``Rng.uniform``) of several shapes from one generator: the same
+    bits on every backend. Returns the computation, the draws and the generator."""
+    import ocannl.tensor as T
+
+    rng = T.Rng(seed, label="case_rng")
+    draws = [rng.uniform(output_dims=(1,)), rng.uniform(batch_dims=(3,), output_dims=(5, 7)),
+             rng.uniform(batch_dims=(2, 1), output_dims=(33,), input_dims=(4,))]
+    comp = Comp.seq([d.forward_comp() for d in draws], "random_draws")
+    return comp, [d.value for d in draws], rng
+
+
+def beyond_mlp_cases(prec: str = "f32", seed: int = 0, *,
+                     full: bool = True) -> tuple[Comp, object, list[tuple]]:
+    """A training step (forward and backprop) through the ops and blocks beyond the MLP:
+    embedding of class ids, causal multi-head attention (its softmax), dropout, layer and batch
+    norm, where / comparisons / minimum / maximum / min / abs / erf / tanh-gelu, and
+    cross-entropy; ``full`` runs the attention inside a pre-norm decoder block (layer norms,
+    exact-gelu MLP, two dropouts) -- about twice the code, which the CPU backend takes minutes
+    to compile. Returns the computation, the loss, and the (parameter, values) pairs to set."""
+    import ocannl.tensor as T
+    from ocannl import nn_blocks, train
+
+    rng_np = np.random.default_rng(seed)
+    batch, seq, vocab, d = 2, 3, 5, 4
+    ids = T.class_ids(rng_np.integers(0, vocab, size=(batch, seq)), num_classes=vocab,
+                      label="case_ids")
+    targets = T.class_ids(rng_np.integers(0, vocab, size=(batch, seq)), num_classes=vocab,
+                          label="case_targets")
+    drop = T.Rng(seed + 1, label="case_dropout")
+    h, _ = nn_blocks.embedding(ids, vocab=vocab, dim=d, label="case_emb", prec=prec)
+    if full:
+        h, _ = nn_blocks.decoder_block(h, num_heads=2, d_ff=6, dropout_rate=0.25, train=True,
+                                       rng=drop, label="case_dec")
+    else:
+        a, _ = nn_blocks.multi_head_attention(h, num_heads=2, d_k=2, causal=True,
+                                              label="case_attn")
+        h, _, _ = nn_blocks.layer_norm(h + nn_blocks.dropout(a, rate=0.25, train=True, rng=drop),
+                                       label="case_ln")
+    h, _ = nn_blocks.batch_norm(h, train=True, label="case_bn")
+    a = T.where(T.gt(h, 0.0), T.minimum(h, 1.5), T.maximum(h, -1.5) * 0.5)
+    a = a + T.abs(h) * T.erf(h) + T.gelu(h, approximate="tanh") - T.min(h, "output",
+                                                                         keepdims=True)
+    a = a * T.le(T.lt(h, 2.0), T.ge(h, -2.0)) + T.eq(h, h) - T.ne(h, h)
+    logits, _ = nn_blocks.mlp(a, [], vocab, label="case_head", prec=prec)
+    loss = nn_blocks.cross_entropy(logits, targets)
+    values = []
+    for p in loss.params:
+        fan_in = int(np.prod(p.shape.input or (1,)))
+        v = rng_np.uniform(-1.0, 1.0, p.dims) / np.sqrt(fan_in)
+        values.append((p, v + (1.0 if "gamma" in p.label else 0.0)))
+    return train.grad_update(loss), loss, values
