@@ -250,6 +250,8 @@ class Context:
                 f"set_values on {node.name}: got {arr.size} values of shape {arr.shape}, expected "
                 f"{node.size} values shaped as the node's dims {dims} or flat ({node.size},)"
             )
+        if node.check_values is not None:  # e.g. class ids: integers in range
+            node.check_values(arr.reshape(dims))
         return arr.reshape(-1)  # the backend rounds to the node's precision as it writes
 
     def set_values(self, t: Any, values: Any) -> Context:

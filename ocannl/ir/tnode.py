@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import itertools
 import math
+from collections.abc import Callable
 
 import numpy as np
 
@@ -36,10 +37,12 @@ class Tnode:
     initialized in a context only once something writes it (see ``Context.is_initialized``).
     ``needs_init``: its values must come from outside the routines (a parameter's init, data
     from the host): a routine reading it before anything initialized it refuses to run.
+    ``check_values``: what host values must satisfy beyond shape (class ids: integers in range);
+    ``Context.set_values`` calls it before writing, so bad values change nothing.
     """
 
     __slots__ = ("id", "label", "_dims", "prec", "memory_mode", "host_data", "zero_start",
-                 "needs_init", "__weakref__")
+                 "needs_init", "check_values", "__weakref__")
 
     def __init__(
         self,
@@ -60,6 +63,7 @@ class Tnode:
         self.host_data = host_data
         self.zero_start = zero_start
         self.needs_init = needs_init
+        self.check_values: Callable[[np.ndarray], object] | None = None
 
     @property
     def dims(self) -> tuple[int, ...]:

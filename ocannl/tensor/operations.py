@@ -701,9 +701,8 @@ class ClassIds(Tensor):
     its batch axes (no output or input axes). Made by :func:`class_ids`; set new ids with
     :meth:`set` (or :func:`set_class_ids`), which validates them before anything is written.
 
-    ``Context.set_values`` does not validate (it knows nothing of class ids): ids given through
-    it that are out of range or not integers make :func:`one_hot` rows NaN (0 / 0), so the
-    embeddings and losses computed from them are NaN rather than silently wrong.
+    ``Context.set_values`` validates them too (through ``Tnode.check_values``): ids out of
+    range or not integers are refused naming the first, and nothing is written.
     """
 
     num_classes: int
@@ -784,6 +783,7 @@ def class_ids(
         host = arr.astype(prec.numpy_dtype)
     shape = Shape(dims, (), ())
     node = Tnode(label, shape.dims, prec, host_data=host, needs_init=True)
+    node.check_values = lambda v: _checked_ids(label, v, int(num_classes), shape.dims)
     t = ClassIds(node, shape, kind="term", differentiable=False)
     t.num_classes = int(num_classes)
     return t

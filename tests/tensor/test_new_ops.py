@@ -435,20 +435,23 @@ def test_class_ids_construction_checks():
         T.one_hot(T.term([1.0, 2.0]))
 
 
-def test_ids_set_without_validation_poison_the_one_hot_rows():
-    """``Context.set_values`` cannot validate: a row whose id is no class is NaN, so the
-    embedding (and a loss) shows it."""
+def test_set_values_validates_class_ids_and_changes_nothing_on_refusal():
+    """``Context.set_values`` checks class ids too (``Tnode.check_values``): an id out of range
+    or not an integer is refused naming it, and the buffer keeps its ids."""
     ids = T.class_ids([0, 1, 2], num_classes=3)
     table = T.param("table", output_dims=(3, 2), input_dims=())
     out = T.embedding(ids, table)
     ctx = Context.cpu().set_values(table, np.arange(6.0).reshape(3, 2))
     _run_forward(out, ctx)
-    ctx.set_values(ids, [2.0, 3.0, 0.5])
+    for bad, what in (([2.0, 3.0, 0.0], "value 3.0 at position \\(1,\\) is out of range"),
+                      ([2.0, 0.5, 0.0], "value 0.5 at position \\(1,\\) is not an integer")):
+        with pytest.raises(ValueError, match=what):
+            ctx.set_values(ids, bad)
+        np.testing.assert_array_equal(ctx.get_values(ids), [0, 1, 2])
+    ctx.set_values(ids, [2, 2, 0])
     ctx, r = ctx.compile(train.forward(out))
     ctx.run(r)
-    got = ctx.get_values(out)
-    np.testing.assert_array_equal(got[0], [4.0, 5.0])
-    assert np.isnan(got[1:]).all()
+    np.testing.assert_array_equal(ctx.get_values(out), [[4.0, 5.0], [4.0, 5.0], [0.0, 1.0]])
 
 
 # --- random draws and dropout -----------------------------------------------------------------
