@@ -1,0 +1,493 @@
+"""A tiny character-level GPT trained on the Python standard library's own source, in mixed
+precision.
+
+The model (``nn_blocks.gpt``: token and learned position embeddings, pre-norm decoder blocks
+with causal self-attention, a final layer norm and a linear head to one logit per character)
+reads f16 (or bf16) cast twins of its f32 master weights; Adam updates the masters. The
+backprop is seeded with a dynamic loss scale and overflowing steps are skipped on the device
+(the fused gate), the host sampling every ``--check-interval`` steps.
+
+The text is what every Python installation has: the ``.py`` files at the top of
+``sysconfig.get_paths()["stdlib"]``, in sorted order, read until ``--corpus-chars``
+characters; the last 10% is held out for validation. Characters are printable ASCII plus the
+newline; any other character is one "unknown" token. The training windows of one epoch are a
+fixed-size, non-overlapping tiling of the training text, in an order drawn from ``--seed``.
+Train and validation losses are the mean over fixed windows of each part. At the end, text is
+sampled from a prompt on the host from the logits of a one-sequence forward routine (greedy
+with ``--temperature 0``).
+
+    python examples/tiny_gpt.py                      # f16 twins, a few minutes on 2 cores
+    python examples/tiny_gpt.py --prec bf16 --compare-torch
+    python examples/tiny_gpt.py --checkpoint gpt.safetensors         # kill it, then
+    python examples/tiny_gpt.py --checkpoint gpt.safetensors --resume
+
+``--compare-torch`` also trains the same architecture in PyTorch (f32) from the same initial
+weights on the same batches, and prints both validation losses and their relative difference.
+A checkpoint records the run's settings (and the corpus's digest); a resume under other ones
+stops, naming each. The step budget may always grow.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import (  # noqa: E402
+    BACKENDS,
+    F32_MAX,
+    ExampleParser,
+    batch_indices,
+    integer,
+    make_context,
+    output_path,
+    real,
+)
+
+import ocannl.tensor as T  # noqa: E402
+from ocannl import Context, Failure, checkpoint, mixed_prec, nn_blocks, optim, train  # noqa: E402
+
+# The vocabulary: 0 stands for any character not listed, then the newline and printable ASCII.
+CHARS = "\n" + "".join(chr(c) for c in range(32, 127))
+VOCAB = 1 + len(CHARS)
+UNKNOWN = "\N{REPLACEMENT CHARACTER}"
+_CODE = {c: k + 1 for k, c in enumerate(CHARS)}
+
+# The settings a checkpoint was trained under (flag names): a resume must use the same.
+CONFIG_KEYS = ("prec", "context", "d-model", "heads", "layers", "d-ff", "batch", "lr", "seed",
+               "check-interval", "init-scale", "corpus-chars", "corpus-sha256")
+
+
+def build_parser() -> ExampleParser:
+    ap = ExampleParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--prec", choices=["f16", "bf16", "f32"], default="f16",
+                    help="precision of the weights' cast twins (f32: no twins)")
+    ap.add_argument("--steps", type=integer(1, 10**9), default=800, help="training steps")
+    ap.add_argument("--batch", type=integer(1, 4096), default=16,
+                    help="sequences per batch")
+    ap.add_argument("--context", type=integer(2, 1024), default=32,
+                    help="characters per sequence")
+    ap.add_argument("--d-model", type=integer(1, 4096), default=32, help="embedding width")
+    ap.add_argument("--heads", type=integer(1, 64), default=4, help="attention heads")
+    ap.add_argument("--layers", type=integer(1, 64), default=2, help="decoder blocks")
+    ap.add_argument("--d-ff", type=integer(1, 16384), default=None,
+                    help="hidden width of each block's MLP (none: 4 * --d-model)")
+    ap.add_argument("--lr", type=real(0, F32_MAX, lo_open=True, f32=True), default=3e-3,
+                    help="Adam's learning rate")
+    ap.add_argument("--check-interval", type=integer(1, 2**24), default=16,
+                    help="steps between two host reads of the skipped-step count")
+    ap.add_argument("--init-scale", type=real(0, F32_MAX, lo_open=True, f32=True),
+                    default=1024.0, help="initial loss scale")
+    ap.add_argument("--seed", type=integer(0, 2**63 - 1), default=0,
+                    help="initial weights, data order and sampling seed")
+    ap.add_argument("--corpus-chars", type=integer(10_000, 10**9), default=400_000,
+                    help="characters of standard-library source to read")
+    ap.add_argument("--eval-every", type=integer(1), default=200,
+                    help="steps between two evaluations of the train and validation loss")
+    ap.add_argument("--eval-batches", type=integer(1, 10**6), default=8,
+                    help="batches of fixed windows each loss is averaged over")
+    ap.add_argument("--prompt", default="def ", help="the text sampling starts from")
+    ap.add_argument("--sample-chars", type=integer(0, 10**6), default=240,
+                    help="characters to sample at the end")
+    ap.add_argument("--temperature", type=real(0, 100), default=0.8,
+                    help="sampling temperature (0: greedy)")
+    ap.add_argument("--compare-torch", action="store_true",
+                    help="also train the same model in PyTorch (f32) and compare the losses")
+    ap.add_argument("--checkpoint", type=Path, help="save the training state to this file")
+    ap.add_argument("--checkpoint-every", type=integer(1), default=250,
+                    help="steps between checkpoints")
+    ap.add_argument("--resume", action="store_true",
+                    help="continue from --checkpoint when it exists")
+    ap.add_argument("--backend", choices=list(BACKENDS), default="auto",
+                    help="auto: the GPU when CuPy sees one, else the CPU")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return ap
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if args.d_ff is None:
+        args.d_ff = 4 * args.d_model
+    if args.d_model % args.heads:
+        ap.error(f"--d-model {args.d_model} must be a multiple of --heads {args.heads}")
+    if args.resume and args.checkpoint is None:
+        ap.error("--resume needs --checkpoint PATH")
+    problem = output_path(args.checkpoint, "--checkpoint")
+    if problem is not None:
+        ap.error(problem)
+    return args
+
+
+# --- the corpus ---------------------------------------------------------------------------------
+
+
+def read_corpus(max_chars: int) -> str:
+    """The ``.py`` files at the top of the standard library's folder, sorted by name,
+    concatenated (each ending in a newline) up to ``max_chars`` characters."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    parts, total = [], 0
+    for path in sorted(root.glob("*.py"), key=lambda p: p.name):
+        try:
+            text = path.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            continue
+        if not text.endswith("\n"):
+            text += "\n"
+        parts.append(text[:max_chars - total])
+        total += len(parts[-1])
+        if total >= max_chars:
+            break
+    return "".join(parts)
+
+
+def encode(text: str) -> np.ndarray:
+    return np.array([_CODE.get(c, 0) for c in text], dtype=np.int64)
+
+
+def decode(codes: np.ndarray) -> str:
+    return "".join(CHARS[c - 1] if c > 0 else UNKNOWN for c in codes)
+
+
+def windows(codes: np.ndarray, context: int) -> tuple[np.ndarray, np.ndarray]:
+    """The non-overlapping windows of ``codes``: inputs ``(n, context)`` and their targets,
+    the same shifted by one character."""
+    n = (len(codes) - 1) // context
+    x = codes[:n * context].reshape(n, context)
+    y = codes[1:n * context + 1].reshape(n, context)
+    return x, y
+
+
+def eval_sets(x: np.ndarray, y: np.ndarray, batches: int, batch: int,
+              rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """At most ``batches`` whole batches of windows drawn (without replacement, in order) by
+    ``rng``, as ``(k, batch, context)``."""
+    k = min(batches, len(x) // batch)
+    pick = np.sort(rng.choice(len(x), size=k * batch, replace=False))
+    return x[pick].reshape(k, batch, -1), y[pick].reshape(k, batch, -1)
+
+
+# --- the run ------------------------------------------------------------------------------------
+
+
+def run_config(args: argparse.Namespace, corpus: str) -> dict[str, str]:
+    config = {k: getattr(args, k.replace("-", "_")) for k in CONFIG_KEYS[:-1]}
+    config = {k: repr(v) if isinstance(v, float) else str(v) for k, v in config.items()}
+    config["corpus-sha256"] = hashlib.sha256(corpus.encode()).hexdigest()[:16]
+    return config
+
+
+def build_model(args: argparse.Namespace, ids: T.ClassIds, label: str):  # noqa: ANN201
+    """``gpt`` over ``ids`` reading ``--prec`` twins of f32 masters; the f32 logits and the
+    masters by name."""
+    def build():  # noqa: ANN202
+        return nn_blocks.gpt(ids, vocab=VOCAB, context=args.context, d_model=args.d_model,
+                             heads=args.heads, layers=args.layers, d_ff=args.d_ff, label=label)
+
+    if args.prec == "f32":
+        logits, params = build()
+    else:
+        logits, params = mixed_prec.with_master_weights(prec=args.prec, f=build)
+        logits = T.cast(logits, "f32")
+    return logits, {name: mixed_prec.master_of(p) for name, p in params.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    corpus = read_corpus(args.corpus_chars)
+    codes = encode(corpus)
+    cut = int(0.9 * len(codes))
+    x_train, y_train = windows(codes[:cut], args.context)
+    x_val, y_val = windows(codes[cut:], args.context)
+    for what, xs in (("training", x_train), ("validation", x_val)):
+        if len(xs) < args.batch:
+            sys.exit(f"error: --batch {args.batch} is larger than the {len(xs)} {what} windows "
+                     f"of --context {args.context} in {len(corpus)} characters of corpus "
+                     f"(raise --corpus-chars or lower --batch)")
+    rng = np.random.default_rng([args.seed, 1])
+    train_eval = eval_sets(x_train, y_train, args.eval_batches, args.batch, rng)
+    val_eval = eval_sets(x_val, y_val, args.eval_batches, args.batch, rng)
+    config = run_config(args, corpus)
+    if args.resume and args.checkpoint.exists():
+        problem = config_problem(args.checkpoint, config, args.steps)
+        if problem is not None:
+            sys.exit(f"error: cannot resume from {args.checkpoint}: {problem}")
+    ctx = make_context(args.backend)
+    print(f"corpus: {len(corpus)} characters of {sysconfig.get_paths()['stdlib']}/*.py "
+          f"({len(x_train)} training, {len(x_val)} validation windows of {args.context})",
+          flush=True)
+
+    T.set_seed(args.seed)
+    ids = T.class_ids(batch_dims=(args.batch, args.context), num_classes=VOCAB, label="ids")
+    targets = T.class_ids(batch_dims=(args.batch, args.context), num_classes=VOCAB,
+                          label="targets")
+    logits, masters = build_model(args, ids, "gpt")
+    loss = nn_blocks.cross_entropy(logits, targets)
+    adam = optim.Adam(args.lr)
+    scaler = mixed_prec.Loss_scaler.create(init_scale=args.init_scale)
+    recipe = mixed_prec.gated_step(scaler, loss, adam, check_interval=args.check_interval)
+    ctx = train.init_params(ctx, loss)
+    initial = {name: ctx.get_values(p) for name, p in masters.items()}  # for --compare-torch
+    t0 = time.perf_counter()
+    ctx = ids.set(ctx, x_train[:args.batch])
+    ctx = targets.set(ctx, y_train[:args.batch])
+    ctx = recipe.compile(ctx)
+    ctx, one = OneSequence.compile(args, ctx)
+    compile_s = time.perf_counter() - t0
+    state = checkpoint.training_state(loss, adam) + recipe.state_nodes()
+
+    start = 0
+    if args.resume and args.checkpoint.exists():
+        try:
+            ctx, progress = checkpoint.load(args.checkpoint, ctx, state)
+            ctx = scaler.restore_state(ctx, progress.extra["loss_scaler"])
+            recipe.restore_state(progress.extra["recipe"])
+        except (Failure, KeyError) as err:
+            sys.exit(f"error: cannot resume from {args.checkpoint}: {err}")
+        start = progress.step
+        print(f"resumed from {args.checkpoint} at step {start}", flush=True)
+
+    def save(step: int) -> None:
+        extra = {"config": json.dumps(config, sort_keys=True),
+                 "loss_scaler": scaler.save_state(), "recipe": recipe.save_state()}
+        checkpoint.save(args.checkpoint, ctx, state, checkpoint.Progress(step=step, extra=extra))
+
+    def mean_loss(sets: tuple[np.ndarray, np.ndarray]) -> float:
+        nonlocal ctx
+        ctx = one.load(ctx, {n: ctx.get_values(p) for n, p in masters.items()})
+        ctx, value = one.mean_loss(ctx, *sets)
+        return value
+
+    bar = None
+    if not args.no_progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=args.steps, initial=start, unit="step", dynamic_ncols=True)
+    say = print if bar is None else bar.write
+    t1 = time.perf_counter()
+    for step in range(start, args.steps):
+        idx = batch_indices(step, len(x_train), args.batch, args.seed)
+        ctx = targets.set(ids.set(ctx, x_train[idx]), y_train[idx])
+        ctx = recipe.step(ctx)
+        if bar is not None:
+            if recipe.pending == 0:  # sampled at this window's end: no extra sync
+                bar.set_postfix(loss=f"{ctx.get_value(loss):.4f}",
+                                scale=f"{scaler.scale_value():g}")
+            bar.update(1)
+        if args.checkpoint is not None and (step + 1) % args.checkpoint_every == 0:
+            ctx = recipe.flush(ctx)
+            save(step + 1)
+        if (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
+            ctx = recipe.flush(ctx)
+            say(f"step {step + 1}: train loss {mean_loss(train_eval):.4f}, "
+                f"validation loss {mean_loss(val_eval):.4f}")
+    if bar is not None:
+        bar.close()
+    train_s = time.perf_counter() - t1
+    ctx = recipe.flush(ctx)
+    if args.checkpoint is not None and start < args.steps:
+        save(args.steps)
+    train_loss, val_loss = mean_loss(train_eval), mean_loss(val_eval)
+
+    precision = "f32, no twins" if args.prec == "f32" else f"{args.prec} twins"
+    print(f"backend {ctx.backend_name()}, {precision}, compile {compile_s:.1f} s, "
+          f"{args.steps - start} steps in {train_s:.1f} s")
+    ran = recipe.applied_steps + recipe.skipped_steps
+    print(f"loss scale {scaler.scale_value():g}, skipped steps {recipe.skipped_steps} of {ran}")
+    print(f"final train loss {train_loss:.4f}, validation loss {val_loss:.4f} "
+          f"(after {args.steps} steps)", flush=True)
+    if args.compare_torch:
+        torch_val = torch_validation_loss(args, initial, x_train, y_train, val_eval)
+        rel = abs(val_loss - torch_val) / torch_val
+        print(f"validation loss: ocannl {val_loss:.4f} ({precision}), PyTorch "
+              f"{torch_val:.4f} (f32), relative difference {100 * rel:.2f}%", flush=True)
+    if args.sample_chars:
+        ctx, text = one.sample(ctx, args.prompt, args.sample_chars, args.temperature,
+                               np.random.default_rng([args.seed, 2]))
+        print(f"sample (temperature {args.temperature:g}):\n{text}", flush=True)
+    return 0
+
+
+class OneSequence:
+    """The model over one sequence (a batch of one), its forward routine compiled once: the
+    evaluations copy the trained weights into it and compute the losses on the host from its
+    logits, and sampling draws from them."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.context = args.context
+        self.ids = T.class_ids(batch_dims=(1, args.context), num_classes=VOCAB, label="one_ids")
+        self.logits, self.masters = build_model(args, self.ids, "one")
+
+    @classmethod
+    def compile(cls, args: argparse.Namespace, ctx: Context) -> tuple[Context, OneSequence]:
+        one = cls(args)
+        ctx = train.init_params(ctx, one.logits)
+        ctx = one.ids.set(ctx, np.zeros((1, args.context), np.int64))
+        ctx, one.routine = ctx.compile(train.forward(one.logits))
+        return ctx, one
+
+    def load(self, ctx: Context, weights: dict[str, np.ndarray]) -> Context:
+        for name, p in self.masters.items():
+            ctx = ctx.set_values(p, weights[name])
+        return ctx
+
+    def run(self, ctx: Context, row: np.ndarray) -> tuple[Context, np.ndarray]:
+        """The logits ``(context, VOCAB)`` (f64) of one sequence of ``context`` codes."""
+        ctx = self.ids.set(ctx, row.reshape(1, self.context)).run(self.routine)
+        return ctx, ctx.get_values(self.logits).reshape(self.context, VOCAB).astype(np.float64)
+
+    def mean_loss(self, ctx: Context, xs: np.ndarray, ys: np.ndarray) -> tuple[Context, float]:
+        """The cross-entropy of the targets ``ys`` given the inputs ``xs``, averaged over every
+        position of every window (the mean of the batch means: the batches are equal)."""
+        total = 0.0
+        xs, ys = xs.reshape(-1, self.context), ys.reshape(-1, self.context)
+        for x, y in zip(xs, ys, strict=True):
+            ctx, z = self.run(ctx, x)
+            z = z - z.max(axis=1, keepdims=True)
+            log_p = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
+            total -= log_p[np.arange(self.context), y].sum()
+        return ctx, total / ys.size
+
+    def sample(self, ctx: Context, prompt: str, n: int, temperature: float,
+               rng: np.random.Generator) -> tuple[Context, str]:
+        """``prompt`` and ``n`` characters drawn after it one at a time: the last ``context``
+        characters fill the positions from the first, and the logits at the last of them give
+        the next (later positions, hidden from it by the causal mask, hold the unknown token).
+        Greedy at temperature 0."""
+        codes = list(encode(prompt)) or [_CODE["\n"]]
+        for _ in range(n):
+            window = codes[-self.context:]
+            row = np.zeros(self.context, np.int64)
+            row[:len(window)] = window
+            ctx, z = self.run(ctx, row)
+            z = z[len(window) - 1]
+            if temperature == 0:
+                codes.append(int(np.argmax(z)))
+            else:
+                p = np.exp((z - z.max()) / temperature)
+                codes.append(int(rng.choice(VOCAB, p=p / p.sum())))
+        return ctx, decode(np.array(codes))
+
+
+def config_problem(path: Path, config: dict[str, str], steps: int) -> str | None:
+    """Why the run cannot resume from ``path`` (None: it can): the settings that differ, by
+    name, checked before any tensor is touched."""
+    try:
+        progress = checkpoint.read_progress(path)
+    except Failure as err:
+        return str(err)
+    text = progress.extra.get("config")
+    if text is None:
+        return "it records no run configuration"
+    saved = json.loads(text)
+    diffs = [f"{'the corpus text, sha256' if k == 'corpus-sha256' else '--' + k} "
+             f"{saved.get(k)} (now {config[k]})" for k in CONFIG_KEYS if saved.get(k) != config[k]]
+    if diffs:
+        return "it was trained with other settings: " + ", ".join(diffs)
+    if progress.step > steps:
+        return f"it is at step {progress.step}, past --steps {steps}"
+    return None
+
+
+# --- the PyTorch twin (--compare-torch) ---------------------------------------------------------
+
+
+def torch_validation_loss(args: argparse.Namespace, initial: dict[str, np.ndarray],
+                          x_train: np.ndarray, y_train: np.ndarray,
+                          val_eval: tuple[np.ndarray, np.ndarray]) -> float:
+    """Train the same architecture in PyTorch at f32 from ``initial`` on the same batches
+    (Adam, ``--lr``) for ``--steps`` steps; its mean loss over the validation windows."""
+    try:
+        import torch
+        import torch.nn.functional as F
+    except ImportError:
+        sys.exit("error: --compare-torch needs PyTorch (pip install torch)")
+    model = torch_gpt(args, initial)
+    opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+    for step in range(args.steps):
+        idx = batch_indices(step, len(x_train), args.batch, args.seed)
+        opt.zero_grad()
+        out = model(torch.tensor(x_train[idx]))
+        F.cross_entropy(out.reshape(-1, VOCAB), torch.tensor(y_train[idx]).reshape(-1)).backward()
+        opt.step()
+    with torch.no_grad():
+        xs, ys = val_eval
+        out = model(torch.tensor(xs.reshape(-1, args.context))).double()
+        return float(F.cross_entropy(out.reshape(-1, VOCAB), torch.tensor(ys).reshape(-1)))
+
+
+def torch_gpt(args: argparse.Namespace, weights: dict[str, np.ndarray]):  # noqa: ANN201
+    """``nn_blocks.gpt``'s architecture in PyTorch (layer-norm eps 1e-5, attention scores
+    scaled by 1/sqrt(d_k) with later keys at -1e9, exact gelu, biases everywhere), holding
+    ``weights`` (by ``gpt``'s names: the attention's reshaped, nothing transposed)."""
+    import torch
+    import torch.nn.functional as F
+
+    d, h, dk = args.d_model, args.heads, args.d_model // args.heads
+
+    def ln() -> torch.nn.LayerNorm:
+        return torch.nn.LayerNorm(d, eps=1e-5)
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ln1, self.ln2 = ln(), ln()
+            self.q, self.k, self.v, self.o = (torch.nn.Linear(d, d) for _ in range(4))
+            self.fc1, self.fc2 = torch.nn.Linear(d, args.d_ff), torch.nn.Linear(args.d_ff, d)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            b, s, _ = x.shape
+            z = self.ln1(x)
+            q, k, v = (lin(z).view(b, s, h, dk).transpose(1, 2) for lin in (self.q, self.k,
+                                                                            self.v))
+            scores = q @ k.transpose(-1, -2) / math.sqrt(dk)
+            later = torch.ones(s, s, dtype=torch.bool).triu(1)
+            a = (scores.masked_fill(later, -1e9).softmax(-1) @ v).transpose(1, 2)
+            x = x + self.o(a.reshape(b, s, d))
+            return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+    class GPT(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tok = torch.nn.Embedding(VOCAB, d)
+            self.pos = torch.nn.Embedding(args.context, d)
+            self.blocks = torch.nn.ModuleList(Block() for _ in range(args.layers))
+            self.ln_f = ln()
+            self.head = torch.nn.Linear(d, VOCAB)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            x = self.tok(ids) + self.pos(torch.arange(ids.shape[1]))
+            for blk in self.blocks:
+                x = blk(x)
+            return self.head(self.ln_f(x))
+
+    model = GPT()
+    names = {"tok.weight": "tok_emb", "pos.weight": "pos_emb", "ln_f.weight": "ln_f_gamma",
+             "ln_f.bias": "ln_f_beta", "head.weight": "head_w", "head.bias": "head_b"}
+    ours = {"ln1.weight": "ln1_gamma", "ln1.bias": "ln1_beta", "ln2.weight": "ln2_gamma",
+            "ln2.bias": "ln2_beta", "fc1.weight": "w1", "fc1.bias": "b1", "fc2.weight": "w2",
+            "fc2.bias": "b2"}
+    ours.update({f"{m}.{kind}": f"{'w' if kind == 'weight' else 'b'}{m}"
+                 for m in "qkvo" for kind in ("weight", "bias")})
+    for k in range(args.layers):
+        names.update({f"blocks.{k}.{t}": f"block{k}.{o}" for t, o in ours.items()})
+    tensors = dict(model.named_parameters())
+    assert sorted(names.values()) == sorted(weights) and sorted(names) == sorted(tensors)
+    with torch.no_grad():
+        for tname, oname in names.items():
+            tp = tensors[tname]
+            tp.copy_(torch.tensor(weights[oname], dtype=torch.float32).reshape(tp.shape))
+    return model
+
+
+if __name__ == "__main__":
+    sys.exit(main())
