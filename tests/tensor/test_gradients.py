@@ -312,8 +312,8 @@ def test_reduction_gradients(kind, prec, data):
     check_parity(out, lambda ta: _torch_reduce(kind, ta, positions), [(a, av)])
 
 
-def test_max_gradient_goes_to_every_tied_maximum():
-    """Documented behaviour on ties (torch.amax would split the gradient between them)."""
+def test_max_gradient_is_shared_by_tied_maxima():
+    """As torch.amax: ties split the gradient evenly (each taking all of it would multiply it)."""
     from ocannl import Context, train
 
     a = T.param("a", output_dims=(4,), input_dims=())
@@ -322,7 +322,7 @@ def test_max_gradient_goes_to_every_tied_maximum():
     ctx.set_values(a, [1.0, 5.0, 5.0, -2.0])
     ctx, r = ctx.compile(train.grad_update(loss))
     ctx.run(r)
-    np.testing.assert_array_equal(ctx.get_values(a.grad), [0.0, 3.0, 3.0, 0.0])
+    np.testing.assert_array_equal(ctx.get_values(a.grad), [0.0, 1.5, 1.5, 0.0])
 
 
 # --- cast -------------------------------------------------------------------------------------
