@@ -385,8 +385,8 @@ def decoder_block(
 def cross_entropy(logits: Tensor, class_ids: T.ClassIds) -> Tensor:
     """Mean over the batch of ``-log_softmax(logits)[class]`` (torch's ``cross_entropy`` with
     integer targets): ``logits`` has the ids' batch axes and one output axis of
-    ``num_classes`` logits; the log-softmax is max-shifted. An id that is not a valid class
-    (set through ``Context.set_values``, which does not validate) makes the loss NaN."""
+    ``num_classes`` logits; the log-softmax is max-shifted. Ids are validated when created and
+    by ``Context.set_values``: one that is not a valid class is refused, naming it."""
     if not isinstance(class_ids, T.ClassIds):
         raise TypeError(f"cross_entropy: targets must come from ocannl.tensor.class_ids, "
                         f"got {class_ids!r}")
