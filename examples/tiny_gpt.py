@@ -22,7 +22,9 @@ with ``--temperature 0``).
     python examples/tiny_gpt.py --checkpoint gpt.safetensors --resume
 
 ``--compare-torch`` also trains the same architecture in PyTorch (f32) from the same initial
-weights on the same batches, and prints both validation losses and their relative difference.
+weights on the same batches, and prints both validation losses and their relative difference:
+with the defaults (f16 twins, 2000 steps) 1.8070 against 1.8040, 0.17% (measured on the 2-core
+CPU).
 A checkpoint records the run's settings (and the corpus's digest); a resume under other ones
 stops, naming each. The step budget may always grow.
 """
@@ -71,7 +73,7 @@ def build_parser() -> ExampleParser:
     ap = ExampleParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prec", choices=["f16", "bf16", "f32"], default="f16",
                     help="precision of the weights' cast twins (f32: no twins)")
-    ap.add_argument("--steps", type=integer(1, 10**9), default=800, help="training steps")
+    ap.add_argument("--steps", type=integer(1, 10**9), default=2000, help="training steps")
     ap.add_argument("--batch", type=integer(1, 4096), default=16,
                     help="sequences per batch")
     ap.add_argument("--context", type=integer(2, 1024), default=32,
@@ -91,7 +93,7 @@ def build_parser() -> ExampleParser:
                     help="initial weights, data order and sampling seed")
     ap.add_argument("--corpus-chars", type=integer(10_000, 10**9), default=400_000,
                     help="characters of standard-library source to read")
-    ap.add_argument("--eval-every", type=integer(1), default=200,
+    ap.add_argument("--eval-every", type=integer(1), default=500,
                     help="steps between two evaluations of the train and validation loss")
     ap.add_argument("--eval-batches", type=integer(1, 10**6), default=8,
                     help="batches of fixed windows each loss is averaged over")
@@ -109,6 +111,11 @@ def build_parser() -> ExampleParser:
                     help="continue from --checkpoint when it exists")
     ap.add_argument("--backend", choices=list(BACKENDS), default="auto",
                     help="auto: the GPU when CuPy sees one, else the CPU")
+    ap.add_argument("--blas-threads", type=integer(1, 1024), default=1,
+                    help="threads of the CPU's BLAS (OpenBLAS, through threadpoolctl): this "
+                         "model's matrix products are too small to gain from more, and on a "
+                         "busy machine spinning BLAS threads slowed training up to 7-fold "
+                         "(measured)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     return ap
 
@@ -203,6 +210,15 @@ def build_model(args: argparse.Namespace, ids: T.ClassIds, label: str):  # noqa:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:  # scikit-learn's dependency (the examples extra): without it, the default
+        return run(args)
+    with threadpool_limits(limits=args.blas_threads, user_api="blas"):
+        return run(args)
+
+
+def run(args: argparse.Namespace) -> int:
     corpus = read_corpus(args.corpus_chars)
     codes = encode(corpus)
     cut = int(0.9 * len(codes))
@@ -411,6 +427,9 @@ def torch_validation_loss(args: argparse.Namespace, initial: dict[str, np.ndarra
         import torch.nn.functional as F
     except ImportError:
         sys.exit("error: --compare-torch needs PyTorch (pip install torch)")
+    # One thread: a model this small gains nothing from more, and on a busy machine torch's
+    # spinning worker threads slow it down 50-fold (measured: 1.7 s a step against 23 ms).
+    torch.set_num_threads(1)
     model = torch_gpt(args, initial)
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
     for step in range(args.steps):
