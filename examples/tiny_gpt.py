@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import math
 import sys
 import sysconfig
 import time
@@ -420,8 +419,9 @@ def config_problem(path: Path, config: dict[str, str], steps: int) -> str | None
 def torch_validation_loss(args: argparse.Namespace, initial: dict[str, np.ndarray],
                           x_train: np.ndarray, y_train: np.ndarray,
                           val_eval: tuple[np.ndarray, np.ndarray]) -> float:
-    """Train the same architecture in PyTorch at f32 from ``initial`` on the same batches
-    (Adam, ``--lr``) for ``--steps`` steps; its mean loss over the validation windows."""
+    """Train the same architecture in PyTorch at f32 (``torch_gpt.TorchGPT``) from ``initial``
+    on the same batches (Adam, ``--lr``) for ``--steps`` steps; its mean loss over the
+    validation windows."""
     try:
         import torch
         import torch.nn.functional as F
@@ -430,7 +430,10 @@ def torch_validation_loss(args: argparse.Namespace, initial: dict[str, np.ndarra
     # One thread: a model this small gains nothing from more, and on a busy machine torch's
     # spinning worker threads slow it down 50-fold (measured: 1.7 s a step against 23 ms).
     torch.set_num_threads(1)
-    model = torch_gpt(args, initial)
+    from torch_gpt import TorchGPT  # the twin shared with tests/test_gpt.py and the benchmarks
+
+    model = TorchGPT(vocab=VOCAB, context=args.context, d_model=args.d_model, heads=args.heads,
+                     layers=args.layers, d_ff=args.d_ff).load(initial)
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
     for step in range(args.steps):
         idx = batch_indices(step, len(x_train), args.batch, args.seed)
@@ -442,70 +445,6 @@ def torch_validation_loss(args: argparse.Namespace, initial: dict[str, np.ndarra
         xs, ys = val_eval
         out = model(torch.tensor(xs.reshape(-1, args.context))).double()
         return float(F.cross_entropy(out.reshape(-1, VOCAB), torch.tensor(ys).reshape(-1)))
-
-
-def torch_gpt(args: argparse.Namespace, weights: dict[str, np.ndarray]):  # noqa: ANN201
-    """``nn_blocks.gpt``'s architecture in PyTorch (layer-norm eps 1e-5, attention scores
-    scaled by 1/sqrt(d_k) with later keys at -1e9, exact gelu, biases everywhere), holding
-    ``weights`` (by ``gpt``'s names: the attention's reshaped, nothing transposed)."""
-    import torch
-    import torch.nn.functional as F
-
-    d, h, dk = args.d_model, args.heads, args.d_model // args.heads
-
-    def ln() -> torch.nn.LayerNorm:
-        return torch.nn.LayerNorm(d, eps=1e-5)
-
-    class Block(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.ln1, self.ln2 = ln(), ln()
-            self.q, self.k, self.v, self.o = (torch.nn.Linear(d, d) for _ in range(4))
-            self.fc1, self.fc2 = torch.nn.Linear(d, args.d_ff), torch.nn.Linear(args.d_ff, d)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            b, s, _ = x.shape
-            z = self.ln1(x)
-            q, k, v = (lin(z).view(b, s, h, dk).transpose(1, 2) for lin in (self.q, self.k,
-                                                                            self.v))
-            scores = q @ k.transpose(-1, -2) / math.sqrt(dk)
-            later = torch.ones(s, s, dtype=torch.bool).triu(1)
-            a = (scores.masked_fill(later, -1e9).softmax(-1) @ v).transpose(1, 2)
-            x = x + self.o(a.reshape(b, s, d))
-            return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
-
-    class GPT(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.tok = torch.nn.Embedding(VOCAB, d)
-            self.pos = torch.nn.Embedding(args.context, d)
-            self.blocks = torch.nn.ModuleList(Block() for _ in range(args.layers))
-            self.ln_f = ln()
-            self.head = torch.nn.Linear(d, VOCAB)
-
-        def forward(self, ids: torch.Tensor) -> torch.Tensor:
-            x = self.tok(ids) + self.pos(torch.arange(ids.shape[1]))
-            for blk in self.blocks:
-                x = blk(x)
-            return self.head(self.ln_f(x))
-
-    model = GPT()
-    names = {"tok.weight": "tok_emb", "pos.weight": "pos_emb", "ln_f.weight": "ln_f_gamma",
-             "ln_f.bias": "ln_f_beta", "head.weight": "head_w", "head.bias": "head_b"}
-    ours = {"ln1.weight": "ln1_gamma", "ln1.bias": "ln1_beta", "ln2.weight": "ln2_gamma",
-            "ln2.bias": "ln2_beta", "fc1.weight": "w1", "fc1.bias": "b1", "fc2.weight": "w2",
-            "fc2.bias": "b2"}
-    ours.update({f"{m}.{kind}": f"{'w' if kind == 'weight' else 'b'}{m}"
-                 for m in "qkvo" for kind in ("weight", "bias")})
-    for k in range(args.layers):
-        names.update({f"blocks.{k}.{t}": f"block{k}.{o}" for t, o in ours.items()})
-    tensors = dict(model.named_parameters())
-    assert sorted(names.values()) == sorted(weights) and sorted(names) == sorted(tensors)
-    with torch.no_grad():
-        for tname, oname in names.items():
-            tp = tensors[tname]
-            tp.copy_(torch.tensor(weights[oname], dtype=torch.float32).reshape(tp.shape))
-    return model
 
 
 if __name__ == "__main__":
