@@ -43,7 +43,7 @@ def commit() -> str:
 
 def versions() -> dict[str, str]:
     out = {"python": platform.python_version()}
-    for pkg in ("ocannl", "numpy", "numba", "scipy", "torch", "ml-dtypes", "cupy-cuda12x"):
+    for pkg in ("ocannl", "numpy", "llvmlite", "scipy", "torch", "ml-dtypes", "cupy-cuda12x"):
         try:
             out[pkg] = metadata.version(pkg)
         except metadata.PackageNotFoundError:

@@ -60,7 +60,7 @@ def peak_rss_mib() -> float:
 
 
 def warm_libraries(framework: str) -> None:
-    """Run a one-unit model once, so the libraries' lazy set-up (Numba's typing registries,
+    """Run a one-unit model once, so the libraries' lazy set-up (LLVM's target and JIT,
     torch's autograd and optimizer) is not counted as the workload's compile time or memory."""
     if framework == "torch":
         import torch
@@ -83,8 +83,6 @@ def warm_libraries(framework: str) -> None:
 
 def probe(workload: str, framework: str, variant: str, device: str, steps: int) -> dict:
     """Build and train one row in this process; the measurements as a dict."""
-    import numba  # noqa: F401 - imported before the baseline, as the runners need it
-
     if framework == "torch":
         import torch  # noqa: F401
     from benchmarks.fixtures import load

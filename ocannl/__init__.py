@@ -2,7 +2,7 @@
 
 Models are graphs of tensors (``ocannl.tensor``); their forward and backward code is generated
 as assignments (``ocannl.ir``) that a ``Context`` compiles into routines on a backend
-(``ocannl.backends``: Numba on the CPU, CuPy on CUDA GPUs).
+(``ocannl.backends``: LLVM on the CPU, CuPy on CUDA GPUs).
 """
 
 from ocannl.context import Context, Routine

@@ -73,9 +73,9 @@ class Context:
 
     @classmethod
     def cpu(cls) -> Context:
-        from ocannl.backends.cpu.backend import NumbaCpuBackend
+        from ocannl.backends.cpu.backend import CpuBackend
 
-        return cls(NumbaCpuBackend())
+        return cls(CpuBackend())
 
     @classmethod
     def cuda(cls, device_id: int = 0) -> Context:

@@ -82,7 +82,7 @@ through PYTHONPATH, and the packages step says what is missing"
 step env setup.log 15 bash -c "date -u; echo \"python: $PY\"; \"$PY\" --version; uname -srm; \
     nvidia-smi || echo 'nvidia-smi: not available'"
 
-NEED="numpy:numpy numba:numba scipy:scipy ml_dtypes:ml-dtypes safetensors:safetensors \
+NEED="numpy:numpy llvmlite:llvmlite scipy:scipy ml_dtypes:ml-dtypes safetensors:safetensors \
 cupy:cupy pytest:pytest"  # import name : pip name
 install_project() {
     local missing extras=() spec
@@ -120,7 +120,7 @@ import importlib
 import os
 
 needs = {  # import name -> the steps that need it
-    "numpy": "smoke pytest sanitizer example timing", "numba": "pytest example timing",
+    "numpy": "smoke pytest sanitizer example timing", "llvmlite": "pytest example timing",
     "scipy": "pytest example timing", "ml_dtypes": "smoke pytest sanitizer example timing",
     "safetensors": "smoke pytest sanitizer example timing",
     "cupy": "smoke pytest sanitizer example timing", "pytest": "pytest sanitizer",
@@ -176,7 +176,7 @@ if [ -n "$gpu_reason" ]; then say "no GPU: $gpu_reason"; fi
 PYTEST=("$PY" -m pytest -v -rfEs -p no:cacheprovider -m gpu)
 has() { "$PY" -c "import $1" > /dev/null 2>&1; }
 if has pytest_timeout; then PYTEST+=(--timeout 150); fi
-if has xdist && [ -z "$gpu_reason" ]; then  # in parallel: the CPU references compile (Numba)
+if has xdist && [ -z "$gpu_reason" ]; then  # in parallel: the CPU references compile too
     TESTS=("${PYTEST[@]}" -n 6)
     SANITIZE=("${PYTEST[@]}" -n 3)
 else

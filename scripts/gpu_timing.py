@@ -1,6 +1,6 @@
 """A short CPU-vs-GPU timing of the benchmark MLPs, for ``scripts/gpu_check.sh``.
 
-Trains each model (relu MLP, softmax cross-entropy, SGD) for a few steps on the Numba CPU
+Trains each model (relu MLP, softmax cross-entropy, SGD) for a few steps on the CPU
 backend and on ``Context.cuda()``, from the same initial weights, and prints per-step wall
 times (p10 / p50 / p90 over repeated chunks of steps, each chunk ended by a device sync),
 compile times and the loss agreement. Not the benchmark suite: a smoke-level comparison that

@@ -1,2 +1,2 @@
-"""Backends: ``base`` (the protocol a Context drives), ``emit`` (C-like emission shared by every
-backend), ``cpu`` (Numba) and ``cuda`` (CuPy)."""
+"""Backends: ``base`` (the protocol a Context drives), ``emit`` (C emission for CUDA kernels),
+``cpu`` (LLVM through llvmlite) and ``cuda`` (CuPy)."""

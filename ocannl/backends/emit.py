@@ -1,9 +1,9 @@
-"""Code emission shared by every backend: expressions, offsets, accumulation, literals.
+"""C-like code emission: expressions, offsets, accumulation, literals of loop-nest bodies.
 
-A backend supplies a :class:`Flavour` (how its language spells a literal, a buffer load and a
-buffer store, and which op templates it uses); this module renders the lowered loop-nest
-bodies with it. The Numba and the CUDA emitters differ only in how they wrap those bodies in
-loops or threads.
+A :class:`Flavour` says how the target language spells a literal, a buffer load and a buffer
+store, and which op templates it uses; this module renders the lowered loop-nest bodies with
+it. The CUDA backend wraps those bodies in threads; the CPU backend builds LLVM IR instead
+(:mod:`ocannl.backends.cpu.codegen`), with the same cases.
 """
 
 from __future__ import annotations

@@ -232,45 +232,63 @@ def fuse_resets(assignments: tuple[Accum, ...]) -> list[Accum]:
     return [a for a in out if a is not None]
 
 
-def fusable(group: list[LoopNest], nxt: LoopNest) -> bool:
-    """Whether ``nxt`` can run inside ``group``'s loop, point by point, with the same result:
-    every nest is pointwise (no reduction) over the same space and parallel order, every buffer
-    the group writes is read by ``nxt`` only at the point being written, and ``nxt`` writes no
-    buffer the group reads or writes."""
-    lead, b = group[0], nxt.assign
-    if lead.red or nxt.red or b.space != lead.space or nxt.par != lead.par:
-        return False
-    if not all(isinstance(i, int) for i in b.lhs_idx):
-        return False
-    written = {m.assign.lhs.id: m.assign.lhs_idx for m in group}
-    if b.lhs.id in written:
-        return False
-    for g in reads(b.expr):
-        if g.node.id in written and g.idx != written[g.node.id]:
+# A loop group holds at most this many nests: past it, LLVM's and NVRTC's per-loop analyses
+# (memory dependences between every pair of accesses) grow faster than the group, and a new
+# loop costs one more pass over the cells.
+MAX_GROUP = 32
+
+
+class _Group:
+    """The loop group being built, with what :meth:`admits` needs kept up to date: the
+    projection each buffer is written at, and every buffer read."""
+
+    def __init__(self, lead: LoopNest) -> None:
+        self.nests = [lead]
+        self.written = {lead.assign.lhs.id: lead.assign.lhs_idx}
+        self.read = {g.node.id for g in reads(lead.assign.expr)}
+
+    def admits(self, nxt: LoopNest) -> bool:
+        """Whether ``nxt`` can run inside the group's loop, point by point, with the same
+        result: every nest is pointwise (no reduction) over the same space and parallel
+        order, every buffer the group writes is read by ``nxt`` only at the point being
+        written, and ``nxt`` writes no buffer the group reads or writes."""
+        lead, b = self.nests[0], nxt.assign
+        if len(self.nests) >= MAX_GROUP:
             return False
-    return not any(g.node is b.lhs for m in group for g in reads(m.assign.expr))
+        if lead.red or nxt.red or b.space != lead.space or nxt.par != lead.par:
+            return False
+        if not all(isinstance(i, int) for i in b.lhs_idx):
+            return False
+        if b.lhs.id in self.written or b.lhs.id in self.read:
+            return False
+        return all(g.idx == self.written.get(g.node.id, g.idx) for g in reads(b.expr))
+
+    def add(self, nest: LoopNest) -> None:
+        self.nests.append(nest)
+        self.written[nest.assign.lhs.id] = nest.assign.lhs_idx
+        self.read.update(g.node.id for g in reads(nest.assign.expr))
 
 
 def lower(comp: Comp, *, gemm: bool = True) -> list[Lowered]:
     """Lower a computation to what backends render, in order: fills, GEMMs (when the backend
     has a GEMM: ``gemm``) and loop groups."""
     out: list[Lowered] = []
-    group: list[LoopNest] = []
+    group: _Group | None = None
     for a in fuse_resets(comp.assignments):
         items = [Fill(a.lhs, a.expr.value)] if _is_fill(a) else lower_assignment(a, gemm=gemm)
         for item in items:
-            if isinstance(item, LoopNest) and group and fusable(group, item):
-                group.append(item)
+            if isinstance(item, LoopNest) and group is not None and group.admits(item):
+                group.add(item)
                 continue
-            if group:
-                out.append(LoopGroup(tuple(group)))
-                group = []
+            if group is not None:
+                out.append(LoopGroup(tuple(group.nests)))
+                group = None
             if isinstance(item, LoopNest):
-                group = [item]
+                group = _Group(item)
             else:
                 out.append(item)
-    if group:
-        out.append(LoopGroup(tuple(group)))
+    if group is not None:
+        out.append(LoopGroup(tuple(group.nests)))
     return out
 
 

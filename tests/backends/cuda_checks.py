@@ -3,7 +3,7 @@ the ``gpu``-marked tests (a real device): ``make_ctx`` makes the context.
 
 Kernel-level results (ops, reductions, GEMMs) are compared with an f64 reference of the same
 computation over the stored inputs, with a tolerance scaled by the magnitude of the summed
-terms (:mod:`f64_reference`); training runs are compared with the Numba CPU backend's losses
+terms (:mod:`f64_reference`); training runs are compared with the CPU backend's losses
 and parameters at the benchmark's parity tolerances (relative), which are order-agnostic."""
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ These are the semantics checks of the GPU path that a machine without a GPU can 
 kernel sources, the modules, the launch plans (thread mapping, block and split reductions, GEMM
 conversions), the binding and the transfers are the real ones; only CuPy and the hardware are
 substituted. Kernel results are compared with an f64 reference (magnitude-scaled tolerance),
-training with the Numba CPU backend.
+training with the CPU backend.
 """
 
 from __future__ import annotations

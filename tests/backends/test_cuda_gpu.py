@@ -3,7 +3,7 @@
 Marked ``gpu``: skipped where CuPy sees no usable device; ``scripts/gpu_check.sh`` runs this
 file alone (nothing else needs collecting there). Kernel results are compared with an f64
 reference over the stored inputs, with a tolerance scaled by the magnitude of the summed terms
-(:mod:`f64_reference`); training runs with the Numba CPU backend at the benchmark's parity
+(:mod:`f64_reference`); training runs with the CPU backend at the benchmark's parity
 tolerances (losses 1e-5 relative at f32, 2e-3 at f16, 4e-3 at bf16), since cuBLAS and the
 block reductions sum in another order than the CPU's loops.
 """

@@ -1,1 +1,2 @@
-"""The CPU backend: loop nests rendered as Numba-compiled Python over flat NumPy buffers."""
+"""The CPU backend: loop nests compiled to machine code through LLVM IR, over flat NumPy
+buffers."""

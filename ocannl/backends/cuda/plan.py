@@ -3,9 +3,8 @@
 Every lowered item becomes a launch plan (:func:`plan_routine`) built without a GPU: each loop
 nest is one kernel (two for a long reduction split across blocks), each GEMM a cuBLAS call
 through CuPy with conversion kernels around it when a buffer is 16-bit. Kernel bodies come from
-the same emitter as the Numba backend (:mod:`ocannl.backends.emit`) with a C flavour; only the
-wrapping differs: threads over the written cells (grid-stride), a reduction serial within a
-thread only when it is short, otherwise a block reduction (warp shuffles, then shared memory;
+:mod:`ocannl.backends.emit` with a C flavour; the wrapping is this module's: threads over the
+written cells (grid-stride), a reduction serial within a thread only when it is short, otherwise a block reduction (warp shuffles, then shared memory;
 split over several blocks with a deterministic second pass when it is long). There are no
 atomics, so a routine computes the same bits on every run.
 
@@ -112,7 +111,7 @@ class CudaFlavour(Flavour):
             text = float_literal(value)
         else:
             with np.errstate(over="ignore"):
-                v = float(np.float32(value))  # the f32 the Numba flavour's literal holds
+                v = float(np.float32(value))  # the f32 the CPU's IR constant holds
             if math.isnan(v):
                 return "__int_as_float(0x7fc00000)"
             if math.isinf(v):

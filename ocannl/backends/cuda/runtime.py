@@ -28,11 +28,11 @@ node's host dtype.
   once widened to f32 and survive, but bf16 subnormals (f32's exponent range) become 0 as soon
   as they take part in a sum or product. f64 arithmetic is not affected. Loads, stores and the
   16-bit conversion intrinsics move subnormals unchanged, so a copy or a cast keeps them. The
-  Numba CPU backend keeps subnormals (gradual underflow): values passing through that range
+  CPU backend keeps subnormals (gradual underflow): values passing through that range
   differ, e.g. the smallest gradients of a bf16 model.
 - *FMA contraction.* NVRTC contracts ``a * b + c`` into one fused multiply-add (``--fmad=true``
-  is its default): one rounding instead of two, so such results differ from the CPU's (Numba
-  without fastmath never contracts) by about an ulp of the terms, not of the result, where
+  is its default): one rounding instead of two, so such results differ from the CPU's (its
+  LLVM code never contracts) by about an ulp of the terms, not of the result, where
   ``a * b`` and ``c`` cancel. cuBLAS uses FMA whatever the option says, and block reductions
   sum in another order than the CPU's loops, so the GPU never reproduces the CPU's bits for
   sums; results are compared with an f64 reference and a tolerance scaled by the magnitude of

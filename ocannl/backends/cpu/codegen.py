@@ -1,0 +1,654 @@
+"""LLVM IR for a routine: its fills, loop groups and GEMMs as one function of a buffer table.
+
+The entry is ``void routine(i64* table)``: ``table`` holds the address of every node's flat
+buffer (in the order of ``nodes``) and then of the routine's scratch arrays. It calls one
+function per lowered item (a fill, a loop group, a GEMM) with the buffers that item uses. Going straight from
+the lowered code to LLVM IR, with nothing between, keeps the compile time a small multiple of
+LLVM's own, linear in the size of the step.
+
+Arithmetic follows the usual C rules, the same as the CUDA backend's and NumPy's: an f32 value
+meeting an f64 value is widened, literals take the nest's compute precision, and 16-bit storage
+is widened to f32 on load and rounded once (nearest, ties to even) on store. Nothing is
+reassociated or contracted, so results are bitwise those of the plain loops.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import numpy as np
+from llvmlite import ir
+
+from ocannl.ir.assignments import Affine, Apply, Const, Expr, Fixed, Get, Projection, reads
+from ocannl.ir.lowering import Fill, Gemm, LoopGroup, LoopNest, Lowered, MatrixView
+from ocannl.ir.ops import ACCUMS, HASH_BITS, HASH_G, Precision
+from ocannl.ir.tnode import Tnode
+
+I1, I16, I32, I64 = ir.IntType(1), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+F16, F32, F64 = ir.HalfType(), ir.FloatType(), ir.DoubleType()
+_FLOAT = {Precision.f32: F32, Precision.f64: F64}
+_ELEM = {Precision.f64: F64, Precision.f32: F32, Precision.f16: I16, Precision.bf16: I16}
+# The BLAS routines, resolved by the JIT (``jit.py`` maps these names to SciPy's BLAS).
+GEMM_SYMBOLS = {F32: "ocannl_sgemm", F64: "ocannl_dgemm"}
+
+
+def _int(v: int, ty: ir.IntType = I64) -> ir.Constant:
+    return ir.Constant(ty, v)
+
+
+class RoutineIR:
+    """Builds the IR of one routine. ``hardware_f16``: convert f16 with the CPU's instructions
+    (F16C) rather than with integer code."""
+
+    def __init__(self, nodes: list[Tnode], hardware_f16: bool) -> None:
+        self.module = ir.Module(name="ocannl")
+        self.hardware_f16 = hardware_f16
+        self.nodes = nodes
+        self.slots = {n.id: k for k, n in enumerate(nodes)}
+        self.scratch: dict[tuple[int, str, ir.Type], int] = {}  # (size, role, type) -> number
+        self.functions: dict[tuple[str, ir.Type], ir.Function] = {}
+        self.calls: list[tuple[ir.Function, list[int]]] = []  # each item: function, its slots
+
+    # --- plumbing ---------------------------------------------------------------------------
+
+    @contextmanager
+    def item(self, used: list[Tnode]) -> Iterator[None]:
+        """Emit one lowered item as a function of its own, taking the table and the buffers
+        of ``used`` as ``noalias`` arguments: distinct nodes never share memory, and saying so
+        spares LLVM run-time overlap checks (and a second, scalar copy of each vectorized
+        loop). One small function per item keeps LLVM's work linear in the routine's size."""
+        slots = list(dict.fromkeys(self.slots[n.id] for n in used))
+        ty = ir.FunctionType(ir.VoidType(), [I64.as_pointer(),
+                                             *(_ELEM[self.nodes[k].prec].as_pointer()
+                                               for k in slots)])
+        self.fn = ir.Function(self.module, ty, name=f"item{len(self.calls)}")
+        self.fn.linkage = "internal"
+        self.fn.attributes.add("noinline")  # inlining would rebuild one huge function
+        for arg in self.fn.args[1:]:
+            arg.add_attribute("noalias")
+        self.table = self.fn.args[0]
+        self.args = {k: self.fn.args[1 + j] for j, k in enumerate(slots)}
+        self.scratch_pointers: dict[int, ir.Value] = {}
+        self.entry = ir.IRBuilder(self.fn.append_basic_block("entry"))
+        self.b = ir.IRBuilder(self.fn.append_basic_block("start"))
+        yield
+        self.entry.branch(self.fn.blocks[1])
+        self.b.ret_void()
+        self.calls.append((self.fn, slots))
+
+    def buffer(self, node: Tnode) -> ir.Value:
+        return self.args[self.slots[node.id]]
+
+    def scratch_for(self, size: int, role: str, elem: ir.Type) -> ir.Value:
+        """A scratch array (allocated once per bound routine), shared by GEMMs of one role; its
+        address follows the nodes' in the table."""
+        k = self.scratch.setdefault((size, role, elem), len(self.scratch))
+        if k not in self.scratch_pointers:
+            e = self.entry
+            address = e.load(e.gep(self.table, [_int(len(self.nodes) + k)]))
+            self.scratch_pointers[k] = e.inttoptr(address, elem.as_pointer())
+        return self.scratch_pointers[k]
+
+    def local(self, ty: ir.Type) -> ir.Value:
+        """A stack slot in the entry block (LLVM promotes it to a register)."""
+        return self.entry.alloca(ty)
+
+    def function(self, name: str, ty: ir.Type) -> ir.Function:
+        """A math function of libm (``tanhf``, ``erf``...) or an LLVM intrinsic, by value type."""
+        key = (name, ty)
+        if key not in self.functions:
+            if name.startswith("llvm."):
+                self.functions[key] = self.module.declare_intrinsic(name, [ty])
+            else:
+                c_name = name + ("f" if ty == F32 else "")
+                self.functions[key] = ir.Function(self.module, ir.FunctionType(ty, [ty]), c_name)
+        return self.functions[key]
+
+    @contextmanager
+    def loop(self, n: int) -> Iterator[ir.Value]:
+        """``for i in range(n)`` (n >= 1), as a bottom-tested loop over an i64."""
+        b = self.b
+        before = b.block
+        head = self.fn.append_basic_block("loop")
+        after = self.fn.append_basic_block("after")
+        b.branch(head)
+        b.position_at_end(head)
+        i = b.phi(I64)
+        i.add_incoming(_int(0), before)
+        yield i
+        nxt = b.add(i, _int(1), flags=["nuw", "nsw"])
+        i.add_incoming(nxt, b.block)
+        b.cbranch(b.icmp_unsigned("<", nxt, _int(n)), head, after)
+        b.position_at_end(after)
+
+    @contextmanager
+    def when(self, cond: ir.Value) -> Iterator[None]:
+        b = self.b
+        then = self.fn.append_basic_block("then")
+        after = self.fn.append_basic_block("endif")
+        b.cbranch(cond, then, after)
+        b.position_at_end(then)
+        yield
+        b.branch(after)
+        b.position_at_end(after)
+
+    def finish(self) -> ir.Module:
+        """Add ``routine(table)``: load the buffers' addresses, call each item in order."""
+        entry = ir.Function(self.module, ir.FunctionType(ir.VoidType(), [I64.as_pointer()]),
+                            name="routine")
+        b = ir.IRBuilder(entry.append_basic_block("entry"))
+        table = entry.args[0]
+        pointers = [b.inttoptr(b.load(b.gep(table, [_int(k)])), _ELEM[n.prec].as_pointer())
+                    for k, n in enumerate(self.nodes)]
+        for fn, slots in self.calls:
+            b.call(fn, [table, *(pointers[k] for k in slots)])
+        b.ret_void()
+        return self.module
+
+    # --- 16-bit storage -----------------------------------------------------------------------
+
+    def widen(self, bits: ir.Value, prec: Precision) -> ir.Value:
+        """16-bit pattern -> f32, exact."""
+        b = self.b
+        if prec is Precision.bf16:
+            return b.bitcast(b.shl(b.zext(bits, I32), _int(16, I32)), F32)
+        return (_f16_to_f32_hw if self.hardware_f16 else _f16_to_f32_soft)(b, bits)
+
+    def narrow(self, value: ir.Value, prec: Precision) -> ir.Value:
+        """f32 (or f64, through f32) -> 16-bit pattern, nearest with ties to even."""
+        b = self.b
+        if value.type == F64:
+            value = b.fptrunc(value, F32)
+        if prec is Precision.bf16:
+            return _f32_to_bf16(b, value)
+        return (_f32_to_f16_hw if self.hardware_f16 else _f32_to_f16_soft)(b, value)
+
+    # --- loads, stores, expressions ----------------------------------------------------------
+
+    def offset(self, node: Tnode, idx: Projection, iters: dict[int, ir.Value]) -> ir.Value:
+        """The flat row-major offset of ``node[idx]``."""
+        b = self.b
+        terms: list[ir.Value] = []
+        const = 0
+        for i, stride, dim in zip(idx, node.strides, node.dims, strict=True):
+            if isinstance(i, Fixed):
+                const += i.pos * stride
+            elif dim > 1:  # along an axis of one cell, an in-bounds position is 0
+                at = self.affine(i, iters) if isinstance(i, Affine) else iters[i]
+                terms.append(at if stride == 1 else b.mul(at, _int(stride), flags=["nsw"]))
+        if const or not terms:
+            terms.append(_int(const))
+        total = terms[0]
+        for t in terms[1:]:
+            total = b.add(total, t, flags=["nsw"])
+        return total
+
+    def affine(self, a: Affine, iters: dict[int, ir.Value]) -> ir.Value:
+        b = self.b
+        total: ir.Value = _int(a.offset)
+        for c, i in a.terms:
+            if c:
+                total = b.add(total, b.mul(iters[i], _int(c)))
+        return total
+
+    def in_bounds(self, node: Tnode, idx: Projection, space: tuple[int, ...],
+                  iters: dict[int, ir.Value]) -> ir.Value | None:
+        """Whether every affine index of ``node[idx]`` is inside its axis; None where that
+        holds over the whole product space."""
+        b = self.b
+        cond = None
+        for i, dim in zip(idx, node.dims, strict=True):
+            if not isinstance(i, Affine):
+                continue
+            lo, hi = i.bounds(space)
+            at = self.affine(i, iters)
+            for c in ([b.icmp_signed(">=", at, _int(0))] if lo < 0 else []) + \
+                     ([b.icmp_signed("<", at, _int(dim))] if hi >= dim else []):
+                cond = c if cond is None else b.and_(cond, c)
+        return cond
+
+    def load(self, node: Tnode, idx: Projection, space: tuple[int, ...],
+             iters: dict[int, ir.Value], compute: ir.Type) -> ir.Value:
+        """``node[idx]`` widened to its compute type, or 0 where an affine index falls outside
+        the node (padding: the load then reads cell 0 and its value is not used)."""
+        b = self.b
+        off = self.offset(node, idx, iters)
+        cond = self.in_bounds(node, idx, space, iters)
+        if cond is not None:
+            off = b.select(cond, off, _int(0))
+        value = b.load(b.gep(self.buffer(node), [off]))
+        if node.prec.is_narrow:
+            value = self.widen(value, node.prec)
+        if cond is not None:
+            value = b.select(cond, value, ir.Constant(value.type, 0.0))
+        return value
+
+    def store(self, node: Tnode, off: ir.Value, value: ir.Value) -> None:
+        b = self.b
+        if node.prec.is_narrow:
+            value = self.narrow(value, node.prec)
+        else:
+            value = _convert(b, value, _FLOAT[node.prec])
+        b.store(value, b.gep(self.buffer(node), [off]))
+
+    def expr(self, e: Expr, compute: ir.Type, space: tuple[int, ...],
+             iters: dict[int, ir.Value]) -> ir.Value:
+        if isinstance(e, Const):
+            return ir.Constant(compute, e.value)
+        if isinstance(e, Get):
+            return self.load(e.node, e.idx, space, iters, compute)
+        assert isinstance(e, Apply)
+        args = [self.expr(a, compute, space, iters) for a in e.args]
+        return _OPS[e.op](self, compute, *args)
+
+    def combine(self, accum: str, old: ir.Value, new: ir.Value, compute: ir.Type) -> ir.Value:
+        return _OPS["add" if accum == "+" else accum](self, compute, old, new)
+
+    # --- lowered items -----------------------------------------------------------------------
+
+    def fill(self, f: Fill) -> None:
+        node = f.node
+        if node.prec.is_narrow:
+            bits = int(np.array([f.value], node.prec.numpy_dtype).view(np.uint16)[0])
+            value: ir.Value = ir.Constant(I16, bits)
+        else:
+            value = ir.Constant(_FLOAT[node.prec], f.value)
+        ptr = self.buffer(node)
+        with self.loop(node.size) as i:
+            self.b.store(value, self.b.gep(ptr, [i]))
+
+    def group(self, g: LoopGroup) -> None:
+        """One loop over the lead nest's parallel iterators running every nest's body."""
+        lead = g.lead
+        space = lead.space
+        if 0 in space:
+            return
+        iters: dict[int, ir.Value] = {}
+        self._loops(list(lead.par), space, iters, lambda: self._par_body(g, space, iters))
+
+    def _loops(self, order: list[int], space: tuple[int, ...], iters: dict[int, ir.Value],
+               body: Callable[[], None]) -> None:
+        if not order:
+            body()
+            return
+        with self.loop(space[order[0]]) as i:
+            iters[order[0]] = i
+            self._loops(order[1:], space, iters, body)
+
+    def _par_body(self, g: LoopGroup, space: tuple[int, ...], iters: dict[int, ir.Value]) -> None:
+        for nest in g.nests:
+            if not nest.red:
+                self._point(nest, space, iters)
+            elif nest.scatter:
+                self._loops(list(nest.red), space, iters,
+                            lambda n=nest: self._scatter(n, space, iters))
+            elif nest.assign.accum == "=":  # every point overwrites its cell: the last stays
+                self._loops(list(nest.red), space, iters,
+                            lambda n=nest: self._point(n, space, iters))
+            else:
+                self._reduction(nest, space, iters)
+
+    def _point(self, nest: LoopNest, space: tuple[int, ...], iters: dict[int, ir.Value]) -> None:
+        """A nest with nothing to reduce: compute, combine with the cell unless it is
+        overwritten, store."""
+        a = nest.assign
+        compute = _FLOAT[a.lhs.prec.compute]
+        value = self.expr(a.expr, compute, space, iters)
+        off = self.offset(a.lhs, a.lhs_idx, iters)
+        if not (a.accum == "=" or a.reset):
+            old = self.load(a.lhs, a.lhs_idx, space, iters, compute)
+            value = self.combine(a.accum, old, value, compute)
+        self.store(a.lhs, off, value)
+
+    def _reduction(self, nest: LoopNest, space: tuple[int, ...],
+                   iters: dict[int, ir.Value]) -> None:
+        a = nest.assign
+        compute = _FLOAT[a.lhs.prec.compute]
+        acc = self.local(compute)
+        neutral = ACCUMS[a.accum]
+        self.b.store(ir.Constant(compute, 0.0 if neutral is None else neutral), acc)
+
+        def inner() -> None:
+            value = self.expr(a.expr, compute, space, iters)
+            new = self.combine(a.accum, self.b.load(acc), value, compute)
+            self.b.store(_convert(self.b, new, compute), acc)
+
+        self._loops(list(nest.red), space, iters, inner)
+        result = self.b.load(acc)
+        if not a.reset:
+            old = self.load(a.lhs, a.lhs_idx, space, iters, compute)
+            result = self.combine(a.accum, old, result, compute)
+        self.store(a.lhs, self.offset(a.lhs, a.lhs_idx, iters), result)
+
+    def _scatter(self, nest: LoopNest, space: tuple[int, ...], iters: dict[int, ir.Value]) -> None:
+        """An affine target: every point reads, combines and writes its (moving) cell, and
+        skips cells outside the node."""
+        a = nest.assign
+        compute = _FLOAT[a.lhs.prec.compute]
+        value = self.expr(a.expr, compute, space, iters)
+        cond = self.in_bounds(a.lhs, a.lhs_idx, space, iters)
+
+        def write() -> None:
+            new = value
+            if a.accum != "=":
+                old = self.load(a.lhs, a.lhs_idx, space, iters, compute)
+                new = self.combine(a.accum, old, value, compute)
+            self.store(a.lhs, self.offset(a.lhs, a.lhs_idx, iters), new)
+
+        if cond is None:
+            write()
+        else:
+            with self.when(cond):
+                write()
+
+    def convert_into(self, src: ir.Value, src_prec: Precision, dst: ir.Value, size: int) -> None:
+        """Copy ``size`` values into an f32 / f64 array, widening or converting each."""
+        b = self.b
+        with self.loop(size) as i:
+            v = b.load(b.gep(src, [i]))
+            v = self.widen(v, src_prec) if src_prec.is_narrow else v
+            b.store(_convert(b, v, dst.type.pointee), b.gep(dst, [i]))
+
+    def narrow_into(self, src: ir.Value, dst: ir.Value, prec: Precision, size: int) -> None:
+        b = self.b
+        with self.loop(size) as i:
+            b.store(self.narrow(b.load(b.gep(src, [i])), prec), b.gep(dst, [i]))
+
+    def _matrix(self, v: MatrixView, compute: ir.Type, role: str) -> ir.Value:
+        """The operand's values in the GEMM's type: the buffer itself, or a converted copy."""
+        if _ELEM[v.node.prec] == compute:
+            return self.buffer(v.node)
+        scratch = self.scratch_for(v.node.size, role, compute)
+        self.convert_into(self.buffer(v.node), v.node.prec, scratch, v.node.size)
+        return scratch
+
+    def gemm(self, g: Gemm) -> None:
+        """``out (=|+=) a @ b`` through BLAS, column-major: ``out^T = b^T a^T``."""
+        lhs = g.assign.lhs
+        compute = _FLOAT[lhs.prec.compute]
+        a = self._matrix(g.a, compute, "a")
+        bm = self._matrix(g.b, compute, "b")
+        out = self.buffer(lhs)
+        if lhs.prec.is_narrow:
+            out, narrow_to = self.scratch_for(lhs.size, "out", compute), out
+            if not g.assign.reset:
+                self.convert_into(narrow_to, lhs.prec, out, lhs.size)
+        m, n, k = g.rows, g.cols, g.inner
+        # b is k x n: stored n x k when transposed; a is m x k: stored k x m when transposed.
+        op_b, ld_b = ("T", k) if g.b.transposed else ("N", n)
+        op_a, ld_a = ("T", m) if g.a.transposed else ("N", k)
+        beta = 0.0 if g.assign.reset else 1.0
+        e, b = self.entry, self.b
+
+        def by_ref(value: ir.Constant) -> ir.Value:
+            slot = e.alloca(value.type)
+            b.store(value, slot)
+            return slot
+
+        char = ir.IntType(8)
+        args = [by_ref(ir.Constant(char, ord(op_b))), by_ref(ir.Constant(char, ord(op_a))),
+                by_ref(_int(n, I32)), by_ref(_int(m, I32)), by_ref(_int(k, I32)),
+                by_ref(ir.Constant(compute, 1.0)), bm, by_ref(_int(ld_b, I32)),
+                a, by_ref(_int(ld_a, I32)), by_ref(ir.Constant(compute, beta)),
+                out, by_ref(_int(n, I32))]
+        b.call(self._gemm_function(compute), args)
+        if lhs.prec.is_narrow:
+            self.narrow_into(out, narrow_to, lhs.prec, lhs.size)
+
+    def _gemm_function(self, compute: ir.Type) -> ir.Function:
+        key = ("gemm", compute)
+        if key not in self.functions:
+            p8, p32, pf = ir.IntType(8).as_pointer(), I32.as_pointer(), compute.as_pointer()
+            ty = ir.FunctionType(ir.VoidType(), [p8, p8, p32, p32, p32, pf, pf, p32, pf, p32,
+                                                 pf, pf, p32])
+            self.functions[key] = ir.Function(self.module, ty, GEMM_SYMBOLS[compute])
+        return self.functions[key]
+
+
+def routine_ir(code: list[Lowered], nodes: list[Tnode], hardware_f16: bool
+               ) -> tuple[ir.Module, list[tuple[int, str]]]:
+    """The module of a routine over ``nodes``, and its scratch arrays (size, "f32" | "f64"),
+    whose addresses follow the nodes' in the table."""
+    r = RoutineIR(nodes, hardware_f16)
+    for item in code:
+        with r.item(_used(item)):
+            if isinstance(item, Fill):
+                r.fill(item)
+            elif isinstance(item, Gemm):
+                r.gemm(item)
+            else:
+                r.group(item)
+    scratch = [(size, "f32" if ty == F32 else "f64") for size, _, ty in r.scratch]
+    return r.finish(), scratch
+
+
+def _used(item: Lowered) -> list[Tnode]:
+    """The nodes a lowered item reads or writes."""
+    if isinstance(item, Fill):
+        return [item.node]
+    if isinstance(item, Gemm):
+        return [item.assign.lhs, item.a.node, item.b.node]
+    return [n for nest in item.nests
+            for n in (nest.assign.lhs, *(g.node for g in reads(nest.assign.expr)))]
+
+
+# --- scalar ops: the op table's meaning, as IR -----------------------------------------------
+
+
+def _convert(b: ir.IRBuilder, v: ir.Value, ty: ir.Type) -> ir.Value:
+    if v.type == ty:
+        return v
+    return b.fpext(v, ty) if ty == F64 else b.fptrunc(v, ty)
+
+
+def _unify(b: ir.IRBuilder, *vs: ir.Value) -> list[ir.Value]:
+    """Widen f32 operands meeting an f64 one (C's usual arithmetic conversions)."""
+    ty = F64 if any(v.type == F64 for v in vs) else vs[0].type
+    return [_convert(b, v, ty) for v in vs]
+
+
+def _binary(name: str) -> Callable:
+    def op(r: RoutineIR, compute: ir.Type, x: ir.Value, y: ir.Value) -> ir.Value:
+        x, y = _unify(r.b, x, y)
+        return getattr(r.b, name)(x, y)
+    return op
+
+
+def _compare(cmp: str, ordered: bool = True) -> Callable:
+    def op(r: RoutineIR, compute: ir.Type, x: ir.Value, y: ir.Value) -> ir.Value:
+        x, y = _unify(r.b, x, y)
+        test = (r.b.fcmp_ordered if ordered else r.b.fcmp_unordered)(cmp, x, y)
+        return r.b.select(test, ir.Constant(compute, 1.0), ir.Constant(compute, 0.0))
+    return op
+
+
+def _extremum(cmp: str) -> Callable:
+    """max / min: ``x`` where ``x cmp y`` or ``x`` is NaN, else ``y`` (NaN propagates)."""
+    def op(r: RoutineIR, compute: ir.Type, x: ir.Value, y: ir.Value) -> ir.Value:
+        b = r.b
+        x, y = _unify(b, x, y)
+        keep = b.or_(b.fcmp_ordered(cmp, x, y), b.fcmp_unordered("uno", x, x))
+        return b.select(keep, x, y)
+    return op
+
+
+def _call(name: str) -> Callable:
+    def op(r: RoutineIR, compute: ir.Type, x: ir.Value) -> ir.Value:
+        return r.b.call(r.function(name, x.type), [x])
+    return op
+
+
+def _pow(r: RoutineIR, compute: ir.Type, x: ir.Value, y: ir.Value) -> ir.Value:
+    x, y = _unify(r.b, x, y)
+    fn = r.functions.setdefault(("llvm.pow", x.type),
+                                r.module.declare_intrinsic("llvm.pow", [x.type]))
+    return r.b.call(fn, [x, y])
+
+
+def _relu(r: RoutineIR, compute: ir.Type, x: ir.Value) -> ir.Value:
+    zero = ir.Constant(x.type, 0.0)
+    return r.b.select(r.b.fcmp_ordered("<", x, zero), zero, x)
+
+
+def _sigmoid(r: RoutineIR, compute: ir.Type, x: ir.Value) -> ir.Value:
+    b = r.b
+    one = ir.Constant(x.type, 1.0)
+    e = b.call(r.function("llvm.exp", x.type), [b.fneg(x)])
+    return b.fdiv(one, b.fadd(one, e))
+
+
+def _isfinite(r: RoutineIR, compute: ir.Type, x: ir.Value) -> ir.Value:
+    b = r.b
+    magnitude = b.call(r.function("llvm.fabs", x.type), [x])
+    finite = b.fcmp_ordered("!=", magnitude, ir.Constant(x.type, math.inf))
+    return b.select(finite, ir.Constant(compute, 1.0), ir.Constant(compute, 0.0))
+
+
+def _where(r: RoutineIR, compute: ir.Type, c: ir.Value, x: ir.Value, y: ir.Value) -> ir.Value:
+    b = r.b
+    x, y = _unify(b, x, y)
+    return b.select(b.fcmp_unordered("!=", c, ir.Constant(c.type, 0.0)), x, y)
+
+
+# Integer hashing (see ``ops.HASH_BITS``): operands are read as integers, modulo 2**52.
+_MASK = (1 << HASH_BITS) - 1
+
+
+def _u(b: ir.IRBuilder, x: ir.Value) -> ir.Value:
+    """``x`` truncated to an unsigned integer; 0 for a negative, non-finite or >= 2**53 one."""
+    ok = b.and_(b.fcmp_ordered(">=", x, ir.Constant(x.type, 0.0)),
+                b.fcmp_ordered("<", x, ir.Constant(x.type, 9007199254740992.0)))
+    return b.select(ok, b.fptoui(x, I64), _int(0))
+
+
+def _hash_add(r: RoutineIR, compute: ir.Type, s: ir.Value, v: ir.Value) -> ir.Value:
+    b = r.b
+    step = b.mul(b.add(_u(b, v), _int(1)), _int(HASH_G))
+    return b.uitofp(b.and_(b.add(_u(b, s), step), _int(_MASK)), compute)
+
+
+def _hash_xsm(r: RoutineIR, compute: ir.Type, x: ir.Value, shift: ir.Value,
+              mult: ir.Value) -> ir.Value:
+    b = r.b
+    ux = _u(b, x)
+    mixed = b.xor(ux, b.lshr(ux, b.and_(_u(b, shift), _int(63))))
+    return b.uitofp(b.and_(b.mul(mixed, _u(b, mult)), _int(_MASK)), compute)
+
+
+def _hash_unit(r: RoutineIR, compute: ir.Type, x: ir.Value) -> ir.Value:
+    b = r.b
+    top = b.uitofp(b.lshr(_u(b, x), _int(HASH_BITS - 24)), compute)
+    return b.fdiv(top, ir.Constant(compute, 16777216.0))
+
+
+_OPS: dict[str, Callable[..., ir.Value]] = {
+    "add": _binary("fadd"),
+    "sub": _binary("fsub"),
+    "mul": _binary("fmul"),
+    "div": _binary("fdiv"),
+    "pow": _pow,
+    "max": _extremum(">="),
+    "min": _extremum("<="),
+    "eq": _compare("=="),
+    "gt": _compare(">"),
+    "lt": _compare("<"),
+    "le": _compare("<="),
+    "ge": _compare(">="),
+    "ne": _compare("!=", ordered=False),
+    "neg": lambda r, compute, x: r.b.fneg(x),
+    "relu": _relu,
+    "exp": _call("llvm.exp"),
+    "log": _call("llvm.log"),
+    "sqrt": _call("llvm.sqrt"),
+    "abs": _call("llvm.fabs"),
+    "tanh": _call("tanh"),
+    "erf": _call("erf"),
+    "sigmoid": _sigmoid,
+    "isfinite": _isfinite,
+    "where": _where,
+    "hash_add": _hash_add,
+    "hash_xsm": _hash_xsm,
+    "hash_unit": _hash_unit,
+}
+
+
+# --- 16-bit conversions ----------------------------------------------------------------------
+# Exact both ways, ties to even, subnormals and infinities exact; a NaN converts as NumPy (f16:
+# payload kept, unquieted) and ml_dtypes (bf16: the signed canonical quiet NaN) convert it.
+# The integer versions have no branches (every case computed, one selected) so loops calling
+# them vectorize.
+
+
+def _c32(v: int) -> ir.Constant:
+    return ir.Constant(I32, v)
+
+
+def _f16_to_f32_hw(b: ir.IRBuilder, h: ir.Value) -> ir.Value:
+    hw = b.bitcast(b.fpext(b.bitcast(h, F16), F32), I32)
+    return b.bitcast(b.select(*_f16_nan(b, h), hw), F32)
+
+
+def _f16_nan(b: ir.IRBuilder, h: ir.Value) -> tuple[ir.Value, ir.Value]:
+    """Whether ``h`` is a NaN, and its f32 pattern with the payload kept as is."""
+    h32 = b.zext(h, I32)
+    is_nan = b.icmp_unsigned(">", b.and_(h32, _c32(0x7FFF)), _c32(0x7C00))
+    sign = b.shl(b.and_(h32, _c32(0x8000)), _c32(16))
+    payload = b.shl(b.and_(h32, _c32(0x3FF)), _c32(13))
+    return is_nan, b.or_(b.or_(sign, _c32(0x7F800000)), payload)
+
+
+def _f16_to_f32_soft(b: ir.IRBuilder, h: ir.Value) -> ir.Value:
+    h32 = b.zext(h, I32)
+    sign = b.shl(b.and_(h32, _c32(0x8000)), _c32(16))
+    em = b.and_(h32, _c32(0x7FFF))
+    normal = b.add(b.shl(em, _c32(13)), _c32(0x38000000))  # re-bias the exponent by 127 - 15
+    special = b.add(b.shl(em, _c32(13)), _c32(0x70000000))  # inf / NaN: payload kept
+    tiny = b.bitcast(b.fmul(b.uitofp(em, F32), ir.Constant(F32, 2.0**-24)), I32)  # exact
+    bits = b.select(b.icmp_unsigned(">=", em, _c32(0x7C00)), special,
+                    b.select(b.icmp_unsigned(">=", em, _c32(0x400)), normal, tiny))
+    return b.bitcast(b.or_(bits, sign), F32)
+
+
+def _f16_nan_from_f32(b: ir.IRBuilder, f: ir.Value) -> tuple[ir.Value, ir.Value, ir.Value]:
+    """The pattern ``f`` as i32, its magnitude bits, and its f16 NaN (top payload bits kept,
+    at least one set, sign kept)."""
+    bits = b.bitcast(f, I32)
+    a = b.and_(bits, _c32(0x7FFFFFFF))
+    payload = b.and_(b.lshr(a, _c32(13)), _c32(0x3FF))
+    payload = b.select(b.icmp_unsigned("==", payload, _c32(0)), _c32(1), payload)
+    sign = b.and_(b.lshr(bits, _c32(16)), _c32(0x8000))
+    return bits, a, b.or_(b.or_(sign, _c32(0x7C00)), payload)
+
+
+def _f32_to_f16_hw(b: ir.IRBuilder, f: ir.Value) -> ir.Value:
+    hw = b.bitcast(b.fptrunc(f, F16), I16)
+    _, a, nan = _f16_nan_from_f32(b, f)
+    return b.select(b.icmp_unsigned(">", a, _c32(0x7F800000)), b.trunc(nan, I16), hw)
+
+
+def _f32_to_f16_soft(b: ir.IRBuilder, f: ir.Value) -> ir.Value:
+    bits, a, nan = _f16_nan_from_f32(b, f)
+    sign = b.and_(b.lshr(bits, _c32(16)), _c32(0x8000))
+    odd = b.and_(b.lshr(a, _c32(13)), _c32(1))
+    # Normal range: re-bias, then round to nearest even by adding just under half an ulp.
+    normal = b.lshr(b.add(b.add(b.sub(a, _c32(0x38000000)), _c32(0xFFF)), odd), _c32(13))
+    # Below 2**-14: adding 0.5 makes the FPU round at the f16 subnormal quantum (2**-24).
+    tiny = b.sub(b.bitcast(b.fadd(b.bitcast(a, F32), ir.Constant(F32, 0.5)), I32),
+                 _c32(0x3F000000))
+    h = b.select(b.icmp_unsigned(">", a, _c32(0x7F800000)), nan,
+                 b.select(b.icmp_unsigned(">=", a, _c32(0x477FF000)),
+                          b.or_(_c32(0x7C00), sign),
+                          b.or_(b.select(b.icmp_unsigned(">=", a, _c32(0x38800000)), normal,
+                                         tiny), sign)))
+    return b.trunc(h, I16)
+
+
+def _f32_to_bf16(b: ir.IRBuilder, f: ir.Value) -> ir.Value:
+    bits = b.bitcast(f, I32)
+    nan = b.or_(b.and_(b.lshr(bits, _c32(16)), _c32(0x8000)), _c32(0x7FC0))
+    odd = b.and_(b.lshr(bits, _c32(16)), _c32(1))
+    rounded = b.lshr(b.add(b.add(bits, _c32(0x7FFF)), odd), _c32(16))
+    is_nan = b.icmp_unsigned(">", b.and_(bits, _c32(0x7FFFFFFF)), _c32(0x7F800000))
+    return b.trunc(b.select(is_nan, nan, rounded), I16)
