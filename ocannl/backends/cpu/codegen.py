@@ -2,9 +2,9 @@
 
 The entry is ``void routine(i64* table)``: ``table`` holds the address of every node's flat
 buffer (in the order of ``nodes``) and then of the routine's scratch arrays. It calls one
-function per lowered item (a fill, a loop group, a GEMM) with the buffers that item uses. Going straight from
-the lowered code to LLVM IR, with nothing between, keeps the compile time a small multiple of
-LLVM's own, linear in the size of the step.
+function per lowered item (a fill, a loop group, a GEMM) with the buffers that item uses.
+Going straight from the lowered code to LLVM IR, with nothing between, keeps the compile time a
+small multiple of LLVM's own, linear in the size of the step.
 
 Arithmetic follows the usual C rules, the same as the CUDA backend's and NumPy's: an f32 value
 meeting an f64 value is widened, literals take the nest's compute precision, and 16-bit storage

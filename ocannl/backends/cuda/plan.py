@@ -4,8 +4,9 @@ Every lowered item becomes a launch plan (:func:`plan_routine`) built without a 
 nest is one kernel (two for a long reduction split across blocks), each GEMM a cuBLAS call
 through CuPy with conversion kernels around it when a buffer is 16-bit. Kernel bodies come from
 :mod:`ocannl.backends.emit` with a C flavour; the wrapping is this module's: threads over the
-written cells (grid-stride), a reduction serial within a thread only when it is short, otherwise a block reduction (warp shuffles, then shared memory;
-split over several blocks with a deterministic second pass when it is long). There are no
+written cells (grid-stride), a reduction serial within a thread only when it is short,
+otherwise a block reduction (warp shuffles, then shared memory; split over several blocks with
+a deterministic second pass when it is long). There are no
 atomics, so a routine computes the same bits on every run.
 
 Buffers are flat CuPy arrays: f64 / f32 / f16 as such, bf16 as uint16 bit patterns (the kernels
