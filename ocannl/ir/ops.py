@@ -1,10 +1,11 @@
 """Precisions and the op table: the scalar meaning of every op, once, for every backend.
 
-Each op carries one template per code flavour ("py" for the Numba emitter, "c" for CUDA C);
-``{0}``, ``{1}``, ``{2}`` stand for the already-rendered operands, ``{zero}`` and ``{one}`` for
-literals of the computation's precision (so f32 code stays f32 in Numba). Templates are written
-so that NaN and infinities propagate the way PyTorch's ops do (``relu(nan)`` is ``nan``), which
-the non-finite gradient checks rely on.
+Each op carries its arity and its C template (``c``, for the CUDA kernels): ``{0}``, ``{1}``,
+``{2}`` stand for the already-rendered operands, ``{zero}`` and ``{one}`` for literals of the
+computation's precision (so f32 code stays f32). The CPU backend builds the same meaning as
+LLVM IR (``backends/cpu/codegen.py``, one entry per op, checked against :func:`reference`).
+Both are written so that NaN and infinities propagate the way PyTorch's ops do (``relu(nan)``
+is ``nan``), which the non-finite gradient checks rely on.
 """
 
 from __future__ import annotations
@@ -81,16 +82,15 @@ def promote(*precs: Precision) -> Precision:
 
 @dataclass(frozen=True)
 class Op:
-    """A scalar operation: its arity and how each code flavour spells it."""
+    """A scalar operation: its arity and how C spells it."""
 
     name: str
     arity: int
-    py: str
     c: str
 
 
-def _op(name: str, arity: int, py: str, c: str) -> Op:
-    return Op(name, arity, py, c)
+def _op(name: str, arity: int, c: str) -> Op:
+    return Op(name, arity, c)
 
 
 # --- counter-based random numbers: integer hashing as op-table rows --------------------------
@@ -118,29 +118,16 @@ HASH_MIX = ((26, 0xBF58476D1CE4E5B9 & ((1 << HASH_BITS) - 1)),
 _M = f"{(1 << HASH_BITS) - 1:#x}"
 
 
-def _u_py(k: int) -> str:
-    x = "{" + str(k) + "}"
-    return f"(np.uint64({x}) if {x} >= 0 and {x} < 9007199254740992.0 else np.uint64(0))"
-
-
 def _u_c(k: int) -> str:
     x = "{" + str(k) + "}"
     return f"(({x} >= 0 && {x} < 9007199254740992.0f) ? (unsigned long long)({x}) : 0ULL)"
 
 
 _HASH_ROWS = {
-    "hash_add": (
-        f"({{one}} * (({_u_py(0)} + ({_u_py(1)} + np.uint64(1)) * np.uint64({HASH_G:#x})) "
-        f"& np.uint64({_M})))",
-        f"({{one}} * (({_u_c(0)} + ({_u_c(1)} + 1ULL) * {HASH_G:#x}ULL) & {_M}ULL))"),
-    "hash_xsm": (
-        f"({{one}} * ((({_u_py(0)} ^ ({_u_py(0)} >> ({_u_py(1)} & np.uint64(63)))) * {_u_py(2)})"
-        f" & np.uint64({_M})))",
-        f"({{one}} * ((({_u_c(0)} ^ ({_u_c(0)} >> ({_u_c(1)} & 63ULL))) * {_u_c(2)}) "
-        f"& {_M}ULL))"),
-    "hash_unit": (
-        f"(({{one}} * ({_u_py(0)} >> np.uint64({HASH_BITS - 24}))) / 16777216.0)",
-        f"(({{one}} * ({_u_c(0)} >> {HASH_BITS - 24})) / 16777216)"),
+    "hash_add": f"({{one}} * (({_u_c(0)} + ({_u_c(1)} + 1ULL) * {HASH_G:#x}ULL) & {_M}ULL))",
+    "hash_xsm": (f"({{one}} * ((({_u_c(0)} ^ ({_u_c(0)} >> ({_u_c(1)} & 63ULL))) * {_u_c(2)}) "
+                 f"& {_M}ULL))"),
+    "hash_unit": f"(({{one}} * ({_u_c(0)} >> {HASH_BITS - 24})) / 16777216)",
 }
 
 
@@ -185,41 +172,38 @@ OPS: dict[str, Op] = {
     op.name: op
     for op in [
         # binary
-        _op("add", 2, "({0} + {1})", "({0} + {1})"),
-        _op("sub", 2, "({0} - {1})", "({0} - {1})"),
-        _op("mul", 2, "({0} * {1})", "({0} * {1})"),
-        _op("div", 2, "({0} / {1})", "({0} / {1})"),
-        _op("pow", 2, "({0} ** {1})", "pow({0}, {1})"),
-        _op("max", 2, "({0} if {0} >= {1} or {0} != {0} else {1})",
-            "(({0} >= {1} || {0} != {0}) ? {0} : {1})"),
-        _op("eq", 2, "({one} if {0} == {1} else {zero})", "(({0} == {1}) ? {one} : {zero})"),
-        _op("gt", 2, "({one} if {0} > {1} else {zero})", "(({0} > {1}) ? {one} : {zero})"),
+        _op("add", 2, "({0} + {1})"),
+        _op("sub", 2, "({0} - {1})"),
+        _op("mul", 2, "({0} * {1})"),
+        _op("div", 2, "({0} / {1})"),
+        _op("pow", 2, "pow({0}, {1})"),
+        _op("max", 2, "(({0} >= {1} || {0} != {0}) ? {0} : {1})"),
+        _op("eq", 2, "(({0} == {1}) ? {one} : {zero})"),
+        _op("gt", 2, "(({0} > {1}) ? {one} : {zero})"),
         # unary
-        _op("neg", 1, "(-{0})", "(-{0})"),
-        _op("relu", 1, "({0} if not {0} < {zero} else {zero})", "(({0} < {zero}) ? {zero} : {0})"),
-        _op("exp", 1, "math.exp({0})", "exp({0})"),
-        _op("log", 1, "math.log({0})", "log({0})"),
-        _op("tanh", 1, "math.tanh({0})", "tanh({0})"),
-        _op("sigmoid", 1, "({one} / ({one} + math.exp(-{0})))", "({one} / ({one} + exp(-{0})))"),
-        _op("sqrt", 1, "math.sqrt({0})", "sqrt({0})"),
-        _op("isfinite", 1, "({one} if math.isfinite({0}) else {zero})",
-            "(isfinite({0}) ? {one} : {zero})"),
+        _op("neg", 1, "(-{0})"),
+        _op("relu", 1, "(({0} < {zero}) ? {zero} : {0})"),
+        _op("exp", 1, "exp({0})"),
+        _op("log", 1, "log({0})"),
+        _op("tanh", 1, "tanh({0})"),
+        _op("sigmoid", 1, "({one} / ({one} + exp(-{0})))"),
+        _op("sqrt", 1, "sqrt({0})"),
+        _op("isfinite", 1, "(isfinite({0}) ? {one} : {zero})"),
         # ternary: where(cond != 0, a, b); a select, never a multiply (inf * 0 is nan)
-        _op("where", 3, "({1} if {0} != {zero} else {2})", "(({0} != {zero}) ? {1} : {2})"),
+        _op("where", 3, "(({0} != {zero}) ? {1} : {2})"),
         # comparisons beyond eq / gt: 0 or 1 (false against NaN, but ne)
-        _op("lt", 2, "({one} if {0} < {1} else {zero})", "(({0} < {1}) ? {one} : {zero})"),
-        _op("le", 2, "({one} if {0} <= {1} else {zero})", "(({0} <= {1}) ? {one} : {zero})"),
-        _op("ge", 2, "({one} if {0} >= {1} else {zero})", "(({0} >= {1}) ? {one} : {zero})"),
-        _op("ne", 2, "({one} if {0} != {1} else {zero})", "(({0} != {1}) ? {one} : {zero})"),
+        _op("lt", 2, "(({0} < {1}) ? {one} : {zero})"),
+        _op("le", 2, "(({0} <= {1}) ? {one} : {zero})"),
+        _op("ge", 2, "(({0} >= {1}) ? {one} : {zero})"),
+        _op("ne", 2, "(({0} != {1}) ? {one} : {zero})"),
         # minimum mirrors max: a NaN on either side propagates (torch.minimum)
-        _op("min", 2, "({0} if {0} <= {1} or {0} != {0} else {1})",
-            "(({0} <= {1} || {0} != {0}) ? {0} : {1})"),
-        _op("abs", 1, "abs({0})", "fabs({0})"),
-        _op("erf", 1, "math.erf({0})", "erf({0})"),
+        _op("min", 2, "(({0} <= {1} || {0} != {0}) ? {0} : {1})"),
+        _op("abs", 1, "fabs({0})"),
+        _op("erf", 1, "erf({0})"),
         # integer hashing for counter-based random draws: see the comment above ``HASH_BITS``
-        _op("hash_add", 2, *_HASH_ROWS["hash_add"]),
-        _op("hash_xsm", 3, *_HASH_ROWS["hash_xsm"]),
-        _op("hash_unit", 1, *_HASH_ROWS["hash_unit"]),
+        _op("hash_add", 2, _HASH_ROWS["hash_add"]),
+        _op("hash_xsm", 3, _HASH_ROWS["hash_xsm"]),
+        _op("hash_unit", 1, _HASH_ROWS["hash_unit"]),
     ]
 }
 

@@ -25,17 +25,21 @@ BINARY = [name for name, op in OPS.items() if op.arity == 2]
 
 
 def test_op_table_is_complete():
-    """Every op the DSL needs has a template for both code flavours and a NumPy reference."""
+    """Every op the DSL needs has a C template, an LLVM IR builder (the CPU backend's) and a
+    NumPy reference."""
+    from ocannl.backends.cpu.codegen import IR_OPS as LLVM_OPS
+
     needed = {"add", "sub", "mul", "div", "pow", "max", "eq", "gt", "neg", "relu", "exp", "log",
               "tanh", "sigmoid", "sqrt", "isfinite", "where"}
     assert needed <= set(OPS)
     x = np.array([1.5, -2.0])
     for name, op in OPS.items():
         assert op.arity in (1, 2, 3)
-        for template in (op.py, op.c):
-            for k in range(op.arity):
-                assert "{" + str(k) + "}" in template, (name, template)
+        for k in range(op.arity):
+            assert "{" + str(k) + "}" in op.c, (name, op.c)
+        assert name in LLVM_OPS, name
         assert reference(name, *[x] * op.arity).shape == x.shape
+    assert set(LLVM_OPS) == set(OPS)
     assert set(ACCUMS) == {"=", "+", "max"}
 
 

@@ -241,10 +241,10 @@ class RoutineIR:
             return self.load(e.node, e.idx, space, iters, compute)
         assert isinstance(e, Apply)
         args = [self.expr(a, compute, space, iters) for a in e.args]
-        return _OPS[e.op](self, compute, *args)
+        return IR_OPS[e.op](self, compute, *args)
 
     def combine(self, accum: str, old: ir.Value, new: ir.Value, compute: ir.Type) -> ir.Value:
-        return _OPS["add" if accum == "+" else accum](self, compute, old, new)
+        return IR_OPS["add" if accum == "+" else accum](self, compute, old, new)
 
     # --- lowered items -----------------------------------------------------------------------
 
@@ -543,7 +543,7 @@ def _hash_unit(r: RoutineIR, compute: ir.Type, x: ir.Value) -> ir.Value:
     return b.fdiv(top, ir.Constant(compute, 16777216.0))
 
 
-_OPS: dict[str, Callable[..., ir.Value]] = {
+IR_OPS: dict[str, Callable[..., ir.Value]] = {
     "add": _binary("fadd"),
     "sub": _binary("fsub"),
     "mul": _binary("fmul"),
