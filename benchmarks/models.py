@@ -7,24 +7,34 @@ weights, so every runner (the suite's and ``data_parallel.py``'s) trains the sam
   channels-last ``(height, width, channels)``. PyTorch's twin permutes them to NCHW for its
   convolutions, permutes the kernels from ``(out, k, k, in)`` to ``(out, in, k, k)``, and
   flattens channels-last before the first linear layer, so its weights are the same numbers.
+- ``gpt``: ``nn_blocks.gpt`` over token ids, trained on every position's next token
+  (``nn_blocks.cross_entropy``); PyTorch's twin is ``examples/torch_gpt.py``'s ``TorchGPT``,
+  the one ``tests/test_gpt.py`` and ``examples/tiny_gpt.py`` compare against.
 
 Fixture weights are (weight, bias) pairs, first layer first: a convolution's kernel laid out
 ``(out, k, k, in)``, a linear layer's ``(out, in)`` as ``torch.nn.Linear``'s (the first linear
-layer of ``lenet`` reads the flattened ``(height, width, channels)`` features).
+layer of ``lenet`` reads the flattened ``(height, width, channels)`` features); a gpt's are by
+``gpt``'s parameter names in torch's layout (``fixtures.gpt_shapes``).
 
 The optimizer is the workload's: plain SGD (``sgd``) or Adam with torch's defaults (``adam``).
 """
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 if TYPE_CHECKING:
+    from benchmarks.fixtures import Fixture, Weights
     from benchmarks.specs import Workload
 
 Pairs = list[tuple[Any, Any]]
+# A model's parameters: (weight, bias) pairs (mlp, lenet) or tensors by name (gpt).
+Params = Pairs | dict[str, Any]
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
 # --- this project ------------------------------------------------------------------------------
@@ -39,11 +49,44 @@ def ocannl_input(rows: np.ndarray, *, prec: str = "f32", label: str = "x") -> An
                   prec=prec)
 
 
-def ocannl_model(w: Workload, x: Any) -> tuple[Any, Pairs]:
-    """The logits over ``x`` and the (weight, bias) parameter pairs, first layer first. Call it
-    inside ``mixed_prec.with_master_weights`` for cast twins of f32 masters."""
+def ocannl_io(w: Workload, fx: Fixture, *, prec: str = "f32") -> tuple[Any, Any]:
+    """The input and target tensors, holding batch 0 (``feed_targets`` gives every batch's
+    targets). An input of features or images is stored at ``prec`` and its targets are
+    one-hot; a gpt's are token ids (``class_ids``, f32 at any ``prec``: ids, not
+    activations)."""
+    import ocannl.tensor as T
+
+    if w.model == "gpt":
+        return (T.class_ids(fx.x[0], num_classes=w.vocab, label="ids"),
+                T.class_ids(fx.labels[0], num_classes=w.vocab, label="targets"))
+    return ocannl_input(fx.x[0], prec=prec), T.term(fx.onehot()[0], label="y")
+
+
+def feed_targets(fx: Fixture) -> np.ndarray:
+    """Per batch, what the target tensor of ``ocannl_io`` is set to: the next-token ids of a
+    gpt, the one-hot labels of the others."""
+    return fx.labels if fx.workload.model == "gpt" else fx.onehot()
+
+
+def ocannl_loss(w: Workload, logits: Any, y: Any) -> Any:
+    """The workload's softmax cross-entropy of f32 ``logits`` against ``ocannl_io``'s targets
+    (a gpt's: the mean over every position of every sequence)."""
     from ocannl import nn_blocks
 
+    if w.model == "gpt":
+        return nn_blocks.cross_entropy(logits, y)
+    return nn_blocks.softmax_cross_entropy(logits, y)
+
+
+def ocannl_model(w: Workload, x: Any) -> tuple[Any, Params]:
+    """The logits over ``x`` and the parameters: (weight, bias) pairs, first layer first, or a
+    gpt's by name. Call it inside ``mixed_prec.with_master_weights`` for cast twins of f32
+    masters."""
+    from ocannl import nn_blocks
+
+    if w.model == "gpt":
+        return nn_blocks.gpt(x, vocab=w.vocab, context=w.context, d_model=w.d_model,
+                             heads=w.heads, layers=w.layers, d_ff=w.d_ff, label="gpt")
     if w.model == "mlp":
         return nn_blocks.mlp(x, list(w.sizes[1:-1]), w.classes, label="mlp")
     if w.model == "lenet":
@@ -53,10 +96,17 @@ def ocannl_model(w: Workload, x: Any) -> tuple[Any, Pairs]:
     raise ValueError(f"workload {w.name}: unknown model {w.model!r}")
 
 
-def set_ocannl_weights(ctx: Any, layers: Pairs, weights: list[tuple[np.ndarray, np.ndarray]]
-                       ) -> Any:
+def set_ocannl_weights(ctx: Any, layers: Params, weights: Weights) -> Any:
     """Write the fixture's weights into the parameters (reshaped to each parameter's dims: the
-    first linear layer of ``lenet`` reads (height, width, channels))."""
+    first linear layer of ``lenet`` reads (height, width, channels), ``gpt``'s attention
+    projections are torch's split by head)."""
+    if isinstance(layers, dict):
+        if set(layers) != set(weights):
+            raise ValueError(f"the model's parameters {sorted(layers)} are not the fixture's "
+                             f"{sorted(weights)}")
+        for name, p in layers.items():
+            ctx = ctx.set_values(p, weights[name].reshape(p.value.dims))
+        return ctx
     for (wt, bt), (wv, bv) in zip(layers, weights, strict=True):
         ctx = ctx.set_values(wt, wv.reshape(wt.value.dims))
         ctx = ctx.set_values(bt, bv.reshape(bt.value.dims))
@@ -76,9 +126,23 @@ def ocannl_optimizer(w: Workload) -> Any:
 # --- PyTorch -----------------------------------------------------------------------------------
 
 
-def torch_model(w: Workload, weights: list[tuple[np.ndarray, np.ndarray]]) -> Any:
+def torch_gpt_class() -> Any:
+    """``examples/torch_gpt.py``'s ``TorchGPT``, imported as the examples import it (their
+    folder on ``sys.path``, appended: it shadows nothing)."""
+    if str(EXAMPLES) not in sys.path:
+        sys.path.append(str(EXAMPLES))
+    from torch_gpt import TorchGPT
+
+    return TorchGPT
+
+
+def torch_model(w: Workload, weights: Weights) -> Any:
     """The same model as ``ocannl_model`` (on the CPU, f32), holding the fixture's weights."""
     import torch
+
+    if w.model == "gpt":
+        return torch_gpt_class()(vocab=w.vocab, context=w.context, d_model=w.d_model,
+                                 heads=w.heads, layers=w.layers, d_ff=w.d_ff).load(weights)
 
     class LeNet(torch.nn.Module):
         def __init__(self, convs: list[torch.nn.Conv2d], head: torch.nn.Sequential) -> None:
@@ -119,6 +183,16 @@ def torch_model(w: Workload, weights: list[tuple[np.ndarray, np.ndarray]]) -> An
             conv.bias.copy_(torch.from_numpy(bv))
         convs.append(conv)
     return LeNet(convs, torch.nn.Sequential(*head))
+
+
+def torch_loss(w: Workload, logits: Any, labels: Any) -> Any:
+    """``torch.nn.functional.cross_entropy`` as ``ocannl_loss`` computes it: a gpt's logits
+    ``(batch, seq, vocab)`` against ids ``(batch, seq)``, averaged over every position."""
+    import torch
+
+    if w.model == "gpt":
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, w.vocab), labels.reshape(-1))
+    return torch.nn.functional.cross_entropy(logits, labels)
 
 
 def torch_optimizer(w: Workload, params: Any) -> Any:

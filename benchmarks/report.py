@@ -123,9 +123,11 @@ def render(rows: list[Row], targets: list[Target], info: dict, chart: str | None
         "",
         "## Method", "",
         "Per workload, every runner trains the same model (`benchmarks/models.py`: a relu MLP "
-        "with plain SGD, or the LeNet-style convnet `nn_blocks.lenet` with Adam; softmax "
-        "cross-entropy) from the same fixture (`benchmarks/fixtures/*.safetensors`: initial "
-        "weights, data, hyperparameters, generated from the seeded specs in "
+        "with plain SGD, the LeNet-style convnet `nn_blocks.lenet` with Adam, or the "
+        "decoder-only transformer `nn_blocks.gpt` with Adam, its PyTorch twin "
+        "`examples/torch_gpt.py`; softmax cross-entropy, a transformer's over every "
+        "position's next token) from the same fixture (`benchmarks/fixtures/*.safetensors`: "
+        "initial weights, data, hyperparameters, generated from the seeded specs in "
         "`benchmarks/specs.py`). A step feeds the next batch and trains once. The parity "
         "gate compares the first `parity_steps` losses with PyTorch "
         "CPU f32 (max relative error; f32 1e-5, f16 2e-3, bf16 4e-3); step times are reported "

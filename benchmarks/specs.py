@@ -20,10 +20,11 @@ VARIANTS = {
 @dataclass(frozen=True)
 class Workload:
     """One benchmark workload: a model (``benchmarks.models``) on a dataset, trained with plain
-    SGD or Adam, softmax cross-entropy."""
+    SGD or Adam, softmax cross-entropy (a gpt's: at every position, over the vocabulary)."""
 
     name: str
-    dataset: str  # "half_moons", "gaussian_classes" (generated) or "digits" (scikit-learn's)
+    # "half_moons", "gaussian_classes", "markov_chars" (generated) or "digits" (scikit-learn's)
+    dataset: str
     # The MLP (of "mlp"; of "lenet", its head): input features, hidden..., classes.
     sizes: tuple[int, ...]
     batch: int
@@ -36,13 +37,27 @@ class Workload:
     rounds: int
     init_loss_scale: float = 1024.0
     growth_interval: int = 100_000  # large: no growth during a run, so no skipped steps
-    model: str = "mlp"  # "mlp" or "lenet" (``nn_blocks.lenet``)
+    model: str = "mlp"  # "mlp", "lenet" (``nn_blocks.lenet``) or "gpt" (``nn_blocks.gpt``)
     optimizer: str = "sgd"  # "sgd" (plain) or "adam" (torch's defaults but the lr)
     image: tuple[int, ...] = ()  # lenet: (height, width, channels), channels-last
     channels: tuple[int, ...] = ()  # lenet: each conv stage's output channels
+    # gpt: tokens, sequence length (every sequence fills the context), width, attention heads
+    # and decoder blocks (each block's MLP 4 * d_model wide). ``sizes`` stays empty.
+    vocab: int = 0
+    context: int = 0
+    d_model: int = 0
+    heads: int = 0
+    layers: int = 0
 
     def __post_init__(self) -> None:
-        if self.model == "lenet":
+        if self.model == "gpt":
+            dims = (self.vocab, self.context, self.d_model, self.heads, self.layers)
+            if self.sizes or min(dims) < 1 or self.d_model % self.heads:
+                raise ValueError(f"workload {self.name}: gpt needs empty sizes and positive "
+                                 f"vocab, context, d_model, heads, layers with d_model a "
+                                 f"multiple of heads, got sizes {self.sizes}, (vocab, context, "
+                                 f"d_model, heads, layers) {dims}")
+        elif self.model == "lenet":
             h, wd, _ = self.image
             cut = 2 ** len(self.channels)  # each stage: same conv, 2x2 pool
             flat = (h // cut) * (wd // cut) * self.channels[-1]
@@ -56,16 +71,29 @@ class Workload:
 
     @property
     def classes(self) -> int:
-        return self.sizes[-1]
+        """Classes per prediction: a gpt predicts one of ``vocab`` tokens at every position."""
+        return self.vocab if self.model == "gpt" else self.sizes[-1]
 
     @property
     def input_shape(self) -> tuple[int, ...]:
-        """One example's shape: an image's (height, width, channels), or (features,)."""
+        """One example's shape: an image's (height, width, channels), (features,), or a gpt's
+        (context,) token ids."""
+        if self.model == "gpt":
+            return (self.context,)
         return self.image if self.model == "lenet" else self.sizes[:1]
+
+    @property
+    def d_ff(self) -> int:
+        """The hidden width of a gpt block's MLP (``nn_blocks.gpt``'s default)."""
+        return 4 * self.d_model
 
     def describe(self) -> str:
         """The model and optimizer in words, for reports."""
-        if self.model == "lenet":
+        if self.model == "gpt":
+            net = (f"gpt: vocab {self.vocab}, context {self.context}, {self.layers} pre-norm "
+                   f"causal decoder blocks of d_model {self.d_model}, {self.heads} heads, "
+                   f"MLP {self.d_ff}; next-token cross-entropy over every position")
+        elif self.model == "lenet":
             k = " -> ".join(f"conv3x3 {c} / relu / maxpool2" for c in self.channels)
             net = (f"lenet {'x'.join(map(str, self.image))} -> {k} -> flatten "
                    f"{' -> '.join(map(str, self.sizes))}")
@@ -90,6 +118,8 @@ class Workload:
         """The metadata fields that determine a fixture's tensors (not the step counts)."""
         keys = ("name", "dataset", "sizes", "batch", "n_batches", "learning_rate", "seed",
                 "model", "image", "channels")
+        if self.model == "gpt":  # only here, so the other fixtures' metadata stays as it was
+            keys += ("vocab", "context", "d_model", "heads", "layers")
         return {k: v for k, v in self.to_meta().items() if k in keys}
 
 
@@ -110,6 +140,15 @@ WORKLOADS: dict[str, Workload] = {
         name="convnet", dataset="digits", sizes=(64, 64, 10), batch=64, n_batches=16,
         learning_rate=1e-3, seed=3, parity_steps=20, warmup_steps=10, timed_steps=300,
         rounds=10, model="lenet", optimizer="adam", image=(8, 8, 1), channels=(8, 16),
+    ),
+    # nn_blocks.gpt, 2 blocks of d_model 128 with 4 heads, over 16 sequences of 64 tokens of a
+    # synthetic character-level text (64 symbols, a seeded bigram chain: something to learn),
+    # predicting each next token; Adam at 1e-3 (tests/test_convnet.py says why not larger).
+    "gpt_mini": Workload(
+        name="gpt_mini", dataset="markov_chars", sizes=(), batch=16, n_batches=8,
+        learning_rate=1e-3, seed=4, parity_steps=20, warmup_steps=5, timed_steps=100,
+        rounds=10, model="gpt", optimizer="adam", vocab=64, context=64, d_model=128, heads=4,
+        layers=2,
     ),
 }
 

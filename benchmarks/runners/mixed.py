@@ -1,10 +1,10 @@
 """The mixed-precision variants of this project's runner, built on ``ocannl.mixed_prec``.
 
 Any model: ``build_mixed`` takes a model builder (the input tensor -> the logits and the
-(weight, bias) pairs, as ``benchmarks.models.ocannl_model``) and the optimizer. The model reads
+parameters, as ``benchmarks.models.ocannl_model``), the optimizer and the loss. The model reads
 bf16 / f16 cast twins of f32 master weights (``with_master_weights``) and an input stored at
-the same precision; the softmax cross-entropy runs in f32 (as under torch's autocast). The
-optimizer updates the f32 masters.
+the same precision (token ids stay f32); the softmax cross-entropy runs in f32 (as under
+torch's autocast). The optimizer updates the f32 masters.
 
 - ``bf16``: no loss scaling; grad_update and the optimizer's update fused into one routine.
 - ``f16``: dynamic loss scaling, per-step host gate (the ``scaled_step`` recipe: gradient
@@ -24,26 +24,31 @@ from benchmarks.specs import VARIANTS
 if TYPE_CHECKING:
     from benchmarks.runners.ocannl_runner import OcannlRunner
 
-# The input tensor -> the logits and the (weight, bias) parameter pairs, first layer first.
-ModelBuilder = Callable[[Any], tuple[Any, list[tuple[Any, Any]]]]
+# The input tensor -> the logits and the parameters: (weight, bias) pairs, first layer first,
+# or tensors by name.
+ModelBuilder = Callable[[Any], tuple[Any, list[tuple[Any, Any]] | dict[str, Any]]]
+# The f32 logits and the target tensor -> the loss.
+LossBuilder = Callable[[Any, Any], Any]
 
 
-def build_mixed(r: OcannlRunner, variant: str, model: ModelBuilder, opt: Any
-                ) -> tuple[Callable[[], None], object]:
-    """Build ``variant``'s step of ``model`` on ``r``'s context, trained by the optimizer
-    ``opt`` (an ``ocannl.optim`` object); the step callable and the loss tensor. Sets ``r.x``
-    (the input, stored at the variant's precision) and ``r.layers`` (the f32 masters)."""
+def build_mixed(r: OcannlRunner, variant: str, model: ModelBuilder, opt: Any,
+                loss_of: LossBuilder | None = None) -> tuple[Callable[[], None], object]:
+    """Build ``variant``'s step of ``model`` over ``r.x`` (the input, stored at the variant's
+    precision) on ``r``'s context, its loss ``loss_of(f32 logits, r.y)`` (default: softmax
+    cross-entropy), trained by the optimizer ``opt`` (an ``ocannl.optim`` object); the step
+    callable and the loss tensor. Sets ``r.layers`` (the f32 masters)."""
     import ocannl.tensor as T
-    from benchmarks.models import ocannl_input
     from ocannl import mixed_prec, train
     from ocannl.nn_blocks import softmax_cross_entropy
 
     w = r.fx.workload
     prec = VARIANTS[variant][0]
-    r.x = ocannl_input(r.fx.batch(0)[0], prec=prec)
     logits, twins = mixed_prec.with_master_weights(prec=prec, f=lambda: model(r.x))
-    loss = softmax_cross_entropy(T.cast(logits, "f32"), r.y)
-    r.layers = [(mixed_prec.master_of(a), mixed_prec.master_of(b)) for a, b in twins]
+    loss = (loss_of or softmax_cross_entropy)(T.cast(logits, "f32"), r.y)
+    if isinstance(twins, dict):
+        r.layers = {name: mixed_prec.master_of(p) for name, p in twins.items()}
+    else:
+        r.layers = [(mixed_prec.master_of(a), mixed_prec.master_of(b)) for a, b in twins]
     r._set_weights(r.layers)
     ctx = r.ctx
     if variant == "bf16":

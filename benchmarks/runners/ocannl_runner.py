@@ -24,8 +24,9 @@ def make_context(device: str):  # noqa: ANN201 - ocannl.Context, imported lazily
 
 
 class OcannlRunner:
-    """Builds the workload's model (``models.ocannl_model``: ``nn_blocks.mlp`` or
-    ``nn_blocks.lenet``) and trains it with the workload's optimizer (plain SGD or Adam)."""
+    """Builds the workload's model (``models.ocannl_model``: ``nn_blocks.mlp``,
+    ``nn_blocks.lenet`` or ``nn_blocks.gpt``) and trains it with the workload's optimizer
+    (plain SGD or Adam)."""
 
     framework = "ocannl"
 
@@ -33,20 +34,17 @@ class OcannlRunner:
         if variant not in VARIANTS:
             raise ValueError(f"unknown variant {variant!r}: expected one of {list(VARIANTS)}")
         self.fx, self.variant, self.device = fx, variant, device
-        self.onehot = fx.onehot()
 
     def build(self) -> None:
-        import ocannl.tensor as T
         from benchmarks import models
-        from ocannl.nn_blocks import softmax_cross_entropy
 
         w = self.fx.workload
         self.ctx = make_context(self.device)
-        self.y = T.term(self.onehot[0], label="y")
+        self.targets = models.feed_targets(self.fx)
+        self.x, self.y = models.ocannl_io(w, self.fx, prec=VARIANTS[self.variant][0])
         if self.variant == "f32":
-            self.x = models.ocannl_input(self.fx.batch(0)[0])
             logits, self.layers = models.ocannl_model(w, self.x)
-            self.loss_t = softmax_cross_entropy(logits, self.y)
+            self.loss_t = models.ocannl_loss(w, logits, self.y)
             self._set_weights(self.layers)
             self._step = self._f32_step()
         else:
@@ -54,7 +52,7 @@ class OcannlRunner:
 
             self._step, self.loss_t = build_mixed(
                 self, self.variant, lambda x: models.ocannl_model(w, x),
-                models.ocannl_optimizer(w))
+                models.ocannl_optimizer(w), lambda z, y: models.ocannl_loss(w, z, y))
 
     def _set_weights(self, layers: list) -> None:
         from benchmarks.models import set_ocannl_weights
@@ -73,7 +71,7 @@ class OcannlRunner:
 
     def feed(self, i: int) -> None:
         k = i % self.fx.workload.n_batches
-        self.ctx.set_values(self.x, self.fx.x[k]).set_values(self.y, self.onehot[k])
+        self.ctx.set_values(self.x, self.fx.x[k]).set_values(self.y, self.targets[k])
 
     def step(self, i: int) -> None:
         self.feed(i)

@@ -9,8 +9,8 @@ from benchmarks.runners.base import Unavailable
 
 
 class TorchRunner:
-    """Same model as OCANNL's (``models.torch_model``), softmax cross-entropy, the same
-    optimizer."""
+    """Same model as OCANNL's (``models.torch_model``), the same softmax cross-entropy
+    (``models.torch_loss``), the same optimizer."""
 
     framework = "torch"
 
@@ -25,7 +25,7 @@ class TorchRunner:
 
         if self.device == "cuda" and not torch.cuda.is_available():
             raise Unavailable("torch sees no CUDA device")
-        from benchmarks.models import torch_model, torch_optimizer
+        from benchmarks.models import torch_loss, torch_model, torch_optimizer
 
         dev = torch.device(self.device)
         w = self.fx.workload
@@ -33,10 +33,9 @@ class TorchRunner:
         self.opt = torch_optimizer(w, self.model.parameters())
         self.xs = torch.from_numpy(self.fx.x).to(dev)
         self.ys = torch.from_numpy(self.fx.labels).to(dev)
-        ce = torch.nn.functional.cross_entropy
 
         def loss_fn(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            return ce(self.model(x), y)
+            return torch_loss(w, self.model(x), y)
 
         self.loss_fn = torch.compile(loss_fn) if self.variant == "compile" else loss_fn
         if self.variant == "compile":

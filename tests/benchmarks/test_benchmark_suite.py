@@ -1,9 +1,10 @@
 """Smoke test of the benchmark suite's plumbing (fixtures, parity gate, report), with tiny
-step counts, for an MLP and the convnet. It asserts no timing: timings live in
-benchmarks/REPORT.md."""
+step counts, for an MLP, the convnet and the transformer (``gpt_mini`` shrunk), and of the
+chain-compile script. It asserts no timing: timings live in benchmarks/REPORT.md."""
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -18,7 +19,7 @@ if str(ROOT) not in sys.path:
 pytest.importorskip("torch")
 pytest.importorskip("safetensors")
 
-from benchmarks import fixtures, report, targets  # noqa: E402
+from benchmarks import compile_chain, fixtures, models, report, targets  # noqa: E402
 from benchmarks import measure as measure_mod  # noqa: E402
 from benchmarks.measure import measure  # noqa: E402
 from benchmarks.runners import Unavailable, make_runner  # noqa: E402
@@ -28,6 +29,12 @@ TINY = replace(scaled(WORKLOADS["mlp_small"], 0.01), parity_steps=4, n_batches=2
 # The convnet at batch 8, 3 parity steps, 2 distinct batches, a handful of timed steps.
 CONV = replace(scaled(WORKLOADS["convnet"], 0.01), batch=8, n_batches=2, parity_steps=3,
                timed_steps=4, rounds=2)
+# gpt_mini's model, data and optimizer at toy sizes: 1 block of width 16, 2 heads, 8 tokens.
+GPT = replace(scaled(WORKLOADS["gpt_mini"], 0.01), batch=2, n_batches=2, parity_steps=3,
+              timed_steps=4, rounds=2, vocab=16, context=8, d_model=16, heads=2, layers=1)
+INFO = {"command": "test", "date": "today", "runtime_s": 0.0, "cpu": "cpu", "cores": 2,
+        "memory": "1 GiB", "platform": "p", "commit": "c", "versions": {"numpy": "x"},
+        "sgemm": None, "load_start": "0", "load_end": "0"}
 
 
 def test_fixture_is_seeded_and_round_trips(tmp_path: Path) -> None:
@@ -150,3 +157,61 @@ def test_convnet_rows_and_report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     text = report.render(rows, targets.evaluate(rows, None), info, None, {CONV.name: CONV})
     assert "## convnet" in text and "lenet 8x8x1" in text and "Adam" in text
     assert "| ocannl f16-gated16 (cpu) |" in text
+
+
+def test_gpt_fixture_matches_both_models(tmp_path: Path) -> None:
+    """The fixture holds every parameter of ``nn_blocks.gpt`` and of the PyTorch twin, by name,
+    in sizes both accept; the labels are the inputs shifted by one token; it is seeded."""
+    import ocannl.tensor as T
+    from ocannl import nn_blocks
+
+    fx = fixtures.load(GPT, tmp_path)
+    a, b = fixtures.generate(GPT), fixtures.generate(GPT)
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+    assert fx.x.shape == fx.labels.shape == (2, 2, 8) and fx.x.dtype == np.int64
+    np.testing.assert_array_equal(fx.x[..., 1:], fx.labels[..., :-1])
+    assert 0 <= fx.x.min() and fx.labels.max() < GPT.vocab
+    ids = T.class_ids(fx.x[0], num_classes=GPT.vocab)
+    _, params = nn_blocks.gpt(ids, vocab=16, context=8, d_model=16, heads=2, layers=1)
+    assert list(params) == list(fx.weights)  # the same names, in creation order
+    assert all(int(np.prod(p.dims)) == fx.weights[n].size for n, p in params.items())
+    twin = dict(models.torch_model(GPT, fx.weights).named_parameters())
+    names = sys.modules[models.torch_gpt_class().__module__].gpt_names(1)
+    assert {names[t]: tuple(v.shape) for t, v in twin.items()} == {
+        n: v.shape for n, v in fx.weights.items()}
+    assert np.array_equal(twin["blocks.0.q.weight"].detach().numpy(), fx.weights["block0.wq"])
+
+
+def test_gpt_rows_and_report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The transformer through the parity gate (f32 within 1e-5 of PyTorch: the same model)
+    and the mixed runner (named parameters, token ids), then into the report."""
+    monkeypatch.setattr(measure_mod, "SETTLE_S", 0.0)
+    fx = fixtures.load(GPT, tmp_path)
+    ref = make_runner(fx, "torch", "eager", "cpu")
+    runners = [ref, make_runner(fx, "ocannl", "f32", "cpu"),
+               make_runner(fx, "ocannl", "f16-gated16", "cpu")]
+    rows = measure(fx, runners, ref, log=lambda _: None)
+    for r in rows:
+        assert r.status == "ok", (r.name, r.status, r.note, r.parity_err)
+        assert r.p50 is not None and r.steps_timed == GPT.timed_steps
+    text = report.render(rows, targets.evaluate(rows, None), INFO, None, {GPT.name: GPT})
+    assert "## gpt_mini" in text and "markov_chars, gpt: vocab 16" in text
+    assert "| ocannl f16-gated16 (cpu) |" in text
+
+
+def test_compile_chain_reports_times_and_timeouts(tmp_path: Path) -> None:
+    """A short chain compiles in a fresh process and is written to the JSON; a child past
+    ``--max-seconds`` is reported as timed out, not raised."""
+    assert compile_chain.main(["--n", "3", "--out", str(tmp_path)]) == 0
+    done = json.loads((tmp_path / "COMPILE_CHAIN.json").read_text())
+    (r,) = done["results"]
+    assert r["n"] == 3 and r["status"] == "ok", r
+    assert r["compile_s"] > 0 and done["info"]["command"].endswith("--out " + str(tmp_path))
+    late = compile_chain.run_child(3, max_seconds=0.01)
+    assert late["status"] == "timeout" and "0.01 s" in late["note"]
+    trace = "Traceback (most recent call last):\nRuntimeError: LLVM IR parsing error\n<s>\n^\n"
+    assert compile_chain._why(trace) == "RuntimeError: LLVM IR parsing error"
+    rows = [{"n": 100, "status": "ok", "compile_s": 1.0}, late,
+            {"n": 400, "status": "ok", "compile_s": 16.0}]
+    (g,) = compile_chain.growth(rows)
+    assert (g["from"], g["to"]) == (100, 400) and g["exponent"] == pytest.approx(2.0)
