@@ -304,7 +304,7 @@ def test_a_cold_process_reuses_the_on_disk_cache(tmp_path):
     c = 0.25
     first = _cold(cache, c)
     folder = cache / "llvm"
-    objects = sorted(folder.glob("*.o"))
+    objects = sorted(folder.glob("*.objects"))
     assert len(objects) == 1
     assert not first["from_disk"]
     assert first["compile_count"] == 1 and first["after_recompile"] == 1 and first["same_fn"]
@@ -317,12 +317,12 @@ def test_a_cold_process_reuses_the_on_disk_cache(tmp_path):
     np.testing.assert_allclose(second["y"], np.exp(np.arange(5.0) * c), rtol=1e-6)
     # nothing was rewritten
     assert {p: p.stat().st_mtime_ns for p in stamp} == stamp
-    assert sorted(folder.glob("*.o")) == objects
+    assert sorted(folder.glob("*.objects")) == objects
 
     # Other code in the same folder is a miss, and adds its own files.
     third = _cold(cache, 0.5)
     assert not third["from_disk"]
-    assert len(list(folder.glob("*.o"))) == 2
+    assert len(list(folder.glob("*.objects"))) == 2
     # A different folder starts cold.
     fourth = _cold(tmp_path / "elsewhere", c)
     assert not fourth["from_disk"]

@@ -26,11 +26,12 @@ def storage_dtype(prec: Precision) -> np.dtype:
     return np.dtype(np.uint16) if prec.is_narrow else prec.numpy_dtype
 
 
-def emit_ir(code: list[Lowered], nodes: list[Tnode]) -> tuple[str, list[tuple[int, str]]]:
-    """The LLVM IR of a routine over ``nodes`` (buffers named by position, so the same code
-    over other nodes is the same text), and its scratch arrays (size, "f32" | "f64")."""
-    module, scratch = routine_ir(code, nodes, jit.hardware_f16())
-    return str(module), scratch
+def emit_ir(code: list[Lowered], nodes: list[Tnode]) -> tuple[list[str], list[tuple[int, str]]]:
+    """The LLVM IR of a routine over ``nodes``, one text per part (buffers named by position,
+    so the same code over other nodes is the same text), and its scratch arrays (size, "f32" |
+    "f64")."""
+    modules, scratch = routine_ir(code, nodes, jit.hardware_f16(), jit.workers())
+    return [str(m) for m in modules], scratch
 
 
 class CpuBackend:
@@ -61,12 +62,13 @@ class CpuBackend:
 
     def compile(self, label: str, code: list[Lowered], nodes: list[Tnode]
                 ) -> tuple[CompiledRoutine, bool]:
-        text, scratch = emit_ir(code, nodes)
-        compiled = self._compiled.get(text)
+        texts, scratch = emit_ir(code, nodes)
+        key = jit.key_of(texts)
+        compiled = self._compiled.get(key)
         compiled_anew = compiled is None
         if compiled_anew:
-            address, from_disk = jit.compile_ir(text)
-            compiled = self._compiled[text] = CompiledRoutine(address, from_disk, scratch, text)
+            address, from_disk = jit.compile_ir(texts)
+            compiled = self._compiled[key] = CompiledRoutine(address, from_disk, scratch)
         return compiled, compiled_anew
 
 
@@ -74,12 +76,10 @@ class CompiledRoutine:
     """Machine code shared by every routine with the same IR, bound to buffers once: a table
     of their addresses, then of scratch arrays of its own."""
 
-    def __init__(self, address: int, from_disk: bool, scratch: list[tuple[int, str]],
-                 ir_text: str) -> None:
+    def __init__(self, address: int, from_disk: bool, scratch: list[tuple[int, str]]) -> None:
         self.address = address
         self.loaded_from_disk = from_disk  # the on-disk cache supplied the machine code
         self.scratch = scratch
-        self.ir_text = ir_text
 
     def bind(self, buffers: tuple[np.ndarray, ...]) -> Callable[[], None]:
         scratch = [np.empty(n, np.float32 if kind == "f32" else np.float64)

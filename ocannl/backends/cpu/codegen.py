@@ -1,8 +1,9 @@
 """LLVM IR for a routine: its fills, loop groups and GEMMs as one function of a buffer table.
 
-The entry is ``void routine(i64* table)``: ``table`` holds the address of every node's flat
-buffer (in the order of ``nodes``) and then of the routine's scratch arrays. It calls one
-function per lowered item (a fill, a loop group, a GEMM) with the buffers that item uses.
+A routine is one or more parts, ``void part(i64* table)``, run in order: ``table`` holds the
+address of every node's flat buffer (in the order of ``nodes``) and then of the routine's
+scratch arrays. A part calls one function per lowered item (a fill, a loop group, a GEMM)
+with the buffers that item uses.
 Going straight from the lowered code to LLVM IR, with nothing between, keeps the compile time a
 small multiple of LLVM's own, linear in the size of the step.
 
@@ -42,14 +43,21 @@ class RoutineIR:
     """Builds the IR of one routine. ``hardware_f16``: convert f16 with the CPU's instructions
     (F16C) rather than with integer code."""
 
-    def __init__(self, nodes: list[Tnode], hardware_f16: bool) -> None:
+    def __init__(self, nodes: list[Tnode], hardware_f16: bool,
+                 scratch: dict[tuple[int, str, ir.Type], int]) -> None:
         self.module = ir.Module(name="ocannl")
         self.hardware_f16 = hardware_f16
         self.nodes = nodes
         self.slots = {n.id: k for k, n in enumerate(nodes)}
-        self.scratch: dict[tuple[int, str, ir.Type], int] = {}  # (size, role, type) -> number
+        self.scratch = scratch  # (size, role, type) -> number, shared by a routine's parts
         self.functions: dict[tuple[str, ir.Type], ir.Function] = {}
         self.calls: list[tuple[ir.Function, list[int]]] = []  # each item: function, its slots
+        # Whether the nest being emitted copies a value unchanged (a cast): only then does a
+        # signalling NaN's bit pattern survive to the store, and the f16 conversions keep it
+        # as NumPy does. Arithmetic quiets a NaN whatever the conversion did, so elsewhere the
+        # plain instructions give the same bits.
+        self.copying = False
+        self.redirect: dict[int, ir.Value] = {}  # node id -> an f32 copy standing in for it
 
     # --- plumbing ---------------------------------------------------------------------------
 
@@ -135,13 +143,15 @@ class RoutineIR:
         b.position_at_end(after)
 
     def finish(self) -> ir.Module:
-        """Add ``routine(table)``: load the buffers' addresses, call each item in order."""
+        """Add ``part(table)``: load the addresses of the buffers the items use, call each
+        item in order."""
         entry = ir.Function(self.module, ir.FunctionType(ir.VoidType(), [I64.as_pointer()]),
-                            name="routine")
+                            name="part")
         b = ir.IRBuilder(entry.append_basic_block("entry"))
         table = entry.args[0]
-        pointers = [b.inttoptr(b.load(b.gep(table, [_int(k)])), _ELEM[n.prec].as_pointer())
-                    for k, n in enumerate(self.nodes)]
+        used = sorted({k for _, slots in self.calls for k in slots})
+        pointers = {k: b.inttoptr(b.load(b.gep(table, [_int(k)])),
+                                  _ELEM[self.nodes[k].prec].as_pointer()) for k in used}
         for fn, slots in self.calls:
             b.call(fn, [table, *(pointers[k] for k in slots)])
         b.ret_void()
@@ -154,7 +164,11 @@ class RoutineIR:
         b = self.b
         if prec is Precision.bf16:
             return b.bitcast(b.shl(b.zext(bits, I32), _int(16, I32)), F32)
-        return (_f16_to_f32_hw if self.hardware_f16 else _f16_to_f32_soft)(b, bits)
+        if not self.hardware_f16:
+            return _f16_to_f32_soft(b, bits)
+        if self.copying:
+            return _f16_to_f32_hw(b, bits)
+        return b.fpext(b.bitcast(bits, F16), F32)
 
     def narrow(self, value: ir.Value, prec: Precision) -> ir.Value:
         """f32 (or f64, through f32) -> 16-bit pattern, nearest with ties to even."""
@@ -163,7 +177,11 @@ class RoutineIR:
             value = b.fptrunc(value, F32)
         if prec is Precision.bf16:
             return _f32_to_bf16(b, value)
-        return (_f32_to_f16_hw if self.hardware_f16 else _f32_to_f16_soft)(b, value)
+        if not self.hardware_f16:
+            return _f32_to_f16_soft(b, value)
+        if self.copying:
+            return _f32_to_f16_hw(b, value)
+        return b.bitcast(b.fptrunc(value, F16), I16)
 
     # --- loads, stores, expressions ----------------------------------------------------------
 
@@ -218,15 +236,21 @@ class RoutineIR:
         cond = self.in_bounds(node, idx, space, iters)
         if cond is not None:
             off = b.select(cond, off, _int(0))
-        value = b.load(b.gep(self.buffer(node), [off]))
-        if node.prec.is_narrow:
-            value = self.widen(value, node.prec)
+        if node.id in self.redirect:
+            value = b.load(b.gep(self.redirect[node.id], [off]))
+        else:
+            value = b.load(b.gep(self.buffer(node), [off]))
+            if node.prec.is_narrow:
+                value = self.widen(value, node.prec)
         if cond is not None:
             value = b.select(cond, value, ir.Constant(value.type, 0.0))
         return value
 
     def store(self, node: Tnode, off: ir.Value, value: ir.Value) -> None:
         b = self.b
+        if node.id in self.redirect:
+            b.store(_convert(b, value, F32), b.gep(self.redirect[node.id], [off]))
+            return
         if node.prec.is_narrow:
             value = self.narrow(value, node.prec)
         else:
@@ -260,13 +284,25 @@ class RoutineIR:
             self.b.store(value, self.b.gep(ptr, [i]))
 
     def group(self, g: LoopGroup) -> None:
-        """One loop over the lead nest's parallel iterators running every nest's body."""
+        """One loop over the lead nest's parallel iterators running every nest's body.
+
+        A scatter into 16-bit storage accumulates in an f32 copy of its target, rounded to
+        16 bits once at the end (as a reduction's local is), not at every point."""
         lead = g.lead
         space = lead.space
         if 0 in space:
             return
         iters: dict[int, ir.Value] = {}
+        lhs = lead.assign.lhs
+        if not (lead.scatter and lhs.prec.is_narrow and lead.assign.accum != "="):
+            self._loops(list(lead.par), space, iters, lambda: self._par_body(g, space, iters))
+            return
+        wide = self.scratch_for(lhs.size, "scatter", F32)
+        self.convert_into(self.buffer(lhs), lhs.prec, wide, lhs.size)
+        self.redirect[lhs.id] = wide
         self._loops(list(lead.par), space, iters, lambda: self._par_body(g, space, iters))
+        del self.redirect[lhs.id]
+        self.narrow_into(wide, self.buffer(lhs), lhs.prec, lhs.size)
 
     def _loops(self, order: list[int], space: tuple[int, ...], iters: dict[int, ir.Value],
                body: Callable[[], None]) -> None:
@@ -295,12 +331,15 @@ class RoutineIR:
         overwritten, store."""
         a = nest.assign
         compute = _FLOAT[a.lhs.prec.compute]
+        overwrite = a.accum == "=" or a.reset
+        self.copying = overwrite and isinstance(a.expr, Get)
         value = self.expr(a.expr, compute, space, iters)
         off = self.offset(a.lhs, a.lhs_idx, iters)
-        if not (a.accum == "=" or a.reset):
+        if not overwrite:
             old = self.load(a.lhs, a.lhs_idx, space, iters, compute)
             value = self.combine(a.accum, old, value, compute)
         self.store(a.lhs, off, value)
+        self.copying = False
 
     def _reduction(self, nest: LoopNest, space: tuple[int, ...],
                    iters: dict[int, ir.Value]) -> None:
@@ -407,21 +446,32 @@ class RoutineIR:
         return self.functions[key]
 
 
-def routine_ir(code: list[Lowered], nodes: list[Tnode], hardware_f16: bool
-               ) -> tuple[ir.Module, list[tuple[int, str]]]:
-    """The module of a routine over ``nodes``, and its scratch arrays (size, "f32" | "f64"),
-    whose addresses follow the nodes' in the table."""
-    r = RoutineIR(nodes, hardware_f16)
-    for item in code:
-        with r.item(_used(item)):
-            if isinstance(item, Fill):
-                r.fill(item)
-            elif isinstance(item, Gemm):
-                r.gemm(item)
-            else:
-                r.group(item)
-    scratch = [(size, "f32" if ty == F32 else "f64") for size, _, ty in r.scratch]
-    return r.finish(), scratch
+# Lowered items per part, about: a routine of more items is cut into parts that LLVM compiles
+# in parallel (one per core, at most), each an object of its own.
+PART_ITEMS = 48
+
+
+def routine_ir(code: list[Lowered], nodes: list[Tnode], hardware_f16: bool, workers: int = 1
+               ) -> tuple[list[ir.Module], list[tuple[int, str]]]:
+    """The modules of a routine over ``nodes``, each defining ``part(table)``: the routine
+    runs them in order. Also its scratch arrays (size, "f32" | "f64"), whose addresses follow
+    the nodes' in the table. At most ``workers`` parts, each of at least ``PART_ITEMS`` items."""
+    count = max(1, min(workers, len(code) // PART_ITEMS))
+    bounds = [len(code) * k // count for k in range(count + 1)]
+    scratch: dict[tuple[int, str, ir.Type], int] = {}
+    modules = []
+    for lo, hi in zip(bounds, bounds[1:], strict=False):
+        r = RoutineIR(nodes, hardware_f16, scratch)
+        for item in code[lo:hi]:
+            with r.item(_used(item)):
+                if isinstance(item, Fill):
+                    r.fill(item)
+                elif isinstance(item, Gemm):
+                    r.gemm(item)
+                else:
+                    r.group(item)
+        modules.append(r.finish())
+    return modules, [(size, "f32" if ty == F32 else "f64") for size, _, ty in scratch]
 
 
 def _used(item: Lowered) -> list[Tnode]:

@@ -1,0 +1,95 @@
+"""Where a CPU step's time goes: each lowered item of a workload's routines, timed alone.
+
+    .venv/bin/python -m benchmarks.profile_items convnet f16 [--top 15] [--runs 50]
+
+Builds the row's ocannl runner (as ``run.py`` does), trains a few steps, then compiles every
+lowered item of its routines (a fill, a loop group, a GEMM) as a routine of its own, bound to
+the same buffers, and times it over ``--runs`` runs. Prints the items by time, with their
+share of the sum and what each one is. The sum is close to the step's time (the routine calls
+the same code item after item); values drift as items rerun (an optimizer update repeats), so
+read the times, not the numbers the items compute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def describe(item: object) -> str:
+    """One line: the kind of item, what it writes and over how many points."""
+    from ocannl.ir.lowering import Fill, Gemm
+
+    if isinstance(item, Fill):
+        return f"fill {item.node.name} ({item.node.size})"
+    if isinstance(item, Gemm):
+        precs = "/".join(n.prec.value for n in (item.assign.lhs, item.a.node, item.b.node))
+        return (f"gemm {item.assign.lhs.name} {item.rows}x{item.inner} @ "
+                f"{item.inner}x{item.cols} ({precs})")
+    lead = item.lead
+    kind = "reduction" if lead.red else "pointwise"
+    names = ", ".join(n.assign.lhs.name for n in item.nests[:3])
+    more = f" +{len(item.nests) - 3}" if len(item.nests) > 3 else ""
+    return (f"{kind} x{len(item.nests)} [{names}{more}] par {lead.par_size} red {lead.red_size}"
+            f" ({lead.assign.lhs.prec.value})")
+
+
+def profile(workload: str, variant: str, runs: int) -> list[tuple[float, str]]:
+    from benchmarks.fixtures import load
+    from benchmarks.runners import make_runner
+    from benchmarks.specs import WORKLOADS
+    from ocannl import Context
+    from ocannl.ir.lowering import lower, nodes_of
+
+    comps = []
+    compile_ = Context.compile
+
+    def capture(self, comp, bindings=None):  # noqa: ANN001, ANN202 - a wrapper
+        comps.append(comp)
+        return compile_(self, comp, bindings)
+
+    Context.compile = capture
+    try:
+        runner = make_runner(load(WORKLOADS[workload]), "ocannl", variant, "cpu")
+        runner.build()
+    finally:
+        Context.compile = compile_
+    for i in range(3):
+        runner.step(i)
+    ctx = runner.ctx
+    backend = ctx._backend
+    out = []
+    for comp in comps:
+        for item in lower(comp, gemm=backend.has_gemm):
+            nodes = nodes_of([item])
+            compiled, _ = backend.compile("item", [item], nodes)
+            run = backend.bind(compiled, tuple(ctx._buffers[n.id][1] for n in nodes))
+            run()
+            t0 = time.perf_counter()
+            for _ in range(runs):
+                run()
+            out.append(((time.perf_counter() - t0) / runs, describe(item)))
+    return sorted(out, reverse=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("workload")
+    p.add_argument("variant")
+    p.add_argument("--top", type=int, default=15)
+    p.add_argument("--runs", type=int, default=50)
+    a = p.parse_args(argv)
+    rows = profile(a.workload, a.variant, a.runs)
+    total = sum(t for t, _ in rows)
+    print(f"{a.workload} {a.variant}: {len(rows)} items, {total * 1e3:.3f} ms in all")
+    for t, what in rows[:a.top]:
+        print(f"{t * 1e6:10.1f} us {100 * t / total:5.1f}%  {what}")
+
+
+if __name__ == "__main__":
+    main()
