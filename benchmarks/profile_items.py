@@ -65,7 +65,7 @@ def profile(workload: str, variant: str, runs: int) -> list[tuple[float, str]]:
     backend = ctx._backend
     out = []
     for comp in comps:
-        for item in lower(comp, gemm=backend.has_gemm):
+        for item in lower(comp, gemm=backend.has_gemm, batched=backend.has_batched_gemm):
             nodes = nodes_of([item])
             compiled, _ = backend.compile("item", [item], nodes)
             run = backend.bind(compiled, tuple(ctx._buffers[n.id][1] for n in nodes))

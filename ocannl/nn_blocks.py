@@ -325,13 +325,15 @@ def multi_head_attention(
     q = project("q", (num_heads, d_k), x)
     k = project("k", (num_heads, d_k), x)
     v = project("v", (num_heads, d_v), x)
-    scores = T.einsum(f"{pre}q|hd;{pre}k|hd=>{pre}qk|h", q, k) * (1.0 / math.sqrt(d_k))
+    # Scores laid out (..., head, query, key): per head a matrix with unit-stride rows, so the
+    # two products are batched GEMMs, and the softmax runs along contiguous keys.
+    scores = T.einsum(f"{pre}q|hd;{pre}k|hd=>{pre}hqk|", q, k) * (1.0 / math.sqrt(d_k))
     if causal:
         mask = T.term(np.tril(np.ones((seq, seq))), label=f"{label}_causal",
                       batch_dims=(seq, seq), output_dims=(), prec=x.prec)
         scores = T.where(mask, scores, -1e9)
-    attn = T.softmax(scores, len(pre) + 1)  # over the key positions
-    heads = T.einsum(f"{pre}qk|h;{pre}k|hv=>{pre}q|hv", attn, v)
+    attn = T.softmax(scores, len(pre) + 2)  # over the key positions
+    heads = T.einsum(f"{pre}hqk|;{pre}k|hv=>{pre}q|hv", attn, v)
     y = project("o", (d_model,), heads)
     # the dict in the order wq, bq, wk, bk, wv, bv, wo, bo
     return y, params

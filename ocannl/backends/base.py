@@ -16,6 +16,7 @@ Buffer = Any  # a NumPy array on the CPU, a CuPy array on CUDA: flat, in storage
 class Backend(Protocol):
     name: str
     has_gemm: bool  # lowering may hand matrix products to it (BLAS, cuBLAS)
+    has_batched_gemm: bool  # ... and batched ones, with strided rows
 
     def alloc(self, node: Tnode) -> Buffer:
         """A zero-filled flat buffer for the node, in its storage dtype."""

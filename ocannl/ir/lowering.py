@@ -8,7 +8,9 @@
   parallel space with the same result as run one after another (one loop on the CPU, one kernel
   on CUDA). A nest with a reduction is always alone in its group.
 - A :class:`Gemm` is an assignment shaped like a matrix product over plain iterators, handed to
-  BLAS (CPU) or cuBLAS (GPU), when the backend has one (``lower(comp, gemm=...)``).
+  BLAS (CPU) or cuBLAS (GPU), when the backend has one (``lower(comp, gemm=...)``); a batched
+  product (attention's scores) is one per batch point, when the backend takes those
+  (``batched=...``).
 
 Backends only render what this module decided; they never re-decide it.
 """
@@ -82,17 +84,31 @@ class LoopGroup:
 
 @dataclass(frozen=True)
 class MatrixView:
-    """A node read as a 2-D matrix ``rows x cols``; ``transposed``: stored as ``cols x rows``."""
+    """A node read as a 2-D matrix ``rows x cols``; ``transposed``: stored as ``cols x rows``.
+    ``ld``: the stride between consecutive stored rows (the stored row length when dense)."""
 
     node: Tnode
     rows: int
     cols: int
     transposed: bool
+    ld: int
+
+
+@dataclass(frozen=True)
+class BatchAxis:
+    """An iterator a batched product runs over: its size and its stride in the output and in
+    each operand."""
+
+    size: int
+    out: int
+    a: int
+    b: int
 
 
 @dataclass(frozen=True)
 class Gemm:
-    """``out (accum)= a @ b`` with ``out`` a ``rows x cols`` row-major view of ``assign.lhs``."""
+    """``out (accum)= a @ b`` with ``out`` a ``rows x cols`` row-major view of ``assign.lhs``
+    (rows ``out_ld`` apart), once per point of ``batch`` (none: one product)."""
 
     assign: Accum
     a: MatrixView
@@ -100,6 +116,8 @@ class Gemm:
     rows: int
     cols: int
     inner: int
+    out_ld: int
+    batch: tuple[BatchAxis, ...] = ()
 
 
 Lowered = Fill | LoopGroup | Gemm
@@ -124,8 +142,10 @@ def _group_order(idx: Projection, group: set[int]) -> list[int] | None:
     return [idx[k] for k in pos]
 
 
-def _as_gemm(a: Accum) -> Gemm | None:
-    """Recognise ``lhs[M, N] += A[M, K] * B[K, N]`` up to transposition and axis grouping."""
+def _as_gemm(a: Accum, batched: bool = False) -> Gemm | None:
+    """Recognise ``lhs[B, M, N] += A[B, M, K] * B[B, K, N]`` up to transposition, axis grouping
+    and, when ``batched``, batch axes ``B`` anywhere but last in each node (a product per
+    batch point, its matrices' rows strided)."""
     e = a.expr
     if not (a.accum == "+" and isinstance(e, Apply) and e.op == "mul"):
         return None
@@ -133,37 +153,51 @@ def _as_gemm(a: Accum) -> Gemm | None:
     if not (isinstance(x, Get) and isinstance(y, Get) and _covers(a)):
         return None
     for idx in (x.idx, y.idx):
-        if not all(isinstance(i, int) for i in idx) or len(set(idx)) != len(idx):
+        if not idx or not all(isinstance(i, int) for i in idx) or len(set(idx)) != len(idx):
             return None
+    everything = set(range(len(a.space)))
     lhs, xs, ys = set(a.lhs_idx), set(x.idx), set(y.idx)
-    if xs | ys != set(range(len(a.space))) or not lhs <= xs | ys:
-        return None
+    bs = xs & ys & lhs
     m, n, k = lhs & xs - ys, lhs & ys - xs, xs & ys - lhs
-    if (xs & ys & lhs) or not k:  # batched products and outer products stay loops
-        return None
-    if m | n | k != set(range(len(a.space))):
+    if (bs and not batched) or not k or m | n | k | bs != everything:
         return None
     size = math.prod
-    if size(a.space) < GEMM_MIN_FLOPS:
+    rows, cols, inner = (size(a.space[i] for i in g) for g in (m, n, k))
+    if rows * cols * inner < GEMM_MIN_FLOPS:
         return None
-    # The lhs must be [M-run][N-run] or [N-run][M-run]; swap operands for the latter.
-    pos = {it: k for k, it in enumerate(a.lhs_idx)}
-    if m and n and min(pos[i] for i in n) < min(pos[i] for i in m):
-        m, n, x, y = n, m, y, x
+    # The output's last axis is a column of the product: swap operands when it is in M.
+    last = a.lhs_idx[-1] if a.lhs_idx else None
+    if last in bs:
+        return None
+    if last in m:
+        m, n, x, y, rows, cols = n, m, y, x, cols, rows
     om, on = _group_order(a.lhs_idx, m), _group_order(a.lhs_idx, n)
-    if om is None or on is None or list(a.lhs_idx) != om + on:
-        return None
     xm, xk = _group_order(x.idx, m), _group_order(x.idx, k)
     yk, yn = _group_order(y.idx, k), _group_order(y.idx, n)
-    if None in (xm, xk, yk, yn) or xm != om or yn != on or xk != yk:
+    if None in (om, on, xm, xk, yk, yn) or xm != om or yn != on or xk != yk:
         return None
-    rows = size(a.space[i] for i in m)
-    cols = size(a.space[i] for i in n)
-    inner = size(a.space[i] for i in k)
-    x_t = bool(m) and bool(k) and x.idx.index(xk[0]) < x.idx.index(xm[0])
-    y_t = bool(k) and bool(n) and y.idx.index(yn[0]) < y.idx.index(yk[0])
-    return Gemm(a, MatrixView(x.node, rows, inner, x_t), MatrixView(y.node, inner, cols, y_t),
-                rows, cols, inner)
+
+    def stride(node: Tnode, idx: Projection, it: int) -> int:
+        return node.strides[idx.index(it)]
+
+    def view(g: Get, row_run: list[int], col_run: list[int], r: int, c: int) -> MatrixView | None:
+        """The operand as an ``r x c`` matrix: stored so, or transposed; None when its last
+        axis is a batch axis (no unit stride)."""
+        if col_run and g.idx[-1] == col_run[-1]:
+            return MatrixView(g.node, r, c, False, stride(g.node, g.idx, row_run[-1])
+                              if row_run else max(1, c))
+        if row_run and g.idx[-1] == row_run[-1]:
+            return MatrixView(g.node, r, c, True, stride(g.node, g.idx, col_run[-1])
+                              if col_run else max(1, r))
+        return None
+
+    va, vb = view(x, xm, xk, rows, inner), view(y, yk, yn, inner, cols)
+    if va is None or vb is None:
+        return None
+    out_ld = stride(a.lhs, a.lhs_idx, om[-1]) if om else max(1, cols)
+    batch = tuple(BatchAxis(a.space[i], stride(a.lhs, a.lhs_idx, i), stride(x.node, x.idx, i),
+                            stride(y.node, y.idx, i)) for i in a.lhs_idx if i in bs)
+    return Gemm(a, va, vb, rows, cols, inner, out_ld, batch)
 
 
 def parallel_iterators(a: Accum) -> tuple[int, ...]:
@@ -183,8 +217,9 @@ def loop_nest(a: Accum) -> LoopNest:
     return LoopNest(a, par, red, scatter=any(isinstance(i, Affine) for i in a.lhs_idx))
 
 
-def lower_assignment(a: Accum, *, gemm: bool = True) -> list[Fill | LoopNest | Gemm]:
-    as_gemm = _as_gemm(a) if gemm else None
+def lower_assignment(a: Accum, *, gemm: bool = True, batched: bool = False
+                     ) -> list[Fill | LoopNest | Gemm]:
+    as_gemm = _as_gemm(a, batched) if gemm else None
     if as_gemm is not None:
         return [as_gemm]
     out: list[Fill | LoopNest | Gemm] = []
@@ -269,13 +304,15 @@ class _Group:
         self.read.update(g.node.id for g in reads(nest.assign.expr))
 
 
-def lower(comp: Comp, *, gemm: bool = True) -> list[Lowered]:
+def lower(comp: Comp, *, gemm: bool = True, batched: bool = False) -> list[Lowered]:
     """Lower a computation to what backends render, in order: fills, GEMMs (when the backend
-    has a GEMM: ``gemm``) and loop groups."""
+    has a GEMM: ``gemm``; batched products too when it takes those: ``batched``) and loop
+    groups."""
     out: list[Lowered] = []
     group: _Group | None = None
     for a in fuse_resets(comp.assignments):
-        items = [Fill(a.lhs, a.expr.value)] if _is_fill(a) else lower_assignment(a, gemm=gemm)
+        items = [Fill(a.lhs, a.expr.value)] if _is_fill(a) else lower_assignment(
+            a, gemm=gemm, batched=batched)
         for item in items:
             if isinstance(item, LoopNest) and group is not None and group.admits(item):
                 group.add(item)

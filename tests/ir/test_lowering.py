@@ -39,7 +39,7 @@ def _run(comp: Comp, inputs: dict[Tnode, np.ndarray], *, gemm: bool,
          initial: dict[Tnode, np.ndarray] | None = None) -> dict[int, np.ndarray]:
     """Lower, emit and run ``comp`` on fresh buffers; the values of every node by id."""
     backend = CpuBackend()
-    code = lower(comp, gemm=gemm)
+    code = lower(comp, gemm=gemm, batched=gemm and backend.has_batched_gemm)
     nodes = nodes_of(code)
     bufs = {n.id: backend.alloc(n) for n in nodes}
     for n, v in {**(initial or {}), **inputs}.items():
@@ -454,6 +454,54 @@ def test_contractions_match_einsum(spec, seed):
         got = _run(Comp((acc,)), {x: xv, y: yv}, gemm=True, initial={out: o0})
     err = np.abs(got[out.id].astype(np.float64) - want)
     assert np.all(err <= tol), (spec, float(err.max()))
+
+
+def _attention_products(b: int, t: int, h: int, d: int) -> tuple[Accum, Accum, list[Tnode]]:
+    """``scores[b,h,t,s] = q[b,t,h,d] . k[b,s,h,d]`` and ``out[b,t,h,d] = scores[b,h,t,s] .
+    v[b,s,h,d]``: products per (batch, head) whose matrices' rows are strided in q, k, v."""
+    q, k, v = (_node(n, (b, t, h, d)) for n in "qkv")
+    scores, out = _node("scores", (b, h, t, t)), _node("out", (b, t, h, d))
+    # iterators: 0 b, 1 h, 2 t, 3 s, 4 d
+    s1 = Accum(scores, (0, 1, 2, 3), "+", apply("mul", Get(q, (0, 2, 1, 4)), Get(k, (0, 3, 1, 4))),
+               (b, h, t, t, d), reset=True)
+    # iterators: 0 b, 1 t, 2 h, 3 d, 4 s
+    s2 = Accum(out, (0, 1, 2, 3), "+", apply("mul", Get(scores, (0, 2, 1, 4)),
+                                             Get(v, (0, 4, 2, 3))), (b, t, h, d, t), reset=True)
+    return s1, s2, [q, k, v, scores, out]
+
+
+def test_batched_products_become_one_gemm_per_batch_point_and_match_einsum():
+    """With ``batched``, attention's two products are GEMMs over (batch, head), their operands'
+    rows strided (q's rows are h * d apart); without, loop nests. Both compute einsum's
+    result."""
+    s1, s2, (q, k, v, scores, out) = _attention_products(3, 16, 4, 8)
+    gemms = [item for item in lower(Comp((s1, s2)), batched=True) if isinstance(item, Gemm)]
+    assert len(gemms) == 2 and [len(g.batch) for g in gemms] == [2, 2]
+    assert gemms[0].a.ld == 4 * 8 and gemms[0].b.transposed
+    assert all(isinstance(i, LoopGroup) for i in lower(Comp((s1, s2)), batched=False))
+    rng = np.random.default_rng(0)
+    vals = {n: rng.normal(size=n.dims).astype(np.float32) for n in (q, k, v)}
+    want_s = np.einsum("bthd,bshd->bhts", vals[q], vals[k])
+    want_o = np.einsum("bhts,bshd->bthd", want_s, vals[v])
+    for gemm in (True, False):
+        got = _run(Comp((s1, s2)), vals, gemm=gemm)
+        np.testing.assert_allclose(got[scores.id], want_s, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(got[out.id], want_o, rtol=1e-5, atol=1e-4)
+
+
+def test_a_batch_axis_last_in_an_operand_stays_a_loop_nest():
+    """BLAS needs a unit stride along each matrix's rows: a batch axis last in an operand
+    leaves none, so the product stays loops (and still computes einsum's result)."""
+    x, y, out = _node("x", (6, 8, 5)), _node("y", (8, 7, 5)), _node("out", (6, 7, 5))
+    # out[m, n, b] = sum_k x[m, k, b] * y[k, n, b]; iterators 0 m, 1 n, 2 b, 3 k
+    acc = Accum(out, (0, 1, 2), "+", apply("mul", Get(x, (0, 3, 2)), Get(y, (3, 1, 2))),
+                (6, 7, 5, 8), reset=True)
+    assert [type(i) for i in lower(Comp((acc,)), batched=True)] == [LoopGroup]
+    rng = np.random.default_rng(1)
+    xv, yv = rng.normal(size=x.dims).astype(np.float32), rng.normal(size=y.dims).astype(np.float32)
+    got = _run(Comp((acc,)), {x: xv, y: yv}, gemm=True)
+    np.testing.assert_allclose(got[out.id], np.einsum("mkb,knb->mnb", xv, yv), rtol=1e-5,
+                               atol=1e-5)
 
 
 # --- parallel vs reduction iterators, and what fuses ------------------------------------------

@@ -39,6 +39,7 @@ class CpuBackend:
 
     name = "cpu"
     has_gemm = True  # SciPy's BLAS
+    has_batched_gemm = True  # a BLAS call per batch point
     _compiled: dict[str, CompiledRoutine] = {}  # shared by every CPU context in the process
 
     def alloc(self, node: Tnode) -> np.ndarray:

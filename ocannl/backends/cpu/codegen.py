@@ -416,23 +416,40 @@ class RoutineIR:
                 self.convert_into(narrow_to, lhs.prec, out, lhs.size)
         m, n, k = g.rows, g.cols, g.inner
         # b is k x n: stored n x k when transposed; a is m x k: stored k x m when transposed.
-        op_b, ld_b = ("T", k) if g.b.transposed else ("N", n)
-        op_a, ld_a = ("T", m) if g.a.transposed else ("N", k)
+        op_b, op_a = ("T" if g.b.transposed else "N"), ("T" if g.a.transposed else "N")
         beta = 0.0 if g.assign.reset else 1.0
         e, b = self.entry, self.b
 
         def by_ref(value: ir.Constant) -> ir.Value:
             slot = e.alloca(value.type)
-            b.store(value, slot)
+            e.store(value, slot)
             return slot
 
         char = ir.IntType(8)
-        args = [by_ref(ir.Constant(char, ord(op_b))), by_ref(ir.Constant(char, ord(op_a))),
-                by_ref(_int(n, I32)), by_ref(_int(m, I32)), by_ref(_int(k, I32)),
-                by_ref(ir.Constant(compute, 1.0)), bm, by_ref(_int(ld_b, I32)),
-                a, by_ref(_int(ld_a, I32)), by_ref(ir.Constant(compute, beta)),
-                out, by_ref(_int(n, I32))]
-        b.call(self._gemm_function(compute), args)
+        fixed = [by_ref(ir.Constant(char, ord(op_b))), by_ref(ir.Constant(char, ord(op_a))),
+                 by_ref(_int(n, I32)), by_ref(_int(m, I32)), by_ref(_int(k, I32)),
+                 by_ref(ir.Constant(compute, 1.0))]
+        ld_b, ld_a = by_ref(_int(g.b.ld, I32)), by_ref(_int(g.a.ld, I32))
+        beta_ref, ld_out = by_ref(ir.Constant(compute, beta)), by_ref(_int(g.out_ld, I32))
+        gemm = self._gemm_function(compute)
+
+        def call(offsets: tuple[ir.Value, ir.Value, ir.Value]) -> None:
+            o_out, o_a, o_b = offsets
+            b.call(gemm, [*fixed, b.gep(bm, [o_b]), ld_b, b.gep(a, [o_a]), ld_a, beta_ref,
+                          b.gep(out, [o_out]), ld_out])
+
+        def over(axes: tuple, offsets: tuple[ir.Value, ir.Value, ir.Value]) -> None:
+            """A product per point of the batch axes, each at its offsets in the nodes."""
+            if not axes:
+                call(offsets)
+                return
+            axis = axes[0]
+            with self.loop(axis.size) as i:
+                step = [b.mul(i, _int(st), flags=["nsw"]) for st in (axis.out, axis.a, axis.b)]
+                over(axes[1:], tuple(b.add(o, d, flags=["nsw"])
+                                     for o, d in zip(offsets, step, strict=True)))
+
+        over(g.batch, (_int(0), _int(0), _int(0)))
         if lhs.prec.is_narrow:
             self.narrow_into(out, narrow_to, lhs.prec, lhs.size)
 

@@ -279,6 +279,8 @@ class CupyCudaBackend:
         """Whether lowering may hand matrix products to this backend (cuBLAS is loadable)."""
         return self.cublas is not None
 
+    has_batched_gemm = False  # batched products run as generated kernels
+
     # --- buffers ------------------------------------------------------------------------------
 
     def alloc(self, node: Tnode) -> Any:
