@@ -51,12 +51,16 @@ class LoopNest:
     """Loops over ``par`` (outer, distinct cells, in the written node's axis order so the
     innermost store is contiguous) then ``red`` (inner, accumulated locally). ``scatter``: the
     written cell moves with reduction iterators too (an affine target index: a convolution's
-    input gradient), so every point reads, combines and writes its cell in turn."""
+    input gradient), so every point reads, combines and writes its cell in turn.
+    ``walk_rows``: the last parallel iterator runs innermost, inside the reduction loops, over
+    a row of accumulators (a bias gradient summing ``g[i, j]`` over ``i`` reads rows of ``g``,
+    not columns); each cell still accumulates its terms in the same order, so the same bits."""
 
     assign: Accum
     par: tuple[int, ...]
     red: tuple[int, ...]
     scatter: bool = False
+    walk_rows: bool = False
 
     @property
     def space(self) -> tuple[int, ...]:
@@ -211,10 +215,27 @@ def parallel_iterators(a: Accum) -> tuple[int, ...]:
     return tuple(out)
 
 
+# A row of accumulators (``LoopNest.walk_rows``) holds at least and at most this many cells.
+ROW_MIN, ROW_MAX = 8, 4096
+
+
+def _walks_rows(a: Accum, par: tuple[int, ...], red: tuple[int, ...], scatter: bool) -> bool:
+    """Whether reading along the last parallel iterator beats reading along the reductions:
+    some operand's last axis is that iterator and none's is a reduction iterator."""
+    if scatter or not red or not par or a.accum not in ("+", "max"):
+        return False
+    last = par[-1]
+    if not ROW_MIN <= a.space[last] <= ROW_MAX:
+        return False
+    ends = [g.idx[-1] for g in reads(a.expr) if g.idx]
+    return last in ends and not any(isinstance(i, int) and i in red for i in ends)
+
+
 def loop_nest(a: Accum) -> LoopNest:
     par = parallel_iterators(a)
     red = tuple(i for i in range(len(a.space)) if i not in par)
-    return LoopNest(a, par, red, scatter=any(isinstance(i, Affine) for i in a.lhs_idx))
+    scatter = any(isinstance(i, Affine) for i in a.lhs_idx)
+    return LoopNest(a, par, red, scatter, _walks_rows(a, par, red, scatter))
 
 
 def lower_assignment(a: Accum, *, gemm: bool = True, batched: bool = False

@@ -563,3 +563,31 @@ def test_effects_name_inputs_and_writes():
     eff = lowering.effects(lower(s1 + s2))
     assert [n.label for n in eff.inputs] == ["x", "y"]  # y is accumulated into, not reset
     assert [n.label for n in eff.written] == ["y", "z"]
+
+
+@pytest.mark.parametrize("accum,reset,prec", [("+", True, F32), ("+", False, F32),
+                                              ("max", True, F32), ("+", True, Precision.bf16),
+                                              ("+", False, Precision.f64)])
+def test_a_column_reduction_walks_rows_with_the_same_bits(monkeypatch, accum, reset, prec):
+    """``b[j] (accum)= g[i, j]`` over ``i`` (a bias gradient) reads ``g`` by rows, with a row
+    of accumulators: every cell takes its terms in the same order as the plain nest, so the
+    bits are the same (sums of terms of mixed magnitudes would show any reordering)."""
+    g, b = Tnode("g", (37, 24), prec), Tnode("b", (24,), prec)
+    acc = Accum(b, (1,), accum, Get(g, (0, 1)), (37, 24), reset=reset)  # iterators: 0 i, 1 j
+    [item] = lower(Comp((acc,)))
+    assert isinstance(item, LoopGroup) and item.lead.walk_rows
+    rng = np.random.default_rng(3)
+    gv = rng.normal(size=(37, 24)) * 10.0 ** rng.integers(-6, 6, size=(37, 24))
+    b0 = rng.normal(size=24)
+    walked = _run(Comp((acc,)), {g: gv}, gemm=True, initial={b: b0})[b.id]
+    monkeypatch.setattr(lowering, "_walks_rows", lambda *args: False)
+    [item] = lower(Comp((acc,)))
+    assert not item.lead.walk_rows
+    plain = _run(Comp((acc,)), {g: gv}, gemm=True, initial={b: b0})[b.id]
+    assert walked.tobytes() == plain.tobytes()
+    stored = gv.astype(prec.numpy_dtype).astype(np.float64)
+    want = stored.sum(0) if accum == "+" else stored.max(0)
+    if not reset:
+        want = want + b0.astype(prec.numpy_dtype).astype(np.float64)
+    np.testing.assert_allclose(walked.astype(np.float64), want, rtol=1e-2 if prec is
+                               Precision.bf16 else 1e-5)

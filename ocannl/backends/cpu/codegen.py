@@ -294,6 +294,10 @@ class RoutineIR:
             return
         iters: dict[int, ir.Value] = {}
         lhs = lead.assign.lhs
+        if lead.walk_rows:
+            self._loops(list(lead.par[:-1]), space, iters,
+                        lambda: self._row_walk(lead, space, iters))
+            return
         if not (lead.scatter and lhs.prec.is_narrow and lead.assign.accum != "="):
             self._loops(list(lead.par), space, iters, lambda: self._par_body(g, space, iters))
             return
@@ -360,6 +364,40 @@ class RoutineIR:
             old = self.load(a.lhs, a.lhs_idx, space, iters, compute)
             result = self.combine(a.accum, old, result, compute)
         self.store(a.lhs, self.offset(a.lhs, a.lhs_idx, iters), result)
+
+    def _row_walk(self, nest: LoopNest, space: tuple[int, ...],
+                  iters: dict[int, ir.Value]) -> None:
+        """The reduction with its last parallel iterator innermost: a row of accumulators,
+        each taking its terms in the usual order, stored once at the end."""
+        a = nest.assign
+        compute = _FLOAT[a.lhs.prec.compute]
+        last = nest.par[-1]
+        n = space[last]
+        row = self.entry.alloca(ir.ArrayType(compute, n))
+        b = self.b
+        neutral = ACCUMS[a.accum]
+
+        def cell(i: ir.Value) -> ir.Value:
+            return b.gep(row, [_int(0), i])
+
+        with self.loop(n) as i:
+            b.store(ir.Constant(compute, 0.0 if neutral is None else neutral), cell(i))
+
+        def inner() -> None:
+            with self.loop(n) as i:
+                iters[last] = i
+                value = self.expr(a.expr, compute, space, iters)
+                new = self.combine(a.accum, b.load(cell(i)), value, compute)
+                b.store(_convert(b, new, compute), cell(i))
+
+        self._loops(list(nest.red), space, iters, inner)
+        with self.loop(n) as i:
+            iters[last] = i
+            result = b.load(cell(i))
+            if not a.reset:
+                old = self.load(a.lhs, a.lhs_idx, space, iters, compute)
+                result = self.combine(a.accum, old, result, compute)
+            self.store(a.lhs, self.offset(a.lhs, a.lhs_idx, iters), result)
 
     def _scatter(self, nest: LoopNest, space: tuple[int, ...], iters: dict[int, ir.Value]) -> None:
         """An affine target: every point reads, combines and writes its (moving) cell, and
