@@ -1,4 +1,5 @@
-"""Render one run's rows as ``REPORT.md`` (machine, tables, targets) and a PNG chart."""
+"""Render one run's rows as ``REPORT.md`` (machine, tables, issue 12's targets, the chain
+compile, where the time goes) and a PNG chart."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 from benchmarks.results import Row
 from benchmarks.specs import VARIANTS, WORKLOADS, Workload
-from benchmarks.targets import Target
+from benchmarks.targets import Summary, Target, summarize
 
 OBSTACLES = Path(__file__).resolve().parent / "OBSTACLES.md"
 
@@ -86,24 +87,157 @@ def table(rows: list[Row], sgemm: float | None) -> list[str]:
     return lines
 
 
-def targets_table(targets: list[Target]) -> list[str]:
-    lines = ["| Target | Measured | Goal | Met | By how much |", "|---|---|---|---|---|"]
-    for t in targets:
-        sign = "≥" if t.at_least else "≤"
-        if t.unit == "s":
-            measured, goal = fmt(t.measured, ".2f", " s"), f"{sign} {t.goal:g} s"
-        elif t.at_least:
-            measured, goal = fmt(t.measured, ".0%"), f"{sign} {t.goal:.0%}"
-        else:
-            measured, goal = fmt(t.measured, ".3f", "x"), f"{sign} {t.goal:.3g}x"
-        met = {True: "met", False: "**not met**", None: "not measured"}[t.met]
-        lines.append(f"| {t.name} | {measured} | {goal} | {met} | {t.margin()} |")
+def _value(v: float | None, t: Target, digits: int = 3) -> str:
+    if v is None:
+        return "—"
+    if t.unit == "s":
+        return f"{v:.2f} s"
+    if t.unit == "%":
+        return f"{v:.0%}"
+    return f"{v:.{digits}f}x"
+
+
+def fmt_target(t: Target, digits: int = 3) -> str:
+    """The measured figure with its unit; "> " before a lower bound (a timeout)."""
+    return ("> " if t.lower_bound and t.measured is not None else "") + _value(
+        t.measured, t, digits)
+
+
+def fmt_goal(t: Target | Summary) -> str:
+    g = t.goal if isinstance(t, Summary) else t
+    sign = "≥" if g.at_least else "≤"
+    if g.unit == "s":
+        return f"{sign} {g.goal:g} s"
+    if g.unit == "%":
+        return f"{sign} {g.goal:.0%}"
+    return f"{sign} {g.goal:.2f}x"
+
+
+def _summary_measured(s: Summary) -> str:
+    m = s.measured
+    if not m:
+        return "—"
+    if len(m) == 1:
+        return fmt_target(m[0], 2)
+    lo, hi = min(m, key=lambda t: t.measured), max(m, key=lambda t: t.measured)
+    low, high = ("> " if lo.lower_bound else "") + _value(lo.measured, lo, 2), fmt_target(hi, 2)
+    return f"{low if low == high else f'{low} – {high}'} ({len(m)} measured)"
+
+
+def _summary_verdict(s: Summary) -> str:
+    n = len(s.targets)
+    if n == 0:
+        return "not measured in this run"
+    if n == 1:
+        t = s.targets[0]
+        return t.verdict() + (f" ({t.note})" if t.met is None and t.note else "")
+    worst = s.worst
+    failed = sum(t.met is False for t in s.targets)
+    missing = sum(t.measured is None for t in s.targets)
+    open_ = sum(t.met is None and t.measured is not None for t in s.targets)
+    rest = "".join(f"; {k} {what}" for k, what in ((missing, "not measured"),
+                                                    (open_, "undecided")) if k)
+    if failed:
+        return (f"**not met** ({failed} of {n}){rest}; worst {worst.name}: "
+                f"{worst.margin()}")
+    if worst is None:
+        return f"not measured ({n} instances)"
+    met = n - missing - open_
+    word = "met" if met == n else "met where decided"
+    return f"{word} ({met} of {n}){rest}; closest {worst.name}: {worst.margin()}"
+
+
+def summary_table(found: list[Target]) -> list[str]:
+    """Issue 12's targets table, its rows in its order: at filing, this run, the goal."""
+    lines = ["| Target | At filing | Measured | Goal | Met / by how much |",
+             "|---|---|---|---|---|"]
+    for s in summarize(found):
+        lines.append(f"| {s.goal.text} | {s.goal.at_filing} | {_summary_measured(s)} | "
+                     f"{fmt_goal(s)} | {_summary_verdict(s)} |")
     return lines
 
 
+def targets_table(found: list[Target]) -> list[str]:
+    """Every instance (per workload, per chain length), with what its figure is made of."""
+    lines = ["| Target | Measured | Goal | Met / by how much | Detail |", "|---|---|---|---|---|"]
+    for t in found:
+        lines.append(f"| {t.name} | {fmt_target(t)} | {fmt_goal(t)} | {t.verdict()} | "
+                     f"{t.note or ''} |")
+    return lines
+
+
+def chain_section(chain: dict) -> list[str]:
+    """The chain-compile table: per N, the cold compile of ``train.forward`` over N additions."""
+    source = chain.get("source", "")
+    cmd = (chain.get("info") or {}).get("command")
+    where = ("measured in this run" if source == "this run" else
+             f"from `{source}`" + (f" (`{cmd}`)" if cmd else ""))
+    out = [f"Cold compile of `train.forward(h)` over a chain of N `h = h + 1.0` on a 3-element "
+           f"`term`, each N in a fresh process with an empty `OCANNL_CACHE_DIR`, "
+           f"{chain.get('max_seconds', 0):g} s at most per N (`benchmarks/compile_chain.py`; "
+           f"{where}). Building the graph and the libraries' set-up are timed apart.", "",
+           "| N | Compile | Per op | Graph built | Set-up | Status |", "|---|---|---|---|---|---|"]
+    for r in chain.get("results", []):
+        if r["status"] == "ok":
+            build, setup = fmt(r.get("build_s"), ".2f", " s"), fmt(r.get("setup_s"), ".2f", " s")
+            out.append(f"| {r['n']:,} | {r['compile_s']:.2f} s | "
+                       f"{1e3 * r['compile_s'] / r['n']:.2f} ms | {build} | {setup} | ok |")
+        else:
+            floor = r.get("floor_s")
+            comp = "—" if floor is None else f"> {floor:.1f} s"
+            per = "—" if floor is None else f"> {1e3 * floor / r['n']:.2f} ms"
+            out.append(f"| {r['n']:,} | {comp} | {per} | — | — | {r['status']}: "
+                       f"{r.get('note', '')} |")
+    out.append("")
+    notes = [f"N {g['from']:,} → {g['to']:,}: compile time ~ N^{g['exponent']:.2f}"
+             for g in chain.get("growth", [])]
+    g = chain.get("per_op_growth")
+    if g:
+        notes.append(f"seconds per op, N {g['from']:,} → {g['to']:,}: "
+                     f"{'> ' if g['lower_bound'] else ''}{g['ratio']:.2f}x "
+                     "(linear: within 2x)")
+    if notes:
+        out += ["; ".join(notes) + ".", ""]
+    return out
+
+
+def profile_section(rows: list[Row], profiles: list[dict], top: int = 8) -> list[str]:
+    """Where the time of the slowest ocannl rows' steps goes: their slowest lowered items."""
+    out = ["Each lowered item (a fill, a fused loop group, a GEMM) of the ocannl rows furthest "
+           "behind PyTorch eager, compiled as a routine of its own on the step's buffers and "
+           "timed alone (`benchmarks/profile_items.py`); the sum is close to the step's "
+           "compute, the rest of the p50 is the call and the host's work between steps.", ""]
+    eager = {r.workload: r.p50 for r in rows
+             if (r.framework, r.variant, r.device, r.status) == ("torch", "eager", "cpu", "ok")}
+    for p in profiles:
+        name = f"{p['workload']} {p['variant']}"
+        if "error" in p:
+            out += [f"- **{name}**: not profiled ({p['error']})", ""]
+            continue
+        p50, ref = p.get("p50"), eager.get(p["workload"])
+        vs = f", {p50 / ref:.2f}x PyTorch eager" if p50 and ref else ""
+        total = p["total_s"]
+        kinds: dict[str, float] = defaultdict(float)
+        for t, what in p["items"]:
+            kinds[what.split(" ", 1)[0]] += t
+        split = ", ".join(f"{k} {100 * t / total:.0f}%" for k, t in
+                          sorted(kinds.items(), key=lambda kv: -kv[1])) if total else ""
+        out += [f"**{name}** (p50 {fmt_time(p50)}{vs}): {len(p['items'])} items, "
+                f"{fmt_time(total)} in all" + (f" ({split})" if split else "") +
+                f"; the {min(top, len(p['items']))} slowest:", "",
+                "| Time | Share | Item |", "|---|---|---|"]
+        for t, what in p["items"][:top]:
+            share = f"{100 * t / total:.1f}%" if total else "—"
+            out.append(f"| {fmt_time(t)} | {share} | `{what}` |")
+        out.append("")
+    return out
+
+
 def render(rows: list[Row], targets: list[Target], info: dict, chart: str | None,
-           workloads: dict[str, Workload] | None = None) -> str:
-    """The whole report as markdown; ``workloads``: the specs as run (step counts scaled)."""
+           workloads: dict[str, Workload] | None = None, chain: dict | None = None,
+           profiles: list[dict] | None = None) -> str:
+    """The whole report as markdown; ``workloads``: the specs as run (step counts scaled);
+    ``chain``: ``compile_chain.run_chain``'s results; ``profiles``: ``run.profile_rows``'."""
     workloads = workloads or WORKLOADS
     v = info["versions"]
     out = [
@@ -160,10 +294,22 @@ def render(rows: list[Row], targets: list[Target], info: dict, chart: str | None
             out += [f"GEMM FLOPs per step: {w.gemm_flops() / 1e9:.3f} G (forward, weight "
                     "gradients, input gradients but the first layer's).", ""]
         out += table(wrows, info["sgemm"]) + [""]
-    out += ["## Targets (CPU, medians, ratios from this run)", ""] + targets_table(targets)
-    out.append("")
+    out += ["## Issue 12's targets (CPU, medians, ratios from this run)", "",
+            "The issue's table, row for row: *at filing* is the issue's \"now\", *measured* "
+            "this run's figure (a range where the row covers several workloads), *met / by how "
+            "much* the verdict with the instance furthest from the goal. Step ratios are of "
+            "p50s; compile + set-up is a fresh process's (cold: empty on-disk cache; warm: the "
+            "cache the cold one filled; per workload the slowest probed ocannl row), and so is "
+            "peak RSS growth (per workload the largest of the ocannl rows, over PyTorch "
+            "eager's). \"f16\" is the host-gated f16 variant.", ""]
+    out += summary_table(targets) + [""]
+    out += ["Every instance:", ""] + targets_table(targets) + [""]
     if chart:
         out += [f"![step times]({chart})", ""]
+    if chain is not None:
+        out += ["## Compile time of a chain of N pointwise ops", ""] + chain_section(chain)
+    if profiles:
+        out += ["## Where the time goes", ""] + profile_section(rows, profiles)
     if OBSTACLES.exists():
         out += ["## What stands in the way", "", OBSTACLES.read_text().strip(), ""]
     return "\n".join(out)
