@@ -4,10 +4,9 @@
 
 Builds the row's ocannl runner (as ``run.py`` does), trains a few steps, then compiles every
 lowered item of its routines (a fill, a loop group, a GEMM) as a routine of its own, bound to
-the same buffers, and times it over ``--runs`` runs. Prints the items by time, with their
-share of the sum and what each one is. The sum is close to the step's time (the routine calls
-the same code item after item); values drift as items rerun (an optimizer update repeats), so
-read the times, not the numbers the items compute.
+the same buffers, and runs ``--runs`` rounds: each feeds the next batch and runs every item
+once, in order, as a step does (a recipe's host gate is not consulted: every routine runs).
+Prints the items by their mean time, with their share of the sum and what each one is.
 """
 
 from __future__ import annotations
@@ -63,17 +62,23 @@ def profile(workload: str, variant: str, runs: int) -> list[tuple[float, str]]:
         runner.step(i)
     ctx = runner.ctx
     backend = ctx._backend
-    out = []
+    items = []
     for comp in comps:
         for item in lower(comp, gemm=backend.has_gemm, batched=backend.has_batched_gemm):
             nodes = nodes_of([item])
             compiled, _ = backend.compile("item", [item], nodes)
             run = backend.bind(compiled, tuple(ctx._buffers[n.id][1] for n in nodes))
-            run()
+            items.append((describe(item), run))
+    # Every round feeds the next batch and runs every item once, in the routines' order, as
+    # the steps do: the items see the values a step sees.
+    spent = [0.0] * len(items)
+    for r in range(runs):
+        runner.feed(3 + r)
+        for k, (_, run) in enumerate(items):
             t0 = time.perf_counter()
-            for _ in range(runs):
-                run()
-            out.append(((time.perf_counter() - t0) / runs, describe(item)))
+            run()
+            spent[k] += time.perf_counter() - t0
+    out = [(t / runs, what) for t, (what, _) in zip(spent, items, strict=True)]
     return sorted(out, reverse=True)
 
 

@@ -30,7 +30,7 @@ def emit_ir(code: list[Lowered], nodes: list[Tnode]) -> tuple[list[str], list[tu
     """The LLVM IR of a routine over ``nodes``, one text per part (buffers named by position,
     so the same code over other nodes is the same text), and its scratch arrays (size, "f32" |
     "f64")."""
-    modules, scratch = routine_ir(code, nodes, jit.hardware_f16(), jit.workers())
+    modules, scratch = routine_ir(code, nodes, jit.hardware_f16(), jit.workers(), jit.has_avx())
     return [str(m) for m in modules], scratch
 
 

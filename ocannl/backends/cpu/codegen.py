@@ -44,9 +44,10 @@ class RoutineIR:
     (F16C) rather than with integer code."""
 
     def __init__(self, nodes: list[Tnode], hardware_f16: bool,
-                 scratch: dict[tuple[int, str, ir.Type], int]) -> None:
+                 scratch: dict[tuple[int, str, ir.Type], int], avx: bool = False) -> None:
         self.module = ir.Module(name="ocannl")
         self.hardware_f16 = hardware_f16
+        self.avx = avx  # clear the vector registers' upper halves at each item's start
         self.nodes = nodes
         self.slots = {n.id: k for k, n in enumerate(nodes)}
         self.scratch = scratch  # (size, role, type) -> number, shared by a routine's parts
@@ -81,6 +82,13 @@ class RoutineIR:
         self.scratch_pointers: dict[int, ir.Value] = {}
         self.entry = ir.IRBuilder(self.fn.append_basic_block("entry"))
         self.b = ir.IRBuilder(self.fn.append_basic_block("start"))
+        if self.avx:
+            # BLAS kernels may return with the upper halves of the vector registers in use;
+            # libm's scalar SSE code (erff, expf) then runs many times slower until they are
+            # cleared (measured: gelu's gradient after a GEMM, 8 ms -> 100 ms).
+            clear = self.module.globals.get("llvm.x86.avx.vzeroupper") or ir.Function(
+                self.module, ir.FunctionType(ir.VoidType(), []), "llvm.x86.avx.vzeroupper")
+            self.b.call(clear, [])
         yield
         self.entry.branch(self.fn.blocks[1])
         self.b.ret_void()
@@ -506,17 +514,18 @@ class RoutineIR:
 PART_ITEMS = 48
 
 
-def routine_ir(code: list[Lowered], nodes: list[Tnode], hardware_f16: bool, workers: int = 1
-               ) -> tuple[list[ir.Module], list[tuple[int, str]]]:
+def routine_ir(code: list[Lowered], nodes: list[Tnode], hardware_f16: bool, workers: int = 1,
+               avx: bool = False) -> tuple[list[ir.Module], list[tuple[int, str]]]:
     """The modules of a routine over ``nodes``, each defining ``part(table)``: the routine
     runs them in order. Also its scratch arrays (size, "f32" | "f64"), whose addresses follow
-    the nodes' in the table. At most ``workers`` parts, each of at least ``PART_ITEMS`` items."""
+    the nodes' in the table. At most ``workers`` parts, each of at least ``PART_ITEMS`` items.
+    ``avx``: the CPU has AVX (each item then starts by clearing the upper vector halves)."""
     count = max(1, min(workers, len(code) // PART_ITEMS))
     bounds = [len(code) * k // count for k in range(count + 1)]
     scratch: dict[tuple[int, str, ir.Type], int] = {}
     modules = []
     for lo, hi in zip(bounds, bounds[1:], strict=False):
-        r = RoutineIR(nodes, hardware_f16, scratch)
+        r = RoutineIR(nodes, hardware_f16, scratch, avx)
         for item in code[lo:hi]:
             with r.item(_used(item)):
                 if isinstance(item, Fill):

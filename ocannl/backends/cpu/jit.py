@@ -47,6 +47,12 @@ def hardware_f16() -> bool:
         machine in ("x86_64", "amd64") and bool(_features_dict().get("f16c", False)))
 
 
+def has_avx() -> bool:
+    """Whether this CPU has AVX (256-bit registers, ``vzeroupper``)."""
+    return platform.machine().lower() in ("x86_64", "amd64") and bool(
+        _features_dict().get("avx", False))
+
+
 def _features_dict() -> dict[str, bool]:
     return dict(llvm.get_host_cpu_features())
 
