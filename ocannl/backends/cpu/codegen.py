@@ -594,6 +594,94 @@ def _call(name: str) -> Callable:
     return op
 
 
+# f32 exp (and what builds on it) computed in f64 with plain arithmetic, so that loops calling
+# it vectorize (libm's expf is a scalar call): n = round(x / ln 2), r = x - n ln 2 (|r| <=
+# ln 2 / 2), e^r by its Taylor polynomial to r^11 (remainder below 2e-13 relative), times 2^n
+# built from exponent bits; rounding that f64 to f32 is within an ulp of e^x (the test checks
+# against NumPy's f64 exp). Beyond [-104, 89] the result is 0 or inf; NaN stays NaN.
+_EXP_TERMS = 11
+_LN2 = math.log(2.0)
+
+
+def _horner(r: RoutineIR, t: ir.Value, coefs: list[float]) -> ir.Value:
+    """``sum(coefs[k] * t**k)`` in f64, by Horner's rule with fused multiply-adds where the
+    CPU has them (``llvm.fmuladd``: these polynomials' error budget allows either)."""
+    key = ("llvm.fmuladd", F64)
+    if key not in r.functions:
+        r.functions[key] = ir.Function(r.module, ir.FunctionType(F64, [F64, F64, F64]),
+                                       "llvm.fmuladd.f64")
+    fma = r.functions[key]
+    acc = ir.Constant(F64, coefs[-1])
+    for c in reversed(coefs[:-1]):
+        acc = r.b.call(fma, [acc, t, ir.Constant(F64, c)])
+    return acc
+
+
+def _exp_f32(r: RoutineIR, x: ir.Value) -> ir.Value:
+    value = r.b.fptrunc(_exp_wide(r, r.b.fpext(x, F64)), F32)
+    return r.b.select(r.b.fcmp_unordered("uno", x, x), x, value)
+
+
+def _exp_wide(r: RoutineIR, xd: ir.Value) -> ir.Value:
+    """e^xd in f64 for an f64 holding an f32 (0 below -104, beyond f32's range above 89)."""
+    b = r.b
+    clamped = b.select(b.fcmp_ordered("<", xd, ir.Constant(F64, -104.0)),
+                       ir.Constant(F64, -104.0),
+                       b.select(b.fcmp_ordered(">", xd, ir.Constant(F64, 89.0)),
+                                ir.Constant(F64, 89.0), xd))
+    rint = r.functions.setdefault(("llvm.rint", F64), r.module.declare_intrinsic("llvm.rint",
+                                                                                  [F64]))
+    n = b.call(rint, [b.fmul(clamped, ir.Constant(F64, 1.0 / _LN2))])
+    red = b.fsub(clamped, b.fmul(n, ir.Constant(F64, _LN2)))
+    poly = _horner(r, red, [1.0 / math.factorial(k) for k in range(_EXP_TERMS + 1)])
+    scale = b.bitcast(b.shl(b.add(b.fptosi(n, I64), _int(1023)), _int(52)), F64)
+    return b.fmul(poly, scale)
+
+
+def _exp(r: RoutineIR, compute: ir.Type, x: ir.Value) -> ir.Value:
+    if x.type == F32:
+        return _exp_f32(r, x)
+    return r.b.call(r.function("llvm.exp", x.type), [x])
+
+
+def _tanh(r: RoutineIR, compute: ir.Type, x: ir.Value) -> ir.Value:
+    """f32: ``1 - 2 / (e^(2x) + 1)`` through the vectorizable exp, in f64 (``x`` itself where
+    |x| < 2^-12, whose cube is below half an ulp; the sign kept for large |x|)."""
+    if x.type != F32:
+        return r.b.call(r.function("tanh", x.type), [x])
+    b = r.b
+    e = _exp_wide(r, b.fmul(b.fpext(x, F64), ir.Constant(F64, 2.0)))
+    one = ir.Constant(F64, 1.0)
+    value = b.fptrunc(b.fsub(one, b.fdiv(ir.Constant(F64, 2.0), b.fadd(e, one))), F32)
+    small = b.fcmp_unordered("<", b.call(r.function("llvm.fabs", F32), [x]),
+                             ir.Constant(F32, 2.0 ** -12))
+    return b.select(small, x, value)  # a NaN too
+
+
+# f32 erf in f64 arithmetic, for the same reason: below 3.919206 (from where erf rounds to 1 in
+# f32) its Maclaurin series in x^2 to the 60th term (the alternating terms cancel by at most 6
+# of f64's 16 digits there; the first term left out is below 1e-12 of the sum), else +-1.
+_ERF_TERMS = 60
+_ERF_ONE = 3.919206
+
+
+def _erf(r: RoutineIR, compute: ir.Type, x: ir.Value) -> ir.Value:
+    if x.type != F32:
+        return r.b.call(r.function("erf", x.type), [x])
+    b = r.b
+    xd = b.fpext(x, F64)
+    z = b.fmul(xd, xd)
+    series = _horner(r, z, [(-1) ** n / (math.factorial(n) * (2 * n + 1))
+                            for n in range(_ERF_TERMS + 1)])
+    value = b.fptrunc(b.fmul(b.fmul(series, xd), ir.Constant(F64, 2.0 / math.sqrt(math.pi))),
+                      F32)
+    one = b.select(b.fcmp_ordered("<", x, ir.Constant(F32, 0.0)), ir.Constant(F32, -1.0),
+                   ir.Constant(F32, 1.0))
+    beyond = b.fcmp_ordered(">=", b.call(r.function("llvm.fabs", F32), [x]),
+                            ir.Constant(F32, _ERF_ONE))
+    return b.select(beyond, one, value)  # a NaN stays NaN (the series of a NaN)
+
+
 def _pow(r: RoutineIR, compute: ir.Type, x: ir.Value, y: ir.Value) -> ir.Value:
     x, y = _unify(r.b, x, y)
     fn = r.functions.setdefault(("llvm.pow", x.type),
@@ -609,7 +697,7 @@ def _relu(r: RoutineIR, compute: ir.Type, x: ir.Value) -> ir.Value:
 def _sigmoid(r: RoutineIR, compute: ir.Type, x: ir.Value) -> ir.Value:
     b = r.b
     one = ir.Constant(x.type, 1.0)
-    e = b.call(r.function("llvm.exp", x.type), [b.fneg(x)])
+    e = _exp(r, compute, b.fneg(x))
     return b.fdiv(one, b.fadd(one, e))
 
 
@@ -673,12 +761,12 @@ IR_OPS: dict[str, Callable[..., ir.Value]] = {
     "ne": _compare("!=", ordered=False),
     "neg": lambda r, compute, x: r.b.fneg(x),
     "relu": _relu,
-    "exp": _call("llvm.exp"),
+    "exp": _exp,
     "log": _call("llvm.log"),
     "sqrt": _call("llvm.sqrt"),
     "abs": _call("llvm.fabs"),
-    "tanh": _call("tanh"),
-    "erf": _call("erf"),
+    "tanh": _tanh,
+    "erf": _erf,
     "sigmoid": _sigmoid,
     "isfinite": _isfinite,
     "where": _where,

@@ -1,0 +1,66 @@
+"""The CPU backend's own f32 ``exp``, ``tanh`` and ``erf`` (``cpu/codegen.py``: f64 arithmetic that
+vectorizes, where libm's are scalar calls): within one ulp of the f64 result rounded to f32,
+over a dense grid, the subnormal and overflow edges and the special values, in a vectorized
+loop and in its scalar remainder alike."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from ocannl import Context
+from ocannl.ir.assignments import Accum, Comp, Get, apply
+from ocannl.ir.ops import Precision
+from ocannl.ir.tnode import Tnode
+
+
+def _run(op: str, x: np.ndarray) -> np.ndarray:
+    a, out = Tnode("a", (x.size,), Precision.f32), Tnode("out", (x.size,), Precision.f32)
+    ctx = Context.cpu()
+    ctx.set_values(a, x)
+    ctx, r = ctx.compile(Comp((Accum(out, (0,), "=", apply(op, Get(a, (0,))), (x.size,)),)))
+    ctx.run(r)
+    return ctx.get_values(out)
+
+
+def _ulps(got: np.ndarray, want: np.ndarray) -> np.ndarray:
+    """Distance in units in the last place (f32 patterns as ordered integers)."""
+    def ordered(v: np.ndarray) -> np.ndarray:
+        i = v.astype(np.float32).view(np.int32).astype(np.int64)
+        return np.where(i < 0, -(i & 0x7FFFFFFF), i)
+    return np.abs(ordered(got) - ordered(want))
+
+
+GRID = np.concatenate([
+    np.linspace(-110.0, 95.0, 200_003, dtype=np.float32),  # odd count: a scalar remainder
+    np.linspace(-1e-3, 1e-3, 2001, dtype=np.float32),
+    np.array([0.0, -0.0, 88.72283, 88.72284, 88.7229, -87.33654, -103.97, -103.98, -104.5,
+              1e-30, -1e-30, 2.0 ** -13, -(2.0 ** -12), 20.0, -20.0, 44.5], np.float32),
+])
+
+
+@pytest.mark.parametrize("op,f64", [("exp", np.exp), ("tanh", np.tanh),
+                                    ("erf", np.vectorize(math.erf, otypes=[np.float64]))])
+def test_f32_exp_and_tanh_are_within_an_ulp(op, f64):
+    with np.errstate(over="ignore"):
+        want = f64(GRID.astype(np.float64)).astype(np.float32)
+    got = _run(op, GRID)
+    assert np.array_equal(np.isinf(got), np.isinf(want)), op
+    finite = np.isfinite(want)
+    worst = _ulps(got[finite], want[finite]).max()
+    assert worst <= 1, (op, int(worst))
+    # how often it is exactly the rounded f64 value: nearly always
+    assert np.mean(got[finite] == want[finite]) > 0.999
+
+
+def test_special_values():
+    x = np.array([np.nan, np.inf, -np.inf, 1000.0, -1000.0], np.float32)
+    e, t, f = _run("exp", x), _run("tanh", x), _run("erf", x)
+    assert np.isnan(e[0]) and np.isnan(t[0]) and np.isnan(f[0])
+    assert list(e[1:]) == [np.inf, 0.0, np.inf, 0.0]
+    assert list(t[1:]) == [1.0, -1.0, 1.0, -1.0]
+    assert list(f[1:]) == [1.0, -1.0, 1.0, -1.0]
+    z = _run("erf", np.array([0.0, -0.0], np.float32))
+    assert list(np.signbit(z)) == [False, True]
