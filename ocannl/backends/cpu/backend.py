@@ -14,7 +14,7 @@ from collections.abc import Callable
 import numpy as np
 
 from ocannl.backends.cpu import jit
-from ocannl.backends.cpu.codegen import routine_ir
+from ocannl.backends.cpu.codegen import routine_ir, signature
 from ocannl.ir.lowering import Lowered
 from ocannl.ir.ops import Precision
 from ocannl.ir.tnode import Tnode
@@ -63,21 +63,27 @@ class CpuBackend:
 
     def compile(self, label: str, code: list[Lowered], nodes: list[Tnode]
                 ) -> tuple[CompiledRoutine, bool]:
-        texts, scratch = emit_ir(code, nodes)
-        key = jit.key_of(texts)
+        """The routine's machine code: from this process, from the disk cache (no IR is
+        built), or compiled now; and whether it was not already in this process."""
+        flags = (jit.hardware_f16(), jit.workers(), jit.has_avx())
+        key = jit.key_of(signature(code, nodes, *flags))
         compiled = self._compiled.get(key)
-        compiled_anew = compiled is None
-        if compiled_anew:
-            address, from_disk = jit.compile_ir(texts)
-            compiled = self._compiled[key] = CompiledRoutine(address, from_disk, scratch)
-        return compiled, compiled_anew
+        if compiled is not None:
+            return compiled, False
+        hit = jit.load(key)
+        if hit is None:
+            modules, scratch = routine_ir(code, nodes, *flags)
+            address = jit.compile_ir(key, [str(m) for m in modules], scratch)
+            hit = (address, scratch, False)
+        compiled = self._compiled[key] = CompiledRoutine(*hit)
+        return compiled, True
 
 
 class CompiledRoutine:
     """Machine code shared by every routine with the same IR, bound to buffers once: a table
     of their addresses, then of scratch arrays of its own."""
 
-    def __init__(self, address: int, from_disk: bool, scratch: list[tuple[int, str]]) -> None:
+    def __init__(self, address: int, scratch: list[tuple[int, str]], from_disk: bool) -> None:
         self.address = address
         self.loaded_from_disk = from_disk  # the on-disk cache supplied the machine code
         self.scratch = scratch

@@ -15,13 +15,16 @@ reassociated or contracted, so results are bitwise those of the plain loops.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 from llvmlite import ir
 
+from ocannl.ir import ops as ops_module
 from ocannl.ir.assignments import Affine, Apply, Const, Expr, Fixed, Get, Projection, reads
 from ocannl.ir.lowering import Fill, Gemm, LoopGroup, LoopNest, Lowered, MatrixView
 from ocannl.ir.ops import ACCUMS, HASH_BITS, HASH_G, Precision
@@ -536,6 +539,50 @@ def routine_ir(code: list[Lowered], nodes: list[Tnode], hardware_f16: bool, work
                     r.group(item)
         modules.append(r.finish())
     return modules, [(size, "f32" if ty == F32 else "f64") for size, _, ty in scratch]
+
+
+# The code generator's own version: its source and the op table's (the hash constants). A
+# cached routine compiled by other code is not reused.
+_VERSION = hashlib.sha256(Path(__file__).read_bytes()
+                          + Path(ops_module.__file__).read_bytes()).hexdigest()[:16]
+
+
+def signature(code: list[Lowered], nodes: list[Tnode], hardware_f16: bool, workers: int = 1,
+              avx: bool = False) -> str:
+    """Everything :func:`routine_ir` builds the IR from, as text: the lowered code with nodes
+    named by position, their dims and precisions, the flags and this module's version. Equal
+    signatures give equal IR, so the disk cache is keyed by it and a warm process builds no
+    IR at all."""
+    slot = {n.id: k for k, n in enumerate(nodes)}
+
+    def expr(e: Expr) -> str:
+        if isinstance(e, Get):
+            return f"g{slot[e.node.id]}{e.idx!r}"
+        if isinstance(e, Apply):
+            return f"{e.op}({','.join(expr(a) for a in e.args)})"
+        assert isinstance(e, Const)
+        return repr(e.value)
+
+    def view(v: MatrixView) -> str:
+        return f"{slot[v.node.id]},{v.rows},{v.cols},{v.transposed},{v.ld}"
+
+    lines = [f"{_VERSION} {hardware_f16} {workers} {avx}",
+             *(f"{n.dims} {n.prec.value}" for n in nodes)]
+    for item in code:
+        if isinstance(item, Fill):
+            lines.append(f"fill {slot[item.node.id]} {item.value!r}")
+        elif isinstance(item, Gemm):
+            a = item.assign
+            lines.append(f"gemm {slot[a.lhs.id]} {a.reset} [{view(item.a)}] [{view(item.b)}] "
+                         f"{item.rows} {item.cols} {item.inner} {item.out_ld} {item.batch!r}")
+        else:
+            for nest in item.nests:
+                a = nest.assign
+                lines.append(f"nest {nest.par} {nest.red} {nest.scatter} {nest.walk_rows} "
+                             f"{slot[a.lhs.id]}{a.lhs_idx!r} {a.accum} {a.reset} {a.space} "
+                             f"{expr(a.expr)}")
+            lines.append("end")
+    return "\n".join(lines)
 
 
 def _used(item: Lowered) -> list[Tnode]:

@@ -1,12 +1,14 @@
 """LLVM's JIT for the CPU backend: optimize a routine's IR for this CPU, cache the machine code
 on disk, and load it into the process.
 
-One MCJIT engine serves the process. A large routine comes in parts that compile in parallel,
-one object each. A routine's objects are cached in one file under a key made of its IR and of
-everything else the code depends on (the CPU and its features, LLVM's version), so a warm
-process loads them without optimizing anything. The generated code calls libm for
-``tanh``/``erf`` and SciPy's BLAS for GEMMs; both are resolved by symbol name when an object is
-loaded, so cached objects hold no process-specific address.
+One MCJIT engine serves the process. A large routine comes in parts that compile in parallel
+(in forked processes: llvmlite runs one LLVM call at a time per process), one object each. A
+routine's objects are cached in one file under a key made of what its IR is made from (the
+lowered code and the code generator's version: ``codegen.signature``) and of everything else
+the machine code depends on (the CPU and its features, LLVM's version), so a warm process
+neither builds the IR nor optimizes anything. The generated code calls libm (f64 math, ``log``)
+and SciPy's BLAS; both are resolved by symbol name when an object is loaded, so cached objects
+hold no process-specific address.
 """
 
 from __future__ import annotations
@@ -14,11 +16,11 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import hashlib
+import json
 import os
 import platform
 import tempfile
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import llvmlite
@@ -72,8 +74,8 @@ def _blas_address(name: str) -> int:
 
 def workers() -> int:
     """How many parts a large routine is cut into and compiled at once: this process's cores,
-    at most 8 (``OCANNL_COMPILE_THREADS`` overrides)."""
-    given = os.environ.get("OCANNL_COMPILE_THREADS")
+    at most 8 (``OCANNL_COMPILE_WORKERS`` overrides)."""
+    given = os.environ.get("OCANNL_COMPILE_WORKERS")
     if given:
         return max(1, int(given))
     try:
@@ -126,8 +128,7 @@ def _optimize(module: llvm.ModuleRef, tm: llvm.TargetMachine) -> None:
 
 
 def _object(text: str) -> bytes:
-    """Parse, check, optimize and compile one module in an LLVM context of its own, so parts
-    compile in parallel threads (LLVM's calls release the GIL)."""
+    """Parse, check, optimize and compile one module, in an LLVM context of its own."""
     module = llvm.parse_assembly(text, context=llvm.create_context())
     module.verify()
     tm = _target_machine()
@@ -135,45 +136,54 @@ def _object(text: str) -> bytes:
     return tm.emit_object(module)
 
 
-def key_of(texts: list[str]) -> str:
-    """The cache key of a routine: its IR and everything else its machine code depends on."""
+def key_of(signature: str) -> str:
+    """The cache key of a routine: what its IR is made from (``codegen.signature``) and
+    everything else its machine code depends on (this CPU, LLVM, the optimization level)."""
     _, stamp = _setup()
-    digest = hashlib.sha256(stamp.encode())
-    for text in texts:
-        digest.update(b"\0" + text.encode())
-    return digest.hexdigest()[:24]
+    return hashlib.sha256(f"{stamp}\n{signature}".encode()).hexdigest()[:24]
 
 
-def _pack(objects: list[bytes]) -> bytes:
-    sizes = [len(o).to_bytes(8, "little") for o in objects]
-    return b"".join([len(objects).to_bytes(8, "little"), *sizes, *objects])
+Scratch = list[tuple[int, str]]
 
 
-def _unpack(data: bytes) -> list[bytes]:
-    """The objects of a cache file; ``ValueError`` when it is not one whole."""
-    n = int.from_bytes(data[:8], "little")
-    if len(data) < 8 + 8 * n:
-        raise ValueError("truncated")
-    sizes = [int.from_bytes(data[8 + 8 * k:16 + 8 * k], "little") for k in range(n)]
-    out, at = [], 8 + 8 * n
-    for size in sizes:
-        out.append(data[at:at + size])
+def _pack(scratch: Scratch, objects: list[bytes]) -> bytes:
+    """A cache file: a JSON header line (the scratch arrays, the objects' sizes), the objects."""
+    header = json.dumps({"scratch": scratch, "sizes": [len(o) for o in objects]})
+    return b"".join([header.encode(), b"\n", *objects])
+
+
+def _unpack(data: bytes) -> tuple[Scratch, list[bytes]]:
+    """A cache file's scratch arrays and objects; ``ValueError`` when it is not one whole."""
+    head, _, body = data.partition(b"\n")
+    header = json.loads(head)
+    out, at = [], 0
+    for size in header["sizes"]:
+        out.append(body[at:at + size])
         at += size
-    if at != len(data):
+    if at != len(body):
         raise ValueError("truncated")
-    return out
+    return [(int(n), str(kind)) for n, kind in header["scratch"]], out
 
 
-def compile_ir(texts: list[str]) -> tuple[int, bool]:
-    """The address of the routine whose parts are ``texts`` (each defining ``part(table)``,
-    run in order), once loaded; and whether its machine code came from the disk cache. The
-    parts compile in parallel."""
+def load(key: str) -> tuple[int, Scratch, bool] | None:
+    """The routine under ``key`` if this process or the disk cache has it: its address, its
+    scratch arrays, whether it came from disk."""
     with _lock:
         engine, _ = _setup()
-        key = key_of(texts)
         loaded = _state.setdefault("loaded", {})
         if key in loaded:  # type: ignore[operator]
             return loaded[key]  # type: ignore[index]
+        try:
+            scratch, objects = _unpack((cache_dir() / f"{key}.objects").read_bytes())
+        except (OSError, ValueError, KeyError, TypeError):
+            return None  # absent or damaged: compiled again, and replaced
+        return _add(key, objects, scratch, True)
+
+
+def compile_ir(key: str, texts: list[str], scratch: Scratch) -> int:
+    """Compile the routine whose parts are ``texts`` (each defining ``part(table)``, run in
+    order; the parts in parallel), cache it on disk under ``key`` and load it: its address."""
+    with _lock:
         names = [f"p{k}_{key}" for k in range(len(texts))]
         modules = [t.replace('@"part"', f'@"{name}"', 1) for t, name in zip(texts, names,
                                                                               strict=True)]
@@ -181,31 +191,70 @@ def compile_ir(texts: list[str]) -> tuple[int, bool]:
                        + f'define void @"r_{key}"(i64* %t) {{\n'
                        + "".join(f'  call void @"{n}"(i64* %t)\n' for n in names)
                        + "  ret void\n}\n")
-        path = cache_dir() / f"{key}.objects"
-        objects = _cached(path, len(modules))
-        from_disk = objects is not None
-        if objects is None:
-            with ThreadPoolExecutor(min(workers(), len(modules))) as pool:
-                objects = list(pool.map(_object, modules))
-            _write(path, _pack(objects))
-        for obj in objects:
-            engine.add_object_file(llvm.ObjectFileRef.from_data(obj))
-        engine.finalize_object()
-        address = engine.get_function_address(f"r_{key}")
-        if not address:
-            raise RuntimeError(f"the JIT did not load r_{key} (cache file {path})")
-        loaded[key] = address, from_disk  # type: ignore[index]
-        return address, from_disk
+        objects = _objects(modules)
+        _write(cache_dir() / f"{key}.objects", _pack(scratch, objects))
+        return _add(key, objects, scratch, False)[0]
 
 
-def _cached(path: Path, count: int) -> list[bytes] | None:
-    """The objects cached at ``path``; None when there are none, or a damaged file (compiled
-    again, it is replaced)."""
+def _add(key: str, objects: list[bytes], scratch: Scratch, from_disk: bool
+         ) -> tuple[int, Scratch, bool]:
+    engine, _ = _setup()
+    for obj in objects:
+        engine.add_object_file(llvm.ObjectFileRef.from_data(obj))
+    engine.finalize_object()
+    address = engine.get_function_address(f"r_{key}")
+    if not address:
+        raise RuntimeError(f"the JIT did not load r_{key}")
+    entry = _state["loaded"][key] = (address, scratch, from_disk)  # type: ignore[index]
+    return entry
+
+
+def _objects(texts: list[str]) -> list[bytes]:
+    """Every module compiled, the larger ones in forked processes at the same time as this
+    one compiles the first: llvmlite serializes all LLVM calls of a process behind one lock,
+    so threads would take turns. Where a child fails (or there is no ``fork``), this process
+    compiles that module itself."""
+    extra = workers() - 1
+    if not hasattr(os, "fork") or extra < 1 or len(texts) < 2:
+        return [_object(t) for t in texts]
+    order = sorted(range(len(texts)), key=lambda k: -len(texts[k]))
+    forked = order[1:1 + extra]
+    children = {k: _fork_compile(texts[k]) for k in forked}
+    objects: dict[int, bytes] = {k: _object(texts[k]) for k in order if k not in children}
+    for k, child in children.items():
+        data = _collect(*child) if child is not None else None
+        objects[k] = data if data is not None else _object(texts[k])
+    return [objects[k] for k in range(len(texts))]
+
+
+def _fork_compile(text: str) -> tuple[int, int] | None:
+    """A child process compiling ``text`` and writing the object to a pipe: (pid, read end),
+    or None when it could not be started."""
     try:
-        objects = _unpack(path.read_bytes())
-    except (OSError, ValueError):
+        read, write = os.pipe()
+        pid = os.fork()
+    except OSError:
         return None
-    return objects if len(objects) == count else None
+    if pid == 0:  # the child: compile, write, leave without running any of the parent's exit code
+        status = 1
+        try:
+            os.close(read)
+            data = _object(text)
+            with os.fdopen(write, "wb") as out:
+                out.write(data)
+            status = 0
+        finally:
+            os._exit(status)
+    os.close(write)
+    return pid, read
+
+
+def _collect(pid: int, read: int) -> bytes | None:
+    """The object a child wrote, or None when it failed."""
+    with os.fdopen(read, "rb") as pipe:
+        data = pipe.read()
+    _, status = os.waitpid(pid, 0)
+    return data if status == 0 and data else None
 
 
 def _write(path: Path, data: bytes) -> None:
