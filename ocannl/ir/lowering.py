@@ -215,7 +215,8 @@ def parallel_iterators(a: Accum) -> tuple[int, ...]:
     return tuple(out)
 
 
-# A row of accumulators (``LoopNest.walk_rows``) holds at least and at most this many cells.
+# A row of accumulators (``LoopNest.walk_rows``) holds at least and at most this many cells,
+# and its reduction takes at least ROW_MIN terms.
 ROW_MIN, ROW_MAX = 8, 4096
 
 
@@ -225,8 +226,8 @@ def _walks_rows(a: Accum, par: tuple[int, ...], red: tuple[int, ...], scatter: b
     if scatter or not red or not par or a.accum not in ("+", "max"):
         return False
     last = par[-1]
-    if not ROW_MIN <= a.space[last] <= ROW_MAX:
-        return False
+    if not ROW_MIN <= a.space[last] <= ROW_MAX or math.prod(a.space[i] for i in red) < ROW_MIN:
+        return False  # a short reduction (a 2x2 pooling window) gains less than the row costs
     ends = [g.idx[-1] for g in reads(a.expr) if g.idx]
     return last in ends and not any(isinstance(i, int) and i in red for i in ends)
 

@@ -297,27 +297,49 @@ class RoutineIR:
     def group(self, g: LoopGroup) -> None:
         """One loop over the lead nest's parallel iterators running every nest's body.
 
-        A scatter into 16-bit storage accumulates in an f32 copy of its target, rounded to
-        16 bits once at the end (as a reduction's local is), not at every point."""
+        16-bit nodes a reduction reads many times over are widened to f32 copies first (once
+        per run, exactly), so its inner loop loads f32 as an f32 nest does. A scatter into
+        16-bit storage accumulates in an f32 copy of its target, rounded to 16 bits once at
+        the end (as a reduction's local is), not at every point."""
         lead = g.lead
         space = lead.space
         if 0 in space:
             return
         iters: dict[int, ir.Value] = {}
         lhs = lead.assign.lhs
+        widened = self._widen_reused(lead)
+        target = lead.scatter and lhs.prec.is_narrow and lead.assign.accum != "="
+        if target:
+            wide = self.scratch_for(lhs.size, "scatter", F32)
+            self.convert_into(self.buffer(lhs), lhs.prec, wide, lhs.size)
+            self.redirect[lhs.id] = wide
         if lead.walk_rows:
             self._loops(list(lead.par[:-1]), space, iters,
                         lambda: self._row_walk(lead, space, iters))
-            return
-        if not (lead.scatter and lhs.prec.is_narrow and lead.assign.accum != "="):
+        else:
             self._loops(list(lead.par), space, iters, lambda: self._par_body(g, space, iters))
-            return
-        wide = self.scratch_for(lhs.size, "scatter", F32)
-        self.convert_into(self.buffer(lhs), lhs.prec, wide, lhs.size)
-        self.redirect[lhs.id] = wide
-        self._loops(list(lead.par), space, iters, lambda: self._par_body(g, space, iters))
-        del self.redirect[lhs.id]
-        self.narrow_into(wide, self.buffer(lhs), lhs.prec, lhs.size)
+        for node in widened:
+            del self.redirect[node.id]
+        if target:
+            del self.redirect[lhs.id]
+            self.narrow_into(wide, self.buffer(lhs), lhs.prec, lhs.size)
+
+    def _widen_reused(self, nest: LoopNest) -> list[Tnode]:
+        """Widen the 16-bit nodes a reduction reads (not its target) at least ``REUSE`` times
+        per cell on average into f32 scratch, standing in for them in its loads."""
+        if not nest.red:
+            return []
+        points = math.prod(nest.space)
+        out: list[Tnode] = []
+        for k, get in enumerate(reads(nest.assign.expr)):
+            node = get.node
+            if (node.prec.is_narrow and node is not nest.assign.lhs and node.id not in self.redirect
+                    and points >= REUSE * node.size):
+                wide = self.scratch_for(node.size, f"read{k}", F32)
+                self.convert_into(self.buffer(node), node.prec, wide, node.size)
+                self.redirect[node.id] = wide
+                out.append(node)
+        return out
 
     def _loops(self, order: list[int], space: tuple[int, ...], iters: dict[int, ir.Value],
                body: Callable[[], None]) -> None:
@@ -511,6 +533,9 @@ class RoutineIR:
             self.functions[key] = ir.Function(self.module, ty, GEMM_SYMBOLS[compute])
         return self.functions[key]
 
+
+# A reduction reading each cell of a 16-bit node at least this many times reads an f32 copy.
+REUSE = 4
 
 # Lowered items per part, about: a routine of more items is cut into parts that LLVM compiles
 # in parallel (one per core, at most), each an object of its own.
