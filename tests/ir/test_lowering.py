@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import ocannl.tensor as T
 from ocannl import Precision, train
 from ocannl.backends.cpu.backend import CpuBackend, emit_ir
-from ocannl.backends.cpu.codegen import signature
+from ocannl.backends.cpu.codegen import Target, signature
 from ocannl.ir import lowering
 from ocannl.ir.assignments import Accum, Comp, Const, Fixed, Get, apply
 from ocannl.ir.lowering import (
@@ -375,9 +375,9 @@ def test_sources_name_buffers_by_position():
     code3 = lower(Comp((acc3,)))
     assert emit_ir(code3, nodes_of(code3))[0] != emit_ir(code1, nodes_of(code1))[0]
     # the disk cache's key is made from the same things, without building the IR
-    sig = [signature(c, nodes_of(c), True) for c in (code1, code2, code3)]
+    sig = [signature(c, nodes_of(c), Target(True)) for c in (code1, code2, code3)]
     assert sig[0] == sig[1] != sig[2]
-    assert signature(code1, nodes_of(code1), False) != sig[0]  # soft f16 conversions
+    assert signature(code1, nodes_of(code1), Target(False)) != sig[0]  # soft f16 conversions
 
 
 # --- any contraction computes what einsum computes, as a GEMM or as loops ----------------------

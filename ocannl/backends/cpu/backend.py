@@ -30,7 +30,7 @@ def emit_ir(code: list[Lowered], nodes: list[Tnode]) -> tuple[list[str], list[tu
     """The LLVM IR of a routine over ``nodes``, one text per part (buffers named by position,
     so the same code over other nodes is the same text), and its scratch arrays (size, "f32" |
     "f64")."""
-    modules, scratch = routine_ir(code, nodes, jit.hardware_f16(), jit.workers(), jit.has_avx())
+    modules, scratch = routine_ir(code, nodes, jit.target())
     return [str(m) for m in modules], scratch
 
 
@@ -65,14 +65,14 @@ class CpuBackend:
                 ) -> tuple[CompiledRoutine, bool]:
         """The routine's machine code: from this process, from the disk cache (no IR is
         built), or compiled now; and whether it was not already in this process."""
-        flags = (jit.hardware_f16(), jit.workers(), jit.has_avx())
-        key = jit.key_of(signature(code, nodes, *flags))
+        target = jit.target()
+        key = jit.key_of(signature(code, nodes, target))
         compiled = self._compiled.get(key)
         if compiled is not None:
             return compiled, False
         hit = jit.load(key)
         if hit is None:
-            modules, scratch = routine_ir(code, nodes, *flags)
+            modules, scratch = routine_ir(code, nodes, target)
             address = jit.compile_ir(key, [str(m) for m in modules], scratch)
             hit = (address, scratch, False)
         compiled = self._compiled[key] = CompiledRoutine(*hit)

@@ -19,6 +19,7 @@ import hashlib
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -42,15 +43,28 @@ def _int(v: int, ty: ir.IntType = I64) -> ir.Constant:
     return ir.Constant(ty, v)
 
 
-class RoutineIR:
-    """Builds the IR of one routine. ``hardware_f16``: convert f16 with the CPU's instructions
-    (F16C) rather than with integer code."""
+@dataclass(frozen=True)
+class Target:
+    """What the IR depends on beyond the code: ``hardware_f16``, convert f16 with the CPU's
+    instructions (F16C) rather than integer code; ``workers``, how many parts a large routine
+    may be cut into; ``avx``, clear the vector registers' upper halves at each item's start;
+    ``blas_int``, the bits of the BLAS's integer arguments (32, or 64 for an ILP64 build)."""
 
-    def __init__(self, nodes: list[Tnode], hardware_f16: bool,
-                 scratch: dict[tuple[int, str, ir.Type], int], avx: bool = False) -> None:
+    hardware_f16: bool = True
+    workers: int = 1
+    avx: bool = False
+    blas_int: int = 32
+
+
+class RoutineIR:
+    """Builds the IR of one part of a routine, for ``target``."""
+
+    def __init__(self, nodes: list[Tnode], target: Target,
+                 scratch: dict[tuple[int, str, ir.Type], int]) -> None:
         self.module = ir.Module(name="ocannl")
-        self.hardware_f16 = hardware_f16
-        self.avx = avx  # clear the vector registers' upper halves at each item's start
+        self.hardware_f16 = target.hardware_f16
+        self.avx = target.avx
+        self.blas_int = ir.IntType(target.blas_int)
         self.nodes = nodes
         self.slots = {n.id: k for k, n in enumerate(nodes)}
         self.scratch = scratch  # (size, role, type) -> number, shared by a routine's parts
@@ -498,10 +512,12 @@ class RoutineIR:
 
         char = ir.IntType(8)
         fixed = [by_ref(ir.Constant(char, ord(op_b))), by_ref(ir.Constant(char, ord(op_a))),
-                 by_ref(_int(n, I32)), by_ref(_int(m, I32)), by_ref(_int(k, I32)),
+                 by_ref(_int(n, self.blas_int)), by_ref(_int(m, self.blas_int)),
+                 by_ref(_int(k, self.blas_int)),
                  by_ref(ir.Constant(compute, 1.0))]
-        ld_b, ld_a = by_ref(_int(g.b.ld, I32)), by_ref(_int(g.a.ld, I32))
-        beta_ref, ld_out = by_ref(ir.Constant(compute, beta)), by_ref(_int(g.out_ld, I32))
+        ld_b, ld_a = by_ref(_int(g.b.ld, self.blas_int)), by_ref(_int(g.a.ld, self.blas_int))
+        beta_ref = by_ref(ir.Constant(compute, beta))
+        ld_out = by_ref(_int(g.out_ld, self.blas_int))
         gemm = self._gemm_function(compute)
 
         def call(offsets: tuple[ir.Value, ir.Value, ir.Value]) -> None:
@@ -527,7 +543,8 @@ class RoutineIR:
     def _gemm_function(self, compute: ir.Type) -> ir.Function:
         key = ("gemm", compute)
         if key not in self.functions:
-            p8, p32, pf = ir.IntType(8).as_pointer(), I32.as_pointer(), compute.as_pointer()
+            p8, p32, pf = ir.IntType(8).as_pointer(), self.blas_int.as_pointer(), \
+                compute.as_pointer()
             ty = ir.FunctionType(ir.VoidType(), [p8, p8, p32, p32, p32, pf, pf, p32, pf, p32,
                                                  pf, pf, p32])
             self.functions[key] = ir.Function(self.module, ty, GEMM_SYMBOLS[compute])
@@ -542,18 +559,18 @@ REUSE = 4
 PART_ITEMS = 48
 
 
-def routine_ir(code: list[Lowered], nodes: list[Tnode], hardware_f16: bool, workers: int = 1,
-               avx: bool = False) -> tuple[list[ir.Module], list[tuple[int, str]]]:
+def routine_ir(code: list[Lowered], nodes: list[Tnode], target: Target
+               ) -> tuple[list[ir.Module], list[tuple[int, str]]]:
     """The modules of a routine over ``nodes``, each defining ``part(table)``: the routine
     runs them in order. Also its scratch arrays (size, "f32" | "f64"), whose addresses follow
-    the nodes' in the table. At most ``workers`` parts, each of at least ``PART_ITEMS`` items.
-    ``avx``: the CPU has AVX (each item then starts by clearing the upper vector halves)."""
-    count = max(1, min(workers, len(code) // PART_ITEMS))
+    the nodes' in the table. At most ``target.workers`` parts, each of at least ``PART_ITEMS``
+    items."""
+    count = max(1, min(target.workers, len(code) // PART_ITEMS))
     bounds = [len(code) * k // count for k in range(count + 1)]
     scratch: dict[tuple[int, str, ir.Type], int] = {}
     modules = []
     for lo, hi in zip(bounds, bounds[1:], strict=False):
-        r = RoutineIR(nodes, hardware_f16, scratch, avx)
+        r = RoutineIR(nodes, target, scratch)
         for item in code[lo:hi]:
             with r.item(_used(item)):
                 if isinstance(item, Fill):
@@ -572,8 +589,7 @@ _VERSION = hashlib.sha256(Path(__file__).read_bytes()
                           + Path(ops_module.__file__).read_bytes()).hexdigest()[:16]
 
 
-def signature(code: list[Lowered], nodes: list[Tnode], hardware_f16: bool, workers: int = 1,
-              avx: bool = False) -> str:
+def signature(code: list[Lowered], nodes: list[Tnode], target: Target) -> str:
     """Everything :func:`routine_ir` builds the IR from, as text: the lowered code with nodes
     named by position, their dims and precisions, the flags and this module's version. Equal
     signatures give equal IR, so the disk cache is keyed by it and a warm process builds no
@@ -591,7 +607,7 @@ def signature(code: list[Lowered], nodes: list[Tnode], hardware_f16: bool, worke
     def view(v: MatrixView) -> str:
         return f"{slot[v.node.id]},{v.rows},{v.cols},{v.transposed},{v.ld}"
 
-    lines = [f"{_VERSION} {hardware_f16} {workers} {avx}",
+    lines = [f"{_VERSION} {target!r}",
              *(f"{n.dims} {n.prec.value}" for n in nodes)]
     for item in code:
         if isinstance(item, Fill):

