@@ -60,7 +60,8 @@ class RoutineIR:
     """Builds the IR of one part of a routine, for ``target``."""
 
     def __init__(self, nodes: list[Tnode], target: Target,
-                 scratch: dict[tuple[int, str, ir.Type], int]) -> None:
+                 scratch: dict[tuple[int, str, ir.Type], int],
+                 copies: dict[int, tuple[int, str, ir.Type]]) -> None:
         self.module = ir.Module(name="ocannl")
         self.hardware_f16 = target.hardware_f16
         self.avx = target.avx
@@ -68,6 +69,7 @@ class RoutineIR:
         self.nodes = nodes
         self.slots = {n.id: k for k, n in enumerate(nodes)}
         self.scratch = scratch  # (size, role, type) -> number, shared by a routine's parts
+        self.copies = copies  # node id -> the scratch key of its current f32 / f64 copy
         self.functions: dict[tuple[str, ir.Type], ir.Function] = {}
         self.calls: list[tuple[ir.Function, list[int]]] = []  # each item: function, its slots
         # Whether the nest being emitted copies a value unchanged (a cast): only then does a
@@ -339,21 +341,36 @@ class RoutineIR:
             self.narrow_into(wide, self.buffer(lhs), lhs.prec, lhs.size)
 
     def _widen_reused(self, nest: LoopNest) -> list[Tnode]:
-        """Widen the 16-bit nodes a reduction reads (not its target) at least ``REUSE`` times
-        per cell on average into f32 scratch, standing in for them in its loads."""
+        """Let the f32 copies of the 16-bit nodes a reduction reads (not its target) at least
+        ``REUSE`` times per cell on average stand in for them in its loads."""
         if not nest.red:
             return []
         points = math.prod(nest.space)
         out: list[Tnode] = []
-        for k, get in enumerate(reads(nest.assign.expr)):
+        for get in reads(nest.assign.expr):
             node = get.node
             if (node.prec.is_narrow and node is not nest.assign.lhs and node.id not in self.redirect
                     and points >= REUSE * node.size):
-                wide = self.scratch_for(node.size, f"read{k}", F32)
-                self.convert_into(self.buffer(node), node.prec, wide, node.size)
-                self.redirect[node.id] = wide
+                self.redirect[node.id] = self.copy_of(node, F32)
                 out.append(node)
         return out
+
+    def copy_of(self, node: Tnode, ty: ir.Type) -> ir.Value:
+        """An exact copy of ``node``'s values as ``ty`` (f32, f64) in scratch of its own, made
+        by the first item of a run that needs it and reused by later ones until an item writes
+        the node (``written``)."""
+        key = (node.size, f"copy{self.slots[node.id]}", ty)
+        made = key in self.scratch and self.copies.get(node.id) == key
+        copy = self.scratch_for(*key)
+        if not made:
+            self.convert_into(self.buffer(node), node.prec, copy, node.size)
+            self.copies[node.id] = key
+        return copy
+
+    def written(self, nodes: list[Tnode]) -> None:
+        """The item just emitted wrote ``nodes``: their copies are stale."""
+        for node in nodes:
+            self.copies.pop(node.id, None)
 
     def _loops(self, order: list[int], space: tuple[int, ...], iters: dict[int, ir.Value],
                body: Callable[[], None]) -> None:
@@ -484,9 +501,7 @@ class RoutineIR:
         """The operand's values in the GEMM's type: the buffer itself, or a converted copy."""
         if _ELEM[v.node.prec] == compute:
             return self.buffer(v.node)
-        scratch = self.scratch_for(v.node.size, role, compute)
-        self.convert_into(self.buffer(v.node), v.node.prec, scratch, v.node.size)
-        return scratch
+        return self.copy_of(v.node, compute)
 
     def gemm(self, g: Gemm) -> None:
         """``out (=|+=) a @ b`` through BLAS, column-major: ``out^T = b^T a^T``."""
@@ -568,9 +583,10 @@ def routine_ir(code: list[Lowered], nodes: list[Tnode], target: Target
     count = max(1, min(target.workers, len(code) // PART_ITEMS))
     bounds = [len(code) * k // count for k in range(count + 1)]
     scratch: dict[tuple[int, str, ir.Type], int] = {}
+    copies: dict[int, tuple[int, str, ir.Type]] = {}
     modules = []
     for lo, hi in zip(bounds, bounds[1:], strict=False):
-        r = RoutineIR(nodes, target, scratch)
+        r = RoutineIR(nodes, target, scratch, copies)
         for item in code[lo:hi]:
             with r.item(_used(item)):
                 if isinstance(item, Fill):
@@ -579,6 +595,7 @@ def routine_ir(code: list[Lowered], nodes: list[Tnode], target: Target
                     r.gemm(item)
                 else:
                     r.group(item)
+            r.written(_written(item))
         modules.append(r.finish())
     return modules, [(size, "f32" if ty == F32 else "f64") for size, _, ty in scratch]
 
@@ -624,6 +641,14 @@ def signature(code: list[Lowered], nodes: list[Tnode], target: Target) -> str:
                              f"{expr(a.expr)}")
             lines.append("end")
     return "\n".join(lines)
+
+
+def _written(item: Lowered) -> list[Tnode]:
+    if isinstance(item, Fill):
+        return [item.node]
+    if isinstance(item, Gemm):
+        return [item.assign.lhs]
+    return [nest.assign.lhs for nest in item.nests]
 
 
 def _used(item: Lowered) -> list[Tnode]:
