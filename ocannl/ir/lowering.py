@@ -326,29 +326,51 @@ class _Group:
         self.read.update(g.node.id for g in reads(nest.assign.expr))
 
 
+# How many lowered items back a pointwise nest may move to join a loop group it fits (past
+# items it does not depend on, and that do not depend on it).
+HOIST_WINDOW = 96
+
+
+def _touched(item: Fill | Gemm | _Group) -> tuple[set[int], set[int]]:
+    """The ids of the nodes an item reads and writes."""
+    if isinstance(item, Fill):
+        return set(), {item.node.id}
+    if isinstance(item, Gemm):
+        return {item.a.node.id, item.b.node.id}, {item.assign.lhs.id}
+    return item.read, set(item.written)
+
+
 def lower(comp: Comp, *, gemm: bool = True, batched: bool = False) -> list[Lowered]:
     """Lower a computation to what backends render, in order: fills, GEMMs (when the backend
     has a GEMM: ``gemm``; batched products too when it takes those: ``batched``) and loop
-    groups."""
-    out: list[Lowered] = []
-    group: _Group | None = None
+    groups.
+
+    A pointwise nest joins the latest loop group it fits, up to ``HOIST_WINDOW`` items back,
+    when it moves past nothing it depends on or that depends on it: an optimizer's per-weight
+    update, written after every weight's gradient, then runs in one pass with the gradient's
+    last pointwise step (the same values, in one pass over the cells instead of several)."""
+    out: list[Fill | Gemm | _Group] = []
     for a in fuse_resets(comp.assignments):
         items = [Fill(a.lhs, a.expr.value)] if _is_fill(a) else lower_assignment(
             a, gemm=gemm, batched=batched)
         for item in items:
-            if isinstance(item, LoopNest) and group is not None and group.admits(item):
-                group.add(item)
-                continue
-            if group is not None:
-                out.append(LoopGroup(tuple(group.nests)))
-                group = None
-            if isinstance(item, LoopNest):
-                group = _Group(item)
-            else:
+            if not isinstance(item, LoopNest):
                 out.append(item)
-    if group is not None:
-        out.append(LoopGroup(tuple(group.nests)))
-    return out
+                continue
+            reads_ = {g.node.id for g in reads(item.assign.expr)}
+            writes = item.assign.lhs.id
+            for k in range(len(out) - 1, max(-1, len(out) - 1 - HOIST_WINDOW), -1):
+                other = out[k]
+                if isinstance(other, _Group) and other.admits(item):
+                    other.add(item)
+                    break
+                r, w = _touched(other)
+                if writes in r or writes in w or reads_ & w:
+                    out.append(_Group(item))
+                    break
+            else:
+                out.append(_Group(item))
+    return [LoopGroup(tuple(i.nests)) if isinstance(i, _Group) else i for i in out]
 
 
 def nests(code: list[Lowered]) -> list[LoopNest]:
