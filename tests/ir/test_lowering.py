@@ -596,3 +596,26 @@ def test_a_column_reduction_walks_rows_with_the_same_bits(monkeypatch, accum, re
         want = want + b0.astype(prec.numpy_dtype).astype(np.float64)
     np.testing.assert_allclose(walked.astype(np.float64), want, rtol=1e-2 if prec is
                                Precision.bf16 else 1e-5)
+
+
+def test_a_pointwise_nest_moves_back_to_a_group_only_past_what_it_does_not_touch(monkeypatch):
+    """``y = x * 2`` then an unrelated reduction ``s = sum(u)``, then ``z = y + 1``: ``z``
+    joins ``y``'s loop (it moves past the sum, which neither reads ``y``/``z`` nor writes ``y``).
+    A ``w = y + s`` reading the sum's result cannot move past it. Values equal unmoved code's."""
+    x, y, z, w = (_node(n, (6,)) for n in "xyzw")
+    u, s = _node("u", (6, 5)), _node("s", (6,))
+    ay = Accum(y, (0,), "=", apply("mul", Get(x, (0,)), Const(2.0)), (6,))
+    asum = Accum(s, (0,), "+", Get(u, (0, 1)), (6, 5), reset=True)
+    az = Accum(z, (0,), "=", apply("add", Get(y, (0,)), Const(1.0)), (6,))
+    aw = Accum(w, (0,), "=", apply("add", Get(y, (0,)), Get(s, (0,))), (6,))
+    code = lower(Comp((ay, asum, az, aw)))
+    assert [[n.assign.lhs.name for n in i.nests] for i in code] == [
+        [y.name, z.name], [s.name], [w.name]]
+    rng = np.random.default_rng(5)
+    vals = {x: rng.normal(size=6), u: rng.normal(size=(6, 5))}
+    moved = _run(Comp((ay, asum, az, aw)), vals, gemm=True)
+    monkeypatch.setattr(lowering, "HOIST_WINDOW", 0)
+    assert len(lower(Comp((ay, asum, az, aw)))) == 4
+    unmoved = _run(Comp((ay, asum, az, aw)), vals, gemm=True)
+    for n in (y, z, s, w):
+        assert moved[n.id].tobytes() == unmoved[n.id].tobytes()
