@@ -64,3 +64,33 @@ def test_special_values():
     assert list(f[1:]) == [1.0, -1.0, 1.0, -1.0]
     z = _run("erf", np.array([0.0, -0.0], np.float32))
     assert list(np.signbit(z)) == [False, True]
+
+
+def test_loops_shared_over_threads_give_the_same_bits(monkeypatch):
+    """A large loop group split over threads (``OCANNL_THREADS``) computes what one thread
+    does, bit for bit: a pointwise chain and a row reduction, each over 2^17 points."""
+    from ocannl.backends.cpu import jit
+    from ocannl.ir.lowering import lower
+
+    n, m = 512, 256
+    x, y = Tnode("x", (n, m), Precision.f32), Tnode("y", (n, m), Precision.f32)
+    s = Tnode("s", (n,), Precision.f32)
+    comp = Comp((
+        Accum(y, (0, 1), "=", apply("tanh", apply("mul", Get(x, (0, 1)), Get(x, (0, 1)))), (n, m)),
+        Accum(s, (0,), "+", apply("exp", Get(y, (0, 1))), (n, m), reset=True),
+    ))
+    assert len(lower(comp)) == 2
+    xv = np.random.default_rng(0).normal(size=(n, m)).astype(np.float32)
+
+    def run(threads: int) -> tuple[np.ndarray, np.ndarray]:
+        monkeypatch.setattr(jit, "threads", lambda: threads)
+        ctx = Context.cpu()
+        ctx.set_values(x, xv)
+        ctx, r = ctx.compile(comp)
+        ctx.run(r)
+        return ctx.get_values(y), ctx.get_values(s)
+
+    one, three = run(1), run(3)
+    assert one[0].tobytes() == three[0].tobytes() and one[1].tobytes() == three[1].tobytes()
+    np.testing.assert_allclose(one[1], np.exp(np.tanh(xv.astype(np.float64) ** 2)).sum(1),
+                               rtol=1e-5)

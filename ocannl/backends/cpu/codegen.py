@@ -32,6 +32,7 @@ from ocannl.ir.ops import ACCUMS, HASH_BITS, HASH_G, Precision
 from ocannl.ir.tnode import Tnode
 
 I1, I16, I32, I64 = ir.IntType(1), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+_VOID_P = ir.IntType(8).as_pointer()
 F16, F32, F64 = ir.HalfType(), ir.FloatType(), ir.DoubleType()
 _FLOAT = {Precision.f32: F32, Precision.f64: F64}
 _ELEM = {Precision.f64: F64, Precision.f32: F32, Precision.f16: I16, Precision.bf16: I16}
@@ -48,12 +49,14 @@ class Target:
     """What the IR depends on beyond the code: ``hardware_f16``, convert f16 with the CPU's
     instructions (F16C) rather than integer code; ``workers``, how many parts a large routine
     may be cut into; ``avx``, clear the vector registers' upper halves at each item's start;
-    ``blas_int``, the bits of the BLAS's integer arguments (32, or 64 for an ILP64 build)."""
+    ``blas_int``, the bits of the BLAS's integer arguments (32, or 64 for an ILP64 build);
+    ``threads``, how many threads share a large loop group's outermost loop."""
 
     hardware_f16: bool = True
     workers: int = 1
     avx: bool = False
     blas_int: int = 32
+    threads: int = 1
 
 
 class RoutineIR:
@@ -66,6 +69,7 @@ class RoutineIR:
         self.hardware_f16 = target.hardware_f16
         self.avx = target.avx
         self.blas_int = ir.IntType(target.blas_int)
+        self.threads = target.threads
         self.nodes = nodes
         self.slots = {n.id: k for k, n in enumerate(nodes)}
         self.scratch = scratch  # (size, role, type) -> number, shared by a routine's parts
@@ -82,22 +86,26 @@ class RoutineIR:
     # --- plumbing ---------------------------------------------------------------------------
 
     @contextmanager
-    def item(self, used: list[Tnode]) -> Iterator[None]:
+    def item(self, used: list[Tnode], split: int | None = None) -> Iterator[None]:
         """Emit one lowered item as a function of its own, taking the table and the buffers
         of ``used`` as ``noalias`` arguments: distinct nodes never share memory, and saying so
         spares LLVM run-time overlap checks (and a second, scalar copy of each vectorized
-        loop). One small function per item keeps LLVM's work linear in the routine's size."""
+        loop). One small function per item keeps LLVM's work linear in the routine's size.
+        ``split``: the item runs its outermost loop over a range given by two more arguments,
+        so that threads can share it (see :meth:`finish`)."""
         slots = list(dict.fromkeys(self.slots[n.id] for n in used))
+        ranged = [I64, I64] if split else []
         ty = ir.FunctionType(ir.VoidType(), [I64.as_pointer(),
                                              *(_ELEM[self.nodes[k].prec].as_pointer()
-                                               for k in slots)])
+                                               for k in slots), *ranged])
         self.fn = ir.Function(self.module, ty, name=f"item{len(self.calls)}")
         self.fn.linkage = "internal"
         self.fn.attributes.add("noinline")  # inlining would rebuild one huge function
-        for arg in self.fn.args[1:]:
+        for arg in self.fn.args[1:1 + len(slots)]:
             arg.add_attribute("noalias")
         self.table = self.fn.args[0]
         self.args = {k: self.fn.args[1 + j] for j, k in enumerate(slots)}
+        self.range = tuple(self.fn.args[-2:]) if split else None
         self.scratch_pointers: dict[int, ir.Value] = {}
         self.entry = ir.IRBuilder(self.fn.append_basic_block("entry"))
         self.b = ir.IRBuilder(self.fn.append_basic_block("start"))
@@ -111,7 +119,7 @@ class RoutineIR:
         yield
         self.entry.branch(self.fn.blocks[1])
         self.b.ret_void()
-        self.calls.append((self.fn, slots))
+        self.calls.append((self.fn, slots, split))
 
     def buffer(self, node: Tnode) -> ir.Value:
         return self.args[self.slots[node.id]]
@@ -142,8 +150,11 @@ class RoutineIR:
         return self.functions[key]
 
     @contextmanager
-    def loop(self, n: int) -> Iterator[ir.Value]:
-        """``for i in range(n)`` (n >= 1), as a bottom-tested loop over an i64."""
+    def loop(self, lo: int | ir.Value, hi: ir.Value | None = None) -> Iterator[ir.Value]:
+        """``for i in range(lo)``, or ``range(lo, hi)``, never empty, as a bottom-tested loop
+        over an i64."""
+        if hi is None:
+            lo, hi = _int(0), _int(lo)
         b = self.b
         before = b.block
         head = self.fn.append_basic_block("loop")
@@ -151,11 +162,11 @@ class RoutineIR:
         b.branch(head)
         b.position_at_end(head)
         i = b.phi(I64)
-        i.add_incoming(_int(0), before)
+        i.add_incoming(lo, before)
         yield i
         nxt = b.add(i, _int(1), flags=["nuw", "nsw"])
         i.add_incoming(nxt, b.block)
-        b.cbranch(b.icmp_unsigned("<", nxt, _int(n)), head, after)
+        b.cbranch(b.icmp_unsigned("<", nxt, hi), head, after)
         b.position_at_end(after)
 
     @contextmanager
@@ -171,18 +182,73 @@ class RoutineIR:
 
     def finish(self) -> ir.Module:
         """Add ``part(table)``: load the addresses of the buffers the items use, call each
-        item in order."""
+        item in order. A split item's outermost loop is shared out in contiguous ranges: one
+        on this thread, the others on threads started for it (``pthread_create``), joined
+        before the next item; where a thread cannot be started, this one runs its range."""
         entry = ir.Function(self.module, ir.FunctionType(ir.VoidType(), [I64.as_pointer()]),
                             name="part")
-        b = ir.IRBuilder(entry.append_basic_block("entry"))
+        self.b = b = ir.IRBuilder(entry.append_basic_block("entry"))
+        self.fn = entry
         table = entry.args[0]
-        used = sorted({k for _, slots in self.calls for k in slots})
+        used = sorted({k for _, slots, _ in self.calls for k in slots})
         pointers = {k: b.inttoptr(b.load(b.gep(table, [_int(k)])),
                                   _ELEM[self.nodes[k].prec].as_pointer()) for k in used}
-        for fn, slots in self.calls:
-            b.call(fn, [table, *(pointers[k] for k in slots)])
+        for fn, slots, split in self.calls:
+            args = [table, *(pointers[k] for k in slots)]
+            if not split:
+                b.call(fn, args)
+                continue
+            count = min(self.threads, split)
+            cuts = [_int(split * t // count) for t in range(count + 1)]
+            started = [self._start(fn, [*args, cuts[t], cuts[t + 1]]) for t in range(1, count)]
+            b.call(fn, [*args, cuts[0], cuts[1]])
+            for t, (tid, status) in enumerate(started, start=1):
+                failed = b.icmp_signed("!=", status, ir.Constant(I32, 0))
+                with b.if_else(failed) as (otherwise, joined):
+                    with otherwise:
+                        b.call(fn, [*args, cuts[t], cuts[t + 1]])
+                    with joined:
+                        b.call(self._pthread("pthread_join"),
+                               [b.load(tid), ir.Constant(_VOID_P.as_pointer(), None)])
         b.ret_void()
         return self.module
+
+    def _start(self, fn: ir.Function, args: list[ir.Value]) -> tuple[ir.Value, ir.Value]:
+        """A thread running ``fn(*args)``: its id's slot and ``pthread_create``'s status."""
+        b = self.b
+        frame_ty = ir.LiteralStructType([a.type for a in args])
+        frame = b.alloca(frame_ty)
+        for k, a in enumerate(args):
+            b.store(a, b.gep(frame, [ir.Constant(I32, 0), ir.Constant(I32, k)]))
+        tid = b.alloca(I64)
+        status = b.call(self._pthread("pthread_create"),
+                        [tid, ir.Constant(_VOID_P, None), self._trampoline(fn, frame_ty),
+                         b.bitcast(frame, _VOID_P)])
+        return tid, status
+
+    def _trampoline(self, fn: ir.Function, frame_ty: ir.Type) -> ir.Function:
+        """``void *run(void *frame)``: call ``fn`` with the arguments stored in the frame."""
+        if f"{fn.name}_thread" in self.module.globals:
+            return self.module.globals[f"{fn.name}_thread"]
+        run = ir.Function(self.module, ir.FunctionType(_VOID_P, [_VOID_P]),
+                          name=f"{fn.name}_thread")
+        run.linkage = "internal"
+        b = ir.IRBuilder(run.append_basic_block("entry"))
+        frame = b.bitcast(run.args[0], frame_ty.as_pointer())
+        args = [b.load(b.gep(frame, [ir.Constant(I32, 0), ir.Constant(I32, k)]))
+                for k in range(len(frame_ty.elements))]
+        b.call(fn, args)
+        b.ret(ir.Constant(_VOID_P, None))
+        return run
+
+    def _pthread(self, name: str) -> ir.Function:
+        if name not in self.module.globals:
+            start = ir.FunctionType(_VOID_P, [_VOID_P]).as_pointer()
+            ty = (ir.FunctionType(I32, [I64.as_pointer(), _VOID_P, start, _VOID_P])
+                  if name == "pthread_create" else
+                  ir.FunctionType(I32, [I64, _VOID_P.as_pointer()]))
+            ir.Function(self.module, ty, name=name)
+        return self.module.globals[name]
 
     # --- 16-bit storage -----------------------------------------------------------------------
 
@@ -331,9 +397,10 @@ class RoutineIR:
             self.redirect[lhs.id] = wide
         if lead.walk_rows:
             self._loops(list(lead.par[:-1]), space, iters,
-                        lambda: self._row_walk(lead, space, iters))
+                        lambda: self._row_walk(lead, space, iters), outer=True)
         else:
-            self._loops(list(lead.par), space, iters, lambda: self._par_body(g, space, iters))
+            self._loops(list(lead.par), space, iters, lambda: self._par_body(g, space, iters),
+                        outer=True)
         for node in widened:
             del self.redirect[node.id]
         if target:
@@ -373,11 +440,14 @@ class RoutineIR:
             self.copies.pop(node.id, None)
 
     def _loops(self, order: list[int], space: tuple[int, ...], iters: dict[int, ir.Value],
-               body: Callable[[], None]) -> None:
+               body: Callable[[], None], outer: bool = False) -> None:
+        """Loops over ``order`` around ``body``; ``outer``: the first runs over this item's
+        range when it has one (a thread's share)."""
         if not order:
             body()
             return
-        with self.loop(space[order[0]]) as i:
+        bounds = self.range if outer and self.range else (_int(0), _int(space[order[0]]))
+        with self.loop(*bounds) as i:
             iters[order[0]] = i
             self._loops(order[1:], space, iters, body)
 
@@ -588,7 +658,7 @@ def routine_ir(code: list[Lowered], nodes: list[Tnode], target: Target
     for lo, hi in zip(bounds, bounds[1:], strict=False):
         r = RoutineIR(nodes, target, scratch, copies)
         for item in code[lo:hi]:
-            with r.item(_used(item)):
+            with r.item(_used(item), _split(item) if target.threads > 1 else None):
                 if isinstance(item, Fill):
                     r.fill(item)
                 elif isinstance(item, Gemm):
@@ -641,6 +711,29 @@ def signature(code: list[Lowered], nodes: list[Tnode], target: Target) -> str:
                              f"{expr(a.expr)}")
             lines.append("end")
     return "\n".join(lines)
+
+
+# A loop group shares its outermost loop out over threads from this many points (points
+# times nests) on: starting and joining a thread costs some tens of microseconds.
+PARALLEL_POINTS = 1 << 16
+
+
+def _split(item: Lowered) -> int | None:
+    """The extent of the outermost loop a loop group may share out over threads, or None.
+    Distinct iterations of it write distinct cells and read nothing another writes (the group
+    is pointwise, or a reduction over its inner iterators), so each thread computes its cells
+    as one would, bit for bit. Not split: scatters (cells move with reductions), and
+    reductions reading 16-bit nodes (their f32 copies are made inside the item)."""
+    if not isinstance(item, LoopGroup):
+        return None
+    lead = item.lead
+    outer = lead.par[:-1] if lead.walk_rows else lead.par
+    if not outer or lead.scatter or math.prod(lead.space) * len(item.nests) < PARALLEL_POINTS:
+        return None
+    if lead.red and any(g.node.prec.is_narrow for g in reads(lead.assign.expr)):
+        return None
+    extent = lead.space[outer[0]]
+    return extent if extent > 1 else None
 
 
 def _written(item: Lowered) -> list[Tnode]:
