@@ -94,3 +94,38 @@ def test_loops_shared_over_threads_give_the_same_bits(monkeypatch):
     assert one[0].tobytes() == three[0].tobytes() and one[1].tobytes() == three[1].tobytes()
     np.testing.assert_allclose(one[1], np.exp(np.tanh(xv.astype(np.float64) ** 2)).sum(1),
                                rtol=1e-5)
+
+
+@pytest.mark.parametrize("prec", [Precision.f32, Precision.bf16])
+def test_products_shared_over_threads_give_the_same_bits(monkeypatch, prec):
+    """Products shared out over threads (by rows; by batch points) with BLAS single-threaded
+    on each compute what one thread does, bit for bit, 16-bit operands and targets included
+    (their conversions shared out too). NumPy's OpenBLAS is what makes threads available."""
+    from ocannl.backends.cpu import jit
+    from ocannl.ir.lowering import Gemm, lower
+
+    assert jit._blas_threads() is not None, "NumPy's OpenBLAS thread controls were not found"
+    m, k, n, batch = 256, 64, 80, 6  # both products, q and s large enough to be shared
+    a, w = Tnode("a", (m, k), prec), Tnode("w", (n, k), prec)
+    c = Tnode("c", (m, n), prec)
+    q, v = Tnode("q", (batch, m, k), prec), Tnode("v", (batch, n, k), prec)
+    s = Tnode("s", (batch, m, n), prec)
+    comp = Comp((  # c[i, j] = sum_l a[i, l] w[j, l];  s[b, i, j] = sum_l q[b, i, l] v[b, j, l]
+        Accum(c, (0, 1), "+", apply("mul", Get(a, (0, 2)), Get(w, (1, 2))), (m, n, k), True),
+        Accum(s, (0, 1, 2), "+", apply("mul", Get(q, (0, 1, 3)), Get(v, (0, 2, 3))),
+              (batch, m, n, k), True),
+    ))
+    assert [type(i) for i in lower(comp, batched=True)] == [Gemm, Gemm]
+    rng = np.random.default_rng(1)
+    vals = {t: rng.normal(size=t.dims) for t in (a, w, q, v)}
+
+    def run(threads: int) -> list[bytes]:
+        monkeypatch.setattr(jit, "threads", lambda: threads)
+        ctx = Context.cpu()
+        for t, x in vals.items():
+            ctx.set_values(t, x)
+        ctx, r = ctx.compile(comp)
+        ctx.run(r)
+        return [ctx.get_values(c).tobytes(), ctx.get_values(s).tobytes()]
+
+    assert run(1) == run(3)

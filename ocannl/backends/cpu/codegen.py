@@ -422,17 +422,49 @@ class RoutineIR:
                 out.append(node)
         return out
 
-    def copy_of(self, node: Tnode, ty: ir.Type) -> ir.Value:
+    def copy_of(self, node: Tnode, ty: ir.Type, ranged: bool = False) -> ir.Value:
         """An exact copy of ``node``'s values as ``ty`` (f32, f64) in scratch of its own, made
         by the first item of a run that needs it and reused by later ones until an item writes
-        the node (``written``)."""
+        the node (``written``). ``ranged``: this item makes its range of the copy."""
         key = (node.size, f"copy{self.slots[node.id]}", ty)
         made = key in self.scratch and self.copies.get(node.id) == key
         copy = self.scratch_for(*key)
         if not made:
-            self.convert_into(self.buffer(node), node.prec, copy, node.size)
+            self.convert_into(self.buffer(node), node.prec, copy, node.size, ranged)
             self.copies[node.id] = key
         return copy
+
+    def has_copy(self, node: Tnode, ty: ir.Type) -> bool:
+        key = (node.size, f"copy{self.slots[node.id]}", ty)
+        return self.copies.get(node.id) == key
+
+    def gemm_copies(self, g: Gemm) -> list[tuple[Tnode, ir.Type]]:
+        """What a GEMM needs converted before it runs, and is not: its operands not in its
+        type, and a 16-bit target it accumulates into (the copy it accumulates in)."""
+        compute = _FLOAT[g.assign.lhs.prec.compute]
+        out = [(v.node, compute) for v in (g.a, g.b) if _ELEM[v.node.prec] != compute]
+        lhs = g.assign.lhs
+        if lhs.prec.is_narrow and not g.assign.reset:
+            out.append((lhs, compute))
+        seen: list[tuple[Tnode, ir.Type]] = []
+        for node, ty in out:
+            if not self.has_copy(node, ty) and all(node is not n for n, _ in seen):
+                seen.append((node, ty))
+        return seen
+
+    def _gemm_out(self, g: Gemm, compute: ir.Type) -> ir.Value:
+        """Where a GEMM with a 16-bit target writes its f32 / f64 result before rounding:
+        the target's copy when it accumulates, a scratch array of its own when it resets."""
+        lhs = g.assign.lhs
+        if g.assign.reset:
+            return self.scratch_for(lhs.size, "out", compute)
+        return self.copy_of(lhs, compute)
+
+    def gemm_narrow(self, g: Gemm) -> None:
+        """Round a 16-bit target's f32 / f64 result into it (this item's range of it)."""
+        lhs = g.assign.lhs
+        out = self._gemm_out(g, _FLOAT[lhs.prec.compute])
+        self.narrow_into(out, self.buffer(lhs), lhs.prec, lhs.size, ranged=True)
 
     def written(self, nodes: list[Tnode]) -> None:
         """The item just emitted wrote ``nodes``: their copies are stale."""
@@ -554,17 +586,20 @@ class RoutineIR:
             with self.when(cond):
                 write()
 
-    def convert_into(self, src: ir.Value, src_prec: Precision, dst: ir.Value, size: int) -> None:
-        """Copy ``size`` values into an f32 / f64 array, widening or converting each."""
+    def convert_into(self, src: ir.Value, src_prec: Precision, dst: ir.Value, size: int,
+                     ranged: bool = False) -> None:
+        """Copy ``size`` values (``ranged``: this item's range of them) into an f32 / f64
+        array, widening or converting each."""
         b = self.b
-        with self.loop(size) as i:
+        with self.loop(*(self.range if ranged and self.range else (size,))) as i:
             v = b.load(b.gep(src, [i]))
             v = self.widen(v, src_prec) if src_prec.is_narrow else v
             b.store(_convert(b, v, dst.type.pointee), b.gep(dst, [i]))
 
-    def narrow_into(self, src: ir.Value, dst: ir.Value, prec: Precision, size: int) -> None:
+    def narrow_into(self, src: ir.Value, dst: ir.Value, prec: Precision, size: int,
+                    ranged: bool = False) -> None:
         b = self.b
-        with self.loop(size) as i:
+        with self.loop(*(self.range if ranged and self.range else (size,))) as i:
             b.store(self.narrow(b.load(b.gep(src, [i])), prec), b.gep(dst, [i]))
 
     def _matrix(self, v: MatrixView, compute: ir.Type, role: str) -> ir.Value:
@@ -579,11 +614,7 @@ class RoutineIR:
         compute = _FLOAT[lhs.prec.compute]
         a = self._matrix(g.a, compute, "a")
         bm = self._matrix(g.b, compute, "b")
-        out = self.buffer(lhs)
-        if lhs.prec.is_narrow:
-            out, narrow_to = self.scratch_for(lhs.size, "out", compute), out
-            if not g.assign.reset:
-                self.convert_into(narrow_to, lhs.prec, out, lhs.size)
+        out = self._gemm_out(g, compute) if lhs.prec.is_narrow else self.buffer(lhs)
         m, n, k = g.rows, g.cols, g.inner
         # b is k x n: stored n x k when transposed; a is m x k: stored k x m when transposed.
         op_b, op_a = ("T" if g.b.transposed else "N"), ("T" if g.a.transposed else "N")
@@ -596,9 +627,16 @@ class RoutineIR:
             return slot
 
         char = ir.IntType(8)
+        rows = by_ref(_int(m, self.blas_int))
+        first = (_int(0), _int(0), _int(0))
+        if self.range and not g.batch:  # this thread's rows of the product
+            lo, hi = self.range
+            b.store(b.trunc(b.sub(hi, lo), self.blas_int) if self.blas_int != I64 else
+                    b.sub(hi, lo), rows)
+            first = (b.mul(lo, _int(g.out_ld)), b.mul(lo, _int(1 if g.a.transposed else g.a.ld)),
+                     _int(0))
         fixed = [by_ref(ir.Constant(char, ord(op_b))), by_ref(ir.Constant(char, ord(op_a))),
-                 by_ref(_int(n, self.blas_int)), by_ref(_int(m, self.blas_int)),
-                 by_ref(_int(k, self.blas_int)),
+                 by_ref(_int(n, self.blas_int)), rows, by_ref(_int(k, self.blas_int)),
                  by_ref(ir.Constant(compute, 1.0))]
         ld_b, ld_a = by_ref(_int(g.b.ld, self.blas_int)), by_ref(_int(g.a.ld, self.blas_int))
         beta_ref = by_ref(ir.Constant(compute, beta))
@@ -611,19 +649,19 @@ class RoutineIR:
                           b.gep(out, [o_out]), ld_out])
 
         def over(axes: tuple, offsets: tuple[ir.Value, ir.Value, ir.Value]) -> None:
-            """A product per point of the batch axes, each at its offsets in the nodes."""
+            """A product per point of the batch axes, each at its offsets in the nodes (the
+            first axis over this thread's range of it)."""
             if not axes:
                 call(offsets)
                 return
             axis = axes[0]
-            with self.loop(axis.size) as i:
+            ranged = self.range if self.range and len(axes) == len(g.batch) else (axis.size,)
+            with self.loop(*ranged) as i:
                 step = [b.mul(i, _int(st), flags=["nsw"]) for st in (axis.out, axis.a, axis.b)]
                 over(axes[1:], tuple(b.add(o, d, flags=["nsw"])
                                      for o, d in zip(offsets, step, strict=True)))
 
-        over(g.batch, (_int(0), _int(0), _int(0)))
-        if lhs.prec.is_narrow:
-            self.narrow_into(out, narrow_to, lhs.prec, lhs.size)
+        over(g.batch, first)
 
     def _gemm_function(self, compute: ir.Type) -> ir.Function:
         key = ("gemm", compute)
@@ -658,13 +696,14 @@ def routine_ir(code: list[Lowered], nodes: list[Tnode], target: Target
     for lo, hi in zip(bounds, bounds[1:], strict=False):
         r = RoutineIR(nodes, target, scratch, copies)
         for item in code[lo:hi]:
-            with r.item(_used(item), _split(item) if target.threads > 1 else None):
-                if isinstance(item, Fill):
-                    r.fill(item)
-                elif isinstance(item, Gemm):
-                    r.gemm(item)
-                else:
-                    r.group(item)
+            if isinstance(item, Gemm):
+                _gemm_items(r, item, target.threads)
+            else:
+                with r.item(_used(item), _split(item) if target.threads > 1 else None):
+                    if isinstance(item, Fill):
+                        r.fill(item)
+                    else:
+                        r.group(item)
             r.written(_written(item))
         modules.append(r.finish())
     return modules, [(size, "f32" if ty == F32 else "f64") for size, _, ty in scratch]
@@ -716,6 +755,31 @@ def signature(code: list[Lowered], nodes: list[Tnode], target: Target) -> str:
 # A loop group shares its outermost loop out over threads from this many points (points
 # times nests) on: starting and joining a thread costs some tens of microseconds.
 PARALLEL_POINTS = 1 << 16
+
+
+def _gemm_items(r: RoutineIR, g: Gemm, threads: int) -> None:
+    """A GEMM as items: its operands' conversions (each shared over threads when large), the
+    product (over threads by rows, or by the first batch axis), the rounding of a 16-bit
+    target."""
+    def split(size: int) -> int | None:
+        return size if threads > 1 and size >= PARALLEL_POINTS else None
+
+    for node, ty in r.gemm_copies(g):
+        with r.item([node], split(node.size)):
+            r.copy_of(node, ty, ranged=True)
+    work = g.rows * g.cols * g.inner * math.prod(axis.size for axis in g.batch)
+    extent = g.batch[0].size if g.batch else g.rows
+    with r.item(_used(g), extent if threads > 1 and extent > 1 and work >= GEMM_SPLIT_FLOPS
+                else None):
+        r.gemm(g)
+    lhs = g.assign.lhs
+    if lhs.prec.is_narrow:
+        with r.item([lhs], split(lhs.size)):
+            r.gemm_narrow(g)
+
+
+# A product is shared out over threads from this many multiply-adds on.
+GEMM_SPLIT_FLOPS = 1 << 20
 
 
 def _split(item: Lowered) -> int | None:

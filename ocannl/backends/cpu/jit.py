@@ -74,6 +74,22 @@ def _blas() -> tuple[int, int, int]:
     return _state["blas"]  # type: ignore[return-value]
 
 
+def _blas_threads() -> tuple[int, int] | None:
+    """The addresses of ``int get_num_threads(void)`` and ``void set_num_threads(int)`` of
+    the BLAS in use, where it is NumPy's OpenBLAS."""
+    if "blas_threads" not in _state:
+        found = None
+        if _blas()[2] == 64:
+            lib = ctypes.CDLL(_state["blas_path"])  # type: ignore[arg-type]
+            try:
+                found = (ctypes.cast(lib.scipy_openblas_get_num_threads64_, ctypes.c_void_p).value,
+                         ctypes.cast(lib.scipy_openblas_set_num_threads64_, ctypes.c_void_p).value)
+            except AttributeError:
+                found = None
+        _state["blas_threads"] = found
+    return _state["blas_threads"]  # type: ignore[return-value]
+
+
 def _numpy_openblas() -> tuple[int, int, int] | None:
     import numpy
 
@@ -84,6 +100,7 @@ def _numpy_openblas() -> tuple[int, int, int] | None:
             s, d = lib.scipy_sgemm_64_, lib.scipy_dgemm_64_
         except (OSError, AttributeError):
             continue
+        _state["blas_path"] = str(path)
         return (ctypes.cast(s, ctypes.c_void_p).value, ctypes.cast(d, ctypes.c_void_p).value,
                 64)
     return None
@@ -116,12 +133,16 @@ def workers() -> int:
 
 
 def threads() -> int:
-    """How many threads share a large loop group's outermost loop: ``OCANNL_THREADS``, 1 by
-    default. Opt-in because BLAS's own threads keep spinning after each product and then
-    compete with ours: on 2 cores, 2 threads took the convnet f32 step from 2.62 to 2.13 ms
-    but the transformer's from 50 to 54 ms and the wide MLP's from 20.5 to 22.8 ms."""
+    """How many threads share a routine's large loops and products: ``OCANNL_THREADS``, else
+    1. With more, a routine runs BLAS single-threaded on each of ours (its own workers keep
+    spinning after a product and would take the cores from ours), so it needs a BLAS whose
+    thread count can be set: NumPy's OpenBLAS; otherwise 1. Opt-in: on 2 cores, 2 threads
+    took the transformer's f32 step from 45.7 to 35.0 ms, but the wide MLP's from 11.3 to
+    15.0 ms (OpenBLAS shares its packed operands between its own threads, not between ours)
+    and the convnet's from 2.39 to 2.63 ms (a thread is started per shared item)."""
     given = os.environ.get("OCANNL_THREADS")
-    return max(1, int(given)) if given else 1
+    wanted = max(1, int(given)) if given else 1
+    return wanted if _blas_threads() is not None else 1
 
 
 def _target_machine() -> llvm.TargetMachine:
@@ -153,6 +174,10 @@ def _setup() -> tuple[llvm.ExecutionEngine, str]:
         sgemm, dgemm, _ = _blas()
         for ty, symbol in GEMM_SYMBOLS.items():
             llvm.add_symbol(symbol, sgemm if str(ty) == "float" else dgemm)
+        control = _blas_threads()
+        if control is not None:
+            llvm.add_symbol("ocannl_blas_get_threads", control[0])
+            llvm.add_symbol("ocannl_blas_set_threads", control[1])
         engine = llvm.create_mcjit_compiler(llvm.parse_assembly(""), _target_machine())
         stamp = (f"{llvm.get_process_triple()} {llvm.get_host_cpu_name()} "
                  f"{llvm.get_host_cpu_features().flatten()} llvmlite {llvmlite.__version__} "
@@ -223,17 +248,24 @@ def load(key: str) -> tuple[int, Scratch, bool] | None:
         return _add(key, objects, scratch, True)
 
 
-def compile_ir(key: str, texts: list[str], scratch: Scratch) -> int:
+def compile_ir(key: str, texts: list[str], scratch: Scratch, single_blas: bool = False) -> int:
     """Compile the routine whose parts are ``texts`` (each defining ``part(table)``, run in
-    order; the parts in parallel), cache it on disk under ``key`` and load it: its address."""
+    order; the parts in parallel), cache it on disk under ``key`` and load it: its address.
+    ``single_blas``: the routine runs BLAS single-threaded (its threads are ours), restoring
+    the thread count it found."""
     with _lock:
         names = [f"p{k}_{key}" for k in range(len(texts))]
         modules = [t.replace('@"part"', f'@"{name}"', 1) for t, name in zip(texts, names,
                                                                               strict=True)]
-        modules.append("".join(f'declare void @"{n}"(i64*)\n' for n in names)
-                       + f'define void @"r_{key}"(i64* %t) {{\n'
-                       + "".join(f'  call void @"{n}"(i64* %t)\n' for n in names)
-                       + "  ret void\n}\n")
+        calls = "".join(f'  call void @"{n}"(i64* %t)\n' for n in names)
+        decls = "".join(f'declare void @"{n}"(i64*)\n' for n in names)
+        if single_blas:
+            decls += ("declare i32 @ocannl_blas_get_threads()\n"
+                      "declare void @ocannl_blas_set_threads(i32)\n")
+            calls = ("  %old = call i32 @ocannl_blas_get_threads()\n"
+                     "  call void @ocannl_blas_set_threads(i32 1)\n" + calls
+                     + "  call void @ocannl_blas_set_threads(i32 %old)\n")
+        modules.append(f'{decls}define void @"r_{key}"(i64* %t) {{\n{calls}  ret void\n}}\n')
         objects = _objects(modules)
         _write(cache_dir() / f"{key}.objects", _pack(scratch, objects))
         return _add(key, objects, scratch, False)[0]
