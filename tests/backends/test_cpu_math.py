@@ -129,3 +129,47 @@ def test_products_shared_over_threads_give_the_same_bits(monkeypatch, prec):
         return [ctx.get_values(c).tobytes(), ctx.get_values(s).tobytes()]
 
     assert run(1) == run(3)
+
+
+def test_scipys_blas_serves_where_numpys_is_not_used(tmp_path):
+    """``OCANNL_BLAS=scipy`` (what a NumPy without a bundled OpenBLAS gets): the products go
+    through SciPy's 32-bit-integer BLAS, a plain and a transposed one, accumulating or not,
+    f32 and f64, and match NumPy's."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = """
+import json, numpy as np
+from ocannl import Context
+from ocannl.backends.cpu import jit
+from ocannl.ir.assignments import Accum, Comp, Get, apply
+from ocannl.ir.ops import Precision
+from ocannl.ir.tnode import Tnode
+out = {"bits": jit.target().blas_int}
+for prec in (Precision.f32, Precision.f64):
+    a, w = Tnode("a", (40, 30), prec), Tnode("w", (20, 30), prec)
+    c, d = Tnode("c", (40, 20), prec), Tnode("d", (30, 20), prec)
+    comp = Comp((Accum(c, (0, 1), "+", apply("mul", Get(a, (0, 2)), Get(w, (1, 2))), (40, 20, 30)),
+                 Accum(d, (0, 1), "+", apply("mul", Get(a, (2, 0)), Get(c, (2, 1))), (30, 20, 40),
+                       True)))
+    rng = np.random.default_rng(0)
+    av, wv, c0 = rng.normal(size=(40, 30)), rng.normal(size=(20, 30)), rng.normal(size=(40, 20))
+    ctx = Context.cpu()
+    ctx.set_values(a, av); ctx.set_values(w, wv); ctx.set_values(c, c0)
+    ctx, r = ctx.compile(comp)
+    ctx.run(r)
+    dt = prec.numpy_dtype
+    want_c = c0.astype(dt) + av.astype(dt) @ wv.astype(dt).T
+    out[prec.value] = [float(np.abs(ctx.get_values(c) - want_c).max()),
+                       float(np.abs(ctx.get_values(d) - av.astype(dt).T @ want_c).max())]
+print(json.dumps(out))
+"""
+    env = {**os.environ, "OCANNL_BLAS": "scipy", "OCANNL_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["bits"] == 32
+    assert max(got["f32"]) < 1e-3 and max(got["f64"]) < 1e-10, got

@@ -68,9 +68,11 @@ def _blas() -> tuple[int, int, int]:
     """The Fortran-interface ``sgemm`` and ``dgemm`` the generated code calls, and the bits of
     their integer arguments: NumPy's own OpenBLAS where its wheel bundles one (the library the
     benchmarks' NumPy sgemm yardstick measures; a 256x1024 by 1024x1024 product ran at 183
-    GFLOP/s through it and 111 through SciPy's, on a 2-core Sapphire Rapids), else SciPy's."""
+    GFLOP/s through it and 111 through SciPy's, on a 2-core Sapphire Rapids), else SciPy's
+    (``OCANNL_BLAS=scipy`` chooses SciPy's)."""
     if "blas" not in _state:
-        _state["blas"] = _numpy_openblas() or (_scipy_blas("sgemm"), _scipy_blas("dgemm"), 32)
+        numpy_blas = None if os.environ.get("OCANNL_BLAS") == "scipy" else _numpy_openblas()
+        _state["blas"] = numpy_blas or (_scipy_blas("sgemm"), _scipy_blas("dgemm"), 32)
     return _state["blas"]  # type: ignore[return-value]
 
 
