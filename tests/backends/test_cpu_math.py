@@ -173,3 +173,39 @@ print(json.dumps(out))
     got = json.loads(done.stdout.strip().splitlines()[-1])
     assert got["bits"] == 32
     assert max(got["f32"]) < 1e-3 and max(got["f64"]) < 1e-10, got
+
+
+def test_a_silent_compiling_child_is_stopped_and_its_part_compiled_here(monkeypatch, tmp_path):
+    """A large routine's parts compile in forked children; one that writes nothing (stuck, say,
+    on a lock it inherited) is killed after ``CHILD_TIMEOUT_S`` and its part compiled in this
+    process, so the routine still comes out, and computes the right values."""
+    import os
+    import time
+
+    from ocannl.backends.cpu import jit
+
+    parent = os.getpid()
+    compile_here = jit._object
+
+    def stuck_in_children(text: str) -> bytes:
+        if os.getpid() != parent:
+            time.sleep(60)
+        return compile_here(text)
+
+    monkeypatch.setenv("OCANNL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(jit, "_object", stuck_in_children)
+    monkeypatch.setattr(jit, "CHILD_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(jit, "workers", lambda: 2)
+    n = 200  # 200 separate items (each its own space): more than two parts' worth
+    xs = [Tnode(f"x{k}", (k + 1,), Precision.f32) for k in range(n)]
+    ys = [Tnode(f"y{k}", (k + 1,), Precision.f32) for k in range(n)]
+    comp = Comp(tuple(Accum(y, (0,), "=", apply("exp", Get(x, (0,))), (x.size,))
+                      for x, y in zip(xs, ys, strict=True)))
+    ctx = Context.cpu()
+    for x in xs:
+        ctx.set_values(x, np.full(x.size, 0.5, np.float32))
+    t0 = time.perf_counter()
+    ctx, r = ctx.compile(comp)
+    assert time.perf_counter() - t0 < 30
+    ctx.run(r)
+    assert all(np.allclose(ctx.get_values(y), np.exp(0.5)) for y in ys)

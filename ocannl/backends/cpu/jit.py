@@ -19,6 +19,8 @@ import hashlib
 import json
 import os
 import platform
+import select
+import signal
 import tempfile
 import threading
 from pathlib import Path
@@ -326,11 +328,27 @@ def _fork_compile(text: str) -> tuple[int, int] | None:
     return pid, read
 
 
+# A child that has written nothing for this long is stopped and its module compiled here (a
+# fork can inherit a lock another thread held, and wait on it for ever).
+CHILD_TIMEOUT_S = 300.0
+
+
 def _collect(pid: int, read: int) -> bytes | None:
-    """The object a child wrote, or None when it failed."""
-    with os.fdopen(read, "rb") as pipe:
-        data = pipe.read()
+    """The object a child wrote, or None when it failed or went silent."""
+    chunks = []
+    with os.fdopen(read, "rb", buffering=0) as pipe:
+        while True:
+            ready, _, _ = select.select([pipe], [], [], CHILD_TIMEOUT_S)
+            if not ready:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                return None
+            chunk = pipe.read(1 << 20)
+            if not chunk:
+                break
+            chunks.append(chunk)
     _, status = os.waitpid(pid, 0)
+    data = b"".join(chunks)
     return data if status == 0 and data else None
 
 
