@@ -3,7 +3,7 @@
 Each op carries its arity and its C template (``c``, for the CUDA kernels): ``{0}``, ``{1}``,
 ``{2}`` stand for the already-rendered operands, ``{zero}`` and ``{one}`` for literals of the
 computation's precision (so f32 code stays f32). The CPU backend builds the same meaning as
-LLVM IR (``backends/cpu/codegen.py``, one entry per op, checked against :func:`reference`).
+LLVM IR (``backends/cpu/scalar.py``, one entry per op, checked against :func:`reference`).
 Both are written so that NaN and infinities propagate the way PyTorch's ops do (``relu(nan)``
 is ``nan``), which the non-finite gradient checks rely on.
 """

@@ -1,4 +1,4 @@
-"""The CPU backend's own f32 ``exp``, ``tanh`` and ``erf`` (``cpu/codegen.py``: f64 arithmetic that
+"""The CPU backend's own f32 ``exp``, ``tanh`` and ``erf`` (``cpu/scalar.py``: f64 arithmetic that
 vectorizes, where libm's are scalar calls): within one ulp of the f64 result rounded to f32,
 over a dense grid, the subnormal and overflow edges and the special values, in a vectorized
 loop and in its scalar remainder alike."""

@@ -25,9 +25,9 @@ BINARY = [name for name, op in OPS.items() if op.arity == 2]
 
 
 def test_op_table_is_complete():
-    """Every op the DSL needs has a C template, an LLVM IR builder (the CPU backend's) and a
-    NumPy reference."""
-    from ocannl.backends.cpu.codegen import IR_OPS as LLVM_OPS
+    """Every op the DSL needs has a C template, an LLVM IR builder (the CPU backend's, in
+    ``cpu/scalar.py``) and a NumPy reference."""
+    from ocannl.backends.cpu.scalar import IR_OPS as LLVM_OPS
 
     needed = {"add", "sub", "mul", "div", "pow", "max", "eq", "gt", "neg", "relu", "exp", "log",
               "tanh", "sigmoid", "sqrt", "isfinite", "where"}

@@ -25,23 +25,34 @@ from pathlib import Path
 import numpy as np
 from llvmlite import ir
 
+from ocannl.backends.cpu import scalar as scalar_module
+from ocannl.backends.cpu.scalar import (
+    F16,
+    F32,
+    F64,
+    I16,
+    I32,
+    I64,
+    IR_OPS,
+    const_int,
+    convert,
+    f16_to_f32_hw,
+    f16_to_f32_soft,
+    f32_to_bf16,
+    f32_to_f16_hw,
+    f32_to_f16_soft,
+)
 from ocannl.ir import ops as ops_module
 from ocannl.ir.assignments import Affine, Apply, Const, Expr, Fixed, Get, Projection, reads
 from ocannl.ir.lowering import Fill, Gemm, LoopGroup, LoopNest, Lowered, MatrixView
-from ocannl.ir.ops import ACCUMS, HASH_BITS, HASH_G, Precision
+from ocannl.ir.ops import ACCUMS, Precision
 from ocannl.ir.tnode import Tnode
 
-I1, I16, I32, I64 = ir.IntType(1), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 _VOID_P = ir.IntType(8).as_pointer()
-F16, F32, F64 = ir.HalfType(), ir.FloatType(), ir.DoubleType()
 _FLOAT = {Precision.f32: F32, Precision.f64: F64}
 _ELEM = {Precision.f64: F64, Precision.f32: F32, Precision.f16: I16, Precision.bf16: I16}
 # The BLAS routines, resolved by the JIT (``jit.py`` maps these names to SciPy's BLAS).
 GEMM_SYMBOLS = {F32: "ocannl_sgemm", F64: "ocannl_dgemm"}
-
-
-def _int(v: int, ty: ir.IntType = I64) -> ir.Constant:
-    return ir.Constant(ty, v)
 
 
 @dataclass(frozen=True)
@@ -130,7 +141,7 @@ class RoutineIR:
         k = self.scratch.setdefault((size, role, elem), len(self.scratch))
         if k not in self.scratch_pointers:
             e = self.entry
-            address = e.load(e.gep(self.table, [_int(len(self.nodes) + k)]))
+            address = e.load(e.gep(self.table, [const_int(len(self.nodes) + k)]))
             self.scratch_pointers[k] = e.inttoptr(address, elem.as_pointer())
         return self.scratch_pointers[k]
 
@@ -154,7 +165,7 @@ class RoutineIR:
         """``for i in range(lo)``, or ``range(lo, hi)``, never empty, as a bottom-tested loop
         over an i64."""
         if hi is None:
-            lo, hi = _int(0), _int(lo)
+            lo, hi = const_int(0), const_int(lo)
         b = self.b
         before = b.block
         head = self.fn.append_basic_block("loop")
@@ -164,7 +175,7 @@ class RoutineIR:
         i = b.phi(I64)
         i.add_incoming(lo, before)
         yield i
-        nxt = b.add(i, _int(1), flags=["nuw", "nsw"])
+        nxt = b.add(i, const_int(1), flags=["nuw", "nsw"])
         i.add_incoming(nxt, b.block)
         b.cbranch(b.icmp_unsigned("<", nxt, hi), head, after)
         b.position_at_end(after)
@@ -191,7 +202,7 @@ class RoutineIR:
         self.fn = entry
         table = entry.args[0]
         used = sorted({k for _, slots, _ in self.calls for k in slots})
-        pointers = {k: b.inttoptr(b.load(b.gep(table, [_int(k)])),
+        pointers = {k: b.inttoptr(b.load(b.gep(table, [const_int(k)])),
                                   _ELEM[self.nodes[k].prec].as_pointer()) for k in used}
         for fn, slots, split in self.calls:
             args = [table, *(pointers[k] for k in slots)]
@@ -199,7 +210,7 @@ class RoutineIR:
                 b.call(fn, args)
                 continue
             count = min(self.threads, split)
-            cuts = [_int(split * t // count) for t in range(count + 1)]
+            cuts = [const_int(split * t // count) for t in range(count + 1)]
             started = [self._start(fn, [*args, cuts[t], cuts[t + 1]]) for t in range(1, count)]
             b.call(fn, [*args, cuts[0], cuts[1]])
             for t, (tid, status) in enumerate(started, start=1):
@@ -256,11 +267,11 @@ class RoutineIR:
         """16-bit pattern -> f32, exact."""
         b = self.b
         if prec is Precision.bf16:
-            return b.bitcast(b.shl(b.zext(bits, I32), _int(16, I32)), F32)
+            return b.bitcast(b.shl(b.zext(bits, I32), const_int(16, I32)), F32)
         if not self.hardware_f16:
-            return _f16_to_f32_soft(b, bits)
+            return f16_to_f32_soft(b, bits)
         if self.copying:
-            return _f16_to_f32_hw(b, bits)
+            return f16_to_f32_hw(b, bits)
         return b.fpext(b.bitcast(bits, F16), F32)
 
     def narrow(self, value: ir.Value, prec: Precision) -> ir.Value:
@@ -269,11 +280,11 @@ class RoutineIR:
         if value.type == F64:
             value = b.fptrunc(value, F32)
         if prec is Precision.bf16:
-            return _f32_to_bf16(b, value)
+            return f32_to_bf16(b, value)
         if not self.hardware_f16:
-            return _f32_to_f16_soft(b, value)
+            return f32_to_f16_soft(b, value)
         if self.copying:
-            return _f32_to_f16_hw(b, value)
+            return f32_to_f16_hw(b, value)
         return b.bitcast(b.fptrunc(value, F16), I16)
 
     # --- loads, stores, expressions ----------------------------------------------------------
@@ -288,9 +299,9 @@ class RoutineIR:
                 const += i.pos * stride
             elif dim > 1:  # along an axis of one cell, an in-bounds position is 0
                 at = self.affine(i, iters) if isinstance(i, Affine) else iters[i]
-                terms.append(at if stride == 1 else b.mul(at, _int(stride), flags=["nsw"]))
+                terms.append(at if stride == 1 else b.mul(at, const_int(stride), flags=["nsw"]))
         if const or not terms:
-            terms.append(_int(const))
+            terms.append(const_int(const))
         total = terms[0]
         for t in terms[1:]:
             total = b.add(total, t, flags=["nsw"])
@@ -298,10 +309,10 @@ class RoutineIR:
 
     def affine(self, a: Affine, iters: dict[int, ir.Value]) -> ir.Value:
         b = self.b
-        total: ir.Value = _int(a.offset)
+        total: ir.Value = const_int(a.offset)
         for c, i in a.terms:
             if c:
-                total = b.add(total, b.mul(iters[i], _int(c)))
+                total = b.add(total, b.mul(iters[i], const_int(c)))
         return total
 
     def in_bounds(self, node: Tnode, idx: Projection, space: tuple[int, ...],
@@ -315,8 +326,8 @@ class RoutineIR:
                 continue
             lo, hi = i.bounds(space)
             at = self.affine(i, iters)
-            for c in ([b.icmp_signed(">=", at, _int(0))] if lo < 0 else []) + \
-                     ([b.icmp_signed("<", at, _int(dim))] if hi >= dim else []):
+            for c in ([b.icmp_signed(">=", at, const_int(0))] if lo < 0 else []) + \
+                     ([b.icmp_signed("<", at, const_int(dim))] if hi >= dim else []):
                 cond = c if cond is None else b.and_(cond, c)
         return cond
 
@@ -328,7 +339,7 @@ class RoutineIR:
         off = self.offset(node, idx, iters)
         cond = self.in_bounds(node, idx, space, iters)
         if cond is not None:
-            off = b.select(cond, off, _int(0))
+            off = b.select(cond, off, const_int(0))
         if node.id in self.redirect:
             value = b.load(b.gep(self.redirect[node.id], [off]))
         else:
@@ -342,12 +353,12 @@ class RoutineIR:
     def store(self, node: Tnode, off: ir.Value, value: ir.Value) -> None:
         b = self.b
         if node.id in self.redirect:
-            b.store(_convert(b, value, F32), b.gep(self.redirect[node.id], [off]))
+            b.store(convert(b, value, F32), b.gep(self.redirect[node.id], [off]))
             return
         if node.prec.is_narrow:
             value = self.narrow(value, node.prec)
         else:
-            value = _convert(b, value, _FLOAT[node.prec])
+            value = convert(b, value, _FLOAT[node.prec])
         b.store(value, b.gep(self.buffer(node), [off]))
 
     def expr(self, e: Expr, compute: ir.Type, space: tuple[int, ...],
@@ -478,7 +489,7 @@ class RoutineIR:
         if not order:
             body()
             return
-        bounds = self.range if outer and self.range else (_int(0), _int(space[order[0]]))
+        bounds = self.range if outer and self.range else (const_int(0), const_int(space[order[0]]))
         with self.loop(*bounds) as i:
             iters[order[0]] = i
             self._loops(order[1:], space, iters, body)
@@ -522,7 +533,7 @@ class RoutineIR:
         def inner() -> None:
             value = self.expr(a.expr, compute, space, iters)
             new = self.combine(a.accum, self.b.load(acc), value, compute)
-            self.b.store(_convert(self.b, new, compute), acc)
+            self.b.store(convert(self.b, new, compute), acc)
 
         self._loops(list(nest.red), space, iters, inner)
         result = self.b.load(acc)
@@ -544,7 +555,7 @@ class RoutineIR:
         neutral = ACCUMS[a.accum]
 
         def cell(i: ir.Value) -> ir.Value:
-            return b.gep(row, [_int(0), i])
+            return b.gep(row, [const_int(0), i])
 
         with self.loop(n) as i:
             b.store(ir.Constant(compute, 0.0 if neutral is None else neutral), cell(i))
@@ -554,7 +565,7 @@ class RoutineIR:
                 iters[last] = i
                 value = self.expr(a.expr, compute, space, iters)
                 new = self.combine(a.accum, b.load(cell(i)), value, compute)
-                b.store(_convert(b, new, compute), cell(i))
+                b.store(convert(b, new, compute), cell(i))
 
         self._loops(list(nest.red), space, iters, inner)
         with self.loop(n) as i:
@@ -594,7 +605,7 @@ class RoutineIR:
         with self.loop(*(self.range if ranged and self.range else (size,))) as i:
             v = b.load(b.gep(src, [i]))
             v = self.widen(v, src_prec) if src_prec.is_narrow else v
-            b.store(_convert(b, v, dst.type.pointee), b.gep(dst, [i]))
+            b.store(convert(b, v, dst.type.pointee), b.gep(dst, [i]))
 
     def narrow_into(self, src: ir.Value, dst: ir.Value, prec: Precision, size: int,
                     ranged: bool = False) -> None:
@@ -627,20 +638,21 @@ class RoutineIR:
             return slot
 
         char = ir.IntType(8)
-        rows = by_ref(_int(m, self.blas_int))
-        first = (_int(0), _int(0), _int(0))
+        rows = by_ref(const_int(m, self.blas_int))
+        first = (const_int(0), const_int(0), const_int(0))
         if self.range and not g.batch:  # this thread's rows of the product
             lo, hi = self.range
             b.store(b.trunc(b.sub(hi, lo), self.blas_int) if self.blas_int != I64 else
                     b.sub(hi, lo), rows)
-            first = (b.mul(lo, _int(g.out_ld)), b.mul(lo, _int(1 if g.a.transposed else g.a.ld)),
-                     _int(0))
+            a_step = 1 if g.a.transposed else g.a.ld
+            first = (b.mul(lo, const_int(g.out_ld)), b.mul(lo, const_int(a_step)), const_int(0))
         fixed = [by_ref(ir.Constant(char, ord(op_b))), by_ref(ir.Constant(char, ord(op_a))),
-                 by_ref(_int(n, self.blas_int)), rows, by_ref(_int(k, self.blas_int)),
+                 by_ref(const_int(n, self.blas_int)), rows, by_ref(const_int(k, self.blas_int)),
                  by_ref(ir.Constant(compute, 1.0))]
-        ld_b, ld_a = by_ref(_int(g.b.ld, self.blas_int)), by_ref(_int(g.a.ld, self.blas_int))
+        ld_b = by_ref(const_int(g.b.ld, self.blas_int))
+        ld_a = by_ref(const_int(g.a.ld, self.blas_int))
         beta_ref = by_ref(ir.Constant(compute, beta))
-        ld_out = by_ref(_int(g.out_ld, self.blas_int))
+        ld_out = by_ref(const_int(g.out_ld, self.blas_int))
         gemm = self._gemm_function(compute)
 
         def call(offsets: tuple[ir.Value, ir.Value, ir.Value]) -> None:
@@ -657,7 +669,7 @@ class RoutineIR:
             axis = axes[0]
             ranged = self.range if self.range and len(axes) == len(g.batch) else (axis.size,)
             with self.loop(*ranged) as i:
-                step = [b.mul(i, _int(st), flags=["nsw"]) for st in (axis.out, axis.a, axis.b)]
+                step = [b.mul(i, const_int(st), flags=["nsw"]) for st in (axis.out, axis.a, axis.b)]
                 over(axes[1:], tuple(b.add(o, d, flags=["nsw"])
                                      for o, d in zip(offsets, step, strict=True)))
 
@@ -709,10 +721,10 @@ def routine_ir(code: list[Lowered], nodes: list[Tnode], target: Target
     return modules, [(size, "f32" if ty == F32 else "f64") for size, _, ty in scratch]
 
 
-# The code generator's own version: its source and the op table's (the hash constants). A
-# cached routine compiled by other code is not reused.
-_VERSION = hashlib.sha256(Path(__file__).read_bytes()
-                          + Path(ops_module.__file__).read_bytes()).hexdigest()[:16]
+# The code generator's own version: its source, its scalar code's and the op table's (the hash
+# constants). A cached routine compiled by other code is not reused.
+_VERSION = hashlib.sha256(b"".join(Path(f).read_bytes() for f in (
+    __file__, scalar_module.__file__, ops_module.__file__))).hexdigest()[:16]
 
 
 def signature(code: list[Lowered], nodes: list[Tnode], target: Target) -> str:
@@ -816,311 +828,3 @@ def _used(item: Lowered) -> list[Tnode]:
         return [item.assign.lhs, item.a.node, item.b.node]
     return [n for nest in item.nests
             for n in (nest.assign.lhs, *(g.node for g in reads(nest.assign.expr)))]
-
-
-# --- scalar ops: the op table's meaning, as IR -----------------------------------------------
-
-
-def _convert(b: ir.IRBuilder, v: ir.Value, ty: ir.Type) -> ir.Value:
-    if v.type == ty:
-        return v
-    return b.fpext(v, ty) if ty == F64 else b.fptrunc(v, ty)
-
-
-def _unify(b: ir.IRBuilder, *vs: ir.Value) -> list[ir.Value]:
-    """Widen f32 operands meeting an f64 one (C's usual arithmetic conversions)."""
-    ty = F64 if any(v.type == F64 for v in vs) else vs[0].type
-    return [_convert(b, v, ty) for v in vs]
-
-
-def _binary(name: str) -> Callable:
-    def op(r: RoutineIR, compute: ir.Type, x: ir.Value, y: ir.Value) -> ir.Value:
-        x, y = _unify(r.b, x, y)
-        return getattr(r.b, name)(x, y)
-    return op
-
-
-def _compare(cmp: str, ordered: bool = True) -> Callable:
-    def op(r: RoutineIR, compute: ir.Type, x: ir.Value, y: ir.Value) -> ir.Value:
-        x, y = _unify(r.b, x, y)
-        test = (r.b.fcmp_ordered if ordered else r.b.fcmp_unordered)(cmp, x, y)
-        return r.b.select(test, ir.Constant(compute, 1.0), ir.Constant(compute, 0.0))
-    return op
-
-
-def _extremum(cmp: str) -> Callable:
-    """max / min: ``x`` where ``x cmp y`` or ``x`` is NaN, else ``y`` (NaN propagates)."""
-    def op(r: RoutineIR, compute: ir.Type, x: ir.Value, y: ir.Value) -> ir.Value:
-        b = r.b
-        x, y = _unify(b, x, y)
-        keep = b.or_(b.fcmp_ordered(cmp, x, y), b.fcmp_unordered("uno", x, x))
-        return b.select(keep, x, y)
-    return op
-
-
-def _call(name: str) -> Callable:
-    def op(r: RoutineIR, compute: ir.Type, x: ir.Value) -> ir.Value:
-        return r.b.call(r.function(name, x.type), [x])
-    return op
-
-
-# f32 exp (and what builds on it) computed in f64 with plain arithmetic, so that loops calling
-# it vectorize (libm's expf is a scalar call): n = round(x / ln 2), r = x - n ln 2 (|r| <=
-# ln 2 / 2), e^r by its Taylor polynomial to r^11 (remainder below 2e-13 relative), times 2^n
-# built from exponent bits; rounding that f64 to f32 is within an ulp of e^x (the test checks
-# against NumPy's f64 exp). Beyond [-104, 89] the result is 0 or inf; NaN stays NaN.
-_EXP_TERMS = 11
-_LN2 = math.log(2.0)
-
-
-def _horner(r: RoutineIR, t: ir.Value, coefs: list[float]) -> ir.Value:
-    """``sum(coefs[k] * t**k)`` in f64, by Horner's rule with fused multiply-adds where the
-    CPU has them (``llvm.fmuladd``: these polynomials' error budget allows either)."""
-    key = ("llvm.fmuladd", F64)
-    if key not in r.functions:
-        r.functions[key] = ir.Function(r.module, ir.FunctionType(F64, [F64, F64, F64]),
-                                       "llvm.fmuladd.f64")
-    fma = r.functions[key]
-    acc = ir.Constant(F64, coefs[-1])
-    for c in reversed(coefs[:-1]):
-        acc = r.b.call(fma, [acc, t, ir.Constant(F64, c)])
-    return acc
-
-
-def _exp_f32(r: RoutineIR, x: ir.Value) -> ir.Value:
-    value = r.b.fptrunc(_exp_wide(r, r.b.fpext(x, F64)), F32)
-    return r.b.select(r.b.fcmp_unordered("uno", x, x), x, value)
-
-
-def _exp_wide(r: RoutineIR, xd: ir.Value) -> ir.Value:
-    """e^xd in f64 for an f64 holding an f32 (0 below -104, beyond f32's range above 89)."""
-    b = r.b
-    clamped = b.select(b.fcmp_ordered("<", xd, ir.Constant(F64, -104.0)),
-                       ir.Constant(F64, -104.0),
-                       b.select(b.fcmp_ordered(">", xd, ir.Constant(F64, 89.0)),
-                                ir.Constant(F64, 89.0), xd))
-    rint = r.functions.setdefault(("llvm.rint", F64), r.module.declare_intrinsic("llvm.rint",
-                                                                                  [F64]))
-    n = b.call(rint, [b.fmul(clamped, ir.Constant(F64, 1.0 / _LN2))])
-    red = b.fsub(clamped, b.fmul(n, ir.Constant(F64, _LN2)))
-    poly = _horner(r, red, [1.0 / math.factorial(k) for k in range(_EXP_TERMS + 1)])
-    scale = b.bitcast(b.shl(b.add(b.fptosi(n, I64), _int(1023)), _int(52)), F64)
-    return b.fmul(poly, scale)
-
-
-def _exp(r: RoutineIR, compute: ir.Type, x: ir.Value) -> ir.Value:
-    if x.type == F32:
-        return _exp_f32(r, x)
-    return r.b.call(r.function("llvm.exp", x.type), [x])
-
-
-def _tanh(r: RoutineIR, compute: ir.Type, x: ir.Value) -> ir.Value:
-    """f32: ``1 - 2 / (e^(2x) + 1)`` through the vectorizable exp, in f64 (``x`` itself where
-    |x| < 2^-12, whose cube is below half an ulp; the sign kept for large |x|)."""
-    if x.type != F32:
-        return r.b.call(r.function("tanh", x.type), [x])
-    b = r.b
-    e = _exp_wide(r, b.fmul(b.fpext(x, F64), ir.Constant(F64, 2.0)))
-    one = ir.Constant(F64, 1.0)
-    value = b.fptrunc(b.fsub(one, b.fdiv(ir.Constant(F64, 2.0), b.fadd(e, one))), F32)
-    small = b.fcmp_unordered("<", b.call(r.function("llvm.fabs", F32), [x]),
-                             ir.Constant(F32, 2.0 ** -12))
-    return b.select(small, x, value)  # a NaN too
-
-
-# f32 erf in f64 arithmetic, for the same reason: below 3.919206 (from where erf rounds to 1 in
-# f32) its Maclaurin series in x^2 to the 60th term (the alternating terms cancel by at most 6
-# of f64's 16 digits there; the first term left out is below 1e-12 of the sum), else +-1.
-_ERF_TERMS = 60
-_ERF_ONE = 3.919206
-
-
-def _erf(r: RoutineIR, compute: ir.Type, x: ir.Value) -> ir.Value:
-    if x.type != F32:
-        return r.b.call(r.function("erf", x.type), [x])
-    b = r.b
-    xd = b.fpext(x, F64)
-    z = b.fmul(xd, xd)
-    series = _horner(r, z, [(-1) ** n / (math.factorial(n) * (2 * n + 1))
-                            for n in range(_ERF_TERMS + 1)])
-    value = b.fptrunc(b.fmul(b.fmul(series, xd), ir.Constant(F64, 2.0 / math.sqrt(math.pi))),
-                      F32)
-    one = b.select(b.fcmp_ordered("<", x, ir.Constant(F32, 0.0)), ir.Constant(F32, -1.0),
-                   ir.Constant(F32, 1.0))
-    beyond = b.fcmp_ordered(">=", b.call(r.function("llvm.fabs", F32), [x]),
-                            ir.Constant(F32, _ERF_ONE))
-    return b.select(beyond, one, value)  # a NaN stays NaN (the series of a NaN)
-
-
-def _pow(r: RoutineIR, compute: ir.Type, x: ir.Value, y: ir.Value) -> ir.Value:
-    x, y = _unify(r.b, x, y)
-    fn = r.functions.setdefault(("llvm.pow", x.type),
-                                r.module.declare_intrinsic("llvm.pow", [x.type]))
-    return r.b.call(fn, [x, y])
-
-
-def _relu(r: RoutineIR, compute: ir.Type, x: ir.Value) -> ir.Value:
-    zero = ir.Constant(x.type, 0.0)
-    return r.b.select(r.b.fcmp_ordered("<", x, zero), zero, x)
-
-
-def _sigmoid(r: RoutineIR, compute: ir.Type, x: ir.Value) -> ir.Value:
-    b = r.b
-    one = ir.Constant(x.type, 1.0)
-    e = _exp(r, compute, b.fneg(x))
-    return b.fdiv(one, b.fadd(one, e))
-
-
-def _isfinite(r: RoutineIR, compute: ir.Type, x: ir.Value) -> ir.Value:
-    b = r.b
-    magnitude = b.call(r.function("llvm.fabs", x.type), [x])
-    finite = b.fcmp_ordered("!=", magnitude, ir.Constant(x.type, math.inf))
-    return b.select(finite, ir.Constant(compute, 1.0), ir.Constant(compute, 0.0))
-
-
-def _where(r: RoutineIR, compute: ir.Type, c: ir.Value, x: ir.Value, y: ir.Value) -> ir.Value:
-    b = r.b
-    x, y = _unify(b, x, y)
-    return b.select(b.fcmp_unordered("!=", c, ir.Constant(c.type, 0.0)), x, y)
-
-
-# Integer hashing (see ``ops.HASH_BITS``): operands are read as integers, modulo 2**52.
-_MASK = (1 << HASH_BITS) - 1
-
-
-def _u(b: ir.IRBuilder, x: ir.Value) -> ir.Value:
-    """``x`` truncated to an unsigned integer; 0 for a negative, non-finite or >= 2**53 one."""
-    ok = b.and_(b.fcmp_ordered(">=", x, ir.Constant(x.type, 0.0)),
-                b.fcmp_ordered("<", x, ir.Constant(x.type, 9007199254740992.0)))
-    return b.select(ok, b.fptoui(x, I64), _int(0))
-
-
-def _hash_add(r: RoutineIR, compute: ir.Type, s: ir.Value, v: ir.Value) -> ir.Value:
-    b = r.b
-    step = b.mul(b.add(_u(b, v), _int(1)), _int(HASH_G))
-    return b.uitofp(b.and_(b.add(_u(b, s), step), _int(_MASK)), compute)
-
-
-def _hash_xsm(r: RoutineIR, compute: ir.Type, x: ir.Value, shift: ir.Value,
-              mult: ir.Value) -> ir.Value:
-    b = r.b
-    ux = _u(b, x)
-    mixed = b.xor(ux, b.lshr(ux, b.and_(_u(b, shift), _int(63))))
-    return b.uitofp(b.and_(b.mul(mixed, _u(b, mult)), _int(_MASK)), compute)
-
-
-def _hash_unit(r: RoutineIR, compute: ir.Type, x: ir.Value) -> ir.Value:
-    b = r.b
-    top = b.uitofp(b.lshr(_u(b, x), _int(HASH_BITS - 24)), compute)
-    return b.fdiv(top, ir.Constant(compute, 16777216.0))
-
-
-IR_OPS: dict[str, Callable[..., ir.Value]] = {
-    "add": _binary("fadd"),
-    "sub": _binary("fsub"),
-    "mul": _binary("fmul"),
-    "div": _binary("fdiv"),
-    "pow": _pow,
-    "max": _extremum(">="),
-    "min": _extremum("<="),
-    "eq": _compare("=="),
-    "gt": _compare(">"),
-    "lt": _compare("<"),
-    "le": _compare("<="),
-    "ge": _compare(">="),
-    "ne": _compare("!=", ordered=False),
-    "neg": lambda r, compute, x: r.b.fneg(x),
-    "relu": _relu,
-    "exp": _exp,
-    "log": _call("llvm.log"),
-    "sqrt": _call("llvm.sqrt"),
-    "abs": _call("llvm.fabs"),
-    "tanh": _tanh,
-    "erf": _erf,
-    "sigmoid": _sigmoid,
-    "isfinite": _isfinite,
-    "where": _where,
-    "hash_add": _hash_add,
-    "hash_xsm": _hash_xsm,
-    "hash_unit": _hash_unit,
-}
-
-
-# --- 16-bit conversions ----------------------------------------------------------------------
-# Exact both ways, ties to even, subnormals and infinities exact; a NaN converts as NumPy (f16:
-# payload kept, unquieted) and ml_dtypes (bf16: the signed canonical quiet NaN) convert it.
-# The integer versions have no branches (every case computed, one selected) so loops calling
-# them vectorize.
-
-
-def _c32(v: int) -> ir.Constant:
-    return ir.Constant(I32, v)
-
-
-def _f16_to_f32_hw(b: ir.IRBuilder, h: ir.Value) -> ir.Value:
-    hw = b.bitcast(b.fpext(b.bitcast(h, F16), F32), I32)
-    return b.bitcast(b.select(*_f16_nan(b, h), hw), F32)
-
-
-def _f16_nan(b: ir.IRBuilder, h: ir.Value) -> tuple[ir.Value, ir.Value]:
-    """Whether ``h`` is a NaN, and its f32 pattern with the payload kept as is."""
-    h32 = b.zext(h, I32)
-    is_nan = b.icmp_unsigned(">", b.and_(h32, _c32(0x7FFF)), _c32(0x7C00))
-    sign = b.shl(b.and_(h32, _c32(0x8000)), _c32(16))
-    payload = b.shl(b.and_(h32, _c32(0x3FF)), _c32(13))
-    return is_nan, b.or_(b.or_(sign, _c32(0x7F800000)), payload)
-
-
-def _f16_to_f32_soft(b: ir.IRBuilder, h: ir.Value) -> ir.Value:
-    h32 = b.zext(h, I32)
-    sign = b.shl(b.and_(h32, _c32(0x8000)), _c32(16))
-    em = b.and_(h32, _c32(0x7FFF))
-    normal = b.add(b.shl(em, _c32(13)), _c32(0x38000000))  # re-bias the exponent by 127 - 15
-    special = b.add(b.shl(em, _c32(13)), _c32(0x70000000))  # inf / NaN: payload kept
-    tiny = b.bitcast(b.fmul(b.uitofp(em, F32), ir.Constant(F32, 2.0**-24)), I32)  # exact
-    bits = b.select(b.icmp_unsigned(">=", em, _c32(0x7C00)), special,
-                    b.select(b.icmp_unsigned(">=", em, _c32(0x400)), normal, tiny))
-    return b.bitcast(b.or_(bits, sign), F32)
-
-
-def _f16_nan_from_f32(b: ir.IRBuilder, f: ir.Value) -> tuple[ir.Value, ir.Value, ir.Value]:
-    """The pattern ``f`` as i32, its magnitude bits, and its f16 NaN (top payload bits kept,
-    at least one set, sign kept)."""
-    bits = b.bitcast(f, I32)
-    a = b.and_(bits, _c32(0x7FFFFFFF))
-    payload = b.and_(b.lshr(a, _c32(13)), _c32(0x3FF))
-    payload = b.select(b.icmp_unsigned("==", payload, _c32(0)), _c32(1), payload)
-    sign = b.and_(b.lshr(bits, _c32(16)), _c32(0x8000))
-    return bits, a, b.or_(b.or_(sign, _c32(0x7C00)), payload)
-
-
-def _f32_to_f16_hw(b: ir.IRBuilder, f: ir.Value) -> ir.Value:
-    hw = b.bitcast(b.fptrunc(f, F16), I16)
-    _, a, nan = _f16_nan_from_f32(b, f)
-    return b.select(b.icmp_unsigned(">", a, _c32(0x7F800000)), b.trunc(nan, I16), hw)
-
-
-def _f32_to_f16_soft(b: ir.IRBuilder, f: ir.Value) -> ir.Value:
-    bits, a, nan = _f16_nan_from_f32(b, f)
-    sign = b.and_(b.lshr(bits, _c32(16)), _c32(0x8000))
-    odd = b.and_(b.lshr(a, _c32(13)), _c32(1))
-    # Normal range: re-bias, then round to nearest even by adding just under half an ulp.
-    normal = b.lshr(b.add(b.add(b.sub(a, _c32(0x38000000)), _c32(0xFFF)), odd), _c32(13))
-    # Below 2**-14: adding 0.5 makes the FPU round at the f16 subnormal quantum (2**-24).
-    tiny = b.sub(b.bitcast(b.fadd(b.bitcast(a, F32), ir.Constant(F32, 0.5)), I32),
-                 _c32(0x3F000000))
-    h = b.select(b.icmp_unsigned(">", a, _c32(0x7F800000)), nan,
-                 b.select(b.icmp_unsigned(">=", a, _c32(0x477FF000)),
-                          b.or_(_c32(0x7C00), sign),
-                          b.or_(b.select(b.icmp_unsigned(">=", a, _c32(0x38800000)), normal,
-                                         tiny), sign)))
-    return b.trunc(h, I16)
-
-
-def _f32_to_bf16(b: ir.IRBuilder, f: ir.Value) -> ir.Value:
-    bits = b.bitcast(f, I32)
-    nan = b.or_(b.and_(b.lshr(bits, _c32(16)), _c32(0x8000)), _c32(0x7FC0))
-    odd = b.and_(b.lshr(bits, _c32(16)), _c32(1))
-    rounded = b.lshr(b.add(b.add(bits, _c32(0x7FFF)), odd), _c32(16))
-    is_nan = b.icmp_unsigned(">", b.and_(bits, _c32(0x7FFFFFFF)), _c32(0x7F800000))
-    return b.trunc(b.select(is_nan, nan, rounded), I16)
