@@ -23,6 +23,7 @@ import select
 import signal
 import tempfile
 import threading
+import warnings
 from pathlib import Path
 
 import llvmlite
@@ -73,9 +74,20 @@ def _blas() -> tuple[int, int, int]:
     GFLOP/s through it and 111 through SciPy's, on a 2-core Sapphire Rapids), else SciPy's
     (``OCANNL_BLAS=scipy`` chooses SciPy's)."""
     if "blas" not in _state:
-        numpy_blas = None if os.environ.get("OCANNL_BLAS") == "scipy" else _numpy_openblas()
+        choice = os.environ.get("OCANNL_BLAS", "").strip()
+        if choice not in ("", "numpy", "scipy"):
+            raise ValueError(f"OCANNL_BLAS={choice!r}: expected 'numpy' (NumPy's bundled "
+                             "OpenBLAS, the default where there is one) or 'scipy'")
+        numpy_blas = None if choice == "scipy" else _numpy_openblas()
+        if choice == "numpy" and numpy_blas is None:
+            raise ValueError("OCANNL_BLAS='numpy': this NumPy bundles no OpenBLAS with the "
+                             "routines needed (scipy_sgemm_64_); unset it to use SciPy's BLAS")
         _state["blas"] = numpy_blas or (_scipy_blas("sgemm"), _scipy_blas("dgemm"), 32)
     return _state["blas"]  # type: ignore[return-value]
+
+
+def _blas_name() -> str:
+    return "NumPy's OpenBLAS" if _blas()[2] == 64 else "SciPy's BLAS"
 
 
 def _blas_threads() -> tuple[int, int] | None:
@@ -123,12 +135,27 @@ def _scipy_blas(name: str) -> int:
     return get_pointer(capsule, get_name(capsule))
 
 
+def _env_count(name: str) -> int | None:
+    """A positive integer from the environment variable ``name``, None when it is unset or
+    empty; ``ValueError`` naming the variable and its value otherwise."""
+    given = os.environ.get(name, "").strip()
+    if not given:
+        return None
+    try:
+        value = int(given)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"{name}={given!r}: expected a whole number of at least 1")
+    return value
+
+
 def workers() -> int:
     """How many parts a large routine is cut into and compiled at once: this process's cores,
     at most 8 (``OCANNL_COMPILE_WORKERS`` overrides)."""
-    given = os.environ.get("OCANNL_COMPILE_WORKERS")
-    if given:
-        return max(1, int(given))
+    given = _env_count("OCANNL_COMPILE_WORKERS")
+    if given is not None:
+        return given
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:
@@ -144,9 +171,15 @@ def threads() -> int:
     took the transformer's f32 step from 45.7 to 35.0 ms, but the wide MLP's from 11.3 to
     15.0 ms (OpenBLAS shares its packed operands between its own threads, not between ours)
     and the convnet's from 2.39 to 2.63 ms (a thread is started per shared item)."""
-    given = os.environ.get("OCANNL_THREADS")
-    wanted = max(1, int(given)) if given else 1
-    return wanted if _blas_threads() is not None else 1
+    wanted = _env_count("OCANNL_THREADS") or 1
+    if wanted > 1 and _blas_threads() is None:
+        if not _state.get("threads_warned"):
+            _state["threads_warned"] = True
+            warnings.warn(f"OCANNL_THREADS={wanted}: the BLAS in use ({_blas_name()}) has no "
+                          "thread controls, so routines run on one thread", RuntimeWarning,
+                          stacklevel=2)
+        return 1
+    return wanted
 
 
 def _target_machine() -> llvm.TargetMachine:
