@@ -323,11 +323,17 @@ def test_a_cold_process_reuses_the_on_disk_cache(tmp_path):
     third = _cold(cache, 0.5)
     assert not third["from_disk"]
     assert len(list(folder.glob("*.objects"))) == 2
-    # A damaged cache file is compiled again and replaced, with the same results.
-    objects[0].write_bytes(objects[0].read_bytes()[:100])
-    damaged = _cold(cache, c)
-    assert not damaged["from_disk"] and damaged["y"] == first["y"]
-    assert _cold(cache, c)["from_disk"]
+    # A damaged cache file (truncated, or one byte of machine code changed) is compiled again
+    # and replaced, with the same results.
+    whole = objects[0].read_bytes()
+    flipped = bytearray(whole)
+    flipped[-50] ^= 0x40
+    for damage in (whole[:100], bytes(flipped)):
+        objects[0].write_bytes(damage)
+        damaged = _cold(cache, c)
+        assert not damaged["from_disk"] and damaged["y"] == first["y"]
+        assert objects[0].read_bytes() == whole
+        assert _cold(cache, c)["from_disk"]
     # A different folder starts cold.
     fourth = _cold(tmp_path / "elsewhere", c)
     assert not fourth["from_disk"]

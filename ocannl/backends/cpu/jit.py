@@ -252,15 +252,21 @@ Scratch = list[tuple[int, str]]
 
 
 def _pack(scratch: Scratch, objects: list[bytes]) -> bytes:
-    """A cache file: a JSON header line (the scratch arrays, the objects' sizes), the objects."""
-    header = json.dumps({"scratch": scratch, "sizes": [len(o) for o in objects]})
-    return b"".join([header.encode(), b"\n", *objects])
+    """A cache file: a JSON header line (the scratch arrays, the objects' sizes, the SHA-256 of
+    the objects), the objects."""
+    body = b"".join(objects)
+    header = json.dumps({"scratch": scratch, "sizes": [len(o) for o in objects],
+                         "sha256": hashlib.sha256(body).hexdigest()})
+    return b"".join([header.encode(), b"\n", body])
 
 
 def _unpack(data: bytes) -> tuple[Scratch, list[bytes]]:
-    """A cache file's scratch arrays and objects; ``ValueError`` when it is not one whole."""
+    """A cache file's scratch arrays and objects; ``ValueError`` when it is not one whole
+    (truncated, or any byte changed: machine code is never loaded unverified)."""
     head, _, body = data.partition(b"\n")
     header = json.loads(head)
+    if hashlib.sha256(body).hexdigest() != header["sha256"]:
+        raise ValueError("the objects' digest does not match")
     out, at = [], 0
     for size in header["sizes"]:
         out.append(body[at:at + size])
