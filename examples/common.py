@@ -10,6 +10,7 @@ same way.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -23,7 +24,7 @@ import numpy as np
 from ocannl import Context
 
 __all__ = ["BACKENDS", "F32_MAX", "DefaultsFormatter", "ExampleParser", "batch_indices",
-           "integer", "make_context", "output_path", "real"]
+           "integer", "make_context", "output_path", "real", "recipe_extra", "restore_recipe"]
 
 BACKENDS = ("auto", "cpu", "cuda")
 
@@ -178,3 +179,18 @@ def output_path(path: Path | str | None, flag: str) -> str | None:
     if os.path.isdir(text):
         return f"{flag} {text!r:.80} is a folder: give a file name"
     return None
+
+
+def recipe_extra(config: dict, scaler: object, recipe: object) -> dict[str, str]:
+    """What a mixed-precision run's checkpoint records beside its tensors: its settings, the
+    loss scaler's state and the recipe's counters (``restore_recipe`` reads them back)."""
+    return {"config": json.dumps(config, sort_keys=True), "loss_scaler": scaler.save_state(),
+            "recipe": recipe.save_state()}
+
+
+def restore_recipe(ctx: Context, progress: object, scaler: object, recipe: object) -> Context:
+    """The loss scaler's and the recipe's state from a checkpoint's progress; ``KeyError``
+    naming what the checkpoint lacks."""
+    ctx = scaler.restore_state(ctx, progress.extra["loss_scaler"])
+    recipe.restore_state(progress.extra["recipe"])
+    return ctx

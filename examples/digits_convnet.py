@@ -25,7 +25,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import batch_indices, make_context  # noqa: E402
+from common import batch_indices, make_context, recipe_extra, restore_recipe  # noqa: E402
 
 import ocannl.tensor as T  # noqa: E402
 from ocannl import Failure, checkpoint, mixed_prec, nn_blocks, optim, train  # noqa: E402
@@ -127,17 +127,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.resume and args.checkpoint.exists():
         try:
             ctx, progress = resume(args.checkpoint, ctx, state, config)
-            ctx = scaler.restore_state(ctx, progress.extra["loss_scaler"])
-            recipe.restore_state(progress.extra["recipe"])
+            ctx = restore_recipe(ctx, progress, scaler, recipe)
         except Failure as err:
             sys.exit(f"error: cannot resume from {args.checkpoint}: {err}")
         start = progress.step
         print(f"resumed from {args.checkpoint} at step {start}", flush=True)
 
     def save(step: int) -> None:
-        extra = {"config": json.dumps(config, sort_keys=True),
-                 "loss_scaler": scaler.save_state(), "recipe": recipe.save_state()}
-        checkpoint.save(args.checkpoint, ctx, state, checkpoint.Progress(step=step, extra=extra))
+        checkpoint.save(args.checkpoint, ctx, state, checkpoint.Progress(
+            step=step, extra=recipe_extra(config, scaler, recipe)))
 
     bar = None
     if not args.no_progress:

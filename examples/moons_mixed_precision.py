@@ -55,6 +55,8 @@ from common import (
     make_context,
     output_path,
     real,
+    recipe_extra,
+    restore_recipe,
 )
 
 import ocannl.tensor as T
@@ -361,8 +363,7 @@ def main(argv: list[str] | None = None) -> int:
             problem, notes = resume_problem(args, progress, config)
             if problem is not None:
                 raise Failure(problem)
-            ctx = scaler.restore_state(ctx, progress.extra["loss_scaler"])
-            recipe.restore_state(progress.extra["recipe"])
+            ctx = restore_recipe(ctx, progress, scaler, recipe)
             saved_loss = float.fromhex(progress.extra["loss"])
         except (Failure, KeyError, ValueError) as err:
             sys.exit(f"error: cannot resume from {args.checkpoint}: "
@@ -376,9 +377,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def save(step: int) -> None:
         # Before the window is flushed: the resumed run samples it where this one would.
-        extra = {"config": json.dumps(config, sort_keys=True),
-                 "loss": global_loss().hex(),
-                 "loss_scaler": scaler.save_state(), "recipe": recipe.save_state()}
+        extra = {**recipe_extra(config, scaler, recipe), "loss": global_loss().hex()}
         progress = checkpoint.Progress(step=step, epoch=step // (TRAIN_POINTS // args.batch),
                                        extra=extra)
         if dp is None:

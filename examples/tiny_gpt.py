@@ -52,6 +52,8 @@ from common import (  # noqa: E402
     make_context,
     output_path,
     real,
+    recipe_extra,
+    restore_recipe,
 )
 
 import ocannl.tensor as T  # noqa: E402
@@ -264,17 +266,15 @@ def run(args: argparse.Namespace) -> int:
     if args.resume and args.checkpoint.exists():
         try:
             ctx, progress = checkpoint.load(args.checkpoint, ctx, state)
-            ctx = scaler.restore_state(ctx, progress.extra["loss_scaler"])
-            recipe.restore_state(progress.extra["recipe"])
+            ctx = restore_recipe(ctx, progress, scaler, recipe)
         except (Failure, KeyError) as err:
             sys.exit(f"error: cannot resume from {args.checkpoint}: {err}")
         start = progress.step
         print(f"resumed from {args.checkpoint} at step {start}", flush=True)
 
     def save(step: int) -> None:
-        extra = {"config": json.dumps(config, sort_keys=True),
-                 "loss_scaler": scaler.save_state(), "recipe": recipe.save_state()}
-        checkpoint.save(args.checkpoint, ctx, state, checkpoint.Progress(step=step, extra=extra))
+        checkpoint.save(args.checkpoint, ctx, state, checkpoint.Progress(
+            step=step, extra=recipe_extra(config, scaler, recipe)))
 
     def mean_loss(sets: tuple[np.ndarray, np.ndarray]) -> float:
         nonlocal ctx

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from adam_step import compile_adam_step  # noqa: E402 - the tests' shared step
 
 import ocannl.tensor as T
 from ocannl import Context, mixed_prec, nn_blocks, optim, train
@@ -73,16 +74,7 @@ def _ocannl_losses(variant: str) -> tuple[list[float], dict[str, np.ndarray]]:
     adam = optim.Adam(LR)
     ctx = train.init_params(Context.cpu(), loss)
     weights = {name: ctx.get_values(p).astype(np.float64) for name, p in masters.items()}
-    if variant == "f16":
-        scaler = mixed_prec.Loss_scaler.create(init_scale=1024.0)
-        recipe = mixed_prec.gated_step(scaler, loss, adam, check_interval=4)
-        ctx = recipe.compile(ctx)
-        step = recipe.step
-    else:
-        ctx, r = ctx.compile(train.grad_update(loss) + adam.update(loss))
-
-        def step(c: Context) -> Context:
-            return c.run(r)
+    ctx, step = compile_adam_step(ctx, loss, adam, variant)
 
     out = []
     for i in range(STEPS):
