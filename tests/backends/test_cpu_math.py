@@ -1,7 +1,8 @@
 """The CPU backend's own f32 ``exp``, ``tanh`` and ``erf`` (``cpu/scalar.py``: f64 arithmetic that
 vectorizes, where libm's are scalar calls): within one ulp of the f64 result rounded to f32,
-over a dense grid, the subnormal and overflow edges and the special values, in a vectorized
-loop and in its scalar remainder alike."""
+over a dense grid, dense sweeps of f32 bit patterns (erf's every 101st from 0 to 4.5 and every
+f32 near its pieces' boundaries), the subnormal and overflow edges and the special values, in a
+vectorized loop and in its scalar remainder alike."""
 
 from __future__ import annotations
 
@@ -53,6 +54,79 @@ def test_f32_exp_and_tanh_are_within_an_ulp(op, f64):
     assert worst <= 1, (op, int(worst))
     # how often it is exactly the rounded f64 value: nearly always
     assert np.mean(got[finite] == want[finite]) > 0.999
+
+
+def _f32_from(lo: float, hi: float, stride: int = 1) -> np.ndarray:
+    """Every ``stride``-th f32 from ``lo`` to ``hi`` (0 <= lo <= hi), by bit pattern."""
+    a, b = np.array([lo, hi], np.float32).view(np.int32)
+    return np.arange(a, b + 1, stride, dtype=np.int32).view(np.float32)
+
+
+def _near(*points: float, ulps: int = 5000) -> np.ndarray:
+    """Every f32 within ``ulps`` of each point (positive points)."""
+    return np.concatenate([np.arange(p - ulps, p + ulps + 1, dtype=np.int32).view(np.float32)
+                           for p in np.array(points, np.float32).view(np.int32)])
+
+
+def _check(op: str, f64, x: np.ndarray, exact: float) -> None:
+    """``op`` on ``x`` and ``-x``: within an ulp of ``f64`` rounded to f32, and equal to it at
+    least a fraction ``exact`` of the time."""
+    x = np.concatenate([x, -x])
+    with np.errstate(over="ignore"):
+        want = f64(x.astype(np.float64)).astype(np.float32)
+    got = _run(op, x)
+    assert np.array_equal(np.isinf(got), np.isinf(want)), op
+    finite = np.isfinite(want)
+    worst = _ulps(got[finite], want[finite])
+    assert worst.max() <= 1, (op, int(worst.max()), x[finite][np.argmax(worst)])
+    assert np.mean(got[finite] == want[finite]) >= exact, (op, np.mean(got == want))
+
+
+def test_f32_erf_over_the_whole_line():
+    """erf's pieces (``scalar._erf``) over every 101st f32 in [0, 4.5] (10.7 million, every
+    binade from the subnormals up) and every f32 within 5000 ulps of where the pieces meet
+    (1.35), where erf starts rounding to 1 (3.919206) and where |x| is clamped (4); both signs.
+    Within an ulp of the f64 erf rounded (SciPy's, which rounds as ``math.erf`` does), equal to
+    it all but a few times in a million (an exhaustive sweep of [0, 4.5]: 3201 of 1.08e9 off by
+    one); 1 exactly from where erf rounds to 1, and 2 / sqrt(pi) x rounded for tiny x."""
+    from scipy.special import erf
+
+    _check("erf", erf, _f32_from(0.0, 4.5, 101), 0.99999)
+    # erf is flat below 3.919206 (it moves 6e-14 an ulp of x) and within the polynomial's error
+    # of 1 - 2^-25, the tie between 1 and the f32 below, for some 300 f32 (281 round up to 1)
+    _check("erf", erf, _near(1.35, 3.919206, 4.0), 0.98)
+    beyond = np.concatenate([_f32_from(3.919206, 4.5, 7), _f32_from(4.5, 3e38, 100_003)])
+    assert np.all(_run("erf", beyond) == 1.0) and np.all(_run("erf", -beyond) == -1.0)
+    tiny = _f32_from(0.0, 1e-8, 1009)
+    assert np.array_equal(_run("erf", tiny),
+                          (tiny.astype(np.float64) * (2 / math.sqrt(math.pi))).astype(np.float32))
+
+
+@pytest.mark.parametrize("op,f64,top", [("exp", np.exp, 104.0), ("tanh", np.tanh, 12.0)])
+def test_f32_exp_and_tanh_over_their_range(op, f64, top):
+    """Every 97th f32 from 0 to ``top`` (beyond which exp is 0 or inf, tanh +-1), both signs:
+    within an ulp of the f64 function rounded, equal to it all but a few times in a million."""
+    _check(op, f64, _f32_from(0.0, top, 97), 0.99999)
+    assert _run("exp", np.zeros(1, np.float32))[0] == 1.0
+
+
+def test_the_polynomials_are_their_fits():
+    """The tables in ``scalar.py`` are what ``_chebyshev_fit`` gives (up to the last bits a
+    NumPy or libm may change)."""
+    from ocannl.backends.cpu import scalar as s
+
+    c0 = 2 / math.sqrt(math.pi)
+    h = s._LN2 / 2
+    fits = {
+        "_ERF_SMALL": (c0, *s._chebyshev_fit(
+            lambda u: (math.erf(math.sqrt(u)) / math.sqrt(u) - c0) / u, 0.0,
+            s._ERF_SPLIT ** 2, 8, mapped=False)),
+        "_ERF_LARGE": s._chebyshev_fit(math.erf, s._ERF_SPLIT, s._ERF_END, 16, mapped=True),
+        "_EXP_POLY": (1.0, *s._chebyshev_fit(lambda r: math.expm1(r) / r, -h, h, 7,
+                                             mapped=False)),
+    }
+    for name, fit in fits.items():
+        np.testing.assert_allclose(getattr(s, name), fit, rtol=1e-9, atol=1e-15, err_msg=name)
 
 
 def test_special_values():

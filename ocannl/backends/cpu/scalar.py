@@ -11,7 +11,7 @@ multiply-adds.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from llvmlite import ir
@@ -74,27 +74,75 @@ def _call(name: str) -> Callable:
     return op
 
 
-# f32 exp (and what builds on it) computed in f64 with plain arithmetic, so that loops calling
-# it vectorize (libm's expf is a scalar call): n = round(x / ln 2), r = x - n ln 2 (|r| <=
-# ln 2 / 2), e^r by its Taylor polynomial to r^11 (remainder below 2e-13 relative), times 2^n
-# built from exponent bits; rounding that f64 to f32 is within an ulp of e^x (the test checks
-# against NumPy's f64 exp). Beyond [-104, 89] the result is 0 or inf; NaN stays NaN.
-_EXP_TERMS = 11
-_LN2 = math.log(2.0)
+# f32 exp, tanh and erf are computed in f64 with plain arithmetic, so that loops calling them
+# vectorize (libm's expf, tanhf and erff are scalar calls), by short polynomials: each f64
+# value is within 3e-11 (relative) of the function (exp's 2.2e-12, tanh's, through exp,
+# 1e-11), far inside half an f32 ulp (3e-8 relative at least), so its rounding to f32 is within
+# an ulp of the f64 function's rounded, and equal to it all but a few times in a million (the
+# tests sweep f32 bit patterns against NumPy's f64 exp and tanh and SciPy's erf).
+#
+# The polynomials interpolate a function at the Chebyshev points of their interval (f64
+# NumPy, ``_chebyshev_fit``; the tables below are what it gives, as a test checks), evaluated
+# by Horner's rule; erf's two pieces are both computed and one selected, with no branches.
 
 
-def _horner(r: Emitter, t: ir.Value, coefs: list[float]) -> ir.Value:
-    """``sum(coefs[k] * t**k)`` in f64, by Horner's rule with fused multiply-adds where the
-    CPU has them (``llvm.fmuladd``: these polynomials' error budget allows either)."""
+def _chebyshev_fit(f: Callable[[float], float], lo: float, hi: float, degree: int,
+                   mapped: bool) -> tuple[float, ...]:
+    """The polynomial of ``degree`` interpolating ``f`` at the ``degree + 1`` Chebyshev points
+    (of the first kind) of [lo, hi]: its monomial coefficients in ``w`` itself, or, if
+    ``mapped``, in ``t = (2 w - lo - hi) / (hi - lo)`` (in [-1, 1])."""
+    import numpy as np
+    from numpy.polynomial import Polynomial, chebyshev
+
+    def on_t(t: np.ndarray) -> np.ndarray:
+        return np.array([f(lo + (v + 1.0) * (hi - lo) / 2.0) for v in t])
+
+    p = Polynomial(chebyshev.cheb2poly(chebyshev.chebinterpolate(on_t, degree)))
+    if not mapped:
+        p = p(Polynomial([-(hi + lo) / (hi - lo), 2.0 / (hi - lo)]))
+    return tuple(float(c) for c in p.coef)
+
+
+def _fmuladd(r: Emitter) -> ir.Function:
     key = ("llvm.fmuladd", F64)
     if key not in r.functions:
         r.functions[key] = ir.Function(r.module, ir.FunctionType(F64, [F64, F64, F64]),
                                        "llvm.fmuladd.f64")
-    fma = r.functions[key]
-    acc = ir.Constant(F64, coefs[-1])
+    return r.functions[key]
+
+
+def _horner(r: Emitter, t: ir.Value, coefs: Sequence[float]) -> ir.Value:
+    """``sum(coefs[k] * t**k)`` in f64, by Horner's rule with fused multiply-adds where the
+    CPU has them (``llvm.fmuladd``: these polynomials' error budget allows either)."""
+    fma = _fmuladd(r)
+    acc: ir.Value = ir.Constant(F64, coefs[-1])
     for c in reversed(coefs[:-1]):
         acc = r.b.call(fma, [acc, t, ir.Constant(F64, c)])
     return acc
+
+
+def _horner2(r: Emitter, t: ir.Value, coefs: Sequence[float]) -> ir.Value:
+    """The same sum as ``E(t^2) + t O(t^2)`` (even and odd terms): two chains of half the
+    length, which a CPU overlaps."""
+    t2 = r.b.fmul(t, t)
+    return r.b.call(_fmuladd(r), [_horner(r, t2, coefs[1::2]), t, _horner(r, t2, coefs[0::2])])
+
+
+def _fma(r: Emitter, x: ir.Value, y: float, z: float) -> ir.Value:
+    return r.b.call(_fmuladd(r), [x, ir.Constant(F64, y), ir.Constant(F64, z)])
+
+
+# exp: k = x / ln 2 + 1.5 2^52 rounds x / ln 2 to the integer n in k's low bits, r = x - n ln 2
+# (|r| <= ln 2 / 2), e^r = 1 + r Q(r), Q of degree 7 interpolating (e^r - 1) / r (relative
+# error 2.2e-12; e^0 is 1 exactly), times 2^n built from k's bits. Beyond [-104, 89] the result
+# is 0 or inf; NaN stays NaN.
+_LN2 = math.log(2.0)
+_EXP_SHIFT = 1.5 * 2.0 ** 52
+# (1, *_chebyshev_fit(lambda r: math.expm1(r) / r, -_LN2 / 2, _LN2 / 2, 7, mapped=False))
+_EXP_POLY = (
+    1.0, 0.9999999999955093, 0.49999999999955214, 0.16666666786304538, 0.04166666678622484,
+    0.008333283539556983, 0.0013888839116445852, 0.0001990756885035752, 2.4867867340637677e-05,
+)
 
 
 def _exp_f32(r: Emitter, x: ir.Value) -> ir.Value:
@@ -109,12 +157,13 @@ def _exp_wide(r: Emitter, xd: ir.Value) -> ir.Value:
                        ir.Constant(F64, -104.0),
                        b.select(b.fcmp_ordered(">", xd, ir.Constant(F64, 89.0)),
                                 ir.Constant(F64, 89.0), xd))
-    rint = r.functions.setdefault(("llvm.rint", F64), r.module.declare_intrinsic("llvm.rint",
-                                                                                  [F64]))
-    n = b.call(rint, [b.fmul(clamped, ir.Constant(F64, 1.0 / _LN2))])
-    red = b.fsub(clamped, b.fmul(n, ir.Constant(F64, _LN2)))
-    poly = _horner(r, red, [1.0 / math.factorial(k) for k in range(_EXP_TERMS + 1)])
-    scale = b.bitcast(b.shl(b.add(b.fptosi(n, I64), const_int(1023)), const_int(52)), F64)
+    k = _fma(r, clamped, 1.0 / _LN2, _EXP_SHIFT)  # n + 1.5 2^52, exactly
+    n = b.fsub(k, ir.Constant(F64, _EXP_SHIFT))
+    red = b.call(_fmuladd(r), [n, ir.Constant(F64, -_LN2), clamped])
+    poly = _horner(r, red, _EXP_POLY)
+    # 2^n: n + 1023 in the exponent field (k's bits are 1.5 2^52's plus n; its high bits
+    # shift out)
+    scale = b.bitcast(b.shl(b.add(b.bitcast(k, I64), const_int(1023)), const_int(52)), F64)
     return b.fmul(poly, scale)
 
 
@@ -138,28 +187,48 @@ def _tanh(r: Emitter, compute: ir.Type, x: ir.Value) -> ir.Value:
     return b.select(small, x, value)  # a NaN too
 
 
-# f32 erf in f64 arithmetic, for the same reason: below 3.919206 (from where erf rounds to 1 in
-# f32) its Maclaurin series in x^2 to the 60th term (the alternating terms cancel by at most 6
-# of f64's 16 digits there; the first term left out is below 1e-12 of the sum), else +-1.
-_ERF_TERMS = 60
-_ERF_ONE = 3.919206
+# erf, odd, in two pieces, both computed and one selected (no branches, so loops vectorize):
+# for |x| < 1.35, |x| P(x^2), P = 2 / sqrt(pi) + u R(u), R of degree 8 interpolating
+# (erf(x) / x - 2 / sqrt(pi)) / x^2 in u = x^2 on [0, 1.35^2] (relative error below 3e-11, and
+# no more than f64's rounding for tiny x); from 1.35, Q(t) of degree 16 in
+# t = (2 |x| - 5.35) / 2.65, interpolating erf on [1.35, 4] (error below 2.4e-11), |x| clamped
+# to 4, where erf is 1 - 1.5e-8 and rounds to 1 in f32. The sign is copied from x (so
+# erf(-0) = -0; a NaN stays NaN).
+_ERF_SPLIT, _ERF_END = 1.35, 4.0
+# (2 / sqrt(pi), *_chebyshev_fit(lambda u: (math.erf(math.sqrt(u)) / math.sqrt(u)
+#                                           - 2 / math.sqrt(math.pi)) / u,
+#                                0, 1.35 ** 2, 8, mapped=False))
+_ERF_SMALL = (
+    1.1283791670955126, -0.3761263890189087, 0.11283791556035921, -0.02686615374874845,
+    0.005223881538112766, -0.000854557343961089, 0.00012010615844053289,
+    -1.4492746088457169e-05, 1.394877197054159e-06, -7.943133299334064e-08,
+)
+# _chebyshev_fit(math.erf, 1.35, 4, 16, mapped=True)
+_ERF_LARGE = (
+    0.9998450638371055, 0.0011668701168705761, -0.004135824617534135, 0.00908974334475114,
+    -0.01368843451968875, 0.01461936388699974, -0.010863398806624031, 0.004889940679526778,
+    -0.0002478638205555899, -0.0014734774134938903, 0.0011276059024032644,
+    -0.00030427528989627724, -0.00013076086046899304, 0.0001474567580323208,
+    -3.3241849735556206e-05, -1.672785533623132e-05, 7.94510770638341e-06,
+)
 
 
 def _erf(r: Emitter, compute: ir.Type, x: ir.Value) -> ir.Value:
     if x.type != F32:
         return r.b.call(r.function("erf", x.type), [x])
     b = r.b
-    xd = b.fpext(x, F64)
-    z = b.fmul(xd, xd)
-    series = _horner(r, z, [(-1) ** n / (math.factorial(n) * (2 * n + 1))
-                            for n in range(_ERF_TERMS + 1)])
-    value = b.fptrunc(b.fmul(b.fmul(series, xd), ir.Constant(F64, 2.0 / math.sqrt(math.pi))),
+    ax = b.fpext(b.call(r.function("llvm.fabs", F32), [x]), F64)
+    end = ir.Constant(F64, _ERF_END)
+    ax = b.select(b.fcmp_ordered(">", ax, end), end, ax)  # a NaN stays NaN
+    small = b.fmul(_horner(r, b.fmul(ax, ax), _ERF_SMALL), ax)
+    lo, hi = _ERF_SPLIT, _ERF_END
+    large = _horner2(r, _fma(r, ax, 2.0 / (hi - lo), -(hi + lo) / (hi - lo)), _ERF_LARGE)
+    value = b.fptrunc(b.select(b.fcmp_ordered("<", ax, ir.Constant(F64, lo)), small, large),
                       F32)
-    one = b.select(b.fcmp_ordered("<", x, ir.Constant(F32, 0.0)), ir.Constant(F32, -1.0),
-                   ir.Constant(F32, 1.0))
-    beyond = b.fcmp_ordered(">=", b.call(r.function("llvm.fabs", F32), [x]),
-                            ir.Constant(F32, _ERF_ONE))
-    return b.select(beyond, one, value)  # a NaN stays NaN (the series of a NaN)
+    copysign = r.functions.setdefault(
+        ("llvm.copysign", F32),
+        r.module.declare_intrinsic("llvm.copysign", [F32], ir.FunctionType(F32, [F32, F32])))
+    return b.call(copysign, [value, x])
 
 
 def _pow(r: Emitter, compute: ir.Type, x: ir.Value, y: ir.Value) -> ir.Value:
