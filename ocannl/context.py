@@ -117,7 +117,8 @@ class Context:
             raise ValueError(f"static index bindings are not supported, got {dict(bindings)!r}")
         if not isinstance(comp, Comp):
             raise TypeError(f"compile expects a Comp, got {type(comp).__name__}")
-        code = lower(comp, gemm=self._backend.has_gemm, batched=self._backend.has_batched_gemm)
+        code = lower(comp, gemm=self._backend.has_gemm, batched=self._backend.has_batched_gemm,
+                     im2col=getattr(self._backend, "im2col", False))
         nodes = [n for n in nodes_of(code) if n.memory_mode is MemoryMode.materialized]
         compiled, compiled_anew = self._backend.compile(comp.label, code, nodes)
         for n in nodes:

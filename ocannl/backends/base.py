@@ -17,6 +17,7 @@ class Backend(Protocol):
     name: str
     has_gemm: bool  # lowering may hand matrix products to it (BLAS, cuBLAS)
     has_batched_gemm: bool  # ... and batched ones, with strided rows
+    im2col: bool  # ... and convolutions through patches and a GEMM (``lower(im2col=...)``)
 
     def alloc(self, node: Tnode) -> Buffer:
         """A zero-filled flat buffer for the node, in its storage dtype."""

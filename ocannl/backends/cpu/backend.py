@@ -40,6 +40,7 @@ class CpuBackend:
     name = "cpu"
     has_gemm = True  # SciPy's BLAS
     has_batched_gemm = True  # a BLAS call per batch point
+    im2col = True  # a convolution's BLAS call on its patches beats its loop nests
     _compiled: dict[str, CompiledRoutine] = {}  # shared by every CPU context in the process
 
     def alloc(self, node: Tnode) -> np.ndarray:
