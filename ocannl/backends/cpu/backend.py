@@ -74,8 +74,7 @@ class CpuBackend:
         hit = jit.load(key)
         if hit is None:
             modules, scratch = routine_ir(code, nodes, target)
-            address = jit.compile_ir(key, [str(m) for m in modules], scratch,
-                                     single_blas=target.threads > 1)
+            address = jit.compile_ir(key, [str(m) for m in modules], scratch)
             hit = (address, scratch, False)
         compiled = self._compiled[key] = CompiledRoutine(*hit)
         return compiled, True

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 from llvmlite import ir
 
+from ocannl.backends.cpu import pool
 from ocannl.backends.cpu import scalar as scalar_module
 from ocannl.backends.cpu.scalar import (
     F16,
@@ -193,9 +194,8 @@ class RoutineIR:
 
     def finish(self) -> ir.Module:
         """Add ``part(table)``: load the addresses of the buffers the items use, call each
-        item in order. A split item's outermost loop is shared out in contiguous ranges: one
-        on this thread, the others on threads started for it (``pthread_create``), joined
-        before the next item; where a thread cannot be started, this one runs its range."""
+        item in order. A split item goes to the thread pool (``pool.py``) with its arguments
+        in a frame: its outermost loop is cut into one contiguous range per thread."""
         entry = ir.Function(self.module, ir.FunctionType(ir.VoidType(), [I64.as_pointer()]),
                             name="part")
         self.b = b = ir.IRBuilder(entry.append_basic_block("entry"))
@@ -209,57 +209,34 @@ class RoutineIR:
             if not split:
                 b.call(fn, args)
                 continue
-            count = min(self.threads, split)
-            cuts = [const_int(split * t // count) for t in range(count + 1)]
-            started = [self._start(fn, [*args, cuts[t], cuts[t + 1]]) for t in range(1, count)]
-            b.call(fn, [*args, cuts[0], cuts[1]])
-            for t, (tid, status) in enumerate(started, start=1):
-                failed = b.icmp_signed("!=", status, ir.Constant(I32, 0))
-                with b.if_else(failed) as (otherwise, joined):
-                    with otherwise:
-                        b.call(fn, [*args, cuts[t], cuts[t + 1]])
-                    with joined:
-                        b.call(self._pthread("pthread_join"),
-                               [b.load(tid), ir.Constant(_VOID_P.as_pointer(), None)])
+            frame_ty = ir.LiteralStructType([a.type for a in args])
+            frame = b.alloca(frame_ty)
+            for k, a in enumerate(args):
+                b.store(a, b.gep(frame, [ir.Constant(I32, 0), ir.Constant(I32, k)]))
+            b.call(self._pool_run(), [self._job(fn, frame_ty), b.bitcast(frame, _VOID_P),
+                                      const_int(split)])
         b.ret_void()
         return self.module
 
-    def _start(self, fn: ir.Function, args: list[ir.Value]) -> tuple[ir.Value, ir.Value]:
-        """A thread running ``fn(*args)``: its id's slot and ``pthread_create``'s status."""
-        b = self.b
-        frame_ty = ir.LiteralStructType([a.type for a in args])
-        frame = b.alloca(frame_ty)
-        for k, a in enumerate(args):
-            b.store(a, b.gep(frame, [ir.Constant(I32, 0), ir.Constant(I32, k)]))
-        tid = b.alloca(I64)
-        status = b.call(self._pthread("pthread_create"),
-                        [tid, ir.Constant(_VOID_P, None), self._trampoline(fn, frame_ty),
-                         b.bitcast(frame, _VOID_P)])
-        return tid, status
-
-    def _trampoline(self, fn: ir.Function, frame_ty: ir.Type) -> ir.Function:
-        """``void *run(void *frame)``: call ``fn`` with the arguments stored in the frame."""
-        if f"{fn.name}_thread" in self.module.globals:
-            return self.module.globals[f"{fn.name}_thread"]
-        run = ir.Function(self.module, ir.FunctionType(_VOID_P, [_VOID_P]),
-                          name=f"{fn.name}_thread")
+    def _job(self, fn: ir.Function, frame_ty: ir.Type) -> ir.Function:
+        """``void job(void *frame, i64 lo, i64 hi)``: ``fn`` over ``[lo, hi)`` with the
+        arguments stored in the frame."""
+        run = ir.Function(self.module, pool.JOB, name=f"{fn.name}_job")
         run.linkage = "internal"
         b = ir.IRBuilder(run.append_basic_block("entry"))
         frame = b.bitcast(run.args[0], frame_ty.as_pointer())
         args = [b.load(b.gep(frame, [ir.Constant(I32, 0), ir.Constant(I32, k)]))
                 for k in range(len(frame_ty.elements))]
-        b.call(fn, args)
-        b.ret(ir.Constant(_VOID_P, None))
+        b.call(fn, [*args, run.args[1], run.args[2]])
+        b.ret_void()
         return run
 
-    def _pthread(self, name: str) -> ir.Function:
-        if name not in self.module.globals:
-            start = ir.FunctionType(_VOID_P, [_VOID_P]).as_pointer()
-            ty = (ir.FunctionType(I32, [I64.as_pointer(), _VOID_P, start, _VOID_P])
-                  if name == "pthread_create" else
-                  ir.FunctionType(I32, [I64, _VOID_P.as_pointer()]))
-            ir.Function(self.module, ty, name=name)
-        return self.module.globals[name]
+    def _pool_run(self) -> ir.Function:
+        if pool.RUN_SYMBOL not in self.module.globals:
+            ir.Function(self.module, ir.FunctionType(ir.VoidType(), [pool.JOB.as_pointer(),
+                                                                     _VOID_P, I64]),
+                        name=pool.RUN_SYMBOL)
+        return self.module.globals[pool.RUN_SYMBOL]
 
     # --- 16-bit storage -----------------------------------------------------------------------
 
@@ -640,12 +617,6 @@ class RoutineIR:
         char = ir.IntType(8)
         rows = by_ref(const_int(m, self.blas_int))
         first = (const_int(0), const_int(0), const_int(0))
-        if self.range and not g.batch:  # this thread's rows of the product
-            lo, hi = self.range
-            b.store(b.trunc(b.sub(hi, lo), self.blas_int) if self.blas_int != I64 else
-                    b.sub(hi, lo), rows)
-            a_step = 1 if g.a.transposed else g.a.ld
-            first = (b.mul(lo, const_int(g.out_ld)), b.mul(lo, const_int(a_step)), const_int(0))
         fixed = [by_ref(ir.Constant(char, ord(op_b))), by_ref(ir.Constant(char, ord(op_a))),
                  by_ref(const_int(n, self.blas_int)), rows, by_ref(const_int(k, self.blas_int)),
                  by_ref(ir.Constant(compute, 1.0))]
@@ -661,14 +632,12 @@ class RoutineIR:
                           b.gep(out, [o_out]), ld_out])
 
         def over(axes: tuple, offsets: tuple[ir.Value, ir.Value, ir.Value]) -> None:
-            """A product per point of the batch axes, each at its offsets in the nodes (the
-            first axis over this thread's range of it)."""
+            """A product per point of the batch axes, each at its offsets in the nodes."""
             if not axes:
                 call(offsets)
                 return
             axis = axes[0]
-            ranged = self.range if self.range and len(axes) == len(g.batch) else (axis.size,)
-            with self.loop(*ranged) as i:
+            with self.loop(axis.size) as i:
                 step = [b.mul(i, const_int(st), flags=["nsw"]) for st in (axis.out, axis.a, axis.b)]
                 over(axes[1:], tuple(b.add(o, d, flags=["nsw"])
                                      for o, d in zip(offsets, step, strict=True)))
@@ -771,27 +740,20 @@ PARALLEL_POINTS = 1 << 16
 
 def _gemm_items(r: RoutineIR, g: Gemm, threads: int) -> None:
     """A GEMM as items: its operands' conversions (each shared over threads when large), the
-    product (over threads by rows, or by the first batch axis), the rounding of a 16-bit
-    target."""
+    product (BLAS shares it over its own threads: this BLAS runs concurrent calls one at a
+    time, so splitting a product over ours gains nothing), the rounding of a 16-bit target."""
     def split(size: int) -> int | None:
         return size if threads > 1 and size >= PARALLEL_POINTS else None
 
     for node, ty in r.gemm_copies(g):
         with r.item([node], split(node.size)):
             r.copy_of(node, ty, ranged=True)
-    work = g.rows * g.cols * g.inner * math.prod(axis.size for axis in g.batch)
-    extent = g.batch[0].size if g.batch else g.rows
-    with r.item(_used(g), extent if threads > 1 and extent > 1 and work >= GEMM_SPLIT_FLOPS
-                else None):
+    with r.item(_used(g)):
         r.gemm(g)
     lhs = g.assign.lhs
     if lhs.prec.is_narrow:
         with r.item([lhs], split(lhs.size)):
             r.gemm_narrow(g)
-
-
-# A product is shared out over threads from this many multiply-adds on.
-GEMM_SPLIT_FLOPS = 1 << 20
 
 
 def _split(item: Lowered) -> int | None:

@@ -23,12 +23,12 @@ import select
 import signal
 import tempfile
 import threading
-import warnings
 from pathlib import Path
 
 import llvmlite
 import llvmlite.binding as llvm
 
+from ocannl.backends.cpu import pool
 from ocannl.backends.cpu.codegen import GEMM_SYMBOLS, Target
 
 _lock = threading.Lock()
@@ -63,8 +63,16 @@ def _features_dict() -> dict[str, bool]:
 
 
 def target() -> Target:
-    """What this process's code is generated for."""
-    return Target(hardware_f16(), workers(), has_avx(), _blas()[2], threads())
+    """What this process's code is generated for; the thread pool's size follows it."""
+    count = threads()
+    with _lock:
+        _setup()
+        resize = _state.get("pool_size")
+    if resize is None:
+        count = 1
+    else:
+        resize(count - 1)  # type: ignore[operator]
+    return Target(hardware_f16(), workers(), has_avx(), _blas()[2], count)
 
 
 def _blas() -> tuple[int, int, int]:
@@ -84,26 +92,6 @@ def _blas() -> tuple[int, int, int]:
                              "routines needed (scipy_sgemm_64_); unset it to use SciPy's BLAS")
         _state["blas"] = numpy_blas or (_scipy_blas("sgemm"), _scipy_blas("dgemm"), 32)
     return _state["blas"]  # type: ignore[return-value]
-
-
-def _blas_name() -> str:
-    return "NumPy's OpenBLAS" if _blas()[2] == 64 else "SciPy's BLAS"
-
-
-def _blas_threads() -> tuple[int, int] | None:
-    """The addresses of ``int get_num_threads(void)`` and ``void set_num_threads(int)`` of
-    the BLAS in use, where it is NumPy's OpenBLAS."""
-    if "blas_threads" not in _state:
-        found = None
-        if _blas()[2] == 64:
-            lib = ctypes.CDLL(_state["blas_path"])  # type: ignore[arg-type]
-            try:
-                found = (ctypes.cast(lib.scipy_openblas_get_num_threads64_, ctypes.c_void_p).value,
-                         ctypes.cast(lib.scipy_openblas_set_num_threads64_, ctypes.c_void_p).value)
-            except AttributeError:
-                found = None
-        _state["blas_threads"] = found
-    return _state["blas_threads"]  # type: ignore[return-value]
 
 
 def _numpy_openblas() -> tuple[int, int, int] | None:
@@ -164,22 +152,9 @@ def workers() -> int:
 
 
 def threads() -> int:
-    """How many threads share a routine's large loops and products: ``OCANNL_THREADS``, else
-    1. With more, a routine runs BLAS single-threaded on each of ours (its own workers keep
-    spinning after a product and would take the cores from ours), so it needs a BLAS whose
-    thread count can be set: NumPy's OpenBLAS; otherwise 1. Opt-in: on 2 cores, 2 threads
-    took the transformer's f32 step from 45.7 to 35.0 ms, but the wide MLP's from 11.3 to
-    15.0 ms (OpenBLAS shares its packed operands between its own threads, not between ours)
-    and the convnet's from 2.39 to 2.63 ms (a thread is started per shared item)."""
-    wanted = _env_count("OCANNL_THREADS") or 1
-    if wanted > 1 and _blas_threads() is None:
-        if not _state.get("threads_warned"):
-            _state["threads_warned"] = True
-            warnings.warn(f"OCANNL_THREADS={wanted}: the BLAS in use ({_blas_name()}) has no "
-                          "thread controls, so routines run on one thread", RuntimeWarning,
-                          stacklevel=2)
-        return 1
-    return wanted
+    """How many threads share a routine's large loops (``pool.py``): ``OCANNL_THREADS``, else
+    1. BLAS shares products over threads of its own either way."""
+    return min(_env_count("OCANNL_THREADS") or 1, pool.MAX_THREADS)
 
 
 def _target_machine() -> llvm.TargetMachine:
@@ -206,16 +181,19 @@ def _setup() -> tuple[llvm.ExecutionEngine, str]:
                      "pow"):
             llvm.add_symbol(name, ctypes.cast(getattr(libm, name), ctypes.c_void_p).value)
         libc = ctypes.CDLL(None)
-        for name in ("pthread_create", "pthread_join"):
+        for name in ("pthread_create", "pthread_detach", "getpid", "syscall", "sched_yield"):
             llvm.add_symbol(name, ctypes.cast(getattr(libc, name), ctypes.c_void_p).value)
         sgemm, dgemm, _ = _blas()
         for ty, symbol in GEMM_SYMBOLS.items():
             llvm.add_symbol(symbol, sgemm if str(ty) == "float" else dgemm)
-        control = _blas_threads()
-        if control is not None:
-            llvm.add_symbol("ocannl_blas_get_threads", control[0])
-            llvm.add_symbol("ocannl_blas_set_threads", control[1])
         engine = llvm.create_mcjit_compiler(llvm.parse_assembly(""), _target_machine())
+        if pool.supported():
+            # The thread pool: a few functions, compiled here once per process.
+            engine.add_module(llvm.parse_assembly(pool.module_ir()))
+            engine.finalize_object()
+            llvm.add_symbol(pool.RUN_SYMBOL, engine.get_function_address(pool.RUN_SYMBOL))
+            _state["pool_size"] = ctypes.CFUNCTYPE(None, ctypes.c_int32)(
+                engine.get_function_address(pool.SIZE_SYMBOL))
         stamp = (f"{llvm.get_process_triple()} {llvm.get_host_cpu_name()} "
                  f"{llvm.get_host_cpu_features().flatten()} llvmlite {llvmlite.__version__} "
                  f"O{_LEVEL}")
@@ -291,23 +269,15 @@ def load(key: str) -> tuple[int, Scratch, bool] | None:
         return _add(key, objects, scratch, True)
 
 
-def compile_ir(key: str, texts: list[str], scratch: Scratch, single_blas: bool = False) -> int:
+def compile_ir(key: str, texts: list[str], scratch: Scratch) -> int:
     """Compile the routine whose parts are ``texts`` (each defining ``part(table)``, run in
-    order; the parts in parallel), cache it on disk under ``key`` and load it: its address.
-    ``single_blas``: the routine runs BLAS single-threaded (its threads are ours), restoring
-    the thread count it found."""
+    order; the parts in parallel), cache it on disk under ``key`` and load it: its address."""
     with _lock:
         names = [f"p{k}_{key}" for k in range(len(texts))]
         modules = [t.replace('@"part"', f'@"{name}"', 1) for t, name in zip(texts, names,
                                                                               strict=True)]
         calls = "".join(f'  call void @"{n}"(i64* %t)\n' for n in names)
         decls = "".join(f'declare void @"{n}"(i64*)\n' for n in names)
-        if single_blas:
-            decls += ("declare i32 @ocannl_blas_get_threads()\n"
-                      "declare void @ocannl_blas_set_threads(i32)\n")
-            calls = ("  %old = call i32 @ocannl_blas_get_threads()\n"
-                     "  call void @ocannl_blas_set_threads(i32 1)\n" + calls
-                     + "  call void @ocannl_blas_set_threads(i32 %old)\n")
         modules.append(f'{decls}define void @"r_{key}"(i64* %t) {{\n{calls}  ret void\n}}\n')
         objects = _objects(modules)
         _write(cache_dir() / f"{key}.objects", _pack(scratch, objects))

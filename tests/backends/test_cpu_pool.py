@@ -1,0 +1,110 @@
+"""The CPU backend's thread pool (``cpu/pool.py``): large loops shared over threads give one
+thread's bits whoever runs them, from several Python threads at once, in a forked child, with
+the pool resized; and idle workers sleep rather than spin."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from ocannl import Context
+from ocannl.backends.cpu import jit, pool
+from ocannl.ir.assignments import Accum, Comp, Get, apply
+from ocannl.ir.ops import Precision
+from ocannl.ir.tnode import Tnode
+
+pytestmark = pytest.mark.skipif(not pool.supported(), reason="the pool serves Linux only")
+
+N, M = 512, 256  # 2^17 points: shared out
+
+
+def _routine(threads: int, monkeypatch, seed: int = 0):  # noqa: ANN001, ANN202
+    """A context and routine over fresh nodes: a pointwise chain and a row reduction, compiled
+    for ``threads``; with the inputs' values."""
+    monkeypatch.setattr(jit, "threads", lambda: threads)
+    x, y = Tnode("x", (N, M), Precision.f32), Tnode("y", (N, M), Precision.f32)
+    s = Tnode("s", (N,), Precision.f32)
+    comp = Comp((
+        Accum(y, (0, 1), "=", apply("tanh", apply("mul", Get(x, (0, 1)), Get(x, (0, 1)))),
+              (N, M)),
+        Accum(s, (0,), "+", apply("exp", Get(y, (0, 1))), (N, M), reset=True),
+    ))
+    xv = np.random.default_rng(seed).normal(size=(N, M)).astype(np.float32)
+    ctx = Context.cpu()
+    ctx.set_values(x, xv)
+    ctx, r = ctx.compile(comp)
+    return ctx, r, (y, s)
+
+
+def _bits(ctx, r, out) -> bytes:  # noqa: ANN001
+    ctx.run(r)
+    return b"".join(ctx.get_values(n).tobytes() for n in out)
+
+
+def test_workers_are_started_and_the_bits_are_one_threads(monkeypatch):
+    one = _bits(*_routine(1, monkeypatch))
+    before = len(os.listdir("/proc/self/task"))
+    many = _routine(4, monkeypatch)
+    for _ in range(5):
+        assert _bits(*many) == one
+    assert len(os.listdir("/proc/self/task")) >= min(before + 3, 4)
+    fewer = _routine(2, monkeypatch)  # resized: later jobs use one worker
+    assert _bits(*fewer) == one
+    assert _bits(*many) == one
+
+
+def test_routines_run_from_several_python_threads_at_once(monkeypatch):
+    """A caller finding the pool busy runs its whole loop itself: every result is right."""
+    routines = [_routine(3, monkeypatch, seed) for seed in range(3)]
+    expected = [_bits(*r) for r in routines]
+    wrong: list[int] = []
+
+    def hammer(k: int) -> None:
+        for _ in range(20):
+            if _bits(*routines[k]) != expected[k]:
+                wrong.append(k)
+
+    threads = [threading.Thread(target=hammer, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert wrong == []
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
+def test_a_forked_child_starts_workers_of_its_own(monkeypatch):
+    ctx, r, out = _routine(3, monkeypatch)
+    expected = _bits(ctx, r, out)  # the parent's workers exist now
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: none of the parent's workers; the pool must start its own
+        status = 1
+        try:
+            os.close(read)
+            ok = all(_bits(ctx, r, out) == expected for _ in range(5))
+            os.write(write, b"ok" if ok else b"wrong")
+            status = 0
+        finally:
+            os._exit(status)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        said = pipe.read()
+    _, status = os.waitpid(pid, 0)
+    assert status == 0 and said == b"ok"
+
+
+def test_idle_workers_sleep(monkeypatch):
+    """Workers spin a few tens of microseconds after a job, then sleep: an idle process uses
+    no CPU time."""
+    ctx, r, out = _routine(3, monkeypatch)
+    _bits(ctx, r, out)
+    time.sleep(0.1)
+    start = os.times()
+    time.sleep(1.0)
+    end = os.times()
+    assert (end.user + end.system) - (start.user + start.system) < 0.2
