@@ -142,19 +142,31 @@ def workers() -> int:
     """How many parts a large routine is cut into and compiled at once: this process's cores,
     at most 8 (``OCANNL_COMPILE_WORKERS`` overrides)."""
     given = _env_count("OCANNL_COMPILE_WORKERS")
-    if given is not None:
-        return given
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cores = os.cpu_count() or 1
-    return max(1, min(8, cores))
+    return given if given is not None else max(1, min(8, _cores()))
 
 
 def threads() -> int:
     """How many threads share a routine's large loops (``pool.py``): ``OCANNL_THREADS``, else
-    1. BLAS shares products over threads of its own either way."""
-    return min(_env_count("OCANNL_THREADS") or 1, pool.MAX_THREADS)
+    this process's cores, divided among the processes an MPI launcher started on this machine
+    (data-parallel ranks would otherwise fight over the cores). BLAS shares products over
+    threads of its own either way."""
+    given = _env_count("OCANNL_THREADS")
+    if given is None:
+        local = 1
+        for name in ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE"):  # MPICH, Open MPI
+            value = os.environ.get(name, "").strip()
+            if value.isdigit() and int(value) > 0:
+                local = int(value)
+                break
+        given = max(1, _cores() // local)
+    return min(given, pool.MAX_THREADS)
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
 
 
 def _target_machine() -> llvm.TargetMachine:
