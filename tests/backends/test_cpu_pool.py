@@ -108,3 +108,32 @@ def test_idle_workers_sleep(monkeypatch):
     time.sleep(1.0)
     end = os.times()
     assert (end.user + end.system) - (start.user + start.system) < 0.2
+
+
+@pytest.mark.parametrize("prec", [Precision.bf16, Precision.f16])
+def test_a_shared_reduction_over_16_bit_nodes_gives_one_threads_bits(monkeypatch, prec):
+    """A reduction reading 16-bit nodes many times reads their f32 copies, made first (shared
+    too) when the reduction is shared: the bits are one thread's."""
+    i, j, k = 64, 96, 48
+    a, b = Tnode("a", (i, j), prec), Tnode("b", (j, k), prec)
+    out = Tnode("out", (i, k), prec)
+    comp = Comp((Accum(out, (0, 2), "+", apply("mul", apply("exp", Get(a, (0, 1))),
+                                               Get(b, (1, 2))), (i, j, k), reset=True),))
+    rng = np.random.default_rng(3)
+    av, bv = rng.normal(size=(i, j)) * 0.5, rng.normal(size=(j, k))
+
+    def run(threads: int) -> bytes:
+        monkeypatch.setattr(jit, "threads", lambda: threads)
+        ctx = Context.cpu()
+        ctx.set_values(a, av)
+        ctx.set_values(b, bv)
+        ctx, r = ctx.compile(comp)
+        ctx.run(r)
+        return ctx.get_values(out).tobytes()
+
+    one = run(1)
+    assert run(3) == one
+    got = np.frombuffer(one, dtype=prec.numpy_dtype).reshape(i, k).astype(np.float64)
+    np.testing.assert_allclose(got, np.exp(av.astype(prec.numpy_dtype).astype(np.float64))
+                               @ bv.astype(prec.numpy_dtype).astype(np.float64),
+                               rtol=0.05, atol=0.05)

@@ -395,19 +395,26 @@ class RoutineIR:
             del self.redirect[lhs.id]
             self.narrow_into(wide, self.buffer(lhs), lhs.prec, lhs.size)
 
-    def _widen_reused(self, nest: LoopNest) -> list[Tnode]:
-        """Let the f32 copies of the 16-bit nodes a reduction reads (not its target) at least
-        ``REUSE`` times per cell on average stand in for them in its loads."""
+    def reused_narrow(self, nest: LoopNest) -> list[Tnode]:
+        """The 16-bit nodes a reduction reads (not its target) at least ``REUSE`` times per
+        cell on average: it reads their f32 copies."""
         if not nest.red:
             return []
         points = math.prod(nest.space)
         out: list[Tnode] = []
         for get in reads(nest.assign.expr):
             node = get.node
-            if (node.prec.is_narrow and node is not nest.assign.lhs and node.id not in self.redirect
-                    and points >= REUSE * node.size):
-                self.redirect[node.id] = self.copy_of(node, F32)
+            if (node.prec.is_narrow and node is not nest.assign.lhs
+                    and points >= REUSE * node.size and node not in out):
                 out.append(node)
+        return out
+
+    def _widen_reused(self, nest: LoopNest) -> list[Tnode]:
+        """Let the f32 copies of :meth:`reused_narrow` stand in for those nodes in the
+        nest's loads (made here unless an earlier item made them)."""
+        out = [n for n in self.reused_narrow(nest) if n.id not in self.redirect]
+        for node in out:
+            self.redirect[node.id] = self.copy_of(node, F32)
         return out
 
     def copy_of(self, node: Tnode, ty: ir.Type, ranged: bool = False) -> ir.Value:
@@ -680,6 +687,12 @@ def routine_ir(code: list[Lowered], nodes: list[Tnode], target: Target
             if isinstance(item, Gemm):
                 _gemm_items(r, item, target.threads)
             else:
+                if isinstance(item, LoopGroup) and target.threads > 1:
+                    # The f32 copies a shared reduction reads are made first, shared too.
+                    for node in r.reused_narrow(item.lead):
+                        if not r.has_copy(node, F32):
+                            with r.item([node], _split_size(node.size)):
+                                r.copy_of(node, F32, ranged=True)
                 with r.item(_used(item), _split(item) if target.threads > 1 else None):
                     if isinstance(item, Fill):
                         r.fill(item)
@@ -745,7 +758,7 @@ def _gemm_items(r: RoutineIR, g: Gemm, threads: int) -> None:
     product (BLAS shares it over its own threads: this BLAS runs concurrent calls one at a
     time, so splitting a product over ours gains nothing), the rounding of a 16-bit target."""
     def split(size: int) -> int | None:
-        return size if threads > 1 and size >= PARALLEL_POINTS else None
+        return _split_size(size) if threads > 1 else None
 
     for node, ty in r.gemm_copies(g):
         with r.item([node], split(node.size)):
@@ -758,19 +771,21 @@ def _gemm_items(r: RoutineIR, g: Gemm, threads: int) -> None:
             r.gemm_narrow(g)
 
 
+def _split_size(size: int) -> int | None:
+    """A conversion over ``size`` cells is shared over threads when it is large."""
+    return size if size >= PARALLEL_POINTS else None
+
+
 def _split(item: Lowered) -> int | None:
     """The extent of the outermost loop a loop group may share out over threads, or None.
     Distinct iterations of it write distinct cells and read nothing another writes (the group
     is pointwise, or a reduction over its inner iterators), so each thread computes its cells
-    as one would, bit for bit. Not split: scatters (cells move with reductions), and
-    reductions reading 16-bit nodes (their f32 copies are made inside the item)."""
+    as one would, bit for bit. Not split: scatters (cells move with reductions)."""
     if not isinstance(item, LoopGroup):
         return None
     lead = item.lead
     outer = lead.par[:-1] if lead.walk_rows else lead.par
     if not outer or lead.scatter or math.prod(lead.space) * len(item.nests) < PARALLEL_POINTS:
-        return None
-    if lead.red and any(g.node.prec.is_narrow for g in reads(lead.assign.expr)):
         return None
     extent = lead.space[outer[0]]
     return extent if extent > 1 else None
