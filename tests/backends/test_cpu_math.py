@@ -172,24 +172,31 @@ def test_loops_shared_over_threads_give_the_same_bits(monkeypatch):
 
 @pytest.mark.parametrize("prec", [Precision.f32, Precision.bf16])
 def test_products_shared_over_threads_give_the_same_bits(monkeypatch, prec):
-    """Products (plain and batched) under threads compute what one thread does, bit for bit,
-    16-bit operands and targets included: their conversions are shared out over threads."""
+    """Products shared out over threads (by blocks of rows, of columns, by batch points; each
+    part a single-threaded BLAS call) compute what one thread does, bit for bit, 16-bit
+    operands and targets included (their conversions shared out too), accumulating products
+    too."""
     from ocannl.backends.cpu import jit
     from ocannl.ir.lowering import Gemm, lower
 
-    m, k, n, batch = 256, 64, 80, 6  # both products, q and s large enough to be shared
+    assert jit._blas_threads() is not None, "NumPy's OpenBLAS thread controls were not found"
+    m, k, n, batch = 250, 64, 80, 6  # more rows than columns, a partial last block
     a, w = Tnode("a", (m, k), prec), Tnode("w", (n, k), prec)
     c = Tnode("c", (m, n), prec)
     q, v = Tnode("q", (batch, m, k), prec), Tnode("v", (batch, n, k), prec)
     s = Tnode("s", (batch, m, n), prec)
+    m2, n2 = 40, 300  # more columns than rows; a stored transposed, accumulated into
+    a2, w2 = Tnode("a2", (k, m2), prec), Tnode("w2", (k, n2), prec)
+    c2 = Tnode("c2", (m2, n2), prec)
     comp = Comp((  # c[i, j] = sum_l a[i, l] w[j, l];  s[b, i, j] = sum_l q[b, i, l] v[b, j, l]
         Accum(c, (0, 1), "+", apply("mul", Get(a, (0, 2)), Get(w, (1, 2))), (m, n, k), True),
         Accum(s, (0, 1, 2), "+", apply("mul", Get(q, (0, 1, 3)), Get(v, (0, 2, 3))),
               (batch, m, n, k), True),
+        Accum(c2, (0, 1), "+", apply("mul", Get(a2, (2, 0)), Get(w2, (2, 1))), (m2, n2, k)),
     ))
-    assert [type(i) for i in lower(comp, batched=True)] == [Gemm, Gemm]
+    assert [type(i) for i in lower(comp, batched=True)] == [Gemm, Gemm, Gemm]
     rng = np.random.default_rng(1)
-    vals = {t: rng.normal(size=t.dims) for t in (a, w, q, v)}
+    vals = {t: rng.normal(size=t.dims) for t in (a, w, q, v, a2, w2, c2)}
 
     def run(threads: int) -> list[bytes]:
         monkeypatch.setattr(jit, "threads", lambda: threads)
@@ -198,9 +205,14 @@ def test_products_shared_over_threads_give_the_same_bits(monkeypatch, prec):
             ctx.set_values(t, x)
         ctx, r = ctx.compile(comp)
         ctx.run(r)
-        return [ctx.get_values(c).tobytes(), ctx.get_values(s).tobytes()]
+        return [ctx.get_values(t).tobytes() for t in (c, s, c2)]
 
-    assert run(1) == run(3)
+    one = run(1)
+    assert run(3) == one
+    got = np.frombuffer(one[2], dtype=prec.numpy_dtype).reshape(m2, n2).astype(np.float64)
+    rounded = {t: vals[t].astype(prec.numpy_dtype).astype(np.float64) for t in (a2, w2, c2)}
+    np.testing.assert_allclose(got, rounded[c2] + rounded[a2].T @ rounded[w2], rtol=0.02,
+                               atol=0.3)
 
 
 def test_scipys_blas_serves_where_numpys_is_not_used(tmp_path):

@@ -74,7 +74,8 @@ class CpuBackend:
         hit = jit.load(key)
         if hit is None:
             modules, scratch = routine_ir(code, nodes, target)
-            address = jit.compile_ir(key, [str(m) for m in modules], scratch)
+            address = jit.compile_ir(key, [str(m) for m in modules], scratch,
+                                     single_blas=target.products_shared)
             hit = (address, scratch, False)
         compiled = self._compiled[key] = CompiledRoutine(*hit)
         return compiled, True

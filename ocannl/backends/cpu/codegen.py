@@ -62,13 +62,16 @@ class Target:
     instructions (F16C) rather than integer code; ``workers``, how many parts a large routine
     may be cut into; ``avx``, clear the vector registers' upper halves at each item's start;
     ``blas_int``, the bits of the BLAS's integer arguments (32, or 64 for an ILP64 build);
-    ``threads``, how many threads share a large loop group's outermost loop."""
+    ``threads``, how many threads share a large loop group's outermost loop;
+    ``products_shared``, products are shared over those threads too, each part a
+    single-threaded BLAS call (the BLAS's thread count can be set)."""
 
     hardware_f16: bool = True
     workers: int = 1
     avx: bool = False
     blas_int: int = 32
     threads: int = 1
+    products_shared: bool = False
 
 
 class RoutineIR:
@@ -87,7 +90,8 @@ class RoutineIR:
         self.scratch = scratch  # (size, role, type) -> number, shared by a routine's parts
         self.copies = copies  # node id -> the scratch key of its current f32 / f64 copy
         self.functions: dict[tuple[str, ir.Type], ir.Function] = {}
-        self.calls: list[tuple[ir.Function, list[int]]] = []  # each item: function, its slots
+        # Each item: its function, its slots, (its extent when shared, chunks per thread).
+        self.calls: list[tuple[ir.Function, list[int], tuple[int | None, int]]] = []
         # Whether the nest being emitted copies a value unchanged (a cast): only then does a
         # signalling NaN's bit pattern survive to the store, and the f16 conversions keep it
         # as NumPy does. Arithmetic quiets a NaN whatever the conversion did, so elsewhere the
@@ -98,13 +102,15 @@ class RoutineIR:
     # --- plumbing ---------------------------------------------------------------------------
 
     @contextmanager
-    def item(self, used: list[Tnode], split: int | None = None) -> Iterator[None]:
+    def item(self, used: list[Tnode], split: int | None = None,
+             per_thread: int = pool.CHUNKS_PER_THREAD) -> Iterator[None]:
         """Emit one lowered item as a function of its own, taking the table and the buffers
         of ``used`` as ``noalias`` arguments: distinct nodes never share memory, and saying so
         spares LLVM run-time overlap checks (and a second, scalar copy of each vectorized
         loop). One small function per item keeps LLVM's work linear in the routine's size.
         ``split``: the item runs its outermost loop over a range given by two more arguments,
-        so that threads can share it (see :meth:`finish`)."""
+        so that threads can share it, in ``per_thread`` chunks per thread (see
+        :meth:`finish`)."""
         slots = list(dict.fromkeys(self.slots[n.id] for n in used))
         ranged = [I64, I64] if split else []
         ty = ir.FunctionType(ir.VoidType(), [I64.as_pointer(),
@@ -131,7 +137,7 @@ class RoutineIR:
         yield
         self.entry.branch(self.fn.blocks[1])
         self.b.ret_void()
-        self.calls.append((self.fn, slots, split))
+        self.calls.append((self.fn, slots, (split, per_thread)))
 
     def buffer(self, node: Tnode) -> ir.Value:
         return self.args[self.slots[node.id]]
@@ -204,7 +210,7 @@ class RoutineIR:
         used = sorted({k for _, slots, _ in self.calls for k in slots})
         pointers = {k: b.inttoptr(b.load(b.gep(table, [const_int(k)])),
                                   _ELEM[self.nodes[k].prec].as_pointer()) for k in used}
-        for fn, slots, split in self.calls:
+        for fn, slots, (split, per_thread) in self.calls:
             args = [table, *(pointers[k] for k in slots)]
             if not split:
                 b.call(fn, args)
@@ -214,7 +220,7 @@ class RoutineIR:
             for k, a in enumerate(args):
                 b.store(a, b.gep(frame, [ir.Constant(I32, 0), ir.Constant(I32, k)]))
             b.call(self._pool_run(), [self._job(fn, frame_ty), b.bitcast(frame, _VOID_P),
-                                      const_int(split)])
+                                      const_int(split), const_int(per_thread)])
         b.ret_void()
         return self.module
 
@@ -233,9 +239,7 @@ class RoutineIR:
 
     def _pool_run(self) -> ir.Function:
         if pool.RUN_SYMBOL not in self.module.globals:
-            ir.Function(self.module, ir.FunctionType(ir.VoidType(), [pool.JOB.as_pointer(),
-                                                                     _VOID_P, I64]),
-                        name=pool.RUN_SYMBOL)
+            ir.Function(self.module, pool.RUN, name=pool.RUN_SYMBOL)
         return self.module.globals[pool.RUN_SYMBOL]
 
     # --- 16-bit storage -----------------------------------------------------------------------
@@ -603,8 +607,10 @@ class RoutineIR:
             return self.buffer(v.node)
         return self.copy_of(v.node, compute)
 
-    def gemm(self, g: Gemm) -> None:
-        """``out (=|+=) a @ b`` through BLAS, column-major: ``out^T = b^T a^T``."""
+    def gemm(self, g: Gemm, along: str | None = None) -> None:
+        """``out (=|+=) a @ b`` through BLAS, column-major: ``out^T = b^T a^T``. ``along``
+        (when this item has a range): the range picks the batch points (``"batch"``, the
+        first batch axis) or blocks of ``GEMM_BLOCK`` rows or columns of the product."""
         lhs = g.assign.lhs
         compute = _FLOAT[lhs.prec.compute]
         a = self._matrix(g.a, compute, "a")
@@ -622,10 +628,22 @@ class RoutineIR:
             return slot
 
         char = ir.IntType(8)
-        rows = by_ref(const_int(m, self.blas_int))
+        rows, cols = by_ref(const_int(m, self.blas_int)), by_ref(const_int(n, self.blas_int))
         first = (const_int(0), const_int(0), const_int(0))
+        if self.range and along in ("rows", "cols"):  # this range's blocks of the product
+            lo, hi = (b.mul(v, const_int(GEMM_BLOCK)) for v in self.range)
+            hi = b.select(b.icmp_unsigned("<", hi, const_int(m if along == "rows" else n)), hi,
+                          const_int(m if along == "rows" else n))
+            count = b.sub(hi, lo)
+            b.store(b.trunc(count, self.blas_int) if self.blas_int != I64 else count,
+                    rows if along == "rows" else cols)
+            if along == "rows":
+                first = (b.mul(lo, const_int(g.out_ld)),
+                         lo if g.a.transposed else b.mul(lo, const_int(g.a.ld)), const_int(0))
+            else:
+                first = (lo, const_int(0), b.mul(lo, const_int(g.b.ld)) if g.b.transposed else lo)
         fixed = [by_ref(ir.Constant(char, ord(op_b))), by_ref(ir.Constant(char, ord(op_a))),
-                 by_ref(const_int(n, self.blas_int)), rows, by_ref(const_int(k, self.blas_int)),
+                 cols, rows, by_ref(const_int(k, self.blas_int)),
                  by_ref(ir.Constant(compute, 1.0))]
         ld_b = by_ref(const_int(g.b.ld, self.blas_int))
         ld_a = by_ref(const_int(g.a.ld, self.blas_int))
@@ -644,7 +662,8 @@ class RoutineIR:
                 call(offsets)
                 return
             axis = axes[0]
-            with self.loop(axis.size) as i:
+            ranged = self.range if along == "batch" and len(axes) == len(g.batch) else None
+            with self.loop(*(ranged or (axis.size,))) as i:
                 step = [b.mul(i, const_int(st), flags=["nsw"]) for st in (axis.out, axis.a, axis.b)]
                 over(axes[1:], tuple(b.add(o, d, flags=["nsw"])
                                      for o, d in zip(offsets, step, strict=True)))
@@ -685,7 +704,7 @@ def routine_ir(code: list[Lowered], nodes: list[Tnode], target: Target
         r = RoutineIR(nodes, target, scratch, copies)
         for item in code[lo:hi]:
             if isinstance(item, Gemm):
-                _gemm_items(r, item, target.threads)
+                _gemm_items(r, item, target.threads, target.products_shared)
             else:
                 if isinstance(item, LoopGroup) and target.threads > 1:
                     # The f32 copies a shared reduction reads are made first, shared too.
@@ -753,22 +772,44 @@ def signature(code: list[Lowered], nodes: list[Tnode], target: Target) -> str:
 PARALLEL_POINTS = 1 << 14
 
 
-def _gemm_items(r: RoutineIR, g: Gemm, threads: int) -> None:
-    """A GEMM as items: its operands' conversions (each shared over threads when large), the
-    product (BLAS shares it over its own threads: this BLAS runs concurrent calls one at a
-    time, so splitting a product over ours gains nothing), the rounding of a 16-bit target."""
+def _gemm_items(r: RoutineIR, g: Gemm, threads: int, shared: bool) -> None:
+    """A GEMM as items: its operands' conversions, the product, the rounding of a 16-bit
+    target; each shared over threads when large (the product by batch points, or by blocks
+    of rows or columns, each block a BLAS call of its own)."""
     def split(size: int) -> int | None:
         return _split_size(size) if threads > 1 else None
 
     for node, ty in r.gemm_copies(g):
         with r.item([node], split(node.size)):
             r.copy_of(node, ty, ranged=True)
-    with r.item(_used(g)):
-        r.gemm(g)
+    along, extent = _gemm_split(g) if shared else (None, 0)
+    # One block range per thread: each range packs its operands again.
+    with r.item(_used(g), extent if along else None, per_thread=1):
+        r.gemm(g, along)
     lhs = g.assign.lhs
     if lhs.prec.is_narrow:
         with r.item([lhs], split(lhs.size)):
             r.gemm_narrow(g)
+
+
+# A product is shared out over threads from this many multiply-adds on, by blocks of this
+# many rows or columns (a multiple of the BLAS kernels' widths).
+GEMM_SPLIT_FLOPS = 1 << 18
+GEMM_BLOCK = 16
+
+
+def _gemm_split(g: Gemm) -> tuple[str | None, int]:
+    """How a product is shared: by the first batch axis; else by blocks of its rows when it
+    has more rows than columns (each block then packs all of ``b`` again, the smaller
+    operand), else of its columns."""
+    work = g.rows * g.cols * g.inner * math.prod(axis.size for axis in g.batch)
+    if work < GEMM_SPLIT_FLOPS:
+        return None, 0
+    if g.batch:
+        return ("batch", g.batch[0].size) if g.batch[0].size > 1 else (None, 0)
+    along, size = ("rows", g.rows) if g.rows > g.cols else ("cols", g.cols)
+    blocks = -(-size // GEMM_BLOCK)
+    return (along, blocks) if blocks > 1 else (None, 0)
 
 
 def _split_size(size: int) -> int | None:

@@ -72,7 +72,8 @@ def target() -> Target:
         count = 1
     else:
         resize(count - 1)  # type: ignore[operator]
-    return Target(hardware_f16(), workers(), has_avx(), _blas()[2], count)
+    return Target(hardware_f16(), workers(), has_avx(), _blas()[2], count,
+                  count > 1 and _blas_threads() is not None)
 
 
 def _blas() -> tuple[int, int, int]:
@@ -92,6 +93,22 @@ def _blas() -> tuple[int, int, int]:
                              "routines needed (scipy_sgemm_64_); unset it to use SciPy's BLAS")
         _state["blas"] = numpy_blas or (_scipy_blas("sgemm"), _scipy_blas("dgemm"), 32)
     return _state["blas"]  # type: ignore[return-value]
+
+
+def _blas_threads() -> tuple[int, int] | None:
+    """The addresses of ``int get_num_threads(void)`` and ``void set_num_threads(int)`` of
+    the BLAS in use, where it is NumPy's OpenBLAS."""
+    if "blas_threads" not in _state:
+        found = None
+        if _blas()[2] == 64:
+            lib = ctypes.CDLL(_state["blas_path"])  # type: ignore[arg-type]
+            try:
+                found = (ctypes.cast(lib.scipy_openblas_get_num_threads64_, ctypes.c_void_p).value,
+                         ctypes.cast(lib.scipy_openblas_set_num_threads64_, ctypes.c_void_p).value)
+            except AttributeError:
+                found = None
+        _state["blas_threads"] = found
+    return _state["blas_threads"]  # type: ignore[return-value]
 
 
 def _numpy_openblas() -> tuple[int, int, int] | None:
@@ -148,8 +165,9 @@ def workers() -> int:
 def threads() -> int:
     """How many threads share a routine's large loops (``pool.py``): ``OCANNL_THREADS``, else
     this process's cores, divided among the processes an MPI launcher started on this machine
-    (data-parallel ranks would otherwise fight over the cores). BLAS shares products over
-    threads of its own either way."""
+    (data-parallel ranks would otherwise fight over the cores). Products are shared over the
+    same threads where the BLAS's thread count can be set (NumPy's OpenBLAS), else over the
+    BLAS's own."""
     given = _env_count("OCANNL_THREADS")
     if given is None:
         local = 1
@@ -198,6 +216,10 @@ def _setup() -> tuple[llvm.ExecutionEngine, str]:
         sgemm, dgemm, _ = _blas()
         for ty, symbol in GEMM_SYMBOLS.items():
             llvm.add_symbol(symbol, sgemm if str(ty) == "float" else dgemm)
+        control = _blas_threads()
+        if control is not None:
+            llvm.add_symbol("ocannl_blas_get_threads", control[0])
+            llvm.add_symbol("ocannl_blas_set_threads", control[1])
         engine = llvm.create_mcjit_compiler(llvm.parse_assembly(""), _target_machine())
         if pool.supported():
             # The thread pool: a few functions, compiled here once per process.
@@ -281,15 +303,24 @@ def load(key: str) -> tuple[int, Scratch, bool] | None:
         return _add(key, objects, scratch, True)
 
 
-def compile_ir(key: str, texts: list[str], scratch: Scratch) -> int:
+def compile_ir(key: str, texts: list[str], scratch: Scratch, single_blas: bool = False) -> int:
     """Compile the routine whose parts are ``texts`` (each defining ``part(table)``, run in
-    order; the parts in parallel), cache it on disk under ``key`` and load it: its address."""
+    order; the parts in parallel), cache it on disk under ``key`` and load it: its address.
+    ``single_blas``: the routine runs BLAS single-threaded, on the pool's threads, restoring
+    the thread count it found (OpenBLAS's own workers spin for about 0.1 s after each
+    product they share, taking a core from the pool's)."""
     with _lock:
         names = [f"p{k}_{key}" for k in range(len(texts))]
         modules = [t.replace('@"part"', f'@"{name}"', 1) for t, name in zip(texts, names,
                                                                               strict=True)]
         calls = "".join(f'  call void @"{n}"(i64* %t)\n' for n in names)
         decls = "".join(f'declare void @"{n}"(i64*)\n' for n in names)
+        if single_blas:
+            decls += ("declare i32 @ocannl_blas_get_threads()\n"
+                      "declare void @ocannl_blas_set_threads(i32)\n")
+            calls = ("  %old = call i32 @ocannl_blas_get_threads()\n"
+                     "  call void @ocannl_blas_set_threads(i32 1)\n" + calls
+                     + "  call void @ocannl_blas_set_threads(i32 %old)\n")
         modules.append(f'{decls}define void @"r_{key}"(i64* %t) {{\n{calls}  ret void\n}}\n')
         objects = _objects(modules)
         _write(cache_dir() / f"{key}.objects", _pack(scratch, objects))

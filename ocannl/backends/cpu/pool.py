@@ -1,12 +1,12 @@
 """The threads that share a routine's large loops: a pool started once per process.
 
-A routine's split items call ``ocannl_pool_run(job, frame, extent)``. The extent of the item's
-outermost loop is cut into chunks (a few per thread); the calling thread and the pool's
-workers claim chunks one at a time until none is left, and the call returns when every chunk
-is done. A chunk computes its own cells as one thread would, so the bits never depend on who
-ran it or on the thread count. Claiming chunks, rather than owning a fixed share, means that a
-worker kept off its core (another process, another library's spinning threads) holds up at most
-the chunk it took: the caller takes the rest.
+A routine's split items call ``ocannl_pool_run(job, frame, extent, per_thread)``. The extent
+of the item's outermost loop is cut into chunks (``per_thread`` per thread); the calling thread
+and the pool's workers claim chunks one at a time until none is left, and the call returns when
+every chunk is done. A chunk computes its own cells as one thread would, so the bits never
+depend on who ran it or on the thread count. Claiming chunks, rather than owning a fixed share,
+means that a worker kept off its core (another process, another library's spinning threads)
+holds up at most the chunk it took: the caller takes the rest.
 
 Workers are started on the first shared item and live as long as the process. Between jobs a
 worker spins for about ``SPIN_CYCLES`` (a step's next large loop usually comes sooner than a
@@ -33,11 +33,12 @@ from ocannl.backends.cpu.scalar import I32, I64, const_int
 
 _VOID_P = ir.IntType(8).as_pointer()
 JOB = ir.FunctionType(ir.VoidType(), [_VOID_P, I64, I64])  # job(frame, lo, hi)
+RUN = ir.FunctionType(ir.VoidType(), [JOB.as_pointer(), _VOID_P, I64, I64])
 RUN_SYMBOL, SIZE_SYMBOL = "ocannl_pool_run", "ocannl_pool_size"
 
 # A worker spins this many timestamp-counter ticks (about 40 us at 3 GHz) before sleeping.
 SPIN_CYCLES = 1 << 17
-# Chunks per thread taking part in a job.
+# Chunks per thread taking part in a job, by default (``ocannl_pool_run``'s last argument).
 CHUNKS_PER_THREAD = 4
 MAX_THREADS = 1 << 12  # chunks count in 16 bits of the ticket
 # The caller waiting for chunks others took yields its core after this many pauses.
@@ -195,10 +196,9 @@ class _Pool:
         return fn
 
     def _run(self) -> None:
-        """``void ocannl_pool_run(job, frame, extent)``."""
-        fn = ir.Function(self.module, ir.FunctionType(ir.VoidType(), [JOB.as_pointer(), _VOID_P,
-                                                                      I64]), RUN_SYMBOL)
-        job, frame, extent = fn.args
+        """``void ocannl_pool_run(job, frame, extent, per_thread)``."""
+        fn = ir.Function(self.module, RUN, RUN_SYMBOL)
+        job, frame, extent, per_thread = fn.args
         entry, alone, owned, grow, grown, wait, done = (fn.append_basic_block(n) for n in (
             "entry", "alone", "owned", "grow", "grown", "wait", "done"))
         b = ir.IRBuilder(entry)
@@ -231,7 +231,7 @@ class _Pool:
         b.position_at_end(grown)
         started = b.load(self.started)
         use = b.select(b.icmp_unsigned("<", size, started), size, started)
-        chunks = b.mul(b.add(b.zext(use, I64), const_int(1)), const_int(CHUNKS_PER_THREAD))
+        chunks = b.mul(b.add(b.zext(use, I64), const_int(1)), per_thread)
         chunks = b.select(b.icmp_unsigned("<", extent, chunks), extent, chunks)
         gen = b.add(self.load(b, self.gen, "monotonic"), ir.Constant(I32, 1))
         self.store(b, job, self.job)
