@@ -14,7 +14,7 @@ from collections.abc import Callable
 import numpy as np
 
 from ocannl.backends.cpu import jit
-from ocannl.backends.cpu.codegen import routine_ir, signature
+from ocannl.backends.cpu.codegen import routine_ir, shares_products, signature
 from ocannl.ir.lowering import Lowered
 from ocannl.ir.ops import Precision
 from ocannl.ir.tnode import Tnode
@@ -75,7 +75,7 @@ class CpuBackend:
         if hit is None:
             modules, scratch = routine_ir(code, nodes, target)
             address = jit.compile_ir(key, [str(m) for m in modules], scratch,
-                                     single_blas=target.products_shared)
+                                     single_blas=shares_products(code, target))
             hit = (address, scratch, False)
         compiled = self._compiled[key] = CompiledRoutine(*hit)
         return compiled, True

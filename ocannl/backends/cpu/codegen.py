@@ -812,6 +812,14 @@ def _gemm_split(g: Gemm) -> tuple[str | None, int]:
     return (along, blocks) if blocks > 1 else (None, 0)
 
 
+def shares_products(code: list[Lowered], target: Target) -> bool:
+    """Whether the routine shares a product over the pool's threads: it then runs BLAS
+    single-threaded (a product below ``GEMM_SPLIT_FLOPS`` runs on one thread in OpenBLAS
+    anyway)."""
+    return target.products_shared and any(
+        isinstance(item, Gemm) and _gemm_split(item)[0] is not None for item in code)
+
+
 def _split_size(size: int) -> int | None:
     """A conversion over ``size`` cells is shared over threads when it is large."""
     return size if size >= PARALLEL_POINTS else None
