@@ -43,7 +43,6 @@ def profile(workload: str, variant: str, runs: int) -> list[tuple[float, str]]:
     from benchmarks.runners import make_runner
     from benchmarks.specs import WORKLOADS
     from ocannl import Context
-    from ocannl.ir.lowering import lower, nodes_of
 
     comps = []
     compile_ = Context.compile
@@ -61,14 +60,11 @@ def profile(workload: str, variant: str, runs: int) -> list[tuple[float, str]]:
     for i in range(3):
         runner.step(i)
     ctx = runner.ctx
-    backend = ctx._backend
     items = []
     for comp in comps:
-        for item in lower(comp, gemm=backend.has_gemm, batched=backend.has_batched_gemm):
-            nodes = nodes_of([item])
-            compiled, _ = backend.compile("item", [item], nodes)
-            run = backend.bind(compiled, tuple(ctx._buffers[n.id][1] for n in nodes))
-            items.append((describe(item), run))
+        for item in ctx.lower(comp):
+            _, routine = ctx.compile_lowered("item", [item])
+            items.append((describe(item), routine.call))
     # Every round feeds the next batch and runs every item once, in the routines' order, as
     # the steps do: the items see the values a step sees.
     spent = [0.0] * len(items)

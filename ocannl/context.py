@@ -23,7 +23,7 @@ import numpy as np
 
 from ocannl.backends.base import Backend, Buffer
 from ocannl.ir.assignments import Comp
-from ocannl.ir.lowering import Effects, effects, lower, nodes_of
+from ocannl.ir.lowering import Effects, Lowered, effects, lower, nodes_of
 from ocannl.ir.tnode import MemoryMode, Tnode
 
 
@@ -117,17 +117,27 @@ class Context:
             raise ValueError(f"static index bindings are not supported, got {dict(bindings)!r}")
         if not isinstance(comp, Comp):
             raise TypeError(f"compile expects a Comp, got {type(comp).__name__}")
-        code = lower(comp, gemm=self._backend.has_gemm, batched=self._backend.has_batched_gemm,
+        return self.compile_lowered(comp.label, self.lower(comp))
+
+    def lower(self, comp: Comp) -> list[Lowered]:
+        """The lowered items (fills, loop groups, GEMMs) this context's backend runs for
+        ``comp``, in order: what :meth:`compile` compiles."""
+        return lower(comp, gemm=self._backend.has_gemm, batched=self._backend.has_batched_gemm,
                      im2col=getattr(self._backend, "im2col", False))
+
+    def compile_lowered(self, label: str, code: list[Lowered]) -> tuple[Context, Routine]:
+        """Compile lowered items (from :meth:`lower`; a part of them times that part alone, as
+        ``benchmarks/profile_items.py`` does) into a routine bound to this context's
+        buffers."""
         nodes = [n for n in nodes_of(code) if n.memory_mode is MemoryMode.materialized]
-        compiled, compiled_anew = self._backend.compile(comp.label, code, nodes)
+        compiled, compiled_anew = self._backend.compile(label, code, nodes)
         for n in nodes:
             self._ensure(n)
         if compiled_anew:
             self.compile_count += 1
         bufs = tuple(self._buffers[n.id][1] for n in nodes)
         call = self._backend.bind(compiled, bufs)
-        return self, Routine(comp.label, self, tuple(nodes), compiled, bufs, effects(code), call)
+        return self, Routine(label, self, tuple(nodes), compiled, bufs, effects(code), call)
 
     def run(self, routine: Routine) -> Context:
         """Run a routine compiled by this context. Its first run checks that every parameter

@@ -205,6 +205,35 @@ def test_compiling_the_same_code_twice_reuses_the_function():
     assert ctx.compile_count == 2
 
 
+def test_lowered_items_compiled_one_by_one_compute_what_the_routine_does():
+    """``Context.lower`` and ``compile_lowered`` (what ``benchmarks/profile_items.py`` times):
+    each item as a routine of its own, run in order, leaves the routine's values."""
+    from ocannl.ir.assignments import Accum, Get, apply
+    from ocannl.ir.ops import Precision
+    from ocannl.ir.tnode import Tnode
+
+    x, w = Tnode("xl", (6, 8), Precision.f32), Tnode("wl", (8, 5), Precision.f32)
+    h, y = Tnode("hl", (6, 5), Precision.f32), Tnode("yl", (6,), Precision.f32)
+    comp = Comp((  # a product, a pointwise step, a reduction
+        Accum(h, (0, 1), "+", apply("mul", Get(x, (0, 2)), Get(w, (2, 1))), (6, 5, 8), True),
+        Accum(h, (0, 1), "=", apply("tanh", Get(h, (0, 1))), (6, 5)),
+        Accum(y, (0,), "+", apply("exp", Get(h, (0, 1))), (6, 5), reset=True),
+    ))
+    ctx = Context.cpu()
+    ctx.set_values(x, np.linspace(-2.0, 2.0, 48))
+    ctx.set_values(w, np.linspace(0.5, 1.5, 40))
+    ctx, whole = ctx.compile(comp)
+    ctx.run(whole)
+    expected = ctx.get_values(y)
+    ctx.set_values(y, np.zeros(6))
+    items = ctx.lower(comp)
+    assert len(items) == 3
+    for item in items:
+        ctx, part = ctx.compile_lowered("item", [item])
+        ctx.run(part)
+    assert ctx.get_values(y).tobytes() == expected.tobytes()
+
+
 def test_each_context_owns_its_buffers():
     x, s, y, c = _scaled()
     a, b = Context.cpu(), Context.cpu()
