@@ -91,6 +91,11 @@ def grad_checksum(loss: Tensor, *, unscale: Scalar | None = None) -> tuple[Tenso
     it never overflows), NaN for an infinity or a NaN. With ``unscale`` (a loss scaler's
     reciprocal) it checks what the optimizer would apply, as torch's GradScaler does: a scale
     backed off to 0 (``0 * inf``) is then caught instead of writing NaN into the weights.
+
+    Every term is 0 or NaN, so the order of the sum cannot change the outcome: a gradient of
+    two or more axes is first summed over all but its last into a row of partial sums, which
+    the generated code accumulates a whole row at a time (in vector registers) rather than
+    one long chain of dependent additions.
     """
     if loss.grad is None:
         raise ValueError(f"loss {loss.label} depends on no parameter: nothing to check")
@@ -100,11 +105,22 @@ def grad_checksum(loss: Tensor, *, unscale: Scalar | None = None) -> tuple[Tenso
     code = [copy_into(flag.value, Const(0.0))]
     for p in loss.params:
         assert p.grad is not None
-        g: Expr = Get(p.grad, tuple(range(len(p.dims))))
+        axes = tuple(range(len(p.dims)))
+        g: Expr = Get(p.grad, axes)
         if u is not None:
             g = apply("mul", g, u)
-        code.append(Accum(flag.value, (), "+", apply("mul", g, Const(0.0)), p.dims))
+        term = apply("mul", g, Const(0.0))
+        if len(p.dims) >= 2 and p.dims[-1] >= _CHECKSUM_ROW:
+            row = Tnode(f"checksum_rows_{p.label}", (p.dims[-1],), Precision.f32)
+            code.append(Accum(row, (axes[-1],), "+", term, p.dims, reset=True))
+            code.append(Accum(flag.value, (), "+", Get(row, (0,)), (p.dims[-1],)))
+        else:
+            code.append(Accum(flag.value, (), "+", term, p.dims))
     return flag, Comp(tuple(code), f"checksum_{loss.label}")
+
+
+# A gradient whose last axis has at least this many cells is checked a row at a time.
+_CHECKSUM_ROW = 8
 
 
 def init_params(ctx: Context, t: Tensor) -> Context:

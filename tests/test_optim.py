@@ -383,3 +383,25 @@ def test_one_grad_checksum_with_an_optional_unscale() -> None:
     ctx.set_values(unscale, [math.inf])
     ctx.run(r)
     assert math.isnan(ctx.get_value(flag)) and ctx.get_value(plain) == 0.0
+
+
+@pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan])
+def test_the_checksum_finds_one_bad_gradient_cell_anywhere(bad: float) -> None:
+    """A gradient of two axes is checked through a row of partial sums: one non-finite cell,
+    wherever it is, makes the checksum NaN; all finite gives exactly +0."""
+    w = T.param("wcheck", output_dims=(5,), input_dims=(24,))
+    loss = T.sum(w * w)
+    flag, check = train.grad_checksum(loss)
+    rows = [a.lhs for a in check.assignments if a.lhs.name.startswith("checksum_rows_")]
+    assert [n.dims for n in rows] == [(w.value.dims[-1],)]
+    ctx = train.init_params(Context.cpu(), loss)
+    ctx, r = ctx.compile(check)
+    for cell in (0, 23, 24 * 3 + 7, w.value.size - 1):
+        grad = np.full(w.value.size, -1.5, np.float32)
+        ctx.set_values(w.grad, grad)
+        ctx.run(r)
+        assert ctx.get_value(flag) == 0.0 and not math.copysign(1.0, ctx.get_value(flag)) < 0
+        grad[cell] = bad
+        ctx.set_values(w.grad, grad)
+        ctx.run(r)
+        assert math.isnan(ctx.get_value(flag)), cell
