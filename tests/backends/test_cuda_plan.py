@@ -82,12 +82,13 @@ def test_wide_mlp_checksum_and_loss_are_block_reductions() -> None:
     plan = _plan(p.comps["gated"])
     ks = plan.kernels
     flag = p.flag.value
-    partial = [k for k in ks if k.kind == "partial"]
-    # The 1024x1024 gradient's checksum: 512 blocks of 256 threads, then one final block.
-    assert any(k.grid == 512 and k.block == cc.BLOCK and "s0[q] = acc" in k.source
-               for k in partial)
-    finals = [k for k in ks if k.kind == "final"]
-    assert finals and all(k.nodes == (flag,) and k.grid == 1 for k in finals)
+    # The 1024x1024 gradient's checksum: its row of 1024 partial sums is a block reduction
+    # (a block per cells, its threads over the gradient's rows), then one block sums the row.
+    rows = [k for k in ks if k.nodes[0].name.startswith("checksum_rows_")
+            and k.nodes[1].dims == (1024, 1024)]
+    assert len(rows) == 1 and rows[0].kind == "reduce" and rows[0].block == cc.BLOCK
+    assert any(k.kind == "reduce" and k.grid == 1 and k.nodes == (flag, rows[0].nodes[0])
+               for k in ks)
     # No kernel reduces serially over more than SERIAL_RED_WIDE elements.
     for k in ks:
         for bound in map(int, _loop_bounds(k.source)):
@@ -95,7 +96,7 @@ def test_wide_mlp_checksum_and_loss_are_block_reductions() -> None:
     # The loss mean over the batch is a block reduction.
     assert any(k.kind == "reduce" and k.nodes[0] is p.loss.children[0].value for k in ks)
     assert {s.kind if isinstance(s, cc.Kernel) else "gemm" for s in plan.steps} >= {
-        "map", "serial", "reduce", "partial", "final", "gemm"}
+        "map", "serial", "reduce", "gemm"}
 
 
 def _loop_bounds(src: str) -> list[str]:
