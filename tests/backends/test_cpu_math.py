@@ -293,3 +293,33 @@ def test_a_silent_compiling_child_is_stopped_and_its_part_compiled_here(monkeypa
     assert time.perf_counter() - t0 < 30
     ctx.run(r)
     assert all(np.allclose(ctx.get_values(y), np.exp(0.5)) for y in ys)
+
+
+@pytest.mark.parametrize("cols", [24, 20, 6])  # jammed by 8, by 4; 6: by 2
+def test_jammed_reductions_sum_each_cell_in_order(cols):
+    """A lone reduction computes several cells at once (``codegen._jam``): each cell still
+    takes its terms in order, so an f32 sum is bitwise the sequential one and a max is
+    exact."""
+    from ocannl.backends.cpu.codegen import _jam
+    from ocannl.ir.lowering import LoopGroup, lower
+
+    rows, terms = 5, 37
+    x = Tnode("xj", (rows, cols, terms), Precision.f32)
+    s, m = Tnode("sj", (rows, cols), Precision.f32), Tnode("mj", (rows, cols), Precision.f32)
+    comp = Comp((
+        Accum(s, (0, 1), "+", apply("exp", Get(x, (0, 1, 2))), (rows, cols, terms), True),
+        Accum(m, (0, 1), "max", Get(x, (0, 1, 2)), (rows, cols, terms), True),
+    ))
+    groups = [i for i in lower(comp) if isinstance(i, LoopGroup)]
+    assert len(groups) == 2 and all(_jam(g) > 1 for g in groups)
+    xv = np.random.default_rng(4).normal(size=(rows, cols, terms)).astype(np.float32) * 3
+    ctx = Context.cpu()
+    ctx.set_values(x, xv)
+    ctx, r = ctx.compile(comp)
+    ctx.run(r)
+    e = _run("exp", xv.reshape(-1)).reshape(xv.shape)  # the backend's own f32 exp
+    expected = np.zeros((rows, cols), np.float32)
+    for k in range(terms):  # in order, rounding to f32 after every addition
+        expected = (expected + e[:, :, k]).astype(np.float32)
+    assert ctx.get_values(s).tobytes() == expected.tobytes()
+    assert ctx.get_values(m).tobytes() == xv.max(axis=2).tobytes()

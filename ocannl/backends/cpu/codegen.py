@@ -390,6 +390,9 @@ class RoutineIR:
         if lead.walk_rows:
             self._loops(list(lead.par[:-1]), space, iters,
                         lambda: self._row_walk(lead, space, iters), outer=True)
+        elif _jam(g):
+            self._loops(list(lead.par[:-1]), space, iters,
+                        lambda: self._jammed(lead, _jam(g), space, iters), outer=True)
         else:
             self._loops(list(lead.par), space, iters, lambda: self._par_body(g, space, iters),
                         outer=True)
@@ -529,6 +532,40 @@ class RoutineIR:
             old = self.load(a.lhs, a.lhs_idx, space, iters, compute)
             result = self.combine(a.accum, old, result, compute)
         self.store(a.lhs, self.offset(a.lhs, a.lhs_idx, iters), result)
+
+    def _jammed(self, nest: LoopNest, width: int, space: tuple[int, ...],
+                iters: dict[int, ir.Value]) -> None:
+        """The reduction for ``width`` consecutive cells of its last parallel iterator at once:
+        one accumulator each, every term of the reduction loop adding to all of them. Each
+        cell takes its terms in the usual order (the same bits); the cells' chains of
+        dependent additions overlap instead of running one after another."""
+        a = nest.assign
+        compute = _FLOAT[a.lhs.prec.compute]
+        last = nest.par[-1]
+        b = self.b
+        neutral = ir.Constant(compute, 0.0 if ACCUMS[a.accum] is None else ACCUMS[a.accum])
+        with self.loop(space[last] // width) as block:
+            base = b.mul(block, const_int(width), flags=["nuw", "nsw"])
+            cells = [b.add(base, const_int(u), flags=["nuw", "nsw"]) for u in range(width)]
+            accs = [self.local(compute) for _ in range(width)]
+            for acc in accs:
+                b.store(neutral, acc)
+
+            def inner() -> None:
+                for cell, acc in zip(cells, accs, strict=True):
+                    iters[last] = cell
+                    value = self.expr(a.expr, compute, space, iters)
+                    new = self.combine(a.accum, b.load(acc), value, compute)
+                    b.store(convert(b, new, compute), acc)
+
+            self._loops(list(nest.red), space, iters, inner)
+            for cell, acc in zip(cells, accs, strict=True):
+                iters[last] = cell
+                result = b.load(acc)
+                if not a.reset:
+                    old = self.load(a.lhs, a.lhs_idx, space, iters, compute)
+                    result = self.combine(a.accum, old, result, compute)
+                self.store(a.lhs, self.offset(a.lhs, a.lhs_idx, iters), result)
 
     def _row_walk(self, nest: LoopNest, space: tuple[int, ...],
                   iters: dict[int, ir.Value]) -> None:
@@ -838,6 +875,29 @@ def _split(item: Lowered) -> int | None:
         return None
     extent = lead.space[outer[0]]
     return extent if extent > 1 else None
+
+
+# A lone reduction of at least JAM_TERMS terms per cell runs JAM_WIDTH cells at once (or
+# half, or a quarter, whichever divides its last parallel iterator).
+JAM_WIDTH, JAM_TERMS = 8, 8
+
+
+def _jam(g: LoopGroup) -> int:
+    """How many cells of a lone reduction (not a row walk, a scatter or an overwrite) to
+    compute at once; 0: one at a time. Its last parallel iterator must not be its first (a
+    thread's range is of the first)."""
+    if len(g.nests) != 1:
+        return 0
+    nest = g.lead
+    if (nest.walk_rows or nest.scatter or not nest.red or len(nest.par) < 2
+            or nest.assign.accum not in ("+", "max")
+            or math.prod(nest.space[i] for i in nest.red) < JAM_TERMS):
+        return 0
+    extent = nest.space[nest.par[-1]]
+    for width in (JAM_WIDTH, JAM_WIDTH // 2, JAM_WIDTH // 4):
+        if width > 1 and extent % width == 0:
+            return width
+    return 0
 
 
 def _written(item: Lowered) -> list[Tnode]:
