@@ -49,17 +49,17 @@ def ocannl_input(rows: np.ndarray, *, prec: str = "f32", label: str = "x") -> An
                   prec=prec)
 
 
-def ocannl_io(w: Workload, fx: Fixture, *, prec: str = "f32") -> tuple[Any, Any]:
+def ocannl_io(w: Workload, fx: Fixture) -> tuple[Any, Any]:
     """The input and target tensors, holding batch 0 (``feed_targets`` gives every batch's
-    targets). An input of features or images is stored at ``prec`` and its targets are
-    one-hot; a gpt's are token ids (``class_ids``, f32 at any ``prec``: ids, not
-    activations)."""
+    targets): an f32 input of features or images (a 16-bit variant casts it inside its step,
+    as autocast casts an f32 input inside the first product) and one-hot targets; a gpt's
+    token ids (``class_ids``)."""
     import ocannl.tensor as T
 
     if w.model == "gpt":
         return (T.class_ids(fx.x[0], num_classes=w.vocab, label="ids"),
                 T.class_ids(fx.labels[0], num_classes=w.vocab, label="targets"))
-    return ocannl_input(fx.x[0], prec=prec), T.term(fx.onehot()[0], label="y")
+    return ocannl_input(fx.x[0]), T.term(fx.onehot()[0], label="y")
 
 
 def feed_targets(fx: Fixture) -> np.ndarray:

@@ -2,9 +2,9 @@
 
 Any model: ``build_mixed`` takes a model builder (the input tensor -> the logits and the
 parameters, as ``benchmarks.models.ocannl_model``), the optimizer and the loss. The model reads
-bf16 / f16 cast twins of f32 master weights (``with_master_weights``) and an input stored at
-the same precision (token ids stay f32); the softmax cross-entropy runs in f32 (as under
-torch's autocast). The optimizer updates the f32 masters.
+bf16 / f16 cast twins of f32 master weights (``with_master_weights``) and its f32 input cast
+to the same precision inside the step (token ids stay f32); the softmax cross-entropy runs in
+f32 (as under torch's autocast). The optimizer updates the f32 masters.
 
 - ``bf16``: no loss scaling; grad_update and the optimizer's update fused into one routine.
 - ``f16``: dynamic loss scaling, per-step host gate (the ``scaled_step`` recipe: gradient
@@ -33,17 +33,19 @@ LossBuilder = Callable[[Any, Any], Any]
 
 def build_mixed(r: OcannlRunner, variant: str, model: ModelBuilder, opt: Any,
                 loss_of: LossBuilder | None = None) -> tuple[Callable[[], None], object]:
-    """Build ``variant``'s step of ``model`` over ``r.x`` (the input, stored at the variant's
-    precision) on ``r``'s context, its loss ``loss_of(f32 logits, r.y)`` (default: softmax
-    cross-entropy), trained by the optimizer ``opt`` (an ``ocannl.optim`` object); the step
-    callable and the loss tensor. Sets ``r.layers`` (the f32 masters)."""
+    """Build ``variant``'s step of ``model`` over ``r.x`` (the f32 input, cast to the variant's
+    precision in the step; a gpt's token ids as they are) on ``r``'s context, its loss
+    ``loss_of(f32 logits, r.y)`` (default: softmax cross-entropy), trained by the optimizer
+    ``opt`` (an ``ocannl.optim`` object); the step callable and the loss tensor. Sets
+    ``r.layers`` (the f32 masters)."""
     import ocannl.tensor as T
     from ocannl import mixed_prec, train
     from ocannl.nn_blocks import softmax_cross_entropy
 
     w = r.fx.workload
     prec = VARIANTS[variant][0]
-    logits, twins = mixed_prec.with_master_weights(prec=prec, f=lambda: model(r.x))
+    x = r.x if w.model == "gpt" else T.cast(r.x, prec)
+    logits, twins = mixed_prec.with_master_weights(prec=prec, f=lambda: model(x))
     loss = (loss_of or softmax_cross_entropy)(T.cast(logits, "f32"), r.y)
     if isinstance(twins, dict):
         r.layers = {name: mixed_prec.master_of(p) for name, p in twins.items()}

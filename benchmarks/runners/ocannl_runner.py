@@ -41,7 +41,7 @@ class OcannlRunner:
         w = self.fx.workload
         self.ctx = make_context(self.device)
         self.targets = models.feed_targets(self.fx)
-        self.x, self.y = models.ocannl_io(w, self.fx, prec=VARIANTS[self.variant][0])
+        self.x, self.y = models.ocannl_io(w, self.fx)
         if self.variant == "f32":
             logits, self.layers = models.ocannl_model(w, self.x)
             self.loss_t = models.ocannl_loss(w, logits, self.y)
