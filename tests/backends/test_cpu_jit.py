@@ -38,3 +38,55 @@ def test_an_unknown_blas_is_refused():
                           text=True, timeout=120, check=False)
     assert done.returncode != 0
     assert "OCANNL_BLAS='mkl': expected 'numpy'" in done.stderr
+
+
+def test_threads_default_to_the_cores_divided_among_local_mpi_ranks(monkeypatch):
+    """Without ``OCANNL_THREADS``: one thread per core of this process, divided among the
+    ranks an MPI launcher started on this machine (MPICH's and Open MPI's variables)."""
+    monkeypatch.delenv("OCANNL_THREADS", raising=False)
+    for name in ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(jit, "_cores", lambda: 8)
+    assert jit.threads() == 8
+    monkeypatch.setenv("MPI_LOCALNRANKS", "2")
+    assert jit.threads() == 4
+    monkeypatch.delenv("MPI_LOCALNRANKS")
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "16")
+    assert jit.threads() == 1
+    monkeypatch.setenv("OCANNL_THREADS", "3")
+    assert jit.threads() == 3
+
+
+def test_a_routine_sharing_a_product_restores_the_blas_thread_count(monkeypatch):
+    """A routine that shares a product over the pool runs NumPy's OpenBLAS single-threaded
+    and puts back the thread count it found; one without such a product leaves it alone."""
+    import ctypes
+
+    from ocannl.backends.cpu.codegen import shares_products
+    from ocannl.ir.assignments import Accum, Comp, Get, apply
+    from ocannl.ir.ops import Precision
+    from ocannl.ir.tnode import Tnode
+
+    control = jit._blas_threads()
+    assert control is not None, "NumPy's OpenBLAS thread controls were not found"
+    get = ctypes.CFUNCTYPE(ctypes.c_int)(control[0])
+    set_ = ctypes.CFUNCTYPE(None, ctypes.c_int)(control[1])
+    monkeypatch.setattr(jit, "threads", lambda: 2)
+    m = 256
+    a, w, c = (Tnode(n, (m, m), Precision.f32) for n in ("pa", "pw", "pc"))
+    comp = Comp((Accum(c, (0, 1), "+", apply("mul", Get(a, (0, 2)), Get(w, (2, 1))),
+                       (m, m, m), True),))
+    ctx = Context.cpu()
+    assert shares_products(ctx.lower(comp), jit.target())
+    ctx.set_values(a, np.ones((m, m)))
+    ctx.set_values(w, np.full((m, m), 0.5))
+    ctx, r = ctx.compile(comp)
+    before = get()
+    try:
+        for count in (3, 1, 2):
+            set_(count)
+            ctx.run(r)
+            assert get() == count
+    finally:
+        set_(before)
+    np.testing.assert_array_equal(ctx.get_values(c), np.full((m, m), 0.5 * m, np.float32))
