@@ -90,3 +90,51 @@ def test_a_routine_sharing_a_product_restores_the_blas_thread_count(monkeypatch)
     finally:
         set_(before)
     np.testing.assert_array_equal(ctx.get_values(c), np.full((m, m), 0.5 * m, np.float32))
+
+
+def test_scratch_arrays_share_memory_only_when_their_items_do_not_overlap():
+    from ocannl.backends.cpu.backend import scratch_arrays, scratch_offsets
+
+    scratch = [(100, "f32", 0, 3), (50, "f32", 2, 5), (80, "f32", 4, 9), (30, "f64", 0, 9),
+               (60, "f32", 6, 7), (100, "f32", 8, 8)]
+    offsets = scratch_offsets(scratch)
+    for i, (si, ki, fi, li) in enumerate(scratch):
+        assert offsets[i] % 16 == 0
+        for j, (sj, kj, fj, lj) in enumerate(scratch[:i]):
+            if ki == kj and fi <= lj and fj <= li:  # both live at some item: apart
+                assert offsets[i] >= offsets[j] + sj or offsets[j] >= offsets[i] + si, (i, j)
+    arrays = scratch_arrays(scratch)
+    assert [a.size for a in arrays] == [s for s, *_ in scratch]
+    assert arrays[3].dtype == np.float64 and arrays[0].dtype == np.float32
+    f32_bytes = max(o + s for o, (s, k, *_) in zip(offsets, scratch, strict=True) if k == "f32")
+    assert f32_bytes < sum(s for s, k, *_ in scratch if k == "f32")  # something was shared
+
+
+def test_shared_scratch_gives_the_bits_of_separate_scratch(monkeypatch):
+    """A bf16 step with many products (their f32 copies and outputs in scratch) computes the
+    same bits whether scratch arrays share memory or not."""
+    from ocannl import nn_blocks
+    from ocannl.backends.cpu import backend
+
+    def run() -> list[bytes]:
+        rng = np.random.default_rng(7)
+        x = T.term(rng.normal(size=(64, 48)).astype(np.float32), label="xs",
+                   batch_dims=(64,), output_dims=(48,), prec="bf16")
+        y, _ = nn_blocks.mlp(x, (96, 96), 10, label="scr", prec="bf16")
+        loss = T.sum(y * y)
+        ctx = train.init_params(Context.cpu(), loss)
+        for p in loss.params:
+            ctx.set_values(p, rng.normal(size=p.value.dims) * 0.1)
+        ctx, r = ctx.compile(train.grad_update(loss))
+        ctx.run(r)
+        scratch.extend(r.compiled.scratch)
+        return [ctx.get_values(p.grad).tobytes() for p in loss.params]
+
+    scratch: list = []
+    shared = run()
+    offsets = backend.scratch_offsets(scratch)
+    assert max(o + s for o, (s, *_) in zip(offsets, scratch, strict=True)) < sum(
+        -(-s // 16) * 16 for s, *_ in scratch)  # some scratch did share memory
+    monkeypatch.setattr(backend, "scratch_offsets", lambda scratch: list(
+        np.cumsum([0] + [-(-s // 16) * 16 for s, *_ in scratch[:-1]])))
+    assert run() == shared

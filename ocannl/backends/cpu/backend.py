@@ -26,10 +26,11 @@ def storage_dtype(prec: Precision) -> np.dtype:
     return np.dtype(np.uint16) if prec.is_narrow else prec.numpy_dtype
 
 
-def emit_ir(code: list[Lowered], nodes: list[Tnode]) -> tuple[list[str], list[tuple[int, str]]]:
+def emit_ir(code: list[Lowered], nodes: list[Tnode]
+            ) -> tuple[list[str], list[tuple[int, str, int, int]]]:
     """The LLVM IR of a routine over ``nodes``, one text per part (buffers named by position,
     so the same code over other nodes is the same text), and its scratch arrays (size, "f32" |
-    "f64")."""
+    "f64", the first and last item using it)."""
     modules, scratch = routine_ir(code, nodes, jit.target())
     return [str(m) for m in modules], scratch
 
@@ -85,14 +86,14 @@ class CompiledRoutine:
     """Machine code shared by every routine with the same IR, bound to buffers once: a table
     of their addresses, then of scratch arrays of its own."""
 
-    def __init__(self, address: int, scratch: list[tuple[int, str]], from_disk: bool) -> None:
+    def __init__(self, address: int, scratch: list[tuple[int, str, int, int]],
+                 from_disk: bool) -> None:
         self.address = address
         self.loaded_from_disk = from_disk  # the on-disk cache supplied the machine code
         self.scratch = scratch
 
     def bind(self, buffers: tuple[np.ndarray, ...]) -> Callable[[], None]:
-        scratch = [np.empty(n, np.float32 if kind == "f32" else np.float64)
-                   for n, kind in self.scratch]
+        scratch = scratch_arrays(self.scratch)
         arrays = (*buffers, *scratch)
         table = np.array([a.ctypes.data for a in arrays], dtype=np.int64)
         entry = _C_ENTRY(self.address)
@@ -106,3 +107,39 @@ class CompiledRoutine:
 
 
 _C_ENTRY = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+
+# Scratch arrays start this many elements apart at least (64 bytes for f32).
+_ALIGN = 16
+
+
+def scratch_offsets(scratch: list[tuple[int, str, int, int]]) -> list[int]:
+    """Where each scratch array starts in its kind's arena (in elements): arrays used by
+    overlapping spans of items never overlap in memory; the others may. Largest first, each at
+    the lowest offset clear of those already placed whose spans meet its own."""
+    offsets = [0] * len(scratch)
+    placed: list[int] = []
+    for k in sorted(range(len(scratch)), key=lambda k: -scratch[k][0]):
+        size, kind, first, last = scratch[k]
+        busy = sorted((offsets[j], offsets[j] + scratch[j][0]) for j in placed
+                      if scratch[j][1] == kind and scratch[j][2] <= last and first <= scratch[j][3])
+        at = 0
+        for lo, hi in busy:
+            if at + size <= lo:
+                break
+            at = max(at, -(-hi // _ALIGN) * _ALIGN)
+        offsets[k] = at
+        placed.append(k)
+    return offsets
+
+
+def scratch_arrays(scratch: list[tuple[int, str, int, int]]) -> list[np.ndarray]:
+    """A routine's scratch arrays (size, "f32" | "f64", the first and last item using it) as
+    views of one arena per kind, shared where their items do not overlap (nothing in scratch
+    outlives a run)."""
+    offsets = scratch_offsets(scratch)
+    arenas = {}
+    for kind, dtype in (("f32", np.float32), ("f64", np.float64)):
+        ends = [o + s[0] for o, s in zip(offsets, scratch, strict=True) if s[1] == kind]
+        arenas[kind] = np.empty(max(ends, default=0), dtype)
+    return [arenas[kind][o:o + size]
+            for o, (size, kind, _, _) in zip(offsets, scratch, strict=True)]

@@ -79,7 +79,8 @@ class RoutineIR:
 
     def __init__(self, nodes: list[Tnode], target: Target,
                  scratch: dict[tuple[int, str, ir.Type], int],
-                 copies: dict[int, tuple[int, str, ir.Type]]) -> None:
+                 copies: dict[int, tuple[int, str, ir.Type]],
+                 uses: dict[int, list[int]] | None = None, base: int = 0) -> None:
         self.module = ir.Module(name="ocannl")
         self.hardware_f16 = target.hardware_f16
         self.avx = target.avx
@@ -89,6 +90,9 @@ class RoutineIR:
         self.slots = {n.id: k for k, n in enumerate(nodes)}
         self.scratch = scratch  # (size, role, type) -> number, shared by a routine's parts
         self.copies = copies  # node id -> the scratch key of its current f32 / f64 copy
+        # scratch number -> the first and last item (counted over the routine) using it
+        self.uses = {} if uses is None else uses
+        self.base = base  # the routine's items before this part's
         self.functions: dict[tuple[str, ir.Type], ir.Function] = {}
         # Each item: its function, its slots, (its extent when shared, chunks per thread).
         self.calls: list[tuple[ir.Function, list[int], tuple[int | None, int]]] = []
@@ -146,6 +150,9 @@ class RoutineIR:
         """A scratch array (allocated once per bound routine), shared by GEMMs of one role; its
         address follows the nodes' in the table."""
         k = self.scratch.setdefault((size, role, elem), len(self.scratch))
+        at = self.base + len(self.calls)  # the item being emitted
+        span = self.uses.setdefault(k, [at, at])
+        span[0], span[1] = min(span[0], at), max(span[1], at)
         if k not in self.scratch_pointers:
             e = self.entry
             address = e.load(e.gep(self.table, [const_int(len(self.nodes) + k)]))
@@ -727,18 +734,21 @@ PART_ITEMS = 48
 
 
 def routine_ir(code: list[Lowered], nodes: list[Tnode], target: Target
-               ) -> tuple[list[ir.Module], list[tuple[int, str]]]:
+               ) -> tuple[list[ir.Module], list[tuple[int, str, int, int]]]:
     """The modules of a routine over ``nodes``, each defining ``part(table)``: the routine
-    runs them in order. Also its scratch arrays (size, "f32" | "f64"), whose addresses follow
-    the nodes' in the table. At most ``target.workers`` parts, each of at least ``PART_ITEMS``
-    items."""
+    runs them in order. Also its scratch arrays (size, "f32" | "f64", the first and the last
+    item using it), whose addresses follow the nodes' in the table: nothing in one outlives
+    a run, so arrays whose items do not overlap may share memory (``backend.py``). At most
+    ``target.workers`` parts, each of at least ``PART_ITEMS`` items."""
     count = max(1, min(target.workers, len(code) // PART_ITEMS))
     bounds = [len(code) * k // count for k in range(count + 1)]
     scratch: dict[tuple[int, str, ir.Type], int] = {}
     copies: dict[int, tuple[int, str, ir.Type]] = {}
+    uses: dict[int, list[int]] = {}
     modules = []
+    base = 0
     for lo, hi in zip(bounds, bounds[1:], strict=False):
-        r = RoutineIR(nodes, target, scratch, copies)
+        r = RoutineIR(nodes, target, scratch, copies, uses, base)
         for item in code[lo:hi]:
             if isinstance(item, Gemm):
                 _gemm_items(r, item, target.threads, target.products_shared)
@@ -755,8 +765,10 @@ def routine_ir(code: list[Lowered], nodes: list[Tnode], target: Target
                     else:
                         r.group(item)
             r.written(_written(item))
+        base += len(r.calls)
         modules.append(r.finish())
-    return modules, [(size, "f32" if ty == F32 else "f64") for size, _, ty in scratch]
+    return modules, [(size, "f32" if ty == F32 else "f64", *uses[k])
+                     for (size, _, ty), k in scratch.items()]
 
 
 # The code generator's own version: its source, its scalar code's and the op table's (the hash

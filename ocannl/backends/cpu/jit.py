@@ -260,7 +260,7 @@ def key_of(signature: str) -> str:
     return hashlib.sha256(f"{stamp}\n{signature}".encode()).hexdigest()[:24]
 
 
-Scratch = list[tuple[int, str]]
+Scratch = list[tuple[int, str, int, int]]  # size, "f32" | "f64", first and last item using it
 
 
 def _pack(scratch: Scratch, objects: list[bytes]) -> bytes:
@@ -285,7 +285,8 @@ def _unpack(data: bytes) -> tuple[Scratch, list[bytes]]:
         at += size
     if at != len(body):
         raise ValueError("truncated")
-    return [(int(n), str(kind)) for n, kind in header["scratch"]], out
+    return [(int(n), str(kind), int(first), int(last))
+            for n, kind, first, last in header["scratch"]], out
 
 
 def load(key: str) -> tuple[int, Scratch, bool] | None:
