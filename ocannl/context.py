@@ -15,12 +15,14 @@ before anything initialized it refuses to run.
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from ocannl.backends.arena import pack
 from ocannl.backends.base import Backend, Buffer
 from ocannl.ir.assignments import Comp
 from ocannl.ir.lowering import Effects, Lowered, effects, lower, nodes_of
@@ -67,6 +69,7 @@ class Context:
         self._buffers: dict[int, tuple[Tnode, Buffer]] = {}
         self._initialized: set[int] = set()
         self._views: set[int] = set()  # nodes whose buffer is a view of a shared flat buffer
+        self._local_bytes = 0  # the arenas of compiled routines' local nodes
         self.compile_count = 0  # routines whose code was compiled anew by this context
 
     # --- construction -------------------------------------------------------------------------
@@ -125,19 +128,62 @@ class Context:
         return lower(comp, gemm=self._backend.has_gemm, batched=self._backend.has_batched_gemm,
                      im2col=getattr(self._backend, "im2col", False))
 
-    def compile_lowered(self, label: str, code: list[Lowered]) -> tuple[Context, Routine]:
-        """Compile lowered items (from :meth:`lower`; a part of them times that part alone, as
-        ``benchmarks/profile_items.py`` does) into a routine bound to this context's
-        buffers."""
-        nodes = [n for n in nodes_of(code) if n.memory_mode is MemoryMode.materialized]
+    def compile_lowered(self, label: str, code: list[Lowered], *,
+                        local_check: bool = True) -> tuple[Context, Routine]:
+        """Compile lowered items (from :meth:`lower`) into a routine bound to this context's
+        buffers. Its local nodes (``MemoryMode.local``) live in arenas of the routine's own,
+        sharing memory where their uses do not overlap; a routine that reads one before
+        writing it whole is refused, naming it. ``local_check=False`` gives each local node
+        memory of its own with no check, for timing a part of a routine alone
+        (``benchmarks/profile_items.py``)."""
+        nodes = [n for n in nodes_of(code) if n.memory_mode is not MemoryMode.virtual]
+        fx = effects(code)
+        local = {n.id: n for n in nodes if n.memory_mode is MemoryMode.local}
+        if local_check:
+            unwritten = [n.name for n in fx.inputs if n.id in local]
+            if unwritten:
+                raise ValueError(
+                    f"{label}: reads {', '.join(unwritten)} before writing it whole, but it is "
+                    f"local to the routine that computes it (an intermediate tensor's gradient, "
+                    f"or lowering's own): compile it in the same routine as its computation, "
+                    f"or call retain_grad() on the tensor to keep its gradient materialized")
+        views = self._local_buffers(label, code, list(local.values()), shared=local_check)
         compiled, compiled_anew = self._backend.compile(label, code, nodes)
         for n in nodes:
-            self._ensure(n)
+            if n.id not in local:
+                self._ensure(n)
         if compiled_anew:
             self.compile_count += 1
-        bufs = tuple(self._buffers[n.id][1] for n in nodes)
+        bufs = tuple(views[n.id] if n.id in local else self._buffers[n.id][1] for n in nodes)
         call = self._backend.bind(compiled, bufs)
-        return self, Routine(label, self, tuple(nodes), compiled, bufs, effects(code), call)
+        kept = tuple(n for n in nodes if n.id not in local)
+        fx = Effects(fx.inputs, tuple(n for n in fx.written if n.id not in local))
+        return self, Routine(label, self, kept, compiled, bufs, fx, call)
+
+    def _local_buffers(self, label: str, code: list[Lowered], local: list[Tnode],
+                       shared: bool) -> dict[int, Buffer]:
+        """Buffers for a routine's local nodes: views of one arena per precision, each node
+        placed apart from those in use at the same items (``arena.pack``), or (``shared``
+        False) one arena each."""
+        spans: dict[int, list[int]] = {}
+        for k, item in enumerate(code):
+            for n in nodes_of([item]):
+                span = spans.setdefault(n.id, [k, k])
+                span[1] = k
+        out: dict[int, Buffer] = {}
+        for prec in dict.fromkeys(n.prec for n in local):
+            group = [n for n in local if n.prec is prec]
+            if shared:
+                offsets, total = pack([(n.size, *spans[n.id]) for n in group])
+            else:
+                offsets, total = list(itertools.accumulate([0] + [n.size for n in group[:-1]])), \
+                    sum(n.size for n in group)
+            arena = Tnode(f"{label}_local_{prec.value}", (max(total, 1),), prec)
+            buf = self._backend.alloc(arena)
+            self._local_bytes += arena.size * prec.itemsize
+            for n, off in zip(group, offsets, strict=True):
+                out[n.id] = buf[off:off + n.size]
+        return out
 
     def run(self, routine: Routine) -> Context:
         """Run a routine compiled by this context. Its first run checks that every parameter
@@ -165,6 +211,7 @@ class Context:
     # --- buffers ------------------------------------------------------------------------------
 
     def _ensure(self, node: Tnode) -> Buffer:
+        self._refuse_local(node)
         entry = self._buffers.get(node.id)
         if entry is None:
             buf = self._backend.alloc(node)
@@ -230,7 +277,16 @@ class Context:
         code reads and writes values with ``get_values`` / ``set_values``."""
         return self._buffer(_as_node(t))
 
+    @staticmethod
+    def _refuse_local(node: Tnode) -> None:
+        if node.memory_mode is MemoryMode.local:
+            raise ValueError(
+                f"node {node.name} is local to the routines that compute it (an intermediate "
+                f"tensor's gradient, or lowering's own): the host cannot read or write it; call "
+                f"retain_grad() on the tensor before compiling to keep its gradient")
+
     def _buffer(self, node: Tnode) -> Buffer:
+        self._refuse_local(node)
         entry = self._buffers.get(node.id)
         if entry is None:
             raise ValueError(
@@ -341,7 +397,7 @@ class Context:
             self._buffer(node)
             return node.size * node.prec.itemsize
         return sum(n.size * n.prec.itemsize for n, _ in self._buffers.values()
-                   if n.id not in self._views)
+                   if n.id not in self._views) + self._local_bytes
 
     def nodes(self) -> list[Tnode]:
         return [n for n, _ in self._buffers.values()]

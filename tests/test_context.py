@@ -455,3 +455,81 @@ def test_a_routine_runs_only_on_the_context_that_compiled_it():
     with pytest.raises(ValueError, match="compiled by another context"):
         ctx_b.run(r)
     assert r.context is ctx_a
+
+
+# --- local nodes: intermediate gradients ------------------------------------------------------
+
+
+def _deep(seed: int = 0):  # noqa: ANN202 - a small tanh network and its pieces
+    from ocannl import nn_blocks
+
+    rng = np.random.default_rng(seed)
+    x = T.term(rng.normal(size=(16, 12)).astype(np.float32), label="xd", batch_dims=(16,),
+               output_dims=(12,))
+    y, layers = nn_blocks.mlp(x, (24, 24, 24), 6, label="deep")
+    h = T.tanh(y)
+    loss = T.sum(h * h)
+    return x, h, loss, layers
+
+
+def test_an_intermediate_gradient_is_local_unless_retained():
+    """Like torch's non-leaf ``.grad``: an intermediate tensor's gradient lives only inside the
+    routine computing it; reading or writing it names ``retain_grad``. Retained, it holds
+    d loss / d h = 2 h."""
+    from ocannl.ir.tnode import MemoryMode
+
+    _, h, loss, _ = _deep()
+    assert h.grad.memory_mode is MemoryMode.local
+    assert all(p.grad.memory_mode is MemoryMode.materialized for p in loss.params)
+    ctx = train.init_params(Context.cpu(), loss)
+    ctx, r = ctx.compile(train.grad_update(loss))
+    ctx.run(r)
+    for call in (lambda: ctx.get_values(h.grad), lambda: ctx.set_values(h.grad, np.zeros(96)),
+                 lambda: ctx.get_value(h.grad, (0, 0))):
+        with pytest.raises(ValueError, match=r"grad_.* is local .* retain_grad\(\)"):
+            call()
+    assert h.grad not in ctx.nodes() and not ctx.is_allocated(h.grad)
+    assert h.retain_grad() is h
+    ctx, r = ctx.compile(train.grad_update(loss))
+    ctx.run(r)
+    np.testing.assert_allclose(ctx.get_values(h.grad), 2 * ctx.get_values(h), rtol=1e-6)
+
+
+def test_a_routine_reading_a_local_node_it_did_not_write_is_refused():
+    from ocannl.ir.assignments import Accum, Get
+    from ocannl.ir.ops import Precision
+    from ocannl.ir.tnode import Tnode
+
+    _, h, loss, _ = _deep()
+    ctx = train.init_params(Context.cpu(), loss)
+    ctx, r = ctx.compile(train.grad_update(loss))
+    out = Tnode("sum_of_grad", (), Precision.f32)
+    reader = Comp((Accum(out, (), "+", Get(h.grad, (0, 1)), h.grad.dims, reset=True),))
+    with pytest.raises(ValueError, match=r"reads grad_\S+ before writing it whole"):
+        ctx.compile(reader)
+    assert not ctx.is_allocated(out)
+
+
+def test_local_nodes_share_memory_and_compute_the_same_bits():
+    """The gradients of a deep network's intermediates share an arena (smaller than their
+    sum) and the parameters' gradients are bitwise those of one buffer per local node."""
+    from ocannl.ir.lowering import nodes_of
+    from ocannl.ir.tnode import MemoryMode
+
+    grads = []
+    for check in (True, False):
+        _, _, loss, _ = _deep(3)
+        ctx = train.init_params(Context.cpu(), loss)
+        for k, p in enumerate(loss.params):  # the same weights in both contexts
+            ctx.set_values(p, np.random.default_rng(k).normal(size=p.value.dims) * 0.3)
+        code = ctx.lower(train.grad_update(loss))
+        ctx, r = ctx.compile_lowered("step", code, local_check=check)
+        ctx.run(r)
+        grads.append([ctx.get_values(p.grad).tobytes() for p in loss.params])
+        local = [n for n in nodes_of(code) if n.memory_mode is MemoryMode.local]
+        total = sum(n.size * n.prec.itemsize for n in local)
+        if check:
+            assert 0 < ctx._local_bytes < total
+        else:
+            assert ctx._local_bytes >= total
+    assert grads[0] == grads[1]

@@ -505,6 +505,7 @@ def fused_recipe(rig: Rig, sc: Loss_scaler, check_interval: int,
 
 def test_set_scale_reaches_compiled_routine_without_recompiling() -> None:
     rig = make_rig()
+    rig.loss.retain_grad()  # read below: the seed is the scale
     sc = Loss_scaler.create(init_scale=1024.0)
     rig.ctx, grad_routine = rig.ctx.compile(scaled_grad_update(sc, rig.loss)[1])
     masters = rig.loss.params
@@ -739,6 +740,7 @@ def test_twin_gradients_accumulate_into_f32_master() -> None:
     p = master_of(tw)
     loss = T.sum(tw * a) + T.sum(tw * b)  # two uses of the one twin
     assert loss.params == [p]
+    tw.retain_grad()  # an intermediate tensor's gradient: read below
     ctx = train.init_params(Context.cpu(), loss)
     ctx, r = ctx.compile(train.grad_update(loss))
     ctx = ctx.run(r)

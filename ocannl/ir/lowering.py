@@ -39,7 +39,7 @@ from ocannl.ir.assignments import (
     reads,
 )
 from ocannl.ir.ops import ACCUMS, Precision
-from ocannl.ir.tnode import Tnode
+from ocannl.ir.tnode import MemoryMode, Tnode
 
 # Below this many multiply-adds a GEMM-shaped assignment stays a loop nest: the call into
 # BLAS costs more than the arithmetic.
@@ -296,7 +296,8 @@ def _patch_node(src: Tnode, role: str, key: tuple, dims: tuple[int, ...], prec: 
     key = (role, key, dims, prec)
     node = table.get(key)
     if node is None:
-        node = table[key] = Tnode(f"{src.name}_{role}", dims, prec)  # named ..._{role}_{id}
+        # named ..._{role}_{id}; local: written by each routine's own gather before use
+        node = table[key] = Tnode(f"{src.name}_{role}", dims, prec, memory_mode=MemoryMode.local)
     return node
 
 

@@ -17,10 +17,15 @@ class MemoryMode(enum.Enum):
 
     ``virtual``: never stored, a constant folded into the code (numbers).
     ``materialized``: a device buffer that routines bind to and the host can read and write.
+    ``local``: computed and consumed inside each routine that uses it (the gradient of an
+    intermediate tensor, im2col's patches): every routine writes it whole before reading it,
+    holds it in memory shared with its other local nodes whose uses do not overlap, and the
+    host cannot read or write it (``Tensor.retain_grad`` keeps a gradient materialized).
     """
 
     virtual = "virtual"
     materialized = "materialized"
+    local = "local"
 
 
 _ids = itertools.count(1)

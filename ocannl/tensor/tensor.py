@@ -17,7 +17,7 @@ import numpy as np
 
 from ocannl.ir.assignments import Accum, Comp, Const, Get
 from ocannl.ir.ops import Precision
-from ocannl.ir.tnode import Tnode
+from ocannl.ir.tnode import MemoryMode, Tnode
 from ocannl.tensor.shape import Shape
 
 InitFn = Callable[[tuple[int, ...], int, np.random.Generator], np.ndarray]
@@ -56,10 +56,22 @@ class Tensor:
         self.on_input_inferred: Callable[[Tensor], None] | None = None
         if differentiable is None:
             differentiable = any(c.grad is not None for c in children)
+        # A parameter's gradient is materialized (optimizers and the host read it); any other
+        # tensor's is local to the routine computing it, as torch keeps no gradient of a
+        # non-leaf tensor unless asked: ``retain_grad``.
         self.grad: Tnode | None = (
-            Tnode(f"grad_{value.label}", value.dims_if_known, value.prec)
+            Tnode(f"grad_{value.label}", value.dims_if_known, value.prec,
+                  memory_mode=MemoryMode.materialized if kind == "param" else MemoryMode.local)
             if differentiable else None
         )
+
+    def retain_grad(self) -> Tensor:
+        """Keep this tensor's gradient materialized, so the host can read it after a routine
+        computes it (routines compiled before keep theirs local). A parameter's always is."""
+        if self.grad is None:
+            raise ValueError(f"{self.label} has no gradient: it depends on no parameter")
+        self.grad.memory_mode = MemoryMode.materialized
+        return self
 
     # --- graph traversal ----------------------------------------------------------------------
 

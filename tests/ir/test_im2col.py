@@ -13,7 +13,7 @@ from ocannl.backends.cpu.backend import CpuBackend
 from ocannl.ir import lowering
 from ocannl.ir.assignments import Accum, Affine, Comp, Const, Get, apply
 from ocannl.ir.lowering import Fill, Gemm, LoopGroup, lower, nests, nodes_of
-from ocannl.ir.tnode import Tnode
+from ocannl.ir.tnode import MemoryMode, Tnode
 from ocannl.tensor.spatial import conv2d
 
 F32 = Precision.f32
@@ -325,9 +325,10 @@ class _DirectCpu(CpuBackend):
     im2col = False
 
 
-def test_a_context_compiles_runs_and_hides_nothing_but_allocates_the_patches():
+def test_a_context_compiles_runs_and_keeps_the_patches_local():
     """Through a context: the same loss and gradients as with the direct loops; the patch nodes
-    have buffers there, and are neither parameters nor inputs the routine needs."""
+    are local to the routine (no buffer of the context's, not readable from the host), and
+    neither parameters nor inputs the routine needs."""
     results = []
     for ctx in (Context(CpuBackend()), Context(_DirectCpu())):
         x, params, loss = _convnet()
@@ -337,7 +338,12 @@ def test_a_context_compiles_runs_and_hides_nothing_but_allocates_the_patches():
         for k, p in enumerate(params):
             ctx = ctx.set_values(p, np.random.default_rng(k).standard_normal(p.value.dims) * 0.3)
         ctx = ctx.run(routine)
-        extra = [n for n in routine.nodes if "_patch" in n.label]
+        extra = [n for n in nodes_of(ctx.lower(comp)) if "_patch" in n.label]
+        assert not any(n in routine.nodes or n in ctx.nodes() for n in extra)
+        for n in extra:
+            assert n.memory_mode is MemoryMode.local
+            with pytest.raises(ValueError, match="local to the routines"):
+                ctx.get_values(n)
         results.append((ctx.get_value(loss), [ctx.get_values(p.grad) for p in params], extra,
                         routine))
     (l_on, g_on, extra_on, r_on), (l_off, g_off, extra_off, _) = results

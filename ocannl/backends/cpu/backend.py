@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from ocannl.backends.arena import pack
 from ocannl.backends.cpu import jit
 from ocannl.backends.cpu.codegen import routine_ir, shares_products, signature
 from ocannl.ir.lowering import Lowered
@@ -108,34 +109,21 @@ class CompiledRoutine:
 
 _C_ENTRY = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 
-# Scratch arrays start this many elements apart at least (64 bytes for f32).
-_ALIGN = 16
-
-
 def scratch_offsets(scratch: list[tuple[int, str, int, int]]) -> list[int]:
-    """Where each scratch array starts in its kind's arena (in elements): arrays used by
-    overlapping spans of items never overlap in memory; the others may. Largest first, each at
-    the lowest offset clear of those already placed whose spans meet its own."""
+    """Where each scratch array (size, "f32" | "f64", first and last item using it) starts in
+    its kind's arena, in elements (``arena.pack``, one arena per kind)."""
     offsets = [0] * len(scratch)
-    placed: list[int] = []
-    for k in sorted(range(len(scratch)), key=lambda k: -scratch[k][0]):
-        size, kind, first, last = scratch[k]
-        busy = sorted((offsets[j], offsets[j] + scratch[j][0]) for j in placed
-                      if scratch[j][1] == kind and scratch[j][2] <= last and first <= scratch[j][3])
-        at = 0
-        for lo, hi in busy:
-            if at + size <= lo:
-                break
-            at = max(at, -(-hi // _ALIGN) * _ALIGN)
-        offsets[k] = at
-        placed.append(k)
+    for kind in ("f32", "f64"):
+        ks = [k for k, s in enumerate(scratch) if s[1] == kind]
+        placed, _ = pack([(scratch[k][0], scratch[k][2], scratch[k][3]) for k in ks])
+        for k, o in zip(ks, placed, strict=True):
+            offsets[k] = o
     return offsets
 
 
 def scratch_arrays(scratch: list[tuple[int, str, int, int]]) -> list[np.ndarray]:
-    """A routine's scratch arrays (size, "f32" | "f64", the first and last item using it) as
-    views of one arena per kind, shared where their items do not overlap (nothing in scratch
-    outlives a run)."""
+    """A routine's scratch arrays as views of one arena per kind, shared where their items do
+    not overlap (nothing in scratch outlives a run)."""
     offsets = scratch_offsets(scratch)
     arenas = {}
     for kind, dtype in (("f32", np.float32), ("f64", np.float64)):

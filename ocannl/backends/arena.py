@@ -1,0 +1,33 @@
+"""Buffers that share memory because they are never in use at the same time.
+
+A routine's scratch arrays (CPU) and its local nodes (``MemoryMode.local``) live only while
+its items run; each is in use from the first item that touches it to the last. Buffers whose
+spans of items overlap get disjoint places in one arena; the others may share.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+# Places start at multiples of this many elements (64 bytes of f32).
+ALIGN = 16
+
+
+def pack(spans: Sequence[tuple[int, int, int]], align: int = ALIGN) -> tuple[list[int], int]:
+    """Offsets (in elements) for buffers given as (size, first item, last item), and the
+    arena's size: largest first, each at the lowest offset clear of the buffers already placed
+    whose spans meet its own."""
+    offsets = [0] * len(spans)
+    placed: list[int] = []
+    for k in sorted(range(len(spans)), key=lambda k: -spans[k][0]):
+        size, first, last = spans[k]
+        busy = sorted((offsets[j], offsets[j] + spans[j][0]) for j in placed
+                      if spans[j][1] <= last and first <= spans[j][2])
+        at = 0
+        for lo, hi in busy:
+            if at + size <= lo:
+                break
+            at = max(at, -(-hi // align) * align)
+        offsets[k] = at
+        placed.append(k)
+    return offsets, max((o + s[0] for o, s in zip(offsets, spans, strict=True)), default=0)
