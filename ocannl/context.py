@@ -15,17 +15,17 @@ before anything initialized it refuses to run.
 
 from __future__ import annotations
 
-import itertools
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from ocannl.backends.arena import pack
+from ocannl.backends.arena import views
 from ocannl.backends.base import Backend, Buffer
 from ocannl.ir.assignments import Comp
 from ocannl.ir.lowering import Effects, Lowered, effects, lower, nodes_of
+from ocannl.ir.ops import Precision
 from ocannl.ir.tnode import MemoryMode, Tnode
 
 
@@ -173,16 +173,14 @@ class Context:
         out: dict[int, Buffer] = {}
         for prec in dict.fromkeys(n.prec for n in local):
             group = [n for n in local if n.prec is prec]
-            if shared:
-                offsets, total = pack([(n.size, *spans[n.id]) for n in group])
-            else:
-                offsets, total = list(itertools.accumulate([0] + [n.size for n in group[:-1]])), \
-                    sum(n.size for n in group)
-            arena = Tnode(f"{label}_local_{prec.value}", (max(total, 1),), prec)
-            buf = self._backend.alloc(arena)
-            self._local_bytes += arena.size * prec.itemsize
-            for n, off in zip(group, offsets, strict=True):
-                out[n.id] = buf[off:off + n.size]
+
+            def arena(size: int, prec: Precision = prec) -> Buffer:
+                node = Tnode(f"{label}_local_{prec.value}", (max(size, 1),), prec)
+                self._local_bytes += node.size * prec.itemsize
+                return self._backend.alloc(node)
+
+            placed = views([(n.size, *spans[n.id]) for n in group], arena, shared)
+            out.update((n.id, v) for n, v in zip(group, placed, strict=True))
         return out
 
     def run(self, routine: Routine) -> Context:

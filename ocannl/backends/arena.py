@@ -7,7 +7,8 @@ spans of items overlap get disjoint places in one arena; the others may share.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 # Places start at multiples of this many elements (64 bytes of f32).
 ALIGN = 16
@@ -31,3 +32,18 @@ def pack(spans: Sequence[tuple[int, int, int]], align: int = ALIGN) -> tuple[lis
         offsets[k] = at
         placed.append(k)
     return offsets, max((o + s[0] for o, s in zip(offsets, spans, strict=True)), default=0)
+
+
+def views(spans: Sequence[tuple[int, int, int]], alloc: Callable[[int], Any],
+          shared: bool = True) -> list[Any]:
+    """Buffers for (size, first item, last item) as slices of one arena ``alloc(elements)``
+    gives: placed by :func:`pack`, or (``shared`` False) back to back."""
+    if shared:
+        offsets, total = pack(spans)
+    else:
+        offsets, total = [], 0
+        for size, _, _ in spans:
+            offsets.append(total)
+            total += size
+    arena = alloc(total)
+    return [arena[o:o + s[0]] for o, s in zip(offsets, spans, strict=True)]

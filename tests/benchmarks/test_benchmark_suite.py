@@ -149,23 +149,25 @@ def test_convnet_is_the_same_model(tmp_path: Path) -> None:
     assert ref[-1] < ref[0]  # Adam moves it: not a comparison between constants
 
 
+def _eager_f32_gated16_rows(fx: fixtures.Fixture) -> list:
+    """The fixture measured by PyTorch eager (the reference), ocannl f32 and f16-gated16."""
+    ref = make_runner(fx, "torch", "eager", "cpu")
+    runners = [ref, make_runner(fx, "ocannl", "f32", "cpu"),
+               make_runner(fx, "ocannl", "f16-gated16", "cpu")]
+    return measure(fx, runners, ref, log=lambda _: None)
+
+
 def test_convnet_rows_and_report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("sklearn")
     monkeypatch.setattr(measure_mod, "SETTLE_S", 0.0)
     fx = fixtures.load(CONV, tmp_path)
-    ref = make_runner(fx, "torch", "eager", "cpu")
-    runners = [ref, make_runner(fx, "ocannl", "f32", "cpu"),
-               make_runner(fx, "ocannl", "f16-gated16", "cpu")]
-    rows = measure(fx, runners, ref, log=lambda _: None)
+    rows = _eager_f32_gated16_rows(fx)
     assert rows[0].status == "ok" and rows[0].parity_err == 0.0
     for r in rows[1:]:  # the mixed runner takes the convnet and Adam too
         assert r.status == "ok", (r.name, r.status, r.note, r.parity_err)
         assert r.tolerance == {"f32": 1e-5, "f16-gated16": 2e-3}[r.variant]
         assert r.p50 is not None and r.steps_timed == CONV.timed_steps
-    info = {"command": "test", "date": "today", "runtime_s": 0.0, "cpu": "cpu", "cores": 2,
-            "memory": "1 GiB", "platform": "p", "commit": "c", "versions": {"numpy": "x"},
-            "sgemm": None, "load_start": "0", "load_end": "0"}
-    text = report.render(rows, targets.evaluate(rows, None), info, None, {CONV.name: CONV})
+    text = report.render(rows, targets.evaluate(rows, None), INFO, None, {CONV.name: CONV})
     assert "## convnet" in text and "lenet 8x8x1" in text and "Adam" in text
     assert "| ocannl f16-gated16 (cpu) |" in text
 
@@ -198,10 +200,7 @@ def test_gpt_rows_and_report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     and the mixed runner (named parameters, token ids), then into the report."""
     monkeypatch.setattr(measure_mod, "SETTLE_S", 0.0)
     fx = fixtures.load(GPT, tmp_path)
-    ref = make_runner(fx, "torch", "eager", "cpu")
-    runners = [ref, make_runner(fx, "ocannl", "f32", "cpu"),
-               make_runner(fx, "ocannl", "f16-gated16", "cpu")]
-    rows = measure(fx, runners, ref, log=lambda _: None)
+    rows = _eager_f32_gated16_rows(fx)
     for r in rows:
         assert r.status == "ok", (r.name, r.status, r.note, r.parity_err)
         assert r.p50 is not None and r.steps_timed == GPT.timed_steps

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ocannl.backends.arena import pack
+from ocannl.backends.arena import views
 from ocannl.backends.cpu import jit
 from ocannl.backends.cpu.codegen import routine_ir, shares_products, signature
 from ocannl.ir.lowering import Lowered
@@ -109,25 +109,16 @@ class CompiledRoutine:
 
 _C_ENTRY = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 
-def scratch_offsets(scratch: list[tuple[int, str, int, int]]) -> list[int]:
-    """Where each scratch array (size, "f32" | "f64", first and last item using it) starts in
-    its kind's arena, in elements (``arena.pack``, one arena per kind)."""
-    offsets = [0] * len(scratch)
-    for kind in ("f32", "f64"):
-        ks = [k for k, s in enumerate(scratch) if s[1] == kind]
-        placed, _ = pack([(scratch[k][0], scratch[k][2], scratch[k][3]) for k in ks])
-        for k, o in zip(ks, placed, strict=True):
-            offsets[k] = o
-    return offsets
-
 
 def scratch_arrays(scratch: list[tuple[int, str, int, int]]) -> list[np.ndarray]:
-    """A routine's scratch arrays as views of one arena per kind, shared where their items do
-    not overlap (nothing in scratch outlives a run)."""
-    offsets = scratch_offsets(scratch)
-    arenas = {}
+    """A routine's scratch arrays (size, "f32" | "f64", first and last item using it) as
+    views of one arena per kind, shared where their items do not overlap (nothing in scratch
+    outlives a run)."""
+    out: list[np.ndarray] = [np.empty(0)] * len(scratch)
     for kind, dtype in (("f32", np.float32), ("f64", np.float64)):
-        ends = [o + s[0] for o, s in zip(offsets, scratch, strict=True) if s[1] == kind]
-        arenas[kind] = np.empty(max(ends, default=0), dtype)
-    return [arenas[kind][o:o + size]
-            for o, (size, kind, _, _) in zip(offsets, scratch, strict=True)]
+        ks = [k for k, s in enumerate(scratch) if s[1] == kind]
+        placed = views([(scratch[k][0], scratch[k][2], scratch[k][3]) for k in ks],
+                       lambda n, dtype=dtype: np.empty(n, dtype))
+        for k, view in zip(ks, placed, strict=True):
+            out[k] = view
+    return out

@@ -85,7 +85,6 @@ class RoutineIR:
         self.hardware_f16 = target.hardware_f16
         self.avx = target.avx
         self.blas_int = ir.IntType(target.blas_int)
-        self.threads = target.threads
         self.nodes = nodes
         self.slots = {n.id: k for k, n in enumerate(nodes)}
         self.scratch = scratch  # (size, role, type) -> number, shared by a routine's parts
@@ -208,7 +207,8 @@ class RoutineIR:
     def finish(self) -> ir.Module:
         """Add ``part(table)``: load the addresses of the buffers the items use, call each
         item in order. A split item goes to the thread pool (``pool.py``) with its arguments
-        in a frame: its outermost loop is cut into one contiguous range per thread."""
+        in a frame: its outermost loop is cut into chunks (``per_thread`` per thread) that the
+        pool's threads claim."""
         entry = ir.Function(self.module, ir.FunctionType(ir.VoidType(), [I64.as_pointer()]),
                             name="part")
         self.b = b = ir.IRBuilder(entry.append_basic_block("entry"))
@@ -394,12 +394,13 @@ class RoutineIR:
             wide = self.scratch_for(lhs.size, "scatter", F32)
             self.convert_into(self.buffer(lhs), lhs.prec, wide, lhs.size)
             self.redirect[lhs.id] = wide
+        width = _jam(g)
         if lead.walk_rows:
             self._loops(list(lead.par[:-1]), space, iters,
                         lambda: self._row_walk(lead, space, iters), outer=True)
-        elif _jam(g):
+        elif width:
             self._loops(list(lead.par[:-1]), space, iters,
-                        lambda: self._jammed(lead, _jam(g), space, iters), outer=True)
+                        lambda: self._jammed(lead, width, space, iters), outer=True)
         else:
             self._loops(list(lead.par), space, iters, lambda: self._par_body(g, space, iters),
                         outer=True)
