@@ -490,6 +490,8 @@ def test_an_intermediate_gradient_is_local_unless_retained():
             call()
     assert h.grad not in ctx.nodes() and not ctx.is_allocated(h.grad)
     assert h.retain_grad() is h
+    with pytest.raises(ValueError, match="xd has no gradient: it depends on no parameter"):
+        _deep()[0].retain_grad()
     ctx, r = ctx.compile(train.grad_update(loss))
     ctx.run(r)
     np.testing.assert_allclose(ctx.get_values(h.grad), 2 * ctx.get_values(h), rtol=1e-6)

@@ -55,6 +55,10 @@ def test_threads_default_to_the_cores_divided_among_local_mpi_ranks(monkeypatch)
     assert jit.threads() == 1
     monkeypatch.setenv("OCANNL_THREADS", "3")
     assert jit.threads() == 3
+    monkeypatch.delenv("OCANNL_THREADS")
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "two")  # never guessed from
+    with pytest.raises(ValueError, match="OMPI_COMM_WORLD_LOCAL_SIZE='two': expected a whole"):
+        jit.threads()
 
 
 def test_a_routine_sharing_a_product_restores_the_blas_thread_count(monkeypatch):

@@ -172,9 +172,9 @@ def threads() -> int:
     if given is None:
         local = 1
         for name in ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE"):  # MPICH, Open MPI
-            value = os.environ.get(name, "").strip()
-            if value.isdigit() and int(value) > 0:
-                local = int(value)
+            ranks = _env_count(name)  # a value that is not a count is refused, named
+            if ranks is not None:
+                local = ranks
                 break
         given = max(1, _cores() // local)
     return min(given, pool.MAX_THREADS)
