@@ -2,20 +2,57 @@
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
 import ocannl.tensor as T
 from ocannl.ir.assignments import Accum, Const, Fixed, Get, apply
 from ocannl.ir.ops import Precision, precision_of
-from ocannl.ir.tnode import Tnode
+from ocannl.ir.tnode import MemoryMode, Tnode, ids_issued
 from ocannl.tensor.shape import Shape
 from ocannl.tensor.tensor import Tensor
 
+F = TypeVar("F", bound=Callable[..., Any])
 
+
+def _tensors(result: object) -> Iterator[Tensor]:
+    """The tensors a block returns: its output, its parameters (in tuples, lists, dicts)."""
+    if isinstance(result, Tensor):
+        yield result
+    elif isinstance(result, (tuple, list)):
+        for r in result:
+            yield from _tensors(r)
+    elif isinstance(result, dict):
+        for r in result.values():
+            yield from _tensors(r)
+
+
+def block(fn: F) -> F:
+    """Make the tensors a block computes and does not return local to the routines computing
+    them (``MemoryMode.local``). No one outside the block holds them, so neither the host nor
+    another routine can want their values; each routine then keeps them in memory shared with
+    its other local nodes whose uses do not overlap, as an eager framework frees activations
+    once backprop used them. Cast twins stay as they are (``mixed_prec`` places them)."""
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        first = ids_issued()
+        result = fn(*args, **kwargs)
+        returned = list(_tensors(result))
+        kept = {id(t) for t in returned}
+        for out in returned:
+            for t in out.topo():
+                if (t.kind == "op" and t.master is None and t.value.id > first
+                        and id(t) not in kept):
+                    t.value.memory_mode = MemoryMode.local
+        return result
+    return wrapper  # type: ignore[return-value]
+
+
+@block
 def mlp(
     x: Tensor,
     hidden: Sequence[int],
@@ -42,6 +79,7 @@ def mlp(
     return h, layers
 
 
+@block
 def softmax_cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
     """Mean over the batch of ``-sum(targets * log_softmax(logits))`` (targets one-hot or
     probabilities over the output axes), computed stably via the max-shifted log-sum-exp."""
@@ -53,6 +91,7 @@ def softmax_cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
 # --- convolutional blocks (images channels-last: output row (height, width, channels)) --------
 
 
+@block
 def conv2d(
     x: Tensor,
     *,
@@ -88,6 +127,7 @@ def conv2d(
     return spatial.conv2d(x, kernel, stride=stride, padding=pad) + bias, kernel, bias
 
 
+@block
 def max_pool2d(x: Tensor, *, window: int = 2, stride: int = 2) -> Tensor:
     """The maximum over each ``window x window`` patch (see ``ocannl.tensor.spatial``)."""
     from ocannl.tensor import spatial
@@ -95,6 +135,7 @@ def max_pool2d(x: Tensor, *, window: int = 2, stride: int = 2) -> Tensor:
     return spatial.max_pool2d(x, window=window, stride=stride)
 
 
+@block
 def avg_pool2d(x: Tensor, *, window: int = 2, stride: int = 2) -> Tensor:
     """The mean over each ``window x window`` patch (see ``ocannl.tensor.spatial``)."""
     from ocannl.tensor import spatial
@@ -102,6 +143,7 @@ def avg_pool2d(x: Tensor, *, window: int = 2, stride: int = 2) -> Tensor:
     return spatial.avg_pool2d(x, window=window, stride=stride)
 
 
+@block
 def global_avg_pool2d(x: Tensor) -> Tensor:
     """The mean over every position of the image: output row ``(channels,)``."""
     from ocannl.tensor import spatial
@@ -111,6 +153,7 @@ def global_avg_pool2d(x: Tensor) -> Tensor:
     return T.mean(x, [off, off + 1])
 
 
+@block
 def lenet(
     x: Tensor, *, num_classes: int, channels: tuple[int, int] = (8, 16), hidden: int = 64,
     label: str = "lenet",
@@ -148,6 +191,7 @@ def _vector_param(label: str, n: int, value: float, prec: Precision | str) -> Te
     return T.param(label, output_dims=[n], input_dims=(), init=init, prec=_param_prec(prec))
 
 
+@block
 def layer_norm(
     x: Tensor,
     *,
@@ -179,6 +223,7 @@ class BatchNormParams(NamedTuple):
     running_var: Tensor
 
 
+@block
 def batch_norm(
     x: Tensor,
     *,
@@ -238,6 +283,7 @@ def batch_norm(
     return y, params
 
 
+@block
 def dropout(x: Tensor, *, rate: float, train: bool, rng: T.Rng | None = None) -> Tensor:
     """Inverted dropout while training (``train=True``: each element zeroed with probability
     ``rate``, the rest scaled by ``1 / (1 - rate)``, a new mask every step, drawn on the device
@@ -253,6 +299,7 @@ def dropout(x: Tensor, *, rate: float, train: bool, rng: T.Rng | None = None) ->
     return T.dropout(x, rate=rate, rng=rng)
 
 
+@block
 def embedding(
     ids: T.ClassIds,
     *,
@@ -279,6 +326,7 @@ def embedding(
 _LETTERS = "ABCDEFGHIJKLMNOPRSTUVWXYZ"
 
 
+@block
 def multi_head_attention(
     x: Tensor,
     *,
@@ -339,6 +387,7 @@ def multi_head_attention(
     return y, params
 
 
+@block
 def decoder_block(
     x: Tensor,
     *,
@@ -384,6 +433,7 @@ def decoder_block(
     return h + dropout(m, rate=dropout_rate, train=train, rng=rng), params
 
 
+@block
 def cross_entropy(logits: Tensor, class_ids: T.ClassIds) -> Tensor:
     """Mean over the batch of ``-log_softmax(logits)[class]`` (torch's ``cross_entropy`` with
     integer targets): ``logits`` has the ids' batch axes and one output axis of
@@ -404,6 +454,7 @@ def cross_entropy(logits: Tensor, class_ids: T.ClassIds) -> Tensor:
 # --- a decoder-only transformer -----------------------------------------------------------------
 
 
+@block
 def gpt(
     ids: T.ClassIds,
     *,

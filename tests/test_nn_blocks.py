@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import ocannl.tensor as T
-from ocannl import Context, Precision, nn_blocks, train
+from ocannl import Context, Precision, nn_blocks, optim, train
 from ocannl.tensor import Shape
 
 
@@ -56,3 +56,49 @@ def test_softmax_cross_entropy_value_is_stable(prec):
     want = -(targets_v * log_softmax).sum(axis=1).mean()
     rtol = 1e-6 if prec == "f32" else 1e-13
     np.testing.assert_allclose(float(ctx.get_values(loss)), want, rtol=rtol)
+
+
+# --- a block's internal tensors are local -------------------------------------------------------
+
+
+def _tiny_gpt(materialize: bool):  # noqa: ANN202 - the loss, its logits and the context
+    """A 2-layer GPT's loss after one Adam step, with the blocks' internal tensors local
+    (their default) or, ``materialize``, each given a buffer of its own."""
+    from ocannl.ir.tnode import MemoryMode
+
+    seqs = np.random.default_rng(5).integers(0, 11, size=(3, 7))
+    T.set_seed(4)
+    ids = T.class_ids(seqs[:, :-1], num_classes=11, label="ids")
+    targets = T.class_ids(seqs[:, 1:], num_classes=11, label="targets")
+    logits, _ = nn_blocks.gpt(ids, vocab=11, context=6, d_model=8, heads=2, layers=2)
+    loss = nn_blocks.cross_entropy(logits, targets)
+    internal = [t for t in loss.topo() if t.value.memory_mode is MemoryMode.local]
+    if materialize:
+        for t in internal:
+            t.value.memory_mode = MemoryMode.materialized
+    ctx = train.init_params(Context.cpu(), loss)
+    ctx, step = ctx.compile(train.grad_update(loss) + optim.Adam(1e-2).update(loss))
+    ctx.run(step)
+    return loss, logits, internal, ctx
+
+
+def test_a_blocks_internal_tensors_are_local_and_compute_the_same_bits():
+    """What a block returns (the logits, the loss, the parameters) stays materialized; the
+    tensors it computes on the way (attention scores, activations, norms) are local: the host
+    cannot read them, the step holds them in a shared arena, and its bits are those of one
+    buffer per tensor."""
+    from ocannl.ir.tnode import MemoryMode
+
+    loss, logits, internal, ctx = _tiny_gpt(materialize=False)
+    kinds = {t.label.split("_")[0] for t in internal}
+    assert {"einsum", "softmax", "gelu", "matmul"} <= kinds, kinds
+    for t in (loss, logits, *loss.params):
+        assert t.value.memory_mode is MemoryMode.materialized, t.label
+    with pytest.raises(ValueError, match=rf"{internal[0].value.name} is local"):
+        ctx.get_values(internal[0])
+    ref_loss, _, ref_internal, ref_ctx = _tiny_gpt(materialize=True)
+    assert [t.label for t in ref_internal] == [t.label for t in internal]
+    assert ctx.mem() < ref_ctx.mem()
+    assert ctx.get_values(loss).tobytes() == ref_ctx.get_values(ref_loss).tobytes()
+    for p, q in zip(loss.params, ref_loss.params, strict=True):
+        assert ctx.get_values(p).tobytes() == ref_ctx.get_values(q).tobytes(), p.label

@@ -17,8 +17,9 @@ class MemoryMode(enum.Enum):
 
     ``virtual``: never stored, a constant folded into the code (numbers).
     ``materialized``: a device buffer that routines bind to and the host can read and write.
-    ``local``: computed and consumed inside each routine that uses it (the gradient of an
-    intermediate tensor, im2col's patches): every routine writes it whole before reading it,
+    ``local``: computed and consumed inside each routine that uses it (a tensor a block of
+    ``nn_blocks`` computes and does not return, the gradient of an intermediate tensor,
+    im2col's patches): every routine writes it whole before reading it,
     holds it in memory shared with its other local nodes whose uses do not overlap, and the
     host cannot read or write it (``Tensor.retain_grad`` keeps a gradient materialized).
     """
@@ -29,6 +30,12 @@ class MemoryMode(enum.Enum):
 
 
 _ids = itertools.count(1)
+_issued = 0  # the latest id handed out
+
+
+def ids_issued() -> int:
+    """The latest node id handed out: nodes created from now on have larger ids."""
+    return _issued
 
 
 class Tnode:
@@ -60,7 +67,8 @@ class Tnode:
         zero_start: bool = False,
         needs_init: bool = False,
     ) -> None:
-        self.id = next(_ids)
+        global _issued
+        self.id = _issued = next(_ids)
         self.label = label
         self._dims = None if dims is None else tuple(int(d) for d in dims)
         self.prec = prec
