@@ -119,8 +119,8 @@ class Tensor:
         The caller seeds this tensor's gradient after the zeroing (see ``train.grad_update``).
         """
         order = [t for t in self.topo() if t.grad is not None]
-        code = tuple(a for t in reversed(order) for a in t.backprop_code)
-        return Comp(code, f"backprop_{self.label}")
+        return Comp(tuple(a for t in _backprop_order(order) for a in t.backprop_code),
+                    f"backprop_{self.label}")
 
     def zero_grads_comp(self) -> Comp:
         order = [t for t in self.topo() if t.grad is not None]
@@ -136,6 +136,41 @@ class Tensor:
 
     def __eq__(self, other: object) -> bool:
         return self is other
+
+
+def _backprop_order(order: list[Tensor]) -> list[Tensor]:
+    """The tensors of ``order`` (a topological order, the loss last) in the order their
+    backprop code runs: each once every tensor whose backprop writes its gradient has run,
+    and as soon as that is so (the most recently completed first). A gradient is then
+    consumed right after it is complete, so a local one is held briefly: a cast twin's,
+    which only flows into its master's, no longer waits for the rest of the backward pass."""
+    by_grad = {t.grad.id: t for t in order if t.grad is not None}
+    writes: dict[int, list[Tensor]] = {}
+    pending: dict[int, int] = {id(t): 0 for t in order}
+    for t in order:
+        targets = {id(c): c for a in t.backprop_code
+                   if (c := by_grad.get(a.lhs.id)) is not None and c is not t}
+        writes[id(t)] = list(targets.values())
+        for c in targets.values():
+            pending[id(c)] += 1
+
+    def sink(t: Tensor) -> bool:  # its backprop writes no local gradient: it only frees
+        return all(c.grad.memory_mode is not MemoryMode.local for c in writes[id(t)])
+
+    stack = [t for t in order if pending[id(t)] == 0]  # the loss last: popped first
+    out: list[Tensor] = []
+    while stack:
+        t = stack.pop()
+        out.append(t)
+        ready = []
+        for c in writes[id(t)]:
+            pending[id(c)] -= 1
+            if pending[id(c)] == 0:
+                ready.append(c)
+        # Popped first: sinks, then the first operand's branch.
+        stack.extend(sorted(reversed(ready), key=sink))
+    assert len(out) == len(order), "backprop writes form a cycle"
+    return out
 
 
 def fill(node: Tnode, value: float) -> Accum:

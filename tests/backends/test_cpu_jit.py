@@ -148,3 +148,37 @@ def _offset_in_arena(view: np.ndarray) -> int:
     """Where a view starts in the array it is a slice of, in elements."""
     start = view.__array_interface__["data"][0] - view.base.__array_interface__["data"][0]
     return start // view.itemsize
+
+
+def test_a_large_copy_is_made_again_by_a_later_reader_with_the_same_bits(monkeypatch, tmp_path):
+    """A bf16 weight of 2^18 cells is widened again for backprop instead of holding its f32
+    copy from the forward pass on (``codegen.FRESH_COPY``); the gradients keep their bits."""
+    from ocannl import mixed_prec, nn_blocks
+    from ocannl.backends.cpu import codegen
+
+    def run(version: str) -> tuple[list[bytes], int, int]:
+        monkeypatch.setattr(codegen, "_VERSION", version)  # no cached routine of the other
+        monkeypatch.setenv("OCANNL_CACHE_DIR", str(tmp_path))
+        T.set_seed(3)
+        rng = np.random.default_rng(3)
+        x = T.term(rng.normal(size=(32, 512)).astype(np.float32), label="xf",
+                   batch_dims=(32,), output_dims=(512,), prec="bf16")
+        y, _ = mixed_prec.with_master_weights(
+            prec="bf16", f=lambda: nn_blocks.mlp(x, (512, 512), 8, label="fresh"))
+        loss = T.sum(T.cast(y, "f32") * T.cast(y, "f32"))
+        ctx = train.init_params(Context.cpu(), loss)
+        ctx, r = ctx.compile(train.grad_update(loss))
+        ctx.run(r)
+        big = sum(1 for size, *_ in r.compiled.scratch if size == 512 * 512)
+        arena = sum({id(a.base): a.base.nbytes for a in
+                     backend.scratch_arrays(r.compiled.scratch)}.values())
+        return [ctx.get_values(p.grad).tobytes() for p in loss.params], big, arena
+
+    from ocannl.backends.cpu import backend
+
+    fresh, fresh_copies, fresh_arena = run(codegen._VERSION + "-fresh")
+    monkeypatch.setattr(codegen, "FRESH_COPY", 1 << 40)
+    kept, kept_copies, kept_arena = run(codegen._VERSION + "-kept")
+    assert fresh_copies == kept_copies + 1  # the second layer's weight: two copies, not one
+    assert fresh == kept
+    assert fresh_arena < kept_arena

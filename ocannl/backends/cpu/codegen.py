@@ -79,7 +79,7 @@ class RoutineIR:
 
     def __init__(self, nodes: list[Tnode], target: Target,
                  scratch: dict[tuple[int, str, ir.Type], int],
-                 copies: dict[int, tuple[int, str, ir.Type]],
+                 copies: dict[int, tuple[tuple[int, str, ir.Type], int]],
                  uses: dict[int, list[int]] | None = None, base: int = 0) -> None:
         self.module = ir.Module(name="ocannl")
         self.hardware_f16 = target.hardware_f16
@@ -88,7 +88,10 @@ class RoutineIR:
         self.nodes = nodes
         self.slots = {n.id: k for k, n in enumerate(nodes)}
         self.scratch = scratch  # (size, role, type) -> number, shared by a routine's parts
-        self.copies = copies  # node id -> the scratch key of its current f32 / f64 copy
+        # node id -> the scratch key of its current f32 / f64 copy, and the lowered item
+        # that last read it
+        self.copies = copies
+        self.lowered = 0  # the lowered item being emitted (``routine_ir`` sets it)
         # scratch number -> the first and last item (counted over the routine) using it
         self.uses = {} if uses is None else uses
         self.base = base  # the routine's items before this part's
@@ -101,6 +104,7 @@ class RoutineIR:
         # plain instructions give the same bits.
         self.copying = False
         self.redirect: dict[int, ir.Value] = {}  # node id -> an f32 copy standing in for it
+        self.gemm_outs: dict[int, tuple[int, str, ir.Type]] = {}  # id(Gemm) -> scratch key
 
     # --- plumbing ---------------------------------------------------------------------------
 
@@ -146,8 +150,9 @@ class RoutineIR:
         return self.args[self.slots[node.id]]
 
     def scratch_for(self, size: int, role: str, elem: ir.Type) -> ir.Value:
-        """A scratch array (allocated once per bound routine), shared by GEMMs of one role; its
-        address follows the nodes' in the table."""
+        """The scratch array of ``role`` (a copy, a product's output, a scatter's f32 target),
+        allocated once per bound routine; its address follows the nodes' in the table. Each
+        use extends its span of items, which decides what it may share memory with."""
         k = self.scratch.setdefault((size, role, elem), len(self.scratch))
         at = self.base + len(self.calls)  # the item being emitted
         span = self.uses.setdefault(k, [at, at])
@@ -435,18 +440,28 @@ class RoutineIR:
     def copy_of(self, node: Tnode, ty: ir.Type, ranged: bool = False) -> ir.Value:
         """An exact copy of ``node``'s values as ``ty`` (f32, f64) in scratch of its own, made
         by the first item of a run that needs it and reused by later ones until an item writes
-        the node (``written``). ``ranged``: this item makes its range of the copy."""
-        key = (node.size, f"copy{self.slots[node.id]}", ty)
-        made = key in self.scratch and self.copies.get(node.id) == key
+        the node (``written``); a large copy only by the next lowered item (``FRESH_COPY``).
+        ``ranged``: this item makes its range of the copy."""
+        key = self._current_copy(node, ty)
+        if key is not None:
+            self.copies[node.id] = (key, self.lowered)
+            return self.scratch_for(*key)
+        key = (node.size, f"copy{self.slots[node.id]}.{len(self.scratch)}", ty)
         copy = self.scratch_for(*key)
-        if not made:
-            self.convert_into(self.buffer(node), node.prec, copy, node.size, ranged)
-            self.copies[node.id] = key
+        self.convert_into(self.buffer(node), node.prec, copy, node.size, ranged)
+        self.copies[node.id] = (key, self.lowered)
         return copy
 
+    def _current_copy(self, node: Tnode, ty: ir.Type) -> tuple[int, str, ir.Type] | None:
+        """The scratch key of the copy of ``node`` as ``ty`` this item may read, if any."""
+        current = self.copies.get(node.id)
+        if current is None or current[0][2] != ty:
+            return None
+        key, last = current
+        return None if node.size >= FRESH_COPY and self.lowered > last + 1 else key
+
     def has_copy(self, node: Tnode, ty: ir.Type) -> bool:
-        key = (node.size, f"copy{self.slots[node.id]}", ty)
-        return self.copies.get(node.id) == key
+        return self._current_copy(node, ty) is not None
 
     def gemm_copies(self, g: Gemm) -> list[tuple[Tnode, ir.Type]]:
         """What a GEMM needs converted before it runs, and is not: its operands not in its
@@ -466,8 +481,9 @@ class RoutineIR:
         """Where a GEMM with a 16-bit target writes its f32 / f64 result before rounding:
         the target's copy when it accumulates, a scratch array of its own when it resets."""
         lhs = g.assign.lhs
-        if g.assign.reset:
-            return self.scratch_for(lhs.size, "out", compute)
+        if g.assign.reset:  # one array per product, so the arena can share it when done
+            key = self.gemm_outs.setdefault(id(g), (lhs.size, f"out{len(self.scratch)}", compute))
+            return self.scratch_for(*key)
         return self.copy_of(lhs, compute)
 
     def gemm_narrow(self, g: Gemm) -> None:
@@ -728,6 +744,12 @@ class RoutineIR:
 
 # A reduction reading each cell of a 16-bit node at least this many times reads an f32 copy.
 REUSE = 4
+# A copy of this many cells or more is reused only by the lowered item that made or last read
+# it and the next one (a GEMM's conversions, product and rounding are one); a later reader
+# makes its own. Kept longer, it would hold its scratch from the
+# forward pass to backprop (a weight's f32 copy, read by both), where the scratch arena
+# could otherwise share it: widening again costs one pass over the node.
+FRESH_COPY = 1 << 18
 
 # Lowered items per part, about: a routine of more items is cut into parts that LLVM compiles
 # in parallel (one per core, at most), each an object of its own.
@@ -744,13 +766,13 @@ def routine_ir(code: list[Lowered], nodes: list[Tnode], target: Target
     count = max(1, min(target.workers, len(code) // PART_ITEMS))
     bounds = [len(code) * k // count for k in range(count + 1)]
     scratch: dict[tuple[int, str, ir.Type], int] = {}
-    copies: dict[int, tuple[int, str, ir.Type]] = {}
+    copies: dict[int, tuple[tuple[int, str, ir.Type], int]] = {}
     uses: dict[int, list[int]] = {}
     modules = []
     base = 0
     for lo, hi in zip(bounds, bounds[1:], strict=False):
         r = RoutineIR(nodes, target, scratch, copies, uses, base)
-        for item in code[lo:hi]:
+        for r.lowered, item in enumerate(code[lo:hi], lo):
             if isinstance(item, Gemm):
                 _gemm_items(r, item, target.threads, target.products_shared)
             else:
