@@ -85,9 +85,13 @@ class LoopNest:
 
 @dataclass(frozen=True)
 class LoopGroup:
-    """Nests run point by point inside one loop over the first one's parallel iterators."""
+    """Nests run point by point inside one loop over the first one's parallel iterators.
+    ``registers``: the ids of local nodes no item but this group touches, each written by one
+    of its pointwise nests and read only by later pointwise nests at the same cell: a backend
+    may hand the value over in a register and never store it (it stays correct to store)."""
 
     nests: tuple[LoopNest, ...]
+    registers: frozenset[int] = frozenset()
 
     @property
     def lead(self) -> LoopNest:
@@ -585,7 +589,52 @@ def lower(comp: Comp, *, gemm: bool = True, batched: bool = False, im2col: bool 
             for p, src in list(gathered.items()):
                 if src in written:
                     del gathered[p]
-    return [LoopGroup(tuple(i.nests)) if isinstance(i, _Group) else i for i in out]
+    return _in_registers([LoopGroup(tuple(i.nests)) if isinstance(i, _Group) else i
+                          for i in out])
+
+
+def _in_registers(code: list[Lowered]) -> list[Lowered]:
+    """Mark the nodes each loop group may keep in registers (``LoopGroup.registers``): local
+    (no host or other routine reads them), written once, by a pointwise nest that overwrites
+    its cell, and read only inside the same group, by later pointwise nests at that cell. A
+    chain of pointwise steps (softmax's gradient through its shift and mask) then stores only
+    its last value."""
+    home: dict[int, int] = {}  # node id -> the one group touching it, or -1
+    write: dict[int, tuple[int, LoopNest]] = {}  # node id -> its one writing nest
+    bad: set[int] = set()
+
+    def touch(node_id: int, k: int) -> None:
+        if home.setdefault(node_id, k) != k:
+            bad.add(node_id)
+
+    for k, item in enumerate(code):
+        if not isinstance(item, LoopGroup):
+            for n in nodes_of([item]):
+                touch(n.id, k)
+                bad.add(n.id)
+            continue
+        for j, nest in enumerate(item.nests):
+            a = nest.assign
+            touch(a.lhs.id, k)
+            pointwise = not nest.red and not nest.scatter
+            if (a.lhs.id in write or not pointwise or not (a.accum == "=" or a.reset)
+                    or a.lhs.memory_mode is not MemoryMode.local):
+                bad.add(a.lhs.id)
+            write[a.lhs.id] = (j, nest)
+            for g in reads(a.expr):
+                touch(g.node.id, k)
+                wrote = write.get(g.node.id)
+                if not pointwise or wrote is None or wrote[0] >= j or \
+                        g.idx != wrote[1].assign.lhs_idx:
+                    bad.add(g.node.id)
+    out: list[Lowered] = []
+    for k, item in enumerate(code):
+        if isinstance(item, LoopGroup) and not item.lead.walk_rows:
+            held = frozenset(i for i, at in home.items() if at == k and i in write
+                             and i not in bad)
+            item = replace(item, registers=held) if held else item
+        out.append(item)
+    return out
 
 
 def _col2im_after_zeros(nest: LoopNest, out: list[Fill | Gemm | _Group]) -> bool:

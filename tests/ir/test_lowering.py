@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ocannl.tensor as T
-from ocannl import Precision, train
+from ocannl import Context, Precision, train
 from ocannl.backends.cpu.backend import CpuBackend, emit_ir
 from ocannl.backends.cpu.codegen import Target, signature
 from ocannl.ir import lowering
@@ -619,3 +619,70 @@ def test_a_pointwise_nest_moves_back_to_a_group_only_past_what_it_does_not_touch
     unmoved = _run(Comp((ay, asum, az, aw)), vals, gemm=True)
     for n in (y, z, s, w):
         assert moved[n.id].tobytes() == unmoved[n.id].tobytes()
+
+
+# --- values handed over in registers (LoopGroup.registers) ------------------------------------
+
+
+def _attention_step(version: str, monkeypatch, tmp_path, held: bool):  # noqa: ANN202
+    """One training step of a small attention block: its loss, parameters and context. ``held``
+    False lowers without registers (and compiles apart: another code version, cache dir)."""
+    from ocannl import nn_blocks, optim
+    from ocannl.backends.cpu import codegen
+
+    monkeypatch.setattr(codegen, "_VERSION", codegen._VERSION + version)
+    monkeypatch.setenv("OCANNL_CACHE_DIR", str(tmp_path))
+    if not held:
+        monkeypatch.setattr(lowering, "_in_registers", lambda code: code)
+    T.set_seed(2)
+    x = T.term(np.random.default_rng(2).normal(size=(3, 6, 8)).astype(np.float32), label="xa",
+               batch_dims=(3, 6), output_dims=(8,))
+    y, _ = nn_blocks.multi_head_attention(x, num_heads=2, d_k=4, causal=True)
+    loss = T.sum(y * y)
+    ctx = train.init_params(Context.cpu(), loss)
+    comp = train.grad_update(loss) + optim.Adam(1e-2).update(loss)
+    code = ctx.lower(comp)
+    ctx, step = ctx.compile(comp)
+    ctx.run(step)
+    monkeypatch.undo()
+    return loss, ctx, code
+
+
+def test_pointwise_chains_hand_values_over_in_registers_with_the_same_bits(monkeypatch,
+                                                                           tmp_path):
+    """Softmax's gradient through its shift and mask is a chain of local pointwise nodes in
+    one group: only its last value is stored. The step's bits are those of storing every
+    node."""
+    loss, ctx, code = _attention_step("-held", monkeypatch, tmp_path, held=True)
+    held = {i for item in code if isinstance(item, LoopGroup) for i in item.registers}
+    names = {n.id: n.label for n in nodes_of(code)}
+    assert any(names[i].startswith("grad_where") for i in held), sorted(names[i] for i in held)
+    for item in code:
+        for i in getattr(item, "registers", ()):  # local, written and read in this group only
+            assert names[i] and all(
+                i not in {n.id for n in nodes_of([other])} for other in code if other is not item)
+    ref_loss, ref_ctx, ref_code = _attention_step("-stored", monkeypatch, tmp_path, held=False)
+    assert not any(getattr(item, "registers", ()) for item in ref_code)
+    assert ctx.get_values(loss).tobytes() == ref_ctx.get_values(ref_loss).tobytes()
+    for p, q in zip(loss.params, ref_loss.params, strict=True):
+        assert ctx.get_values(p).tobytes() == ref_ctx.get_values(q).tobytes(), p.label
+
+
+def test_a_retained_gradient_is_stored_not_held():
+    """A materialized node (a retained gradient) is never held in a register: the host reads
+    it, and it holds d loss / d h."""
+    w = T.param("wr", output_dims=[5], input_dims=())
+    x = T.term(np.linspace(-1, 1, 5).astype(np.float32), label="xr")
+    h = T.exp(w * x)
+    loss = T.sum(T.tanh(h))
+    comp = train.grad_update(loss)
+    held = {i for item in lower(comp) if isinstance(item, LoopGroup) for i in item.registers}
+    assert h.grad.id in held
+    h.retain_grad()
+    held = {i for item in lower(comp) if isinstance(item, LoopGroup) for i in item.registers}
+    assert h.grad.id not in held
+    ctx = train.init_params(Context.cpu(), loss)
+    ctx, r = ctx.compile(comp)
+    ctx.run(r)
+    expect = 1 - np.tanh(ctx.get_values(h)) ** 2
+    np.testing.assert_allclose(ctx.get_values(h.grad), expect, rtol=1e-5)

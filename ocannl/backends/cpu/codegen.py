@@ -105,6 +105,9 @@ class RoutineIR:
         self.copying = False
         self.redirect: dict[int, ir.Value] = {}  # node id -> an f32 copy standing in for it
         self.gemm_outs: dict[int, tuple[int, str, ir.Type]] = {}  # id(Gemm) -> scratch key
+        # The group's nodes kept in registers, and their values at the point being emitted.
+        self.registers: frozenset[int] = frozenset()
+        self.held: dict[int, ir.Value] = {}
 
     # --- plumbing ---------------------------------------------------------------------------
 
@@ -329,6 +332,9 @@ class RoutineIR:
         """``node[idx]`` widened to its compute type, or 0 where an affine index falls outside
         the node (padding: the load then reads cell 0 and its value is not used)."""
         b = self.b
+        if node.id in self.held:  # handed over in a register (``LoopGroup.registers``)
+            held = self.held[node.id]
+            return self.widen(held, node.prec) if node.prec.is_narrow else held
         off = self.offset(node, idx, iters)
         cond = self.in_bounds(node, idx, space, iters)
         if cond is not None:
@@ -352,6 +358,9 @@ class RoutineIR:
             value = self.narrow(value, node.prec)
         else:
             value = convert(b, value, _FLOAT[node.prec])
+        if node.id in self.registers:  # later nests of the group read it here, not stored
+            self.held[node.id] = value
+            return
         b.store(value, b.gep(self.buffer(node), [off]))
 
     def expr(self, e: Expr, compute: ir.Type, space: tuple[int, ...],
@@ -407,8 +416,10 @@ class RoutineIR:
             self._loops(list(lead.par[:-1]), space, iters,
                         lambda: self._jammed(lead, width, space, iters), outer=True)
         else:
+            self.registers = g.registers
             self._loops(list(lead.par), space, iters, lambda: self._par_body(g, space, iters),
                         outer=True)
+            self.registers, self.held = frozenset(), {}
         for node in widened:
             del self.redirect[node.id]
         if target:
@@ -833,7 +844,7 @@ def signature(code: list[Lowered], nodes: list[Tnode], target: Target) -> str:
                 lines.append(f"nest {nest.par} {nest.red} {nest.scatter} {nest.walk_rows} "
                              f"{slot[a.lhs.id]}{a.lhs_idx!r} {a.accum} {a.reset} {a.space} "
                              f"{expr(a.expr)}")
-            lines.append("end")
+            lines.append(f"end {sorted(slot[i] for i in item.registers)}")
     return "\n".join(lines)
 
 
