@@ -32,6 +32,7 @@ from ocannl.ir.assignments import (
     Apply,
     Comp,
     Const,
+    Expr,
     Get,
     Index,
     Projection,
@@ -589,8 +590,69 @@ def lower(comp: Comp, *, gemm: bool = True, batched: bool = False, im2col: bool 
             for p, src in list(gathered.items()):
                 if src in written:
                     del gathered[p]
-    return _in_registers([LoopGroup(tuple(i.nests)) if isinstance(i, _Group) else i
-                          for i in out])
+    return _in_registers(_alias_copies([LoopGroup(tuple(i.nests)) if isinstance(i, _Group)
+                                        else i for i in out]))
+
+
+def _alias_copies(code: list[Lowered]) -> list[Lowered]:
+    """Drop whole-node copies ``b = a`` of a local ``b`` (an addition's gradient handed to an
+    operand's: a linear layer's bias add) and let ``b``'s readers read ``a``: same dims and
+    precision, cell for cell, ``b`` written nowhere else and ``a`` nowhere after. A copy
+    leading a group of several nests stays (the group's loop is the lead's)."""
+    writers: dict[int, list[tuple[int, int]]] = {}  # node id -> (item, nest) writing it
+    for k, item in enumerate(code):
+        if isinstance(item, LoopGroup):
+            for j, nest in enumerate(item.nests):
+                writers.setdefault(nest.assign.lhs.id, []).append((k, j))
+        else:
+            node = item.node if isinstance(item, Fill) else item.assign.lhs
+            writers.setdefault(node.id, []).append((k, -1))
+    alias: dict[int, Tnode] = {}
+    dropped: set[tuple[int, int]] = set()
+    for k, item in enumerate(code):
+        if not isinstance(item, LoopGroup):
+            continue
+        for j, nest in enumerate(item.nests):
+            a = nest.assign
+            if (j == 0 and len(item.nests) > 1) or nest.red or nest.scatter or not isinstance(
+                    a.expr, Get) or a.expr.idx != a.lhs_idx or not (a.accum == "=" or a.reset):
+                continue
+            dst, src = a.lhs, alias.get(a.expr.node.id, a.expr.node)
+            if (dst.memory_mode is not MemoryMode.local or src.id == dst.id
+                    or src.dims != dst.dims or src.prec != dst.prec or not _covers(a)
+                    or writers[dst.id] != [(k, j)]
+                    or any(w > (k, j) for w in writers.get(src.id, []))):
+                continue
+            alias[dst.id] = src
+            dropped.add((k, j))
+    if not alias:
+        return code
+
+    def rename(e: Expr) -> Expr:
+        if isinstance(e, Get):
+            return Get(alias[e.node.id], e.idx) if e.node.id in alias else e
+        if isinstance(e, Apply):
+            return Apply(e.op, tuple(rename(x) for x in e.args))
+        return e
+
+    def renamed(a: Accum) -> Accum:
+        return replace(a, expr=rename(a.expr))
+
+    def view(v: MatrixView) -> MatrixView:
+        return replace(v, node=alias[v.node.id]) if v.node.id in alias else v
+
+    out: list[Lowered] = []
+    for k, item in enumerate(code):
+        if isinstance(item, Gemm):
+            item = replace(item, assign=renamed(item.assign), a=view(item.a), b=view(item.b))
+        elif isinstance(item, LoopGroup):
+            kept = tuple(replace(n, assign=renamed(n.assign))
+                         for j, n in enumerate(item.nests) if (k, j) not in dropped)
+            if not kept:
+                continue
+            item = replace(item, nests=kept)
+        out.append(item)
+    return out
 
 
 def _in_registers(code: list[Lowered]) -> list[Lowered]:

@@ -656,7 +656,7 @@ def test_pointwise_chains_hand_values_over_in_registers_with_the_same_bits(monke
     loss, ctx, code = _attention_step("-held", monkeypatch, tmp_path, held=True)
     held = {i for item in code if isinstance(item, LoopGroup) for i in item.registers}
     names = {n.id: n.label for n in nodes_of(code)}
-    assert any(names[i].startswith("grad_where") for i in held), sorted(names[i] for i in held)
+    assert any(names[i].startswith("grad_sub") for i in held), sorted(names[i] for i in held)
     for item in code:
         for i in getattr(item, "registers", ()):  # local, written and read in this group only
             assert names[i] and all(
@@ -686,3 +686,62 @@ def test_a_retained_gradient_is_stored_not_held():
     ctx.run(r)
     expect = 1 - np.tanh(ctx.get_values(h)) ** 2
     np.testing.assert_allclose(ctx.get_values(h.grad), expect, rtol=1e-5)
+
+
+def _linear_step(version: str, monkeypatch, tmp_path, alias: bool):  # noqa: ANN202
+    """One SGD step of a two-layer MLP: its loss, the parameters, the context, the code.
+    ``alias`` False lowers without dropping copies (compiled apart)."""
+    from ocannl import nn_blocks
+    from ocannl.backends.cpu import codegen
+
+    monkeypatch.setattr(codegen, "_VERSION", codegen._VERSION + version)
+    monkeypatch.setenv("OCANNL_CACHE_DIR", str(tmp_path))
+    if not alias:
+        monkeypatch.setattr(lowering, "_alias_copies", lambda code: code)
+    T.set_seed(5)
+    x = T.term(np.random.default_rng(5).normal(size=(16, 12)).astype(np.float32), label="xl",
+               batch_dims=(16,), output_dims=(12,))
+    y, _ = nn_blocks.mlp(x, (20,), 4, label="al")
+    loss = T.sum(y * y)
+    ctx = train.init_params(Context.cpu(), loss)
+    comp = train.grad_update(loss) + train.sgd_update(loss, learning_rate=0.01)
+    code = ctx.lower(comp)
+    ctx, step = ctx.compile(comp)
+    ctx.run(step)
+    monkeypatch.undo()
+    return loss, ctx, code
+
+
+def test_a_gradient_copied_whole_is_read_where_it_is_with_the_same_bits(monkeypatch, tmp_path):
+    """A bias add hands its gradient to the product's unchanged: the copy is dropped and the
+    product's readers (its GEMMs) read the addition's gradient. The step's bits stay."""
+    loss, ctx, code = _linear_step("-alias", monkeypatch, tmp_path, alias=True)
+    ref_loss, ref_ctx, ref_code = _linear_step("-copy", monkeypatch, tmp_path, alias=False)
+
+    def copies(code: list) -> list[str]:
+        return [n.assign.lhs.label for item in code if isinstance(item, LoopGroup)
+                for n in item.nests if isinstance(n.assign.expr, Get)
+                and n.assign.lhs.label.startswith("grad_matmul")]
+
+    assert copies(ref_code) and not copies(code)
+    written = {n.id for item in code for n in nodes_of([item])}
+    assert not any(n.label.startswith("grad_matmul") for n in nodes_of(code)), written
+    assert ctx.get_values(loss).tobytes() == ref_ctx.get_values(ref_loss).tobytes()
+    for p, q in zip(loss.params, ref_loss.params, strict=True):
+        assert ctx.get_values(p).tobytes() == ref_ctx.get_values(q).tobytes(), p.label
+
+
+def test_a_retained_gradient_is_not_aliased():
+    w = T.param("wa", output_dims=[6], input_dims=[3])
+    x = T.term(np.ones((3,), np.float32), label="xa3")
+    m = w @ x
+    loss = T.sum(T.exp(m + 1.0))
+    comp = train.grad_update(loss)
+    assert not any(n.id == m.grad.id for n in nodes_of(lower(comp)))
+    m.retain_grad()
+    assert any(n.id == m.grad.id for n in nodes_of(lower(comp)))
+    ctx = train.init_params(Context.cpu(), loss)
+    ctx, r = ctx.compile(comp)
+    ctx.run(r)
+    np.testing.assert_allclose(ctx.get_values(m.grad), np.exp(ctx.get_values(m) + 1.0),
+                               rtol=1e-5)
