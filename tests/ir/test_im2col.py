@@ -371,3 +371,42 @@ def test_an_image_without_batch_axes(any_size):
         direct, _ = _run(Comp((a,)), vals, im2col=False)
         assert len(_gemms(code)) == 1
         _close(got[a.lhs.id], direct[a.lhs.id], 42 * 27, np.finfo(np.float32).eps)
+
+
+def test_f16_patches_convert_plainly_with_the_bits_of_exact_copies(any_size, monkeypatch,
+                                                                   tmp_path):
+    """Patches only a product reads convert 16-bit values with the plain instructions, not
+    the copy that keeps a signalling NaN's bits (``codegen._for_gemms``): the product quiets
+    a NaN either way, so the output has the same bits, signalling NaN in the image or not."""
+    from ocannl.backends.cpu import codegen
+
+    monkeypatch.setenv("OCANNL_CACHE_DIR", str(tmp_path))
+    cv = Conv(2, 6, 6, 3, 4, 3, 1, 1, Precision.f16)
+    comp = Comp((cv.forward(),))
+    code = lower(comp, im2col=True)
+    [patches] = [n for n in nodes_of(code) if n.name.startswith(f"{cv.x.name}_patches_")]
+    assert codegen._for_gemms(code) == {patches.id}
+
+    def run(plain: bool) -> bytes:
+        monkeypatch.setattr(codegen, "_VERSION", codegen._VERSION + ("-plain" if plain
+                                                                      else "-exact"))
+        if not plain:
+            monkeypatch.setattr(codegen, "_for_gemms", lambda code: frozenset())
+        backend = CpuBackend()
+        nodes = nodes_of(code)
+        bufs = {n.id: backend.alloc(n) for n in nodes}
+        for n, v in _values(cv, 4).items():
+            backend.write(n, bufs[n.id], np.asarray(v, np.float64).reshape(-1))
+        bits = bufs[cv.x.id].view(np.uint16)
+        bits[5], bits[40] = 0x7C01, 0xFE03  # a signalling NaN, a negative quiet one
+        compiled, _ = backend.compile(comp.label, code, nodes)
+        backend.bind(compiled, tuple(bufs[n.id] for n in nodes))()
+        monkeypatch.undo()
+        monkeypatch.setattr(lowering, "IM2COL_MIN_INNER", 1)
+        monkeypatch.setattr(lowering, "IM2COL_MIN_REUSE", 0)
+        monkeypatch.setenv("OCANNL_CACHE_DIR", str(tmp_path))
+        return bufs[cv.y.id].tobytes()
+
+    plain = run(True)
+    assert np.isnan(np.frombuffer(plain, np.float16)).any()
+    assert plain == run(False)

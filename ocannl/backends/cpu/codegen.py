@@ -45,9 +45,9 @@ from ocannl.backends.cpu.scalar import (
 )
 from ocannl.ir import ops as ops_module
 from ocannl.ir.assignments import Affine, Apply, Const, Expr, Fixed, Get, Projection, reads
-from ocannl.ir.lowering import Fill, Gemm, LoopGroup, LoopNest, Lowered, MatrixView
+from ocannl.ir.lowering import Fill, Gemm, LoopGroup, LoopNest, Lowered, MatrixView, nodes_of
 from ocannl.ir.ops import ACCUMS, Precision
-from ocannl.ir.tnode import Tnode
+from ocannl.ir.tnode import MemoryMode, Tnode
 
 _VOID_P = ir.IntType(8).as_pointer()
 _FLOAT = {Precision.f32: F32, Precision.f64: F64}
@@ -80,8 +80,12 @@ class RoutineIR:
     def __init__(self, nodes: list[Tnode], target: Target,
                  scratch: dict[tuple[int, str, ir.Type], int],
                  copies: dict[int, tuple[tuple[int, str, ir.Type], int]],
-                 uses: dict[int, list[int]] | None = None, base: int = 0) -> None:
+                 uses: dict[int, list[int]] | None = None, base: int = 0,
+                 for_gemms: frozenset[int] = frozenset()) -> None:
         self.module = ir.Module(name="ocannl")
+        # Local nodes only products read (im2col's patches): what a copy into one does to a
+        # signalling NaN's bits cannot show, as a product quiets it anyway.
+        self.for_gemms = for_gemms
         self.hardware_f16 = target.hardware_f16
         self.avx = target.avx
         self.blas_int = ir.IntType(target.blas_int)
@@ -539,7 +543,7 @@ class RoutineIR:
         a = nest.assign
         compute = _FLOAT[a.lhs.prec.compute]
         overwrite = a.accum == "=" or a.reset
-        self.copying = overwrite and isinstance(a.expr, Get)
+        self.copying = overwrite and isinstance(a.expr, Get) and a.lhs.id not in self.for_gemms
         value = self.expr(a.expr, compute, space, iters)
         off = self.offset(a.lhs, a.lhs_idx, iters)
         if not overwrite:
@@ -781,8 +785,9 @@ def routine_ir(code: list[Lowered], nodes: list[Tnode], target: Target
     uses: dict[int, list[int]] = {}
     modules = []
     base = 0
+    for_gemms = _for_gemms(code)
     for lo, hi in zip(bounds, bounds[1:], strict=False):
-        r = RoutineIR(nodes, target, scratch, copies, uses, base)
+        r = RoutineIR(nodes, target, scratch, copies, uses, base, for_gemms)
         for r.lowered, item in enumerate(code[lo:hi], lo):
             if isinstance(item, Gemm):
                 _gemm_items(r, item, target.threads, target.products_shared)
@@ -803,6 +808,23 @@ def routine_ir(code: list[Lowered], nodes: list[Tnode], target: Target
         modules.append(r.finish())
     return modules, [(size, "f32" if ty == F32 else "f64", *uses[k])
                      for (size, _, ty), k in scratch.items()]
+
+
+def _for_gemms(code: list[Lowered]) -> frozenset[int]:
+    """The local nodes of ``code`` that only GEMMs read."""
+    local = {n.id for n in nodes_of(code) if n.memory_mode is MemoryMode.local}
+    gemm_read, other_read = set(), set()
+    for item in code:
+        if isinstance(item, Gemm):
+            gemm_read |= {item.a.node.id, item.b.node.id}
+            if not item.assign.reset:
+                other_read.add(item.assign.lhs.id)
+        elif isinstance(item, LoopGroup):
+            for nest in item.nests:
+                other_read |= {g.node.id for g in reads(nest.assign.expr)}
+                if not (nest.assign.accum == "=" or nest.assign.reset):
+                    other_read.add(nest.assign.lhs.id)
+    return frozenset(local & gemm_read - other_read)
 
 
 # The code generator's own version: its source, its scalar code's and the op table's (the hash
@@ -830,7 +852,7 @@ def signature(code: list[Lowered], nodes: list[Tnode], target: Target) -> str:
         return f"{slot[v.node.id]},{v.rows},{v.cols},{v.transposed},{v.ld}"
 
     lines = [f"{_VERSION} {target!r}",
-             *(f"{n.dims} {n.prec.value}" for n in nodes)]
+             *(f"{n.dims} {n.prec.value} {n.memory_mode.value}" for n in nodes)]
     for item in code:
         if isinstance(item, Fill):
             lines.append(f"fill {slot[item.node.id]} {item.value!r}")
