@@ -172,6 +172,8 @@ class Context:
                 span = spans.setdefault(n.id, [k, k])
                 span[1] = k
         out: dict[int, Buffer] = {}
+        unstored = getattr(self._backend, "unstored", None)
+        kept_out = unstored(code) if unstored is not None and shared else frozenset()
         for prec in dict.fromkeys(n.prec for n in local):
             group = [n for n in local if n.prec is prec]
 
@@ -180,7 +182,8 @@ class Context:
                 self._local_bytes += node.size * prec.itemsize
                 return self._backend.alloc(node)
 
-            placed = views([(n.size, *spans[n.id]) for n in group], arena, shared)
+            placed = views([(0 if n.id in kept_out else n.size, *spans[n.id]) for n in group],
+                           arena, shared)
             out.update((n.id, v) for n, v in zip(group, placed, strict=True))
         return out
 

@@ -590,8 +590,53 @@ def lower(comp: Comp, *, gemm: bool = True, batched: bool = False, im2col: bool 
             for p, src in list(gathered.items()):
                 if src in written:
                     del gathered[p]
-    return _in_registers(_alias_copies([LoopGroup(tuple(i.nests)) if isinstance(i, _Group)
-                                        else i for i in out]))
+    return _in_registers(_pull_up(_alias_copies([LoopGroup(tuple(i.nests))
+                                                 if isinstance(i, _Group) else i
+                                                 for i in out])))
+
+
+# How far back (in items) a loop group looks for the GEMM whose result it reads.
+PULL_WINDOW = 8
+
+
+def _pull_up(code: list[Lowered]) -> list[Lowered]:
+    """Move a loop group that reads a GEMM's result up to right after that GEMM (at most
+    ``PULL_WINDOW`` items back) when nothing in between touches what the group reads or
+    writes: the result is consumed at once, its memory free sooner (a cast twin's gradient,
+    flowing into its master's, no longer waits for the input gradient's product)."""
+    out = list(code)
+    for r, item in enumerate(out):
+        if not isinstance(item, LoopGroup):
+            continue
+        reads_r, writes_r = _accesses(item)
+        for p in range(r - 1, max(r - PULL_WINDOW, 0) - 1, -1):
+            other = out[p]
+            if isinstance(other, Gemm) and other.assign.lhs.id in reads_r:
+                if p < r - 1:
+                    out.insert(p + 1, out.pop(r))
+                break
+            other_reads, other_writes = _accesses(other)
+            if other_writes & (reads_r | writes_r) or other_reads & writes_r:
+                break
+    return out
+
+
+def _accesses(item: Lowered) -> tuple[set[int], set[int]]:
+    """The ids of the nodes an item reads and those it writes."""
+    if isinstance(item, Fill):
+        return set(), {item.node.id}
+    if isinstance(item, Gemm):
+        a = item.assign
+        return ({item.a.node.id, item.b.node.id} | (set() if a.reset else {a.lhs.id}),
+                {a.lhs.id})
+    reads_, writes = set(), set()
+    for nest in item.nests:
+        a = nest.assign
+        reads_ |= {g.node.id for g in reads(a.expr)}
+        if not (a.accum == "=" or a.reset):
+            reads_.add(a.lhs.id)
+        writes.add(a.lhs.id)
+    return reads_, writes
 
 
 def _alias_copies(code: list[Lowered]) -> list[Lowered]:

@@ -182,3 +182,43 @@ def test_a_large_copy_is_made_again_by_a_later_reader_with_the_same_bits(monkeyp
     assert fresh_copies == kept_copies + 1  # the second layer's weight: two copies, not one
     assert fresh == kept
     assert fresh_arena < kept_arena
+
+
+def test_16_bit_products_read_by_the_next_item_are_never_stored(monkeypatch, tmp_path):
+    """A bf16 layer's product and a cast twin's gradient (local GEMM targets the next item
+    reads pointwise) are read from the GEMM's f32 result, rounded as a store rounds: they
+    take no arena memory, and the step keeps its bits."""
+    from ocannl import mixed_prec, nn_blocks
+    from ocannl.backends.cpu import codegen
+
+    monkeypatch.setenv("OCANNL_CACHE_DIR", str(tmp_path))
+
+    def run(forward: bool) -> tuple[list[bytes], set[str], int]:
+        monkeypatch.setattr(codegen, "_VERSION", codegen._VERSION + f"-{forward}")
+        if not forward:
+            monkeypatch.setattr(codegen, "_forwarded", lambda code: {})
+        T.set_seed(6)
+        x = T.term(np.random.default_rng(6).normal(size=(24, 40)).astype(np.float32),
+                   label="xw", batch_dims=(24,), output_dims=(40,), prec="bf16")
+        y, _ = mixed_prec.with_master_weights(
+            prec="bf16", f=lambda: nn_blocks.mlp(x, (48,), 6, label="fw"))
+        loss = T.sum(T.cast(y, "f32") * T.cast(y, "f32"))
+        ctx = train.init_params(Context.cpu(), loss)
+        comp = train.grad_update(loss) + train.sgd_update(loss, learning_rate=0.1)
+        code = ctx.lower(comp)
+        names = {n.id: n.label for item in code for n in lowering_nodes([item])}
+        held = {names[i] for i in codegen._forwarded(code)}
+        ctx, r = ctx.compile(comp)
+        ctx.run(r)
+        monkeypatch.undo()
+        monkeypatch.setenv("OCANNL_CACHE_DIR", str(tmp_path))
+        return [ctx.get_values(p).tobytes() for p in loss.params], held, ctx._local_bytes
+
+    from ocannl.ir.lowering import nodes_of as lowering_nodes
+
+    bits, held, arena = run(True)
+    assert {"grad_fw_w0_bf16", "grad_fw_w1_bf16"} <= held, held
+    ref_bits, ref_held, ref_arena = run(False)
+    assert not ref_held
+    assert bits == ref_bits
+    assert arena < ref_arena

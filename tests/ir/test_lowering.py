@@ -745,3 +745,24 @@ def test_a_retained_gradient_is_not_aliased():
     ctx.run(r)
     np.testing.assert_allclose(ctx.get_values(m.grad), np.exp(ctx.get_values(m) + 1.0),
                                rtol=1e-5)
+
+
+def test_a_cast_twins_gradient_flows_into_its_master_right_after_its_product():
+    """The group adding a twin's gradient into its master's moves up past the input
+    gradient's product (which touches neither), to right after the product computing it."""
+    from ocannl import mixed_prec, nn_blocks
+
+    x = T.term(np.zeros((24, 40), np.float32), label="xp", batch_dims=(24,),
+               output_dims=(40,), prec="bf16")
+    y, _ = mixed_prec.with_master_weights(
+        prec="bf16", f=lambda: nn_blocks.mlp(x, (48,), 6, label="pu"))
+    loss = T.sum(T.cast(y, "f32"))
+    code = lower(train.grad_update(loss))
+    twin_grads = [k for k, item in enumerate(code) if isinstance(item, Gemm)
+                  and item.assign.lhs.label.startswith("grad_pu_w1_bf16")]
+    [k] = twin_grads
+    master = code[k + 1]
+    assert isinstance(master, LoopGroup)
+    assert any(n.assign.lhs.label == "grad_pu_w1" for n in master.nests)
+    unmoved = lowering._alias_copies(lower(train.grad_update(loss)))  # the same, moved or not
+    assert sorted(map(repr, nodes_of(unmoved))) == sorted(map(repr, nodes_of(code)))

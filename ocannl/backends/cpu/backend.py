@@ -15,7 +15,7 @@ import numpy as np
 
 from ocannl.backends.arena import views
 from ocannl.backends.cpu import jit
-from ocannl.backends.cpu.codegen import routine_ir, shares_products, signature
+from ocannl.backends.cpu.codegen import routine_ir, shares_products, signature, unstored
 from ocannl.ir.lowering import Lowered
 from ocannl.ir.ops import Precision
 from ocannl.ir.tnode import Tnode
@@ -47,6 +47,11 @@ class CpuBackend:
 
     def alloc(self, node: Tnode) -> np.ndarray:
         return np.zeros(node.size, dtype=storage_dtype(node.prec))
+
+    @staticmethod
+    def unstored(code: list[Lowered]) -> frozenset[int]:
+        """The ids of the local nodes the compiled code never keeps in memory."""
+        return unstored(code)
 
     def write(self, node: Tnode, buf: np.ndarray, host: np.ndarray) -> None:
         """Round ``host`` once, from the values given, to the node's precision (ties to even;

@@ -81,11 +81,15 @@ class RoutineIR:
                  scratch: dict[tuple[int, str, ir.Type], int],
                  copies: dict[int, tuple[tuple[int, str, ir.Type], int]],
                  uses: dict[int, list[int]] | None = None, base: int = 0,
-                 for_gemms: frozenset[int] = frozenset()) -> None:
+                 for_gemms: frozenset[int] = frozenset(),
+                 forwarded: dict[int, Gemm] | None = None,
+                 gemm_outs: dict[int, tuple[int, str, ir.Type]] | None = None) -> None:
         self.module = ir.Module(name="ocannl")
         # Local nodes only products read (im2col's patches): what a copy into one does to a
         # signalling NaN's bits cannot show, as a product quiets it anyway.
         self.for_gemms = for_gemms
+        # 16-bit targets of GEMMs read from the GEMM's f32 result, never stored (``_forwarded``)
+        self.forwarded = forwarded or {}
         self.hardware_f16 = target.hardware_f16
         self.avx = target.avx
         self.blas_int = ir.IntType(target.blas_int)
@@ -108,7 +112,8 @@ class RoutineIR:
         # plain instructions give the same bits.
         self.copying = False
         self.redirect: dict[int, ir.Value] = {}  # node id -> an f32 copy standing in for it
-        self.gemm_outs: dict[int, tuple[int, str, ir.Type]] = {}  # id(Gemm) -> scratch key
+        # id(Gemm) -> the scratch key of its f32 result, shared by a routine's parts
+        self.gemm_outs = {} if gemm_outs is None else gemm_outs
         # The group's nodes kept in registers, and their values at the point being emitted.
         self.registers: frozenset[int] = frozenset()
         self.held: dict[int, ir.Value] = {}
@@ -345,6 +350,13 @@ class RoutineIR:
             off = b.select(cond, off, const_int(0))
         if node.id in self.redirect:
             value = b.load(b.gep(self.redirect[node.id], [off]))
+        elif node.id in self.forwarded:  # rounded as the GEMM's rounding item would store it
+            g = self.forwarded[node.id]
+            wide = b.load(b.gep(self._gemm_out(g, _FLOAT[node.prec.compute]), [off]))
+            copying, self.copying = self.copying, False
+            bits = self.narrow(wide, node.prec)
+            self.copying = copying
+            value = self.widen(bits, node.prec)
         else:
             value = b.load(b.gep(self.buffer(node), [off]))
             if node.prec.is_narrow:
@@ -785,9 +797,11 @@ def routine_ir(code: list[Lowered], nodes: list[Tnode], target: Target
     uses: dict[int, list[int]] = {}
     modules = []
     base = 0
-    for_gemms = _for_gemms(code)
+    for_gemms, forwarded = _for_gemms(code), _forwarded(code)
+    gemm_outs: dict[int, tuple[int, str, ir.Type]] = {}
     for lo, hi in zip(bounds, bounds[1:], strict=False):
-        r = RoutineIR(nodes, target, scratch, copies, uses, base, for_gemms)
+        r = RoutineIR(nodes, target, scratch, copies, uses, base, for_gemms, forwarded,
+                      gemm_outs)
         for r.lowered, item in enumerate(code[lo:hi], lo):
             if isinstance(item, Gemm):
                 _gemm_items(r, item, target.threads, target.products_shared)
@@ -825,6 +839,46 @@ def _for_gemms(code: list[Lowered]) -> frozenset[int]:
                 if not (nest.assign.accum == "=" or nest.assign.reset):
                     other_read.add(nest.assign.lhs.id)
     return frozenset(local & gemm_read - other_read)
+
+
+def _forwarded(code: list[Lowered]) -> dict[int, Gemm]:
+    """Local 16-bit targets of GEMMs (with reset) that only pointwise nests of the next item
+    read, by node id, with their GEMM: those nests read the GEMM's f32 result rounded as a
+    store would round it, so the target is never stored (a cast twin's gradient flowing
+    into its master's, a layer's product into its bias add)."""
+    made: dict[int, Gemm] = {}
+    at: dict[int, int] = {}  # node id -> the item of its GEMM
+    bad: set[int] = set()
+    read: set[int] = set()
+    for k, item in enumerate(code):
+        if isinstance(item, Fill):
+            bad.add(item.node.id)
+        elif isinstance(item, Gemm):
+            bad |= {item.a.node.id, item.b.node.id}
+            lhs = item.assign.lhs
+            if (lhs.id in made or not item.assign.reset or not lhs.prec.is_narrow
+                    or lhs.memory_mode is not MemoryMode.local):
+                bad.add(lhs.id)
+            made[lhs.id] = item
+            at[lhs.id] = k
+        else:
+            for nest in item.nests:
+                bad.add(nest.assign.lhs.id)
+                if nest.red or nest.scatter:
+                    bad |= {g.node.id for g in reads(nest.assign.expr)}
+                else:  # read by the next item only: the f32 result is held no longer
+                    got = {g.node.id for g in reads(nest.assign.expr)}
+                    bad |= {i for i in got if i not in made or at[i] != k - 1}
+                    read |= got
+    return {i: g for i, g in made.items() if i not in bad and i in read}
+
+
+def unstored(code: list[Lowered]) -> frozenset[int]:
+    """The local nodes the routine never keeps in memory: values handed over in registers
+    (``LoopGroup.registers``) and GEMM targets read from the GEMM's result (``_forwarded``).
+    They need no place in the routine's arenas."""
+    held = {i for item in code if isinstance(item, LoopGroup) for i in item.registers}
+    return frozenset(held | set(_forwarded(code)))
 
 
 # The code generator's own version: its source, its scalar code's and the op table's (the hash
@@ -892,7 +946,7 @@ def _gemm_items(r: RoutineIR, g: Gemm, threads: int, shared: bool) -> None:
     with r.item(_used(g), extent if along else None, per_thread=1):
         r.gemm(g, along)
     lhs = g.assign.lhs
-    if lhs.prec.is_narrow:
+    if lhs.prec.is_narrow and lhs.id not in r.forwarded:
         with r.item([lhs], split(lhs.size)):
             r.gemm_narrow(g)
 
