@@ -144,10 +144,10 @@ class Context:
             if unwritten:
                 raise ValueError(
                     f"{label}: reads {', '.join(unwritten)} before writing it whole, but it is "
-                    f"local to the routine that computes it (a block's internal tensor, an "
-                    f"intermediate tensor's gradient, or lowering's own): compile it in the same "
-                    f"routine as its computation, or call retain_grad() on the tensor to keep "
-                    f"its gradient materialized")
+                    f"local to the routine that computes it (a block's internal tensor, a cast "
+                    f"twin placed 'auto', an intermediate tensor's gradient, or lowering's own): "
+                    f"compile it in the same routine as its computation, or call retain_grad() "
+                    f"on the tensor to keep its gradient materialized")
         views = self._local_buffers(label, code, list(local.values()), shared=local_check)
         compiled, compiled_anew = self._backend.compile(label, code, nodes)
         for n in nodes:
@@ -284,9 +284,10 @@ class Context:
         if node.memory_mode is MemoryMode.local:
             raise ValueError(
                 f"node {node.name} is local to the routines that compute it (a block's "
-                f"internal tensor, an intermediate tensor's gradient, or lowering's own): the "
-                f"host cannot read or write it; call retain_grad() on the tensor before "
-                f"compiling to keep its gradient")
+                f"internal tensor, a cast twin placed 'auto', an intermediate tensor's "
+                f"gradient, or lowering's own): the host cannot read or write it; call "
+                f"retain_grad() on the tensor before compiling to keep its gradient, or build "
+                f"twins with placement='materialized' to read them")
 
     def _buffer(self, node: Tnode) -> Buffer:
         self._refuse_local(node)

@@ -36,7 +36,7 @@ from ocannl.context import Context, Routine
 from ocannl.errors import Failure
 from ocannl.ir.assignments import Accum, Comp, Const, Get, apply
 from ocannl.ir.ops import Precision, precision_of
-from ocannl.ir.tnode import Tnode
+from ocannl.ir.tnode import MemoryMode, Tnode
 from ocannl.optim import Optimizer
 from ocannl.tensor.shape import Shape
 from ocannl.tensor.tensor import Tensor, active_param_postprocess
@@ -52,9 +52,11 @@ R = TypeVar("R")
 # --- master weights ---------------------------------------------------------------------------
 
 TWIN_PLACEMENTS = ("auto", "materialized", "virtual")
-"""Where a cast twin lives. ``auto``: the port decides (it materializes: its lowering does not
-inline nodes into their readers); ``materialized``: a device buffer refreshed once per forward
-pass; ``virtual``: recomputed at every read site, which this port's lowering cannot do yet."""
+"""Where a cast twin lives. ``auto``: the port decides: the twin is local to the routines
+computing it (the host cannot read it), and the CPU backend recomputes it at every read
+from its master instead of storing it; ``materialized``: a device buffer refreshed once per
+forward pass, readable from the host; ``virtual``: recomputed at every read site on every
+backend, which this port's lowering cannot promise yet."""
 
 
 def _check_placement(placement: str) -> None:
@@ -95,7 +97,8 @@ def cast_param(p: Tensor, *, prec: Precision | str, placement: str = "auto") -> 
     if p.prec.is_narrow:
         raise ValueError(f"cast_param: master {p.label} is {p.prec.value}; a master must be f32 "
                          f"or f64 (create the parameter at full precision)")
-    node = Tnode(f"{p.label}_{prec.value}", p.value.dims_if_known, prec)
+    node = Tnode(f"{p.label}_{prec.value}", p.value.dims_if_known, prec,
+                 memory_mode=MemoryMode.local if placement == "auto" else MemoryMode.materialized)
     twin = Tensor(node, p.shape, kind="op", children=(p,))
     twin.master = p
     if p.shape.input is not None:

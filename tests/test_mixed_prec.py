@@ -735,8 +735,8 @@ def test_twin_gradients_accumulate_into_f32_master() -> None:
     # f16-exact values: the sum the twin's gradient holds is then the same in either order
     a = T.term(np.array([[0.125, -2.0, 3.0]]), label="a")
     b = T.term(np.array([[1.0, 0.25, -(2.0**-10)]]), label="b")
-    tw = with_master_weights(prec="f16", f=lambda: T.param(
-        "p", output_dims=[3], input_dims=(), init="uniform"))
+    tw = with_master_weights(prec="f16", f=lambda: T.param(  # read below: materialized
+        "p", output_dims=[3], input_dims=(), init="uniform"), placement="materialized")
     p = master_of(tw)
     loss = T.sum(tw * a) + T.sum(tw * b)  # two uses of the one twin
     assert loss.params == [p]
@@ -862,3 +862,41 @@ def test_bf16_training_parity_with_torch_f32() -> None:
         got.append(ctx.get_value(rig.loss))
     np.testing.assert_allclose(got, expected, rtol=4e-3)
     assert expected[0] - expected[-1] > 0.05
+
+
+@pytest.mark.parametrize("prec", ["f16", "bf16"])
+def test_auto_twins_are_recomputed_at_each_read_with_the_bits_of_stored_ones(prec, tmp_path,
+                                                                            monkeypatch):
+    """Placed ``"auto"`` (the default), a twin is local: the host cannot read it, and the CPU
+    backend rounds its master at every read instead of storing it (``codegen._derived``).
+    Three SGD steps give the bits of twins stored once per forward pass."""
+    from ocannl.backends.cpu import codegen
+    from ocannl.ir.tnode import MemoryMode
+
+    monkeypatch.setenv("OCANNL_CACHE_DIR", str(tmp_path))
+
+    def run(placement: str) -> tuple[list[bytes], Context, T.Tensor, int]:
+        T.set_seed(9)
+        x = T.term(np.random.default_rng(9).normal(size=(24, 40)), label="xt", prec=prec,
+                   batch_dims=(24,), output_dims=(40,))
+        y, layers = with_master_weights(prec=prec, placement=placement,
+                                        f=lambda: nn_blocks.mlp(x, (48,), 6, label="tw"))
+        loss = T.sum(T.cast(y, "f32") * T.cast(y, "f32"))
+        ctx = train.init_params(Context.cpu(), loss)
+        comp = train.grad_update(loss) + train.sgd_update(loss, learning_rate=0.01)
+        derived = codegen._derived(ctx.lower(comp))
+        ctx, r = ctx.compile(comp)
+        for _ in range(3):
+            ctx.run(r)
+        return [ctx.get_values(p).tobytes() for p in loss.params], ctx, layers[0][0], len(derived)
+
+    auto, ctx, twin, derived = run("auto")
+    stored, ref_ctx, ref_twin, ref_derived = run("materialized")
+    assert twin.value.memory_mode is MemoryMode.local
+    assert ref_twin.value.memory_mode is MemoryMode.materialized and ref_derived == 0
+    assert derived == 4  # both layers' weights and biases
+    assert auto == stored
+    assert ctx.mem() < ref_ctx.mem()
+    with pytest.raises(ValueError, match=r"local .* placement='materialized'"):
+        ctx.get_values(twin)
+    ref_ctx.get_values(ref_twin)  # a materialized twin reads

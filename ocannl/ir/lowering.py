@@ -600,24 +600,39 @@ PULL_WINDOW = 8
 
 
 def _pull_up(code: list[Lowered]) -> list[Lowered]:
-    """Move a loop group that reads a GEMM's result up to right after that GEMM (at most
-    ``PULL_WINDOW`` items back) when nothing in between touches what the group reads or
-    writes: the result is consumed at once, its memory free sooner (a cast twin's gradient,
-    flowing into its master's, no longer waits for the input gradient's product)."""
+    """Bring a loop group that reads a GEMM's result (at most ``PULL_WINDOW`` items back) to
+    right after that GEMM: the group moves up when nothing in between touches what it reads
+    or writes, else the GEMM moves down when nothing in between touches what the GEMM reads
+    or writes. The result is consumed at once, its memory free sooner (a cast twin's
+    gradient, flowing into its master's, no longer waits for the input gradient's
+    product)."""
+    # A read of a local copy of a node counts as a read of that node too: a backend may
+    # recompute the copy at each read (a cast twin from its master: ``codegen._derived``).
+    source = {n.assign.lhs.id: n.assign.expr.node.id for item in code
+              if isinstance(item, LoopGroup) for n in item.nests
+              if isinstance(n.assign.expr, Get) and n.assign.lhs.memory_mode is MemoryMode.local}
+    def accesses(item: Lowered) -> tuple[set[int], set[int]]:
+        item_reads, item_writes = _accesses(item)
+        return item_reads | {source[i] for i in item_reads if i in source}, item_writes
+
+    def independent(a: Lowered, b: Lowered) -> bool:
+        (ra, wa), (rb, wb) = accesses(a), accesses(b)
+        return not (wa & (rb | wb) or ra & wb)
+
     out = list(code)
     for r, item in enumerate(out):
         if not isinstance(item, LoopGroup):
             continue
-        reads_r, writes_r = _accesses(item)
-        for p in range(r - 1, max(r - PULL_WINDOW, 0) - 1, -1):
-            other = out[p]
-            if isinstance(other, Gemm) and other.assign.lhs.id in reads_r:
-                if p < r - 1:
-                    out.insert(p + 1, out.pop(r))
-                break
-            other_reads, other_writes = _accesses(other)
-            if other_writes & (reads_r | writes_r) or other_reads & writes_r:
-                break
+        reads_r = accesses(item)[0]
+        p = next((p for p in range(r - 1, max(r - PULL_WINDOW, 0) - 1, -1)
+                  if isinstance(out[p], Gemm) and out[p].assign.lhs.id in reads_r), None)
+        if p is None or p == r - 1:
+            continue
+        between = out[p + 1:r]
+        if all(independent(item, other) for other in between):  # the group moves up
+            out.insert(p + 1, out.pop(r))
+        elif all(independent(out[p], other) for other in between):  # the product down
+            out.insert(r - 1, out.pop(p))
     return out
 
 

@@ -766,3 +766,22 @@ def test_a_cast_twins_gradient_flows_into_its_master_right_after_its_product():
     assert any(n.assign.lhs.label == "grad_pu_w1" for n in master.nests)
     unmoved = lowering._alias_copies(lower(train.grad_update(loss)))  # the same, moved or not
     assert sorted(map(repr, nodes_of(unmoved))) == sorted(map(repr, nodes_of(code)))
+
+
+def test_a_product_moves_down_to_its_consumer_when_the_consumer_cannot_move_up():
+    """With the update of the master hoisted into the group adding the twin's gradient, that
+    group must stay after the input gradient's product (which reads the twin, a copy of the
+    master): the twin gradient's product moves down to it instead."""
+    from ocannl import mixed_prec, nn_blocks
+
+    x = T.term(np.zeros((24, 40), np.float32), label="xd", batch_dims=(24,),
+               output_dims=(40,), prec="bf16")
+    y, _ = mixed_prec.with_master_weights(
+        prec="bf16", f=lambda: nn_blocks.mlp(x, (48,), 6, label="pd"))
+    loss = T.sum(T.cast(y, "f32"))
+    code = lower(train.grad_update(loss) + train.sgd_update(loss, learning_rate=0.1))
+    gemms = {item.assign.lhs.label: k for k, item in enumerate(code) if isinstance(item, Gemm)}
+    twin_grad, input_grad = gemms["grad_pd_w1_bf16"], gemms["grad_relu"]
+    assert input_grad < twin_grad
+    group = code[twin_grad + 1]
+    assert {n.assign.lhs.label for n in group.nests} >= {"grad_pd_w1", "pd_w1"}

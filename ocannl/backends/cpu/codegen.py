@@ -83,13 +83,16 @@ class RoutineIR:
                  uses: dict[int, list[int]] | None = None, base: int = 0,
                  for_gemms: frozenset[int] = frozenset(),
                  forwarded: dict[int, Gemm] | None = None,
-                 gemm_outs: dict[int, tuple[int, str, ir.Type]] | None = None) -> None:
+                 gemm_outs: dict[int, tuple[int, str, ir.Type]] | None = None,
+                 derived: dict[int, Tnode] | None = None) -> None:
         self.module = ir.Module(name="ocannl")
         # Local nodes only products read (im2col's patches): what a copy into one does to a
         # signalling NaN's bits cannot show, as a product quiets it anyway.
         self.for_gemms = for_gemms
         # 16-bit targets of GEMMs read from the GEMM's f32 result, never stored (``_forwarded``)
         self.forwarded = forwarded or {}
+        # 16-bit rounded copies of wider nodes, read by rounding those (``_derived``)
+        self.derived = derived or {}
         self.hardware_f16 = target.hardware_f16
         self.avx = target.avx
         self.blas_int = ir.IntType(target.blas_int)
@@ -130,6 +133,7 @@ class RoutineIR:
         ``split``: the item runs its outermost loop over a range given by two more arguments,
         so that threads can share it, in ``per_thread`` chunks per thread (see
         :meth:`finish`)."""
+        used = [*used, *(self.derived[n.id] for n in used if n.id in self.derived)]
         slots = list(dict.fromkeys(self.slots[n.id] for n in used))
         ranged = [I64, I64] if split else []
         ty = ir.FunctionType(ir.VoidType(), [I64.as_pointer(),
@@ -350,6 +354,9 @@ class RoutineIR:
             off = b.select(cond, off, const_int(0))
         if node.id in self.redirect:
             value = b.load(b.gep(self.redirect[node.id], [off]))
+        elif node.id in self.derived:  # the wider node, rounded as the copy would store it
+            value = self._rounded(node, b.load(b.gep(self.buffer(self.derived[node.id]),
+                                                     [off])))
         elif node.id in self.forwarded:  # rounded as the GEMM's rounding item would store it
             g = self.forwarded[node.id]
             wide = b.load(b.gep(self._gemm_out(g, _FLOAT[node.prec.compute]), [off]))
@@ -475,7 +482,14 @@ class RoutineIR:
             return self.scratch_for(*key)
         key = (node.size, f"copy{self.slots[node.id]}.{len(self.scratch)}", ty)
         copy = self.scratch_for(*key)
-        self.convert_into(self.buffer(node), node.prec, copy, node.size, ranged)
+        if node.id in self.derived:
+            b = self.b
+            src = self.buffer(self.derived[node.id])
+            with self.loop(*(self.range if ranged and self.range else (node.size,))) as i:
+                v = self._rounded(node, b.load(b.gep(src, [i])))
+                b.store(convert(b, v, ty), b.gep(copy, [i]))
+        else:
+            self.convert_into(self.buffer(node), node.prec, copy, node.size, ranged)
         self.copies[node.id] = (key, self.lowered)
         return copy
 
@@ -538,6 +552,8 @@ class RoutineIR:
 
     def _par_body(self, g: LoopGroup, space: tuple[int, ...], iters: dict[int, ir.Value]) -> None:
         for nest in g.nests:
+            if nest.assign.lhs.id in self.derived:
+                continue  # its readers round the wider node themselves
             if not nest.red:
                 self._point(nest, space, iters)
             elif nest.scatter:
@@ -683,6 +699,14 @@ class RoutineIR:
             v = self.widen(v, src_prec) if src_prec.is_narrow else v
             b.store(convert(b, v, dst.type.pointee), b.gep(dst, [i]))
 
+    def _rounded(self, node: Tnode, wide: ir.Value) -> ir.Value:
+        """A derived node's value from its wider node's: rounded to ``node``'s precision as
+        its copy nest would store it, then widened as a load would."""
+        copying, self.copying = self.copying, node.id not in self.for_gemms
+        bits = self.narrow(convert(self.b, wide, F32), node.prec)
+        self.copying = copying
+        return self.widen(bits, node.prec)
+
     def narrow_into(self, src: ir.Value, dst: ir.Value, prec: Precision, size: int,
                     ranged: bool = False) -> None:
         b = self.b
@@ -797,11 +821,11 @@ def routine_ir(code: list[Lowered], nodes: list[Tnode], target: Target
     uses: dict[int, list[int]] = {}
     modules = []
     base = 0
-    for_gemms, forwarded = _for_gemms(code), _forwarded(code)
+    for_gemms, forwarded, derived = _for_gemms(code), _forwarded(code), _derived(code)
     gemm_outs: dict[int, tuple[int, str, ir.Type]] = {}
     for lo, hi in zip(bounds, bounds[1:], strict=False):
         r = RoutineIR(nodes, target, scratch, copies, uses, base, for_gemms, forwarded,
-                      gemm_outs)
+                      gemm_outs, derived)
         for r.lowered, item in enumerate(code[lo:hi], lo):
             if isinstance(item, Gemm):
                 _gemm_items(r, item, target.threads, target.products_shared)
@@ -878,7 +902,58 @@ def unstored(code: list[Lowered]) -> frozenset[int]:
     (``LoopGroup.registers``) and GEMM targets read from the GEMM's result (``_forwarded``).
     They need no place in the routine's arenas."""
     held = {i for item in code if isinstance(item, LoopGroup) for i in item.registers}
-    return frozenset(held | set(_forwarded(code)))
+    return frozenset(held | set(_forwarded(code)) | set(_derived(code)))
+
+
+def _derived(code: list[Lowered]) -> dict[int, Tnode]:
+    """Local 16-bit nodes that are a rounded copy of a materialized wider node, cell for
+    cell (a cast twin of its master), by node id, with that node: written once, and read
+    only before anything writes the wider node again. Each read rounds the wider node as
+    the copy would, so the copy is neither run nor stored: the twin recomputed at every read
+    (``mixed_prec``'s ``"auto"`` placement)."""
+    first: dict[int, tuple[int, Tnode]] = {}  # candidate id -> its item, its wider node
+    writes: dict[int, list[int]] = {}
+    last_read: dict[int, int] = {}
+    for k, item in enumerate(code):
+        r_ids, w_ids = _item_accesses(item)
+        for i in w_ids:
+            writes.setdefault(i, []).append(k)
+        for i in r_ids:
+            last_read[i] = k
+        if isinstance(item, LoopGroup) and not item.lead.walk_rows:
+            for nest in item.nests:
+                a, src = nest.assign, nest.assign.expr
+                if (isinstance(src, Get) and a.lhs.memory_mode is MemoryMode.local
+                        and a.lhs.prec.is_narrow and not nest.red and not nest.scatter
+                        and (a.accum == "=" or a.reset) and src.idx == a.lhs_idx
+                        and src.node.dims == a.lhs.dims and not src.node.prec.is_narrow
+                        and src.node.memory_mode is MemoryMode.materialized
+                        and math.prod(a.space) == a.lhs.size):
+                    first.setdefault(a.lhs.id, (k, src.node))
+    out: dict[int, Tnode] = {}
+    for i, (k, src) in first.items():
+        end = last_read.get(i, k)
+        if writes[i] == [k] and not any(k <= w <= end for w in writes.get(src.id, [])):
+            out[i] = src
+    return out
+
+
+def _item_accesses(item: Lowered) -> tuple[set[int], set[int]]:
+    """The ids of the nodes an item reads and writes."""
+    if isinstance(item, Fill):
+        return set(), {item.node.id}
+    if isinstance(item, Gemm):
+        a = item.assign
+        return ({item.a.node.id, item.b.node.id} | (set() if a.reset else {a.lhs.id}),
+                {a.lhs.id})
+    r_ids, w_ids = set(), set()
+    for nest in item.nests:
+        a = nest.assign
+        r_ids |= {g.node.id for g in reads(a.expr)}
+        if not (a.accum == "=" or a.reset):
+            r_ids.add(a.lhs.id)
+        w_ids.add(a.lhs.id)
+    return r_ids, w_ids
 
 
 # The code generator's own version: its source, its scalar code's and the op table's (the hash
