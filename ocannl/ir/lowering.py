@@ -721,7 +721,7 @@ def _in_registers(code: list[Lowered]) -> list[Lowered]:
     its cell, and read only inside the same group, by later pointwise nests at that cell. A
     chain of pointwise steps (softmax's gradient through its shift and mask) then stores only
     its last value."""
-    home: dict[int, int] = {}  # node id -> the one group touching it, or -1
+    home: dict[int, int] = {}  # node id -> the first item touching it
     write: dict[int, tuple[int, LoopNest]] = {}  # node id -> its one writing nest
     bad: set[int] = set()
 
