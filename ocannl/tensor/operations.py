@@ -421,8 +421,8 @@ Tensor.__pow__ = lambda a, c: pow_const(a, c)  # type: ignore[assignment]
 # --- beyond MLPs: pointwise ops built from expressions ------------------------------------------
 #
 # Each op below is one assignment whose right-hand side is an expression tree over the operands
-# (so ``gelu`` is one node, not seven), and one backprop assignment per differentiable operand
-# over the same space and projections.
+# (so ``gelu`` is one or two nodes, not seven), and one backprop assignment per differentiable
+# operand over the same space and projections.
 
 Grads = Callable[[list[Expr], Expr, Expr], Sequence[Expr | None]]
 
@@ -559,16 +559,24 @@ def gelu(a: Operand, *, approximate: str = "none") -> Tensor:
             return apply("mul", half, apply("add", one, apply("erf",
                                                              apply("mul", x, Const(_INV_SQRT2)))))
 
-        def fwd(x: list[Expr]) -> Expr:
-            return apply("mul", x[0], cdf(x[0]))
+        def pdf(x: Expr) -> Expr:  # Phi'(x)
+            return apply("mul", Const(_INV_SQRT_2PI),
+                         apply("exp", apply("mul", Const(-0.5), apply("mul", x, x))))
 
-        def grads(x: list[Expr], v: Expr, g: Expr) -> list[Expr]:
-            a_ = x[0]
-            pdf = apply("mul", Const(_INV_SQRT_2PI),
-                        apply("exp", apply("mul", Const(-0.5), apply("mul", a_, a_))))
-            return [apply("mul", g, apply("add", cdf(a_), apply("mul", a_, pdf)))]
-
-        return _elementwise("gelu", [a], fwd, grads)
+        x_ = _lift(a)
+        if x_.prec.is_narrow:  # a stored f32 Phi would cost more traffic than erf does
+            return _elementwise(
+                "gelu", [x_], lambda x: apply("mul", x[0], cdf(x[0])),
+                lambda x, v, g: [apply("mul", g, apply("add", cdf(x[0]),
+                                                        apply("mul", x[0], pdf(x[0]))))])
+        # Phi(x) is a node of its own: the gradient reads it instead of computing erf again
+        # (the same values, so the same bits). Local: no one else holds it.
+        phi = _elementwise("gelu_cdf", [x_], lambda x: cdf(x[0]), None)
+        phi.value.memory_mode = MemoryMode.local
+        return _elementwise(
+            "gelu", [x_, phi], lambda x: apply("mul", x[0], x[1]),
+            lambda x, v, g: [apply("mul", g, apply("add", x[1], apply("mul", x[0], pdf(x[0])))),
+                             None])
     if approximate == "tanh":
         def inner(x: Expr) -> Expr:  # sqrt(2/pi) * (x + kappa x^3)
             cube = apply("mul", apply("mul", x, x), x)

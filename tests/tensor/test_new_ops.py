@@ -251,6 +251,46 @@ def test_gelu_over_a_wide_range_against_torch_at_f64(approximate):
                  lambda ta: F.gelu(ta, approximate=approximate), [(a, xs)])
 
 
+@pytest.mark.parametrize("prec", ["f32", "bf16"])
+def test_exact_gelu_reads_its_saved_cdf_with_the_bits_of_recomputing_it(prec):
+    """At f32 the exact gelu keeps Phi(x) as a local node of its own, which its gradient
+    reads instead of computing erf again; at 16 bits it stays one node. Either way the value
+    and the gradient have the bits of the one-node formula."""
+    from ocannl import Context, train
+    from ocannl.ir.assignments import Const, apply
+    from ocannl.ir.tnode import MemoryMode
+    from ocannl.tensor import operations as O
+
+    def one_node(a: T.Tensor) -> T.Tensor:
+        def cdf(x):  # noqa: ANN001, ANN202
+            return apply("mul", Const(0.5), apply("add", Const(1.0), apply(
+                "erf", apply("mul", x, Const(O._INV_SQRT2)))))
+
+        def pdf(x):  # noqa: ANN001, ANN202
+            return apply("mul", Const(O._INV_SQRT_2PI),
+                         apply("exp", apply("mul", Const(-0.5), apply("mul", x, x))))
+
+        return O._elementwise("gelu", [a], lambda x: apply("mul", x[0], cdf(x[0])),
+                              lambda x, v, g: [apply("mul", g, apply(
+                                  "add", cdf(x[0]), apply("mul", x[0], pdf(x[0]))))])
+
+    xs = np.linspace(-5, 5, 301)
+    out = []
+    for f in (T.gelu, one_node):
+        a = T.param("a", output_dims=xs.shape, input_dims=(), prec=prec)
+        y = f(a)
+        cdfs = [t for t in y.topo() if t.label == "gelu_cdf"]
+        if f is T.gelu:
+            assert len(cdfs) == (0 if prec == "bf16" else 1)
+            assert all(t.value.memory_mode is MemoryMode.local for t in cdfs)
+        loss = T.sum(T.cast(y, "f32") * T.cast(y, "f32"))
+        ctx = Context.cpu().set_values(a, xs)
+        ctx, r = ctx.compile(train.grad_update(loss))
+        ctx.run(r)
+        out.append((ctx.get_values(loss).tobytes(), ctx.get_values(a.grad).tobytes()))
+    assert out[0] == out[1]
+
+
 def test_gelu_rejects_an_unknown_form():
     a = T.param("a", output_dims=(2,), input_dims=())
     with pytest.raises(ValueError, match="approximate must be 'none' or 'tanh', got 'fast'"):
