@@ -611,19 +611,20 @@ def _pull_up(code: list[Lowered]) -> list[Lowered]:
     source = {n.assign.lhs.id: n.assign.expr.node.id for item in code
               if isinstance(item, LoopGroup) for n in item.nests
               if isinstance(n.assign.expr, Get) and n.assign.lhs.memory_mode is MemoryMode.local}
-    def accesses(item: Lowered) -> tuple[set[int], set[int]]:
-        item_reads, item_writes = _accesses(item)
+
+    def touched(item: Lowered) -> tuple[set[int], set[int]]:
+        item_reads, item_writes = accesses(item)
         return item_reads | {source[i] for i in item_reads if i in source}, item_writes
 
     def independent(a: Lowered, b: Lowered) -> bool:
-        (ra, wa), (rb, wb) = accesses(a), accesses(b)
+        (ra, wa), (rb, wb) = touched(a), touched(b)
         return not (wa & (rb | wb) or ra & wb)
 
     out = list(code)
     for r, item in enumerate(out):
         if not isinstance(item, LoopGroup):
             continue
-        reads_r = accesses(item)[0]
+        reads_r = touched(item)[0]
         p = next((p for p in range(r - 1, max(r - PULL_WINDOW, 0) - 1, -1)
                   if isinstance(out[p], Gemm) and out[p].assign.lhs.id in reads_r), None)
         if p is None or p == r - 1:
@@ -636,7 +637,7 @@ def _pull_up(code: list[Lowered]) -> list[Lowered]:
     return out
 
 
-def _accesses(item: Lowered) -> tuple[set[int], set[int]]:
+def accesses(item: Lowered) -> tuple[set[int], set[int]]:
     """The ids of the nodes an item reads and those it writes."""
     if isinstance(item, Fill):
         return set(), {item.node.id}

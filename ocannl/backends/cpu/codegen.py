@@ -45,7 +45,16 @@ from ocannl.backends.cpu.scalar import (
 )
 from ocannl.ir import ops as ops_module
 from ocannl.ir.assignments import Affine, Apply, Const, Expr, Fixed, Get, Projection, reads
-from ocannl.ir.lowering import Fill, Gemm, LoopGroup, LoopNest, Lowered, MatrixView, nodes_of
+from ocannl.ir.lowering import (
+    Fill,
+    Gemm,
+    LoopGroup,
+    LoopNest,
+    Lowered,
+    MatrixView,
+    accesses,
+    nodes_of,
+)
 from ocannl.ir.ops import ACCUMS, Precision
 from ocannl.ir.tnode import MemoryMode, Tnode
 
@@ -915,7 +924,7 @@ def _derived(code: list[Lowered]) -> dict[int, Tnode]:
     writes: dict[int, list[int]] = {}
     last_read: dict[int, int] = {}
     for k, item in enumerate(code):
-        r_ids, w_ids = _item_accesses(item)
+        r_ids, w_ids = accesses(item)
         for i in w_ids:
             writes.setdefault(i, []).append(k)
         for i in r_ids:
@@ -937,23 +946,6 @@ def _derived(code: list[Lowered]) -> dict[int, Tnode]:
             out[i] = src
     return out
 
-
-def _item_accesses(item: Lowered) -> tuple[set[int], set[int]]:
-    """The ids of the nodes an item reads and writes."""
-    if isinstance(item, Fill):
-        return set(), {item.node.id}
-    if isinstance(item, Gemm):
-        a = item.assign
-        return ({item.a.node.id, item.b.node.id} | (set() if a.reset else {a.lhs.id}),
-                {a.lhs.id})
-    r_ids, w_ids = set(), set()
-    for nest in item.nests:
-        a = nest.assign
-        r_ids |= {g.node.id for g in reads(a.expr)}
-        if not (a.accum == "=" or a.reset):
-            r_ids.add(a.lhs.id)
-        w_ids.add(a.lhs.id)
-    return r_ids, w_ids
 
 
 # The code generator's own version: its source, its scalar code's and the op table's (the hash
