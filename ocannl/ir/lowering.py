@@ -140,7 +140,7 @@ class Gemm:
 Lowered = Fill | LoopGroup | Gemm
 
 
-def _covers(a: Accum) -> bool:
+def covers(a: Accum) -> bool:
     """True when the lhs projection visits every cell exactly once per reduction slice."""
     its = [i for i in a.lhs_idx if isinstance(i, int)]
     return (
@@ -167,7 +167,7 @@ def _as_gemm(a: Accum, batched: bool = False) -> Gemm | None:
     if not (a.accum == "+" and isinstance(e, Apply) and e.op == "mul"):
         return None
     x, y = e.args
-    if not (isinstance(x, Get) and isinstance(y, Get) and _covers(a)):
+    if not (isinstance(x, Get) and isinstance(y, Get) and covers(a)):
         return None
     for idx in (x.idx, y.idx):
         if not idx or not all(isinstance(i, int) for i in idx) or len(set(idx)) != len(idx):
@@ -262,7 +262,7 @@ def lower_assignment(a: Accum, *, gemm: bool = True, batched: bool = False,
         if rewritten is not None:
             return rewritten
     out: list[Fill | LoopNest | Gemm] = []
-    if a.reset and not _covers(a):
+    if a.reset and not covers(a):
         out.append(Fill(a.lhs, _neutral(a.accum)))
         a = Accum(a.lhs, a.lhs_idx, a.accum, a.expr, a.space, reset=False)
     out.append(loop_nest(a))
@@ -475,7 +475,7 @@ def _neutral(accum: str) -> float:
 
 
 def _is_fill(a: Accum) -> bool:
-    return a.accum == "=" and isinstance(a.expr, Const) and _covers(a) and \
+    return a.accum == "=" and isinstance(a.expr, Const) and covers(a) and \
         len(a.space) == len(a.lhs_idx)
 
 
@@ -496,7 +496,7 @@ def fuse_resets(assignments: tuple[Accum, ...]) -> list[Accum]:
         if nxt is None:
             continue
         b = out[nxt]
-        if b.lhs is not a.lhs or not _covers(b) or any(g.node is a.lhs for g in reads(b.expr)):
+        if b.lhs is not a.lhs or not covers(b) or any(g.node is a.lhs for g in reads(b.expr)):
             continue
         if b.accum == "=" and len(b.space) == len(b.lhs_idx):  # overwritten whole: dead fill
             out[k] = None
@@ -655,6 +655,17 @@ def accesses(item: Lowered) -> tuple[set[int], set[int]]:
     return reads_, writes
 
 
+def copy_source(nest: LoopNest) -> Tnode | None:
+    """The node ``nest`` copies into its target cell for cell (``b = a``: pointwise, whole,
+    the same dims and projection), or None. The precisions may differ (a cast)."""
+    a = nest.assign
+    if (nest.red or nest.scatter or not isinstance(a.expr, Get) or a.expr.idx != a.lhs_idx
+            or not (a.accum == "=" or a.reset) or a.expr.node.dims != a.lhs.dims
+            or not covers(a)):
+        return None
+    return a.expr.node
+
+
 def _alias_copies(code: list[Lowered]) -> list[Lowered]:
     """Drop whole-node copies ``b = a`` of a local ``b`` (an addition's gradient handed to an
     operand's: a linear layer's bias add) and let ``b``'s readers read ``a``: same dims and
@@ -674,14 +685,12 @@ def _alias_copies(code: list[Lowered]) -> list[Lowered]:
         if not isinstance(item, LoopGroup):
             continue
         for j, nest in enumerate(item.nests):
-            a = nest.assign
-            if (j == 0 and len(item.nests) > 1) or nest.red or nest.scatter or not isinstance(
-                    a.expr, Get) or a.expr.idx != a.lhs_idx or not (a.accum == "=" or a.reset):
+            copied = copy_source(nest)
+            if (j == 0 and len(item.nests) > 1) or copied is None:
                 continue
-            dst, src = a.lhs, alias.get(a.expr.node.id, a.expr.node)
+            dst, src = nest.assign.lhs, alias.get(copied.id, copied)
             if (dst.memory_mode is not MemoryMode.local or src.id == dst.id
-                    or src.dims != dst.dims or src.prec != dst.prec or not _covers(a)
-                    or writers[dst.id] != [(k, j)]
+                    or src.prec != dst.prec or writers[dst.id] != [(k, j)]
                     or any(w > (k, j) for w in writers.get(src.id, []))):
                 continue
             alias[dst.id] = src
@@ -765,7 +774,7 @@ def _col2im_after_zeros(nest: LoopNest, out: list[Fill | Gemm | _Group]) -> bool
     patch gradient) that the latest item touching the target zeroed (a zero fill, dropped)."""
     a = nest.assign
     grads = [g for g in reads(a.expr) if g.node in _PATCH_GRADS]
-    if a.accum != "+" or a.reset or not grads or not _covers(a):
+    if a.accum != "+" or a.reset or not grads or not covers(a):
         return False
     for k in range(len(out) - 1, -1, -1):
         item = out[k]
@@ -854,7 +863,7 @@ def effects(code: list[Lowered]) -> Effects:
         overwrites = a.accum == "=" or a.reset
         if not overwrites:
             read(a.lhs)
-        if overwrites and _covers(a):
+        if overwrites and covers(a):
             whole.add(a.lhs.id)
         written.setdefault(a.lhs.id, a.lhs)
     return Effects(tuple(inputs.values()), tuple(written.values()))

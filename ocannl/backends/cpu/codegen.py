@@ -53,6 +53,7 @@ from ocannl.ir.lowering import (
     Lowered,
     MatrixView,
     accesses,
+    copy_source,
     nodes_of,
 )
 from ocannl.ir.ops import ACCUMS, Precision
@@ -931,14 +932,11 @@ def _derived(code: list[Lowered]) -> dict[int, Tnode]:
             last_read[i] = k
         if isinstance(item, LoopGroup) and not item.lead.walk_rows:
             for nest in item.nests:
-                a, src = nest.assign, nest.assign.expr
-                if (isinstance(src, Get) and a.lhs.memory_mode is MemoryMode.local
-                        and a.lhs.prec.is_narrow and not nest.red and not nest.scatter
-                        and (a.accum == "=" or a.reset) and src.idx == a.lhs_idx
-                        and src.node.dims == a.lhs.dims and not src.node.prec.is_narrow
-                        and src.node.memory_mode is MemoryMode.materialized
-                        and math.prod(a.space) == a.lhs.size):
-                    first.setdefault(a.lhs.id, (k, src.node))
+                lhs, src = nest.assign.lhs, copy_source(nest)
+                if (src is not None and lhs.memory_mode is MemoryMode.local
+                        and lhs.prec.is_narrow and not src.prec.is_narrow
+                        and src.memory_mode is MemoryMode.materialized):
+                    first.setdefault(lhs.id, (k, src))
     out: dict[int, Tnode] = {}
     for i, (k, src) in first.items():
         end = last_read.get(i, k)
