@@ -190,6 +190,9 @@ class Context:
     def run(self, routine: Routine) -> Context:
         """Run a routine compiled by this context. Its first run checks that every parameter
         and data node it reads has been initialized, naming those that are not."""
+        if type(routine) is Routine and routine.context is self and routine.checked:
+            routine.call()  # the steady state, checked below once
+            return self
         if not isinstance(routine, Routine):
             raise TypeError(f"run expects a Routine, got {type(routine).__name__}: {routine!r}")
         if routine.context is not self:
@@ -290,9 +293,9 @@ class Context:
                 f"twins with placement='materialized' to read them")
 
     def _buffer(self, node: Tnode) -> Buffer:
-        self._refuse_local(node)
         entry = self._buffers.get(node.id)
-        if entry is None:
+        if entry is None or node.memory_mode is MemoryMode.local:
+            self._refuse_local(node)
             raise ValueError(
                 f"node {node.name} has no buffer in this {self.backend_name()} context")
         return entry[1]
@@ -354,11 +357,14 @@ class Context:
         return self.set_values(node, host)
 
     def get_value(self, t: Any, idx: tuple[int, ...] | None = None) -> float:
+        """One element (``idx`` may be omitted for a one-element node), read alone."""
+        return self.reader(t, idx)()
+
+    def reader(self, t: Any, idx: tuple[int, ...] | None = None) -> Callable[[], float]:
+        """A callable returning one element's current value, as :meth:`get_value` would: the
+        checks and the lookups done once, for a read every step (the host gate's)."""
         node = _as_node(t)
-        buf = self._buffer(node)
-        pos = self._flat_index(node, idx)
-        # Read one element, not the whole buffer: the host gate does this every step.
-        return float(self._backend.read(node, buf[pos:pos + 1])[0])
+        return self._backend.reader(node, self._buffer(node), self._flat_index(node, idx))
 
     @staticmethod
     def _flat_index(node: Tnode, idx: tuple[int, ...] | None) -> int:

@@ -186,10 +186,14 @@ def _is_real(x: object) -> bool:
 
 
 def _is_int(x: object) -> bool:
+    if type(x) is int:  # the common case, without the slower ABC check below
+        return True
     return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_))
 
 
 def _check_bool(name: str, x: object) -> bool:
+    if x is True or x is False:
+        return x
     if not isinstance(x, (bool, np.bool_)):
         raise ValueError(f"{name} must be a bool, got {type(x).__name__}: {x!r}")
     return bool(x)
@@ -393,6 +397,9 @@ class Loss_scaler:  # noqa: N801 - the OCaml module's name, as the port's conven
         restarts, as torch's does) -- hence every later growth too.
         """
         good = self.good_steps + steps
+        if good < self.growth_interval:  # no growth: the host gate's every step
+            object.__setattr__(self, "good_steps", good)
+            return ctx
         s = self.scale_val
         grows, good = divmod(good, self.growth_interval)
         for _ in range(grows):
@@ -681,6 +688,7 @@ class ScaledStep(Recipe):
         self.update_comp = optimizer.update(loss, grad_unscale=self.unscale)
         self._routines: tuple[Routine, Routine] | None = None
         self._check: Routine | None = None
+        self._read_checksum: Callable[[], float] | None = None
 
     def compile(self, ctx: Context) -> Context:
         ctx, grads = ctx.compile(self.grad_comp)
@@ -688,6 +696,7 @@ class ScaledStep(Recipe):
             ctx, self._check = ctx.compile(self.check_comp)
         ctx, update = ctx.compile(self.update_comp)
         self._routines = (grads, update)
+        self._read_checksum = ctx.reader(self.checksum)
         self._bind(ctx)
         return ctx
 
@@ -700,7 +709,7 @@ class ScaledStep(Recipe):
             assert self._check is not None
             ctx = self.reducer.reduce(ctx, self.scaler)
             ctx = ctx.run(self._check)
-        finite = math.isfinite(ctx.get_value(self.checksum))
+        finite = math.isfinite(self._read_checksum())
         if finite:
             ctx = ctx.run(update)
         self.pending = 1

@@ -133,6 +133,36 @@ def test_host_round_trip_per_precision(prec):
     assert ctx.mem(p) == 4 * np.dtype(dtype).itemsize
 
 
+@pytest.mark.parametrize("prec", ["f64", "f32", "f16", "bf16"])
+def test_a_reader_returns_the_current_value_as_a_python_float(prec):
+    """``reader`` is ``get_value`` bound once: every call reads the buffer as it is now,
+    after host writes and routine runs alike, with ``get_value``'s checks done up front."""
+    p = T.param("p", output_dims=(3,), input_dims=(), prec=prec)
+    s = T.term([0.0], label="s", prec=prec)
+    y = s * 2.0
+    ctx = Context.cpu()
+    ctx.set_values(p, [1.0, 1.0 / 3.0, -7.0])
+    second = ctx.reader(p, (1,))
+    third = 1.0 / 3.0
+    got = second()
+    assert type(got) is float and got == float(np.array(third).astype(ctx.get_values(p).dtype))
+    assert got == ctx.get_value(p, (1,))
+    ctx.set_values(p, [0.0, 2.5, 0.0])
+    assert second() == 2.5
+    ctx, r = ctx.compile(train.forward(y))
+    whole, read_y = ctx.reader(s), ctx.reader(y)
+    ctx.set_value(s, 1.5).run(r)
+    assert whole() == 1.5 and read_y() == 3.0
+    ctx.set_value(s, -0.25).run(r)
+    assert whole() == -0.25 and read_y() == -0.5
+    with pytest.raises(ValueError, match=r"has dims \(3,\): give an index"):
+        ctx.reader(p)
+    with pytest.raises(ValueError, match=r"index \(3,\) out of range"):
+        ctx.reader(p, (3,))
+    with pytest.raises(ValueError, match="no buffer"):
+        Context.cpu().reader(s)
+
+
 def test_from_host_to_host_mem_and_nodes():
     x = T.term(np.arange(4.0), label="x")
     ctx = Context.cpu()

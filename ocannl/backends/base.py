@@ -29,6 +29,9 @@ class Backend(Protocol):
     def read(self, node: Tnode, buf: Buffer) -> np.ndarray:
         """The buffer's values as a flat host array of the node's host dtype."""
 
+    def reader(self, node: Tnode, buf: Buffer, pos: int) -> Callable[[], float]:
+        """A callable returning the element at flat position ``pos`` as a Python float."""
+
     def bind(self, compiled: Callable, buffers: tuple[Buffer, ...]) -> Callable[[], None]:
         """A callable running the compiled code on these buffers (bound once, run often)."""
 

@@ -9,6 +9,7 @@ argument, a table of its buffers' addresses.
 from __future__ import annotations
 
 import ctypes
+import functools
 from collections.abc import Callable
 
 import numpy as np
@@ -65,6 +66,13 @@ class CpuBackend:
 
     def read(self, node: Tnode, buf: np.ndarray) -> np.ndarray:
         return (buf.view(node.prec.numpy_dtype) if node.prec.is_narrow else buf).copy()
+
+    @staticmethod
+    def reader(node: Tnode, buf: np.ndarray, pos: int) -> Callable[[], float]:
+        if node.prec.is_narrow:
+            values = buf.view(node.prec.numpy_dtype)
+            return lambda: float(values[pos])
+        return functools.partial(buf.item, pos)  # a Python float, straight from memory
 
     def bind(self, compiled: CompiledRoutine, buffers: tuple) -> Callable[[], None]:
         return compiled.bind(buffers)

@@ -296,6 +296,10 @@ class CupyCudaBackend:
         with self.device:
             return from_storage(node, buf.get())
 
+    def reader(self, node: Tnode, buf: Any, pos: int) -> Callable[[], float]:
+        one = buf[pos:pos + 1]
+        return lambda: float(self.read(node, one)[0])  # waits for the device
+
     # --- routines -----------------------------------------------------------------------------
 
     def compile(self, label: str, code: list[Lowered], nodes: list[Tnode]
