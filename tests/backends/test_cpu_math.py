@@ -142,32 +142,41 @@ def test_special_values():
 
 def test_loops_shared_over_threads_give_the_same_bits(monkeypatch):
     """A large loop group split over threads (``OCANNL_THREADS``) computes what one thread
-    does, bit for bit: a pointwise chain and a row reduction, each over 2^17 points."""
-    from ocannl.backends.cpu import jit
+    does, bit for bit: a pointwise chain, a row reduction, each over 2^17 points, and sums
+    over the first axis, a lone row of partial sums shared by blocks of its cells (the last
+    block partial)."""
+    from ocannl.backends.cpu import codegen, jit
     from ocannl.ir.lowering import lower
 
-    n, m = 512, 256
+    n, m, w = 512, 256, 200
     x, y = Tnode("x", (n, m), Precision.f32), Tnode("y", (n, m), Precision.f32)
     s = Tnode("s", (n,), Precision.f32)
+    z, cols = Tnode("z", (n, w), Precision.f32), Tnode("cols", (w,), Precision.f32)
     comp = Comp((
         Accum(y, (0, 1), "=", apply("tanh", apply("mul", Get(x, (0, 1)), Get(x, (0, 1)))), (n, m)),
         Accum(s, (0,), "+", apply("exp", Get(y, (0, 1))), (n, m), reset=True),
+        Accum(cols, (1,), "+", apply("exp", Get(z, (0, 1))), (n, w), reset=True),
     ))
-    assert len(lower(comp)) == 2
-    xv = np.random.default_rng(0).normal(size=(n, m)).astype(np.float32)
+    items = lower(comp)
+    assert len(items) == 3 and items[2].lead.walk_rows
+    assert codegen._split(items[2]) == -(-w // codegen.ROW_BLOCK)
+    rng = np.random.default_rng(0)
+    xv = rng.normal(size=(n, m)).astype(np.float32)
+    zv = rng.normal(size=(n, w)).astype(np.float32)
 
-    def run(threads: int) -> tuple[np.ndarray, np.ndarray]:
+    def run(threads: int) -> list[np.ndarray]:
         monkeypatch.setattr(jit, "threads", lambda: threads)
         ctx = Context.cpu()
-        ctx.set_values(x, xv)
+        ctx.set_values(x, xv).set_values(z, zv)
         ctx, r = ctx.compile(comp)
         ctx.run(r)
-        return ctx.get_values(y), ctx.get_values(s)
+        return [ctx.get_values(t) for t in (y, s, cols)]
 
     one, three = run(1), run(3)
-    assert one[0].tobytes() == three[0].tobytes() and one[1].tobytes() == three[1].tobytes()
+    assert [a.tobytes() for a in one] == [a.tobytes() for a in three]
     np.testing.assert_allclose(one[1], np.exp(np.tanh(xv.astype(np.float64) ** 2)).sum(1),
                                rtol=1e-5)
+    np.testing.assert_allclose(one[2], np.exp(zv.astype(np.float64)).sum(0), rtol=1e-5)
 
 
 @pytest.mark.parametrize("prec", [Precision.f32, Precision.bf16])

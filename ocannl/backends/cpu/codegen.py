@@ -655,22 +655,27 @@ class RoutineIR:
         row = self.entry.alloca(ir.ArrayType(compute, n))
         b = self.b
         neutral = ACCUMS[a.accum]
+        # A thread's share of a lone row: its blocks of cells (``_split``), else every cell.
+        cells: tuple[ir.Value, ...] = (const_int(0), const_int(n))
+        if self.range and len(nest.par) == 1:
+            lo, hi = (b.mul(v, const_int(ROW_BLOCK)) for v in self.range)
+            cells = (lo, b.select(b.icmp_unsigned("<", hi, const_int(n)), hi, const_int(n)))
 
         def cell(i: ir.Value) -> ir.Value:
             return b.gep(row, [const_int(0), i])
 
-        with self.loop(n) as i:
+        with self.loop(*cells) as i:
             b.store(ir.Constant(compute, 0.0 if neutral is None else neutral), cell(i))
 
         def inner() -> None:
-            with self.loop(n) as i:
+            with self.loop(*cells) as i:
                 iters[last] = i
                 value = self.expr(a.expr, compute, space, iters)
                 new = self.combine(a.accum, b.load(cell(i)), value, compute)
                 b.store(convert(b, new, compute), cell(i))
 
         self._loops(list(nest.red), space, iters, inner)
-        with self.loop(n) as i:
+        with self.loop(*cells) as i:
             iters[last] = i
             result = b.load(cell(i))
             if not a.reset:
@@ -1057,11 +1062,23 @@ def _split(item: Lowered) -> int | None:
     if not isinstance(item, LoopGroup):
         return None
     lead = item.lead
+    if lead.scatter or math.prod(lead.space) * len(item.nests) < PARALLEL_POINTS:
+        return None
+    if lead.walk_rows and len(lead.par) == 1:  # a lone row: shared by blocks of its cells
+        blocks = -(-lead.space[lead.par[0]] // ROW_BLOCK)
+        return blocks if blocks >= ROW_BLOCKS_MIN else None
     outer = lead.par[:-1] if lead.walk_rows else lead.par
-    if not outer or lead.scatter or math.prod(lead.space) * len(item.nests) < PARALLEL_POINTS:
+    if not outer:
         return None
     extent = lead.space[outer[0]]
     return extent if extent > 1 else None
+
+
+# A row walk with no other parallel iterator (a bias's gradient, a checksum's partial sums) is
+# shared over threads by blocks of this many cells of its row, when it has at least
+# ROW_BLOCKS_MIN of them. Measured on 2 threads, sums over 1024 rows of a row of 512 cells:
+# 64 -> 48 us; of 1024 cells: memory-bound, 160 us either way; of 128 cells: 8 -> 10 us.
+ROW_BLOCK, ROW_BLOCKS_MIN = 64, 4
 
 
 # A lone reduction of at least JAM_TERMS terms per cell runs JAM_WIDTH cells at once (or
