@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 import ocannl.tensor as T
 from ocannl import Context, Precision, train
+from ocannl.backends.cpu import small_product
 from ocannl.backends.cpu.backend import CpuBackend, emit_ir
 from ocannl.backends.cpu.codegen import Target, signature
 from ocannl.ir import lowering
@@ -350,7 +351,7 @@ def test_non_gemm_shapes_stay_loops(case):
     assert isinstance(nest, LoopNest), case
 
 
-def test_matmul_backprop_lowers_to_gemms_and_the_source_calls_blas():
+def test_matmul_backprop_lowers_to_gemms_and_the_source_calls_blas(monkeypatch):
     x = T.term(np.random.default_rng(0).normal(size=(64, 32)), label="x")
     w1 = T.param("w1", output_dims=[48])
     w2 = T.param("w2", output_dims=[16])
@@ -361,6 +362,9 @@ def test_matmul_backprop_lowers_to_gemms_and_the_source_calls_blas():
     assert len(gemms) == 5
     lhs = {g.assign.lhs.id for g in gemms}
     assert {w1.grad.id, w2.grad.id} <= lhs
+    text = "".join(emit_ir(code, nodes_of(code))[0])
+    assert 'call void @"ocannl_sgemm"' not in text  # all five are small: inline loops
+    monkeypatch.setattr(small_product, "SMALL_WORK", 0)
     text = "".join(emit_ir(code, nodes_of(code))[0])
     assert text.count('call void @"ocannl_sgemm"') == 5
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 from llvmlite import ir
 
-from ocannl.backends.cpu import pool
+from ocannl.backends.cpu import pool, small_product
 from ocannl.backends.cpu import scalar as scalar_module
 from ocannl.backends.cpu.scalar import (
     F16,
@@ -735,7 +735,8 @@ class RoutineIR:
         return self.copy_of(v.node, compute)
 
     def gemm(self, g: Gemm, along: str | None = None) -> None:
-        """``out (=|+=) a @ b`` through BLAS, column-major: ``out^T = b^T a^T``. ``along``
+        """``out (=|+=) a @ b`` through BLAS, column-major: ``out^T = b^T a^T``; small ones
+        inline (``small_product``), one per batch point, as the loops would compute them. ``along``
         (when this item has a range): the range picks the batch points (``"batch"``, the
         first batch axis) or blocks of ``GEMM_BLOCK`` rows or columns of the product."""
         lhs = g.assign.lhs
@@ -744,6 +745,7 @@ class RoutineIR:
         bm = self._matrix(g.b, compute, "b")
         out = self._gemm_out(g, compute) if lhs.prec.is_narrow else self.buffer(lhs)
         m, n, k = g.rows, g.cols, g.inner
+        small = along not in ("rows", "cols") and small_product.fits(g, compute)
         # b is k x n: stored n x k when transposed; a is m x k: stored k x m when transposed.
         op_b, op_a = ("T" if g.b.transposed else "N"), ("T" if g.a.transposed else "N")
         beta = 0.0 if g.assign.reset else 1.0
@@ -779,6 +781,9 @@ class RoutineIR:
         gemm = self._gemm_function(compute)
 
         def call(offsets: tuple[ir.Value, ir.Value, ir.Value]) -> None:
+            if small:
+                small_product.emit(self, g, compute, a, bm, out, offsets)
+                return
             o_out, o_a, o_b = offsets
             b.call(gemm, [*fixed, b.gep(bm, [o_b]), ld_b, b.gep(a, [o_a]), ld_a, beta_ref,
                           b.gep(out, [o_out]), ld_out])
@@ -954,7 +959,8 @@ def _derived(code: list[Lowered]) -> dict[int, Tnode]:
 # The code generator's own version: its source, its scalar code's and the op table's (the hash
 # constants). A cached routine compiled by other code is not reused.
 _VERSION = hashlib.sha256(b"".join(Path(f).read_bytes() for f in (
-    __file__, scalar_module.__file__, ops_module.__file__))).hexdigest()[:16]
+    __file__, scalar_module.__file__, small_product.__file__, ops_module.__file__))
+).hexdigest()[:16]
 
 
 def signature(code: list[Lowered], nodes: list[Tnode], target: Target) -> str:

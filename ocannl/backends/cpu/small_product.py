@@ -1,0 +1,99 @@
+"""Small matrix products as register-blocked loops, inline, instead of a BLAS call each.
+
+Attention's products are many tiny ones (a 64x32 by 32x64 product per head and batch point):
+a BLAS call costs about as much as the arithmetic there, and OpenBLAS's small-matrix path is
+slower still when an operand is transposed. Here a block of ``ROWS`` output rows by one vector
+of columns stays in registers while the inner dimension is walked in order: each cell takes
+``acc + a * b`` term by term from +0.0, multiply and add apart, as the plain reduction loop
+does, so the result is bitwise that of the loops (then ``old + acc`` when accumulating, as
+theirs). A right operand stored transposed is first packed row-major on the stack.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from llvmlite import ir
+
+from ocannl.backends.cpu.scalar import F32, I32, const_int
+from ocannl.ir.lowering import Gemm
+
+if TYPE_CHECKING:
+    from ocannl.backends.cpu.codegen import RoutineIR
+
+# Products of at most this many multiply-adds (each), with columns a whole number of vectors,
+# are computed here; larger ones go to BLAS.
+SMALL_WORK = 1 << 18
+# A transposed right operand is packed when it has at most this many cells (a stack array).
+PACK_CELLS = 1 << 14
+ROWS = 4  # output rows per register block
+VECTOR_BYTES = 64  # one vector of columns: 16 f32 or 8 f64 (two halves on AVX2)
+
+
+def lanes(compute: ir.Type) -> int:
+    return VECTOR_BYTES // (4 if compute == F32 else 8)
+
+
+def fits(g: Gemm, compute: ir.Type) -> bool:
+    """Whether ``g``'s products are computed here."""
+    return (g.rows * g.cols * g.inner <= SMALL_WORK and g.cols % lanes(compute) == 0
+            and (not g.b.transposed or g.inner * g.cols <= PACK_CELLS))
+
+
+def emit(r: RoutineIR, g: Gemm, compute: ir.Type, a: ir.Value, bm: ir.Value, out: ir.Value,
+         offsets: tuple[ir.Value, ir.Value, ir.Value]) -> None:
+    """One product, ``out (+)= a @ b`` at ``offsets`` (out, a, b) in the three arrays."""
+    b = r.b
+    o_out, o_a, o_b = offsets
+    w = lanes(compute)
+    vec = ir.VectorType(compute, w)
+    elem = 4 if compute == F32 else 8
+    rows_b, ld_b = bm, g.b.ld
+    if g.b.transposed:  # stored cols x inner: pack it inner x cols
+        pack = r.entry.alloca(ir.ArrayType(compute, g.inner * g.cols))
+        rows_b, ld_b = r.entry.bitcast(pack, compute.as_pointer()), g.cols
+        with r.loop(g.cols) as j, r.loop(g.inner) as k:
+            src = b.add(o_b, b.add(b.mul(j, const_int(g.b.ld)), k))
+            dst = b.add(b.mul(k, const_int(g.cols)), j)
+            b.store(b.load(b.gep(bm, [src])), b.gep(rows_b, [dst]))
+        o_b = const_int(0)
+    zero = ir.Constant(vec, [0.0] * w)
+    splat_mask = ir.Constant(ir.VectorType(I32, w), [0] * w)
+
+    def a_at(i: ir.Value, k: ir.Value) -> ir.Value:
+        """``a[i, k]``, wherever the view stores it."""
+        at = (b.add(b.mul(k, const_int(g.a.ld)), i) if g.a.transposed
+              else b.add(b.mul(i, const_int(g.a.ld)), k))
+        return b.load(b.gep(a, [b.add(o_a, at)]))
+
+    def vector_at(base: ir.Value, at: ir.Value) -> ir.Value:
+        return b.bitcast(b.gep(base, [at]), vec.as_pointer())
+
+    def block(first: ir.Value, rows: int, col: ir.Value) -> None:
+        """Output rows ``first ..< first + rows``, columns ``col ..< col + w``."""
+        accs = [r.local(vec) for _ in range(rows)]
+        for acc in accs:
+            b.store(zero, acc)
+        row_ids = [b.add(first, const_int(u)) for u in range(rows)]
+        with r.loop(g.inner) as k:
+            bv = b.load(vector_at(rows_b, b.add(o_b, b.add(b.mul(k, const_int(ld_b)), col))),
+                        align=elem)
+            for i, acc in zip(row_ids, accs, strict=True):
+                s = b.insert_element(ir.Constant(vec, ir.Undefined), a_at(i, k), const_int(0, I32))
+                splat = b.shuffle_vector(s, ir.Constant(vec, ir.Undefined), splat_mask)
+                b.store(b.fadd(b.load(acc), b.fmul(splat, bv)), acc)
+        for i, acc in zip(row_ids, accs, strict=True):
+            ptr = vector_at(out, b.add(o_out, b.add(b.mul(i, const_int(g.out_ld)), col)))
+            value = b.load(acc)
+            if not g.assign.reset:
+                value = b.fadd(b.load(ptr, align=elem), value)
+            b.store(value, ptr, align=elem)
+
+    full = g.rows // ROWS
+    with r.loop(g.cols // w) as jb:
+        col = b.mul(jb, const_int(w))
+        if full:
+            with r.loop(full) as ib:
+                block(b.mul(ib, const_int(ROWS)), ROWS, col)
+        for i in range(full * ROWS, g.rows):
+            block(const_int(i), 1, col)

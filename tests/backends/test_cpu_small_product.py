@@ -1,0 +1,104 @@
+"""Small products computed inline (``ocannl.backends.cpu.small_product``): bitwise the plain
+reduction loops, for every layout of the operands, accumulating or not, batched or not."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ocannl import Context
+from ocannl.backends.cpu import jit, small_product
+from ocannl.backends.cpu.scalar import F32, F64
+from ocannl.ir import lowering
+from ocannl.ir.assignments import Accum, Comp, Get, apply
+from ocannl.ir.lowering import Gemm, lower
+from ocannl.ir.ops import Precision
+from ocannl.ir.tnode import Tnode
+
+
+def _products(prec: Precision) -> tuple[Comp, dict[Tnode, np.ndarray], list[Tnode]]:
+    """Products with each operand plain or transposed, a row count that is not a multiple of
+    the register block, one accumulating into its target, and attention's batched pair."""
+    m, n, k, h = 7, 32, 12, 3
+    a, at = Tnode("a", (m, k), prec), Tnode("at", (k, m), prec)
+    b, bt = Tnode("b", (k, n), prec), Tnode("bt", (n, k), prec)
+    outs = [Tnode(f"c{u}", (m, n), prec) for u in range(4)]
+    q, kk = Tnode("q", (2, 16, h, 8), prec), Tnode("k", (2, 16, h, 8), prec)
+    s = Tnode("scores", (2, h, 16, 16), prec)
+    v, o = Tnode("v", (2, 16, h, 16), prec), Tnode("o", (2, 16, h, 16), prec)
+
+    def mm(out: Tnode, x: Get, y: Get, reset: bool = True) -> Accum:
+        return Accum(out, (0, 1), "+", apply("mul", x, y), (m, n, k), reset=reset)
+
+    comp = Comp((
+        mm(outs[0], Get(a, (0, 2)), Get(b, (2, 1))),
+        mm(outs[1], Get(at, (2, 0)), Get(b, (2, 1))),
+        mm(outs[2], Get(a, (0, 2)), Get(bt, (1, 2))),
+        mm(outs[3], Get(at, (2, 0)), Get(bt, (1, 2)), reset=False),
+        # scores[b, h, i, j] = sum_d q[b, i, h, d] k[b, j, h, d]
+        Accum(s, (0, 1, 2, 3), "+", apply("mul", Get(q, (0, 2, 1, 4)), Get(kk, (0, 3, 1, 4))),
+              (2, h, 16, 16, 8), reset=True),
+        # o[b, i, h, e] = sum_j scores[b, h, i, j] v[b, j, h, e]
+        Accum(o, (0, 2, 1, 3), "+", apply("mul", Get(s, (0, 1, 2, 4)), Get(v, (0, 4, 1, 3))),
+              (2, h, 16, 16, 16), reset=True),
+    ))
+    rng = np.random.default_rng(7)
+    inputs = {t: rng.normal(size=t.dims) for t in (a, at, b, bt, q, kk, v, outs[3])}
+    inputs[outs[3]] *= 1e3  # an accumulated target of another scale: the order shows
+    return comp, inputs, [*outs, s, o]
+
+
+def _run(comp: Comp, inputs: dict, outputs: list[Tnode]) -> list[bytes]:
+    ctx = Context.cpu()
+    for t, x in inputs.items():
+        ctx.set_values(t, x)
+    ctx, r = ctx.compile(comp)
+    ctx.run(r)
+    return [ctx.get_values(t).tobytes() for t in outputs]
+
+
+@pytest.mark.parametrize("prec", [Precision.f32, Precision.f64, Precision.bf16])
+def test_small_products_are_bitwise_the_loops(monkeypatch, prec):
+    comp, inputs, outputs = _products(prec)
+    code = lower(comp, batched=True)
+    gemms = [item for item in code if isinstance(item, Gemm)]
+    compute = F64 if prec is Precision.f64 else F32
+    assert len(gemms) == 6 and all(small_product.fits(g, compute) for g in gemms)
+    assert {(g.a.transposed, g.b.transposed) for g in gemms} >= {
+        (False, False), (True, False), (False, True), (True, True)}
+    inline = _run(comp, inputs, outputs)
+    monkeypatch.setattr(lowering, "GEMM_MIN_FLOPS", 1 << 40)  # every product a loop nest
+    assert not any(isinstance(item, Gemm) for item in lower(comp, batched=True))
+    assert _run(comp, inputs, outputs) == inline
+    # and near BLAS's (another order of the same sums)
+    monkeypatch.undo()
+    monkeypatch.setattr(small_product, "SMALL_WORK", 0)
+    blas = _run(comp, inputs, outputs)
+    tol = {Precision.f64: 1e-12, Precision.f32: 1e-5, Precision.bf16: 2e-2}[prec]
+    for x, y in zip(inline, blas, strict=True):
+        got, want = (np.frombuffer(z, dtype=prec.numpy_dtype).astype(np.float64) for z in (x, y))
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol * 1e3)
+
+
+def test_batched_small_products_shared_over_threads_give_the_same_bits(monkeypatch):
+    """Attention-sized batches, shared out by batch points, compute what one thread does."""
+    n_batch, heads, ctx_len, d = 16, 4, 64, 32
+    q = Tnode("q", (n_batch, ctx_len, heads, d), Precision.f32)
+    kk = Tnode("k", (n_batch, ctx_len, heads, d), Precision.f32)
+    s = Tnode("scores", (n_batch, heads, ctx_len, ctx_len), Precision.f32)
+    comp = Comp((Accum(s, (0, 1, 2, 3), "+",
+                       apply("mul", Get(q, (0, 2, 1, 4)), Get(kk, (0, 3, 1, 4))),
+                       (n_batch, heads, ctx_len, ctx_len, d), reset=True),))
+    [g] = lower(comp, batched=True)
+    assert isinstance(g, Gemm) and g.b.transposed and small_product.fits(g, F32)
+    rng = np.random.default_rng(3)
+    inputs = {q: rng.normal(size=q.dims), kk: rng.normal(size=kk.dims)}
+    runs = []
+    for threads in (1, 2):
+        monkeypatch.setattr(jit, "threads", lambda t=threads: t)
+        runs.append(_run(comp, inputs, [s]))
+    assert runs[0] == runs[1]
+    got = np.frombuffer(runs[0][0], np.float32).reshape(s.dims)
+    want = np.einsum("bihd,bjhd->bhij", *(inputs[t].astype(np.float32).astype(np.float64)
+                                          for t in (q, kk)))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
