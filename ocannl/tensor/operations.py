@@ -684,11 +684,45 @@ def reduce(t: Tensor, kind: str, axes: None | str | int | Sequence[int] = None, 
 
 def softmax(x: Tensor, axes: None | str | int | Sequence[int]) -> Tensor:
     """``exp(x) / sum(exp(x))`` over ``axes`` (a row name, positions, or None for all),
-    computed stably: the maximum over the axes (held constant, so no gradient flows through
-    it) is subtracted first."""
-    z = sub(x, _reduce_keep("softmax_max", x, axes, "max", differentiable=False))
-    e = exp(z)
-    return div(e, _reduce_keep("softmax_sum", e, axes, "+"))
+    computed stably: the maximum over the axes is subtracted first.
+
+    One op with its own gradient, torch's: ``(g - sum(g * y)) * y`` over the axes, one
+    reduction without divisions; the chain rule through the division by the sum would
+    reduce ``g * e / s^2`` and then pass the gradient through the exponential too. Its
+    intermediates (the maximum, the exponentials, the sum, the gradient's dot product) are
+    local to the routines computing them."""
+    x = _lift(x)
+    red = set(_axes(x, axes))
+    n = len(x.dims)
+    cells = _all(n)
+    kept = tuple(Fixed(0) if k in red else k for k in range(n))
+    kept_dims = _kept_shape(x, red).dims
+
+    def local(name: str, dims: tuple[int, ...]) -> Tnode:
+        return Tnode(name, dims, x.prec, memory_mode=MemoryMode.local)
+
+    top, e, total = local("softmax_max", kept_dims), local("softmax_exp", x.dims), \
+        local("softmax_sum", kept_dims)
+    out = _new("softmax", x.shape, x.prec, (x,))
+    y = Get(out.value, cells)
+    out.forward_code = (
+        Accum(top, kept, "max", _read(x, cells), x.dims, reset=True),
+        Accum(e, cells, "=", apply("exp", apply("sub", _read(x, cells), Get(top, kept))),
+              x.dims),
+        Accum(total, kept, "+", Get(e, cells), x.dims, reset=True),
+        Accum(out.value, cells, "=", apply("div", Get(e, cells), Get(total, kept)), x.dims),
+    )
+    if out.grad is not None and x.grad is not None:
+        g = Get(out.grad, cells)
+        # ``g - dot`` cancels where one probability is near 1: the dot product is summed in
+        # f64 (products of f32 values are exact there) and the difference taken in f64.
+        dot = Tnode("softmax_dot", kept_dims, Precision.f64 if not x.prec.is_narrow
+                    else Precision.f32, memory_mode=MemoryMode.local)
+        out.backprop_code = (
+            Accum(dot, kept, "+", apply("mul", g, y), x.dims, reset=True),
+            Accum(x.grad, cells, "+", apply("mul", apply("sub", g, Get(dot, kept)), y), x.dims),
+        )
+    return out
 
 
 def log_softmax(x: Tensor, axes: None | str | int | Sequence[int]) -> Tensor:

@@ -654,13 +654,13 @@ def _attention_step(version: str, monkeypatch, tmp_path, held: bool):  # noqa: A
 
 def test_pointwise_chains_hand_values_over_in_registers_with_the_same_bits(monkeypatch,
                                                                            tmp_path):
-    """Softmax's gradient through its shift and mask is a chain of local pointwise nodes in
-    one group: only its last value is stored. The step's bits are those of storing every
-    node."""
+    """The scores' gradient through attention's mask and scale is a chain of local pointwise
+    nodes in one group: only its last value is stored. The step's bits are those of storing
+    every node."""
     loss, ctx, code = _attention_step("-held", monkeypatch, tmp_path, held=True)
     held = {i for item in code if isinstance(item, LoopGroup) for i in item.registers}
     names = {n.id: n.label for n in nodes_of(code)}
-    assert any(names[i].startswith("grad_sub") for i in held), sorted(names[i] for i in held)
+    assert any(names[i].startswith("grad_where") for i in held), sorted(names[i] for i in held)
     for item in code:
         for i in getattr(item, "registers", ()):  # local, written and read in this group only
             assert names[i] and all(
