@@ -17,6 +17,7 @@ import numpy as np
 from ocannl.backends.arena import views
 from ocannl.backends.cpu import jit
 from ocannl.backends.cpu.codegen import routine_ir, shares_products, signature, unstored
+from ocannl.backends.rounding import to_precision
 from ocannl.ir.lowering import Lowered
 from ocannl.ir.ops import Precision
 from ocannl.ir.tnode import Tnode
@@ -57,8 +58,6 @@ class CpuBackend:
     def write(self, node: Tnode, buf: np.ndarray, host: np.ndarray) -> None:
         """Round ``host`` once, from the values given, to the node's precision (ties to even;
         a plain cast to bf16 would go through f32 and could round twice) and copy it in place."""
-        from ocannl.backends.rounding import to_precision
-
         if node.prec.is_narrow:
             buf.view(node.prec.numpy_dtype)[...] = to_precision(host, node.prec).reshape(-1)
         else:
