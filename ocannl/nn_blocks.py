@@ -208,9 +208,7 @@ def layer_norm(
     gamma, beta = params if params is not None else (
         _vector_param(f"{label}_gamma", d, 1.0, x.prec), _vector_param(f"{label}_beta", d, 0.0,
                                                                          x.prec))
-    xc = x - T.reduce(x, "mean", [ax], keepdims=True)
-    var = T.reduce(xc * xc, "mean", [ax], keepdims=True)
-    return xc / T.sqrt(var + eps) * gamma + beta, gamma, beta
+    return T.standardize(x, [ax], eps) * gamma + beta, gamma, beta
 
 
 class BatchNormParams(NamedTuple):

@@ -42,6 +42,7 @@ from ocannl.tensor.operations import (
     sigmoid,
     softmax,
     sqrt,
+    standardize,
     sub,
     sum,
     tanh,
@@ -55,7 +56,8 @@ from ocannl.tensor.tensor import Init, Tensor, set_seed
 __all__ = [
     "ClassIds", "Rng", "abs", "buffers", "class_ids", "dropout", "embedding", "eq", "erf", "ge",
     "gelu", "gt", "le", "log_softmax", "lt", "maximum", "min", "minimum", "ne", "one_hot",
-    "reduce", "register_buffers", "set_class_ids", "softmax", "uniform_expr", "where",
+    "reduce", "register_buffers", "set_class_ids", "softmax", "standardize", "uniform_expr",
+    "where",
     "Init", "Shape", "Tensor", "add", "cast", "div", "einsum", "exp", "log", "matmul", "max",
     "mean", "mul", "neg", "number", "param", "pow_const", "relu", "set_seed", "sigmoid", "sqrt",
     "sub", "sum", "tanh", "term",

@@ -725,6 +725,56 @@ def softmax(x: Tensor, axes: None | str | int | Sequence[int]) -> Tensor:
     return out
 
 
+def standardize(x: Tensor, axes: None | str | int | Sequence[int], eps: float = 1e-5) -> Tensor:
+    """``(x - mean) / sqrt(var + eps)`` over ``axes``, the variance biased: a layer norm
+    without its gain and bias (``nn_blocks.layer_norm``).
+
+    One op with torch's gradient, ``(g - mean(g) - y * mean(g * y)) / sqrt(var + eps)``: two
+    sums with no division in them and one pass, where the chain rule through the division,
+    the square root and both means took several passes, one of them dividing per element. The
+    two sums are taken, and subtracted, in f64 at f32 and f64 (they cancel). The forward
+    values are those of the composition. Its intermediates are local to the routines computing
+    them."""
+    x = _lift(x)
+    red = set(_axes(x, axes))
+    n = len(x.dims)
+    cells = _all(n)
+    kept = tuple(Fixed(0) if k in red else k for k in range(n))
+    kept_dims = _kept_shape(x, red).dims
+    count = Const(float(math.prod(x.dims[k] for k in red)))
+
+    def local(name: str, dims: tuple[int, ...], prec: Precision = x.prec) -> Tnode:
+        return Tnode(name, dims, prec, memory_mode=MemoryMode.local)
+
+    total, centered = local("standardize_sum", kept_dims), local("standardize_centered", x.dims)
+    squares, std = local("standardize_squares", kept_dims), local("standardize_std", kept_dims)
+    out = _new("standardize", x.shape, x.prec, (x,))
+    xc, deviation = Get(centered, cells), Get(std, kept)
+    out.forward_code = (
+        Accum(total, kept, "+", _read(x, cells), x.dims, reset=True),
+        Accum(centered, cells, "=",
+              apply("sub", _read(x, cells), apply("div", Get(total, kept), count)), x.dims),
+        Accum(squares, kept, "+", apply("mul", xc, xc), x.dims, reset=True),
+        Accum(std, _all(n), "=", apply("sqrt", apply("add", apply(
+            "div", Get(squares, _all(n)), count), Const(eps))), kept_dims),
+        Accum(out.value, cells, "=", apply("div", xc, deviation), x.dims),
+    )
+    if out.grad is not None and x.grad is not None:
+        g, y = Get(out.grad, cells), Get(out.value, cells)
+        wide = Precision.f32 if x.prec.is_narrow else Precision.f64
+        g_sum, gy_sum = local("standardize_grad_sum", kept_dims, wide), \
+            local("standardize_grad_dot", kept_dims, wide)
+        mean_g, mean_gy = (apply("div", Get(t, kept), count) for t in (g_sum, gy_sum))
+        out.backprop_code = (
+            Accum(g_sum, kept, "+", g, x.dims, reset=True),
+            Accum(gy_sum, kept, "+", apply("mul", g, y), x.dims, reset=True),
+            Accum(x.grad, cells, "+", apply("div", apply("sub", apply("sub", g, mean_g),
+                                                         apply("mul", y, mean_gy)), deviation),
+                  x.dims),
+        )
+    return out
+
+
 def log_softmax(x: Tensor, axes: None | str | int | Sequence[int]) -> Tensor:
     """``x - log(sum(exp(x)))`` over ``axes``, computed stably (max-shifted)."""
     z = sub(x, _reduce_keep("log_softmax_max", x, axes, "max", differentiable=False))

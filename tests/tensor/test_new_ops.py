@@ -380,6 +380,31 @@ def test_softmax_single_axis_matches_torch_softmax_and_is_stable():
     check_parity(T.log_softmax(b, -1), lambda tb: torch.log_softmax(tb, dim=1), [(b, av)])
 
 
+@pytest.mark.parametrize("prec", [Precision.f32, Precision.f64], ids=lambda p: p.value)
+def test_standardize_is_the_composition_forward_and_torch_layer_norm_backward(prec):
+    """``standardize`` (a layer norm without gain and bias) computes the composed
+    ``(x - mean) / sqrt(var + eps)`` bit for bit, and its gradient matches torch's
+    ``layer_norm``'s, rows of one value (gradient 0) and of nearly equal values included."""
+    rng = np.random.default_rng(5)
+    xv = np.float32(rng.normal(size=(3, 4, 6))).astype(np.float64)
+    xv[0, 0] = np.float32(0.5 + 0.05 * np.arange(6))  # a narrow row: the gradient's sums cancel
+    a = T.param("a", batch_dims=(3, 4), output_dims=(6,), input_dims=(), prec=prec)
+    check_parity(T.standardize(a, "output", 1e-5),
+                 lambda ta: F.layer_norm(ta, (6,), eps=1e-5), [(a, xv)])
+    b = T.param("b", batch_dims=(3, 4), output_dims=(6,), input_dims=(), prec=prec)
+    xc = b - T.reduce(b, "mean", "output", keepdims=True)
+    composed = xc / T.sqrt(T.reduce(xc * xc, "mean", "output", keepdims=True) + 1e-5)
+    one = T.standardize(b, "output")
+    ctx = Context.cpu().set_values(b, xv)
+    ctx, r = ctx.compile(train.forward(composed) + train.forward(one))
+    ctx.run(r)
+    assert ctx.get_values(one).tobytes() == ctx.get_values(composed).tobytes()
+    c = T.param("c", batch_dims=(2,), output_dims=(1,), input_dims=(), prec=prec)
+    ctx = check_parity(T.standardize(c, "output"), lambda tc: F.layer_norm(tc, (1,)),
+                       [(c, np.array([[0.5], [-3.0]]))])
+    assert not ctx.get_values(c.grad).any()
+
+
 # --- class ids, one_hot, embedding ------------------------------------------------------------
 
 
