@@ -405,6 +405,22 @@ def test_standardize_is_the_composition_forward_and_torch_layer_norm_backward(pr
     assert not ctx.get_values(c.grad).any()
 
 
+@pytest.mark.parametrize("axes", [None, [0, 2], [1]], ids=["all", "first-and-last", "middle"])
+def test_standardize_over_any_axes_matches_torch(axes):
+    """Over all axes, or axes that are not trailing, against torch's own mean and biased
+    variance (its autograd through them gives the same gradient in exact arithmetic)."""
+    xv = np.float32(np.random.default_rng(6).normal(size=(3, 4, 5))).astype(np.float64)
+    a = T.param("a", batch_dims=(3,), output_dims=(4, 5), input_dims=())
+    dims = [0, 1, 2] if axes is None else axes
+
+    def torch_fn(ta: torch.Tensor) -> torch.Tensor:
+        mean = ta.mean(dim=dims, keepdim=True)
+        var = ((ta - mean) ** 2).mean(dim=dims, keepdim=True)
+        return (ta - mean) / torch.sqrt(var + 1e-5)
+
+    check_parity(T.standardize(a, axes), torch_fn, [(a, xv)])
+
+
 # --- class ids, one_hot, embedding ------------------------------------------------------------
 
 
