@@ -17,6 +17,11 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
+# Host dtypes and promotion ranks, by precision name.
+_HOST_DTYPES = {"f64": np.float64, "f32": np.float32, "f16": np.float16,
+                "bf16": ml_dtypes.bfloat16}
+_RANKS = {"f16": 1, "bf16": 1, "f32": 2, "f64": 3}
+
 
 class Precision(enum.Enum):
     """Storage precision of a buffer. Arithmetic on f16 / bf16 data runs in f32."""
@@ -26,39 +31,40 @@ class Precision(enum.Enum):
     f16 = "f16"
     bf16 = "bf16"
 
+    def __init__(self, name: str) -> None:
+        # Every buffer access asks these: computed once per member, as an Enum's own hash
+        # and its class attributes cost a few hundred nanoseconds each in Python 3.11.
+        self._narrow = name in ("f16", "bf16")
+        self._dtype = np.dtype(_HOST_DTYPES[name])
+        self._rank = _RANKS[name]
+
     @property
     def is_narrow(self) -> bool:
         """A 16-bit float (f16, bf16): arithmetic on it runs in f32."""
-        return self in (Precision.f16, Precision.bf16)
+        return self._narrow
 
     @property
     def compute(self) -> Precision:
         """The precision arithmetic on values of this precision runs in."""
-        return Precision.f64 if self is Precision.f64 else Precision.f32
+        return _COMPUTE[self._value_]
 
     @property
     def numpy_dtype(self) -> np.dtype:
         """The dtype of host arrays (what ``get_values`` returns)."""
-        return np.dtype(_HOST_DTYPES[self])
+        return self._dtype
 
     @property
     def rank(self) -> int:
         """Order used to promote mixed operands (f16 with bf16 promotes to f32)."""
-        return _RANKS[self]
+        return self._rank
 
     @property
     def itemsize(self) -> int:
         """Bytes per element, on every backend."""
-        return self.numpy_dtype.itemsize
+        return self._dtype.itemsize
 
 
-_HOST_DTYPES = {
-    Precision.f64: np.float64,
-    Precision.f32: np.float32,
-    Precision.f16: np.float16,
-    Precision.bf16: ml_dtypes.bfloat16,
-}
-_RANKS = {Precision.f16: 1, Precision.bf16: 1, Precision.f32: 2, Precision.f64: 3}
+_COMPUTE = {p.value: Precision.f64 if p is Precision.f64 else Precision.f32 for p in Precision}
 
 
 def precision_of(value: Precision | str) -> Precision:
