@@ -682,6 +682,29 @@ def reduce(t: Tensor, kind: str, axes: None | str | int | Sequence[int] = None, 
     return _reduce_keep(kind, t, axes, "+" if kind == "sum" else "max")
 
 
+def _rows(x: Tensor, axes: None | str | int | Sequence[int]
+          ) -> tuple[tuple[int, ...], tuple[Index, ...], tuple[int, ...], int]:
+    """For an op over ``axes`` whose per-row results broadcast back against ``x``: every
+    cell's index, a row result's index (``Fixed(0)`` on the reduced axes), a row result
+    node's dims, and how many cells a row has."""
+    red = set(_axes(x, axes))
+    n = len(x.dims)
+    kept = tuple(Fixed(0) if k in red else k for k in range(n))
+    return _all(n), kept, _kept_shape(x, red).dims, math.prod(x.dims[k] for k in red)
+
+
+def _local(name: str, dims: tuple[int, ...], prec: Precision) -> Tnode:
+    """An op's intermediate node: local to the routines computing it."""
+    return Tnode(name, dims, prec, memory_mode=MemoryMode.local)
+
+
+def _cancelling_sum_prec(prec: Precision) -> Precision:
+    """Where an op's gradient subtracts a sum that nearly cancels its terms (softmax's and
+    a normalization's): f64 at f32 and f64 (products of f32 values are exact there, and the
+    difference is taken in f64), f32 for 16-bit data."""
+    return Precision.f32 if prec.is_narrow else Precision.f64
+
+
 def softmax(x: Tensor, axes: None | str | int | Sequence[int]) -> Tensor:
     """``exp(x) / sum(exp(x))`` over ``axes`` (a row name, positions, or None for all),
     computed stably: the maximum over the axes is subtracted first.
@@ -692,17 +715,9 @@ def softmax(x: Tensor, axes: None | str | int | Sequence[int]) -> Tensor:
     intermediates (the maximum, the exponentials, the sum, the gradient's dot product) are
     local to the routines computing them."""
     x = _lift(x)
-    red = set(_axes(x, axes))
-    n = len(x.dims)
-    cells = _all(n)
-    kept = tuple(Fixed(0) if k in red else k for k in range(n))
-    kept_dims = _kept_shape(x, red).dims
-
-    def local(name: str, dims: tuple[int, ...]) -> Tnode:
-        return Tnode(name, dims, x.prec, memory_mode=MemoryMode.local)
-
-    top, e, total = local("softmax_max", kept_dims), local("softmax_exp", x.dims), \
-        local("softmax_sum", kept_dims)
+    cells, kept, kept_dims, _ = _rows(x, axes)
+    top, e, total = _local("softmax_max", kept_dims, x.prec), \
+        _local("softmax_exp", x.dims, x.prec), _local("softmax_sum", kept_dims, x.prec)
     out = _new("softmax", x.shape, x.prec, (x,))
     y = Get(out.value, cells)
     out.forward_code = (
@@ -714,10 +729,7 @@ def softmax(x: Tensor, axes: None | str | int | Sequence[int]) -> Tensor:
     )
     if out.grad is not None and x.grad is not None:
         g = Get(out.grad, cells)
-        # ``g - dot`` cancels where one probability is near 1: the dot product is summed in
-        # f64 (products of f32 values are exact there) and the difference taken in f64.
-        dot = Tnode("softmax_dot", kept_dims, Precision.f64 if not x.prec.is_narrow
-                    else Precision.f32, memory_mode=MemoryMode.local)
+        dot = _local("softmax_dot", kept_dims, _cancelling_sum_prec(x.prec))
         out.backprop_code = (
             Accum(dot, kept, "+", apply("mul", g, y), x.dims, reset=True),
             Accum(x.grad, cells, "+", apply("mul", apply("sub", g, Get(dot, kept)), y), x.dims),
@@ -736,18 +748,14 @@ def standardize(x: Tensor, axes: None | str | int | Sequence[int], eps: float = 
     values are those of the composition. Its intermediates are local to the routines computing
     them."""
     x = _lift(x)
-    red = set(_axes(x, axes))
-    n = len(x.dims)
-    cells = _all(n)
-    kept = tuple(Fixed(0) if k in red else k for k in range(n))
-    kept_dims = _kept_shape(x, red).dims
-    count = Const(float(math.prod(x.dims[k] for k in red)))
-
-    def local(name: str, dims: tuple[int, ...], prec: Precision = x.prec) -> Tnode:
-        return Tnode(name, dims, prec, memory_mode=MemoryMode.local)
-
-    total, centered = local("standardize_sum", kept_dims), local("standardize_centered", x.dims)
-    squares, std = local("standardize_squares", kept_dims), local("standardize_std", kept_dims)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < math.inf:
+        raise ValueError(f"standardize: eps must be a finite number >= 0, got {eps!r}")
+    cells, kept, kept_dims, per_row = _rows(x, axes)
+    count = Const(float(per_row))
+    total, centered = _local("standardize_sum", kept_dims, x.prec), \
+        _local("standardize_centered", x.dims, x.prec)
+    squares, std = _local("standardize_squares", kept_dims, x.prec), \
+        _local("standardize_std", kept_dims, x.prec)
     out = _new("standardize", x.shape, x.prec, (x,))
     xc, deviation = Get(centered, cells), Get(std, kept)
     out.forward_code = (
@@ -755,15 +763,15 @@ def standardize(x: Tensor, axes: None | str | int | Sequence[int], eps: float = 
         Accum(centered, cells, "=",
               apply("sub", _read(x, cells), apply("div", Get(total, kept), count)), x.dims),
         Accum(squares, kept, "+", apply("mul", xc, xc), x.dims, reset=True),
-        Accum(std, _all(n), "=", apply("sqrt", apply("add", apply(
-            "div", Get(squares, _all(n)), count), Const(eps))), kept_dims),
+        Accum(std, _all(len(kept_dims)), "=", apply("sqrt", apply("add", apply(
+            "div", Get(squares, _all(len(kept_dims))), count), Const(float(eps)))), kept_dims),
         Accum(out.value, cells, "=", apply("div", xc, deviation), x.dims),
     )
     if out.grad is not None and x.grad is not None:
         g, y = Get(out.grad, cells), Get(out.value, cells)
-        wide = Precision.f32 if x.prec.is_narrow else Precision.f64
-        g_sum, gy_sum = local("standardize_grad_sum", kept_dims, wide), \
-            local("standardize_grad_dot", kept_dims, wide)
+        wide = _cancelling_sum_prec(x.prec)
+        g_sum, gy_sum = _local("standardize_grad_sum", kept_dims, wide), \
+            _local("standardize_grad_dot", kept_dims, wide)
         mean_g, mean_gy = (apply("div", Get(t, kept), count) for t in (g_sum, gy_sum))
         out.backprop_code = (
             Accum(g_sum, kept, "+", g, x.dims, reset=True),

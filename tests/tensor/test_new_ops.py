@@ -421,6 +421,17 @@ def test_standardize_over_any_axes_matches_torch(axes):
     check_parity(T.standardize(a, axes), torch_fn, [(a, xv)])
 
 
+def test_standardize_refuses_a_bad_eps_or_axis():
+    a = T.param("a", batch_dims=(3,), output_dims=(4,), input_dims=())
+    for eps in (-1.0, float("nan"), float("inf"), "1e-5", True):
+        with pytest.raises(ValueError, match=r"eps must be a finite number >= 0, got"):
+            T.standardize(a, "output", eps)
+    with pytest.raises(ValueError, match="axis 5 out of range"):
+        T.standardize(a, 5)
+    with pytest.raises(ValueError, match="axis 5 out of range"):
+        T.softmax(a, 5)
+
+
 # --- class ids, one_hot, embedding ------------------------------------------------------------
 
 

@@ -735,17 +735,46 @@ class RoutineIR:
         return self.copy_of(v.node, compute)
 
     def gemm(self, g: Gemm, along: str | None = None) -> None:
-        """``out (=|+=) a @ b`` through BLAS, column-major: ``out^T = b^T a^T``; small ones
-        inline (``small_product``), one per batch point, as the loops would compute them. ``along``
-        (when this item has a range): the range picks the batch points (``"batch"``, the
-        first batch axis) or blocks of ``GEMM_BLOCK`` rows or columns of the product."""
+        """``out (=|+=) a @ b``, one product per batch point: small ones inline
+        (``small_product``, as the loops would compute them), others through BLAS
+        (:meth:`_blas_call`). ``along`` (when this item has a range): the range picks the batch
+        points (``"batch"``, the first batch axis) or blocks of ``GEMM_BLOCK`` rows or columns
+        of the product."""
         lhs = g.assign.lhs
         compute = _FLOAT[lhs.prec.compute]
         a = self._matrix(g.a, compute, "a")
         bm = self._matrix(g.b, compute, "b")
         out = self._gemm_out(g, compute) if lhs.prec.is_narrow else self.buffer(lhs)
+        b = self.b
+        first = (const_int(0), const_int(0), const_int(0))
+        call: Callable[[tuple[ir.Value, ir.Value, ir.Value]], None]
+        if along not in ("rows", "cols") and small_product.fits(g, compute):
+            def call(offsets: tuple[ir.Value, ir.Value, ir.Value]) -> None:
+                small_product.emit(self, g, compute, a, bm, out, offsets)
+        else:
+            call, first = self._blas_call(g, compute, a, bm, out, along)
+
+        def over(axes: tuple, offsets: tuple[ir.Value, ir.Value, ir.Value]) -> None:
+            """A product per point of the batch axes, each at its offsets in the nodes."""
+            if not axes:
+                call(offsets)
+                return
+            axis = axes[0]
+            ranged = self.range if along == "batch" and len(axes) == len(g.batch) else None
+            with self.loop(*(ranged or (axis.size,))) as i:
+                step = [b.mul(i, const_int(st), flags=["nsw"]) for st in (axis.out, axis.a, axis.b)]
+                over(axes[1:], tuple(b.add(o, d, flags=["nsw"])
+                                     for o, d in zip(offsets, step, strict=True)))
+
+        over(g.batch, first)
+
+    def _blas_call(self, g: Gemm, compute: ir.Type, a: ir.Value, bm: ir.Value, out: ir.Value,
+                   along: str | None
+                   ) -> tuple[Callable[[tuple[ir.Value, ir.Value, ir.Value]], None],
+                              tuple[ir.Value, ir.Value, ir.Value]]:
+        """A BLAS call of ``g`` at given offsets (out, a, b), column-major: ``out^T = b^T
+        a^T``; and the first offsets, this range's blocks' when ``along`` is rows or columns."""
         m, n, k = g.rows, g.cols, g.inner
-        small = along not in ("rows", "cols") and small_product.fits(g, compute)
         # b is k x n: stored n x k when transposed; a is m x k: stored k x m when transposed.
         op_b, op_a = ("T" if g.b.transposed else "N"), ("T" if g.a.transposed else "N")
         beta = 0.0 if g.assign.reset else 1.0
@@ -781,26 +810,11 @@ class RoutineIR:
         gemm = self._gemm_function(compute)
 
         def call(offsets: tuple[ir.Value, ir.Value, ir.Value]) -> None:
-            if small:
-                small_product.emit(self, g, compute, a, bm, out, offsets)
-                return
             o_out, o_a, o_b = offsets
             b.call(gemm, [*fixed, b.gep(bm, [o_b]), ld_b, b.gep(a, [o_a]), ld_a, beta_ref,
                           b.gep(out, [o_out]), ld_out])
 
-        def over(axes: tuple, offsets: tuple[ir.Value, ir.Value, ir.Value]) -> None:
-            """A product per point of the batch axes, each at its offsets in the nodes."""
-            if not axes:
-                call(offsets)
-                return
-            axis = axes[0]
-            ranged = self.range if along == "batch" and len(axes) == len(g.batch) else None
-            with self.loop(*(ranged or (axis.size,))) as i:
-                step = [b.mul(i, const_int(st), flags=["nsw"]) for st in (axis.out, axis.a, axis.b)]
-                over(axes[1:], tuple(b.add(o, d, flags=["nsw"])
-                                     for o, d in zip(offsets, step, strict=True)))
-
-        over(g.batch, first)
+        return call, first
 
     def _gemm_function(self, compute: ir.Type) -> ir.Function:
         key = ("gemm", compute)
