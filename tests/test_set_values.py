@@ -211,6 +211,22 @@ def test_exact_dims_flat_and_one_element_scalars_are_accepted() -> None:
     assert ctx.get_value(col, (0,)) == 3.0
 
 
+@pytest.mark.parametrize("prec", [Precision.f64, Precision.f32, Precision.bf16])
+def test_strided_and_column_major_values_are_written_in_row_major_order(prec: Precision) -> None:
+    """A view (a column slice, a transpose of the transposed, Fortran order) is written by its
+    logical indices, not by its memory order."""
+    node = Tnode("w", (3, 4), prec)
+    ctx = Context.cpu()
+    wide = np.arange(24.0).reshape(3, 8)
+    for values in (wide[:, ::2], np.asfortranarray(wide[:, :4]), wide[:, :4].T.copy().T,
+                   wide[:, 4:].astype(np.float32)):
+        ctx.set_values(node, values)
+        np.testing.assert_array_equal(ctx.get_values(node).astype(np.float64), values)
+    flat_view = np.arange(24.0)[::2]
+    ctx.set_values(node, flat_view)
+    np.testing.assert_array_equal(ctx.get_values(node).reshape(-1).astype(np.float64), flat_view)
+
+
 def re_shape(shape: tuple[int, ...]) -> str:
     return str(shape).replace("(", r"\(").replace(")", r"\)")
 

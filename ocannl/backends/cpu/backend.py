@@ -61,7 +61,7 @@ class CpuBackend:
         if node.prec.is_narrow:
             buf.view(node.prec.numpy_dtype)[...] = to_precision(host, node.prec).reshape(-1)
         else:
-            np.copyto(buf, host, casting="unsafe")  # NumPy's casts to f32 / f64 round once
+            buf[...] = host  # NumPy's casts to f32 / f64 round once (copyto's, at half the cost)
 
     def read(self, node: Tnode, buf: np.ndarray) -> np.ndarray:
         return (buf.view(node.prec.numpy_dtype) if node.prec.is_narrow else buf).copy()
