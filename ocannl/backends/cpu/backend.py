@@ -8,14 +8,13 @@ argument, a table of its buffers' addresses.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 from collections.abc import Callable
 
 import numpy as np
 
 from ocannl.backends.arena import views
-from ocannl.backends.cpu import jit
+from ocannl.backends.cpu import entry, jit
 from ocannl.backends.cpu.codegen import routine_ir, shares_products, signature, unstored
 from ocannl.backends.rounding import to_precision
 from ocannl.ir.lowering import Lowered
@@ -109,17 +108,8 @@ class CompiledRoutine:
         scratch = scratch_arrays(self.scratch)
         arrays = (*buffers, *scratch)
         table = np.array([a.ctypes.data for a in arrays], dtype=np.int64)
-        entry = _C_ENTRY(self.address)
-        address = table.ctypes.data
-
-        def run() -> None:
-            entry(address)
-
-        run.keep_alive = (arrays, table)  # the addresses stay valid while the routine lives
-        return run
-
-
-_C_ENTRY = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+        # The addresses stay valid while the builtin lives: it holds the arrays.
+        return entry.builtin(jit.trampoline(), self.address, table, arrays)
 
 
 def scratch_arrays(scratch: list[tuple[int, str, int, int]]) -> list[np.ndarray]:

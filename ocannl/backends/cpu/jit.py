@@ -28,7 +28,7 @@ from pathlib import Path
 import llvmlite
 import llvmlite.binding as llvm
 
-from ocannl.backends.cpu import pool
+from ocannl.backends.cpu import entry, pool
 from ocannl.backends.cpu.codegen import GEMM_SYMBOLS, Target
 
 _lock = threading.Lock()
@@ -220,7 +220,13 @@ def _setup() -> tuple[llvm.ExecutionEngine, str]:
         if control is not None:
             llvm.add_symbol("ocannl_blas_get_threads", control[0])
             llvm.add_symbol("ocannl_blas_set_threads", control[1])
+        for name, address in entry.c_api_symbols().items():
+            llvm.add_symbol(name, address)
         engine = llvm.create_mcjit_compiler(llvm.parse_assembly(""), _target_machine())
+        # The builtin functions' trampoline (``entry.py``), compiled here once per process.
+        engine.add_module(llvm.parse_assembly(entry.module_ir()))
+        engine.finalize_object()
+        _state["trampoline"] = engine.get_function_address(entry.TRAMPOLINE)
         if pool.supported():
             # The thread pool: a few functions, compiled here once per process.
             engine.add_module(llvm.parse_assembly(pool.module_ir()))
@@ -233,6 +239,12 @@ def _setup() -> tuple[llvm.ExecutionEngine, str]:
                  f"O{_LEVEL}")
         _state.update(engine=engine, stamp=stamp)
     return _state["engine"], _state["stamp"]  # type: ignore[return-value]
+
+
+def trampoline() -> int:
+    """The address of the compiled trampoline behind bound routines (``entry.py``)."""
+    _setup()
+    return _state["trampoline"]  # type: ignore[return-value]
 
 
 def _optimize(module: llvm.ModuleRef, tm: llvm.TargetMachine) -> None:

@@ -1,0 +1,91 @@
+"""A bound routine as a Python builtin function, for the every-step call.
+
+Calling compiled code through ctypes costs about 0.45 us a call here (a closure's frame, the
+conversion of the table's address, libffi); a step of a small model runs one or two routines
+of 5-10 us each. A builtin function made over a small compiled trampoline costs about 0.13 us.
+The trampoline releases the GIL around the routine, as ctypes does, so other Python threads
+run meanwhile.
+
+The builtin's ``self`` is a :class:`Bound`: an ``int`` holding the address of three words (the
+routine's entry, its table of buffer addresses, ``None``), which also keeps the buffers, the
+table and those words alive while the builtin lives.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable
+
+import numpy as np
+
+TRAMPOLINE = "ocannl_entry"
+C_API = ("PyEval_SaveThread", "PyEval_RestoreThread", "PyLong_AsVoidPtr", "Py_IncRef")
+_METH_NOARGS = 0x0004
+
+
+def module_ir() -> str:
+    """``PyObject *ocannl_entry(PyObject *self, PyObject *unused)``: read the three words at
+    ``PyLong_AsVoidPtr(self)``, call ``entry(table)`` with the GIL released, return ``None``
+    (a new reference)."""
+    return f"""
+declare i8* @PyEval_SaveThread()
+declare void @PyEval_RestoreThread(i8*)
+declare i8* @PyLong_AsVoidPtr(i8*)
+declare void @Py_IncRef(i8*)
+
+define i8* @{TRAMPOLINE}(i8* %self, i8* %unused) {{
+  %raw = call i8* @PyLong_AsVoidPtr(i8* %self)
+  %words = bitcast i8* %raw to i64*
+  %entry_word = load i64, i64* %words
+  %table_at = getelementptr i64, i64* %words, i64 1
+  %table_word = load i64, i64* %table_at
+  %none_at = getelementptr i64, i64* %words, i64 2
+  %none_word = load i64, i64* %none_at
+  %entry = inttoptr i64 %entry_word to void (i64*)*
+  %table = inttoptr i64 %table_word to i64*
+  %state = call i8* @PyEval_SaveThread()
+  call void %entry(i64* %table)
+  call void @PyEval_RestoreThread(i8* %state)
+  %none = inttoptr i64 %none_word to i8*
+  call void @Py_IncRef(i8* %none)
+  ret i8* %none
+}}
+"""
+
+
+def c_api_symbols() -> dict[str, int]:
+    """The addresses of the C API functions the trampoline calls, for the JIT's linker."""
+    return {name: ctypes.cast(getattr(ctypes.pythonapi, name), ctypes.c_void_p).value or 0
+            for name in C_API}
+
+
+class Bound(int):
+    """The builtin's ``self``: the address of the words it reads; ``keep_alive`` holds what
+    those words point into."""
+
+    keep_alive: tuple
+
+
+class _MethodDef(ctypes.Structure):
+    _fields_ = [("ml_name", ctypes.c_char_p), ("ml_meth", ctypes.c_void_p),
+                ("ml_flags", ctypes.c_int), ("ml_doc", ctypes.c_char_p)]
+
+
+_new_builtin = ctypes.pythonapi.PyCFunction_NewEx
+_new_builtin.restype = ctypes.py_object
+_new_builtin.argtypes = [ctypes.c_void_p, ctypes.py_object, ctypes.py_object]
+_methods: dict[int, _MethodDef] = {}  # one per trampoline address, alive for the process
+
+
+def builtin(trampoline: int, entry: int, table: np.ndarray, keep_alive: tuple
+            ) -> Callable[[], None]:
+    """A builtin function that runs the routine at ``entry`` on ``table`` (an int64 array of
+    buffer addresses), through the trampoline at ``trampoline``."""
+    method = _methods.get(trampoline)
+    if method is None:
+        method = _methods[trampoline] = _MethodDef(
+            b"routine", trampoline, _METH_NOARGS, b"Run the routine on its bound buffers.")
+    words = np.array([entry, table.ctypes.data, id(None)], dtype=np.int64)
+    bound = Bound(words.ctypes.data)
+    bound.keep_alive = (words, table, keep_alive)
+    return _new_builtin(ctypes.addressof(method), bound, None)
