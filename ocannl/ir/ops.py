@@ -218,6 +218,32 @@ OPS: dict[str, Op] = {
 ACCUMS: dict[str, float | None] = {"=": None, "+": 0.0, "max": -np.inf}
 
 
+# Ops whose result is one of their operands up to sign (``where``: its second or third), so
+# a result of operands representable in a precision is representable too, and a 0 / 1 flag
+# always is. Storing such a result in a 16-bit node needs no rounding (``representable``).
+_SELECTING = {"max": (0, 1), "min": (0, 1), "neg": (0,), "abs": (0,), "relu": (0,),
+              "where": (1, 2)}
+_FLAGS = frozenset({"eq", "gt", "lt", "le", "ge", "ne", "isfinite"})
+
+
+def flag(op: str) -> bool:
+    """Whether ``op``'s result is always 0 or 1 (a comparison, ``isfinite``)."""
+    return op in _FLAGS
+
+
+def representable(op: str, args: list[bool], units: list[bool]) -> bool:
+    """Whether ``op``'s result is exactly representable in a precision, given which of its
+    operands are (``args``) and which are always 0 or +-1 (``units``: a flag, or such a
+    constant). A product with such a unit is +-0, NaN or +-the other operand."""
+    if op in _FLAGS:
+        return True
+    if op in _SELECTING:
+        return all(args[k] for k in _SELECTING[op])
+    if op == "mul":
+        return any(units[k] and args[1 - k] for k in (0, 1))
+    return False
+
+
 def reference(op: str, *args: np.ndarray) -> np.ndarray:
     """NumPy semantics of an op, for tests of the generated code."""
     a = args

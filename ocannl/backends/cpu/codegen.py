@@ -39,7 +39,9 @@ from ocannl.backends.cpu.scalar import (
     convert,
     f16_to_f32_hw,
     f16_to_f32_soft,
+    f32_round_bf16,
     f32_to_bf16,
+    f32_to_bf16_exact,
     f32_to_f16_hw,
     f32_to_f16_soft,
 )
@@ -293,6 +295,13 @@ class RoutineIR:
             return f16_to_f32_hw(b, bits)
         return b.fpext(b.bitcast(bits, F16), F32)
 
+    def round_to(self, value: ir.Value, prec: Precision) -> ir.Value:
+        """``value`` rounded to a 16-bit precision as a store would, then widened as a load
+        would: f32."""
+        if prec is Precision.bf16:
+            return f32_round_bf16(self.b, convert(self.b, value, F32))
+        return self.widen(self.narrow(value, prec), prec)
+
     def narrow(self, value: ir.Value, prec: Precision) -> ir.Value:
         """f32 (or f64, through f32) -> 16-bit pattern, nearest with ties to even."""
         b = self.b
@@ -371,9 +380,8 @@ class RoutineIR:
             g = self.forwarded[node.id]
             wide = b.load(b.gep(self._gemm_out(g, _FLOAT[node.prec.compute]), [off]))
             copying, self.copying = self.copying, False
-            bits = self.narrow(wide, node.prec)
+            value = self.round_to(wide, node.prec)
             self.copying = copying
-            value = self.widen(bits, node.prec)
         else:
             value = b.load(b.gep(self.buffer(node), [off]))
             if node.prec.is_narrow:
@@ -382,12 +390,16 @@ class RoutineIR:
             value = b.select(cond, value, ir.Constant(value.type, 0.0))
         return value
 
-    def store(self, node: Tnode, off: ir.Value, value: ir.Value) -> None:
+    def store(self, node: Tnode, off: ir.Value, value: ir.Value, exact: bool = False) -> None:
+        """``exact``: the value is representable in the node's precision (:meth:`representable`),
+        so a bf16 store keeps its top half instead of rounding it (the same bits, NaN too)."""
         b = self.b
         if node.id in self.redirect:
             b.store(convert(b, value, F32), b.gep(self.redirect[node.id], [off]))
             return
-        if node.prec.is_narrow:
+        if exact and node.prec is Precision.bf16:
+            value = f32_to_bf16_exact(b, convert(b, value, F32))
+        elif node.prec.is_narrow:
             value = self.narrow(value, node.prec)
         else:
             value = convert(b, value, _FLOAT[node.prec])
@@ -395,6 +407,21 @@ class RoutineIR:
             self.held[node.id] = value
             return
         b.store(value, b.gep(self.buffer(node), [off]))
+
+    def representable(self, e: Expr, prec: Precision) -> bool:
+        """Whether ``e``'s value is exactly representable in ``prec``: a constant that is, a read
+        of a node of that precision (its loads widen it exactly, or round a wider node to it),
+        or ops that select among such values (``ops.representable``)."""
+        if isinstance(e, Const):
+            return bool(np.isfinite(e.value)) and float(
+                np.array(e.value, prec.numpy_dtype)) == e.value
+        if isinstance(e, Get):
+            return e.node.prec is prec and e.node.id not in self.redirect
+        assert isinstance(e, Apply)
+        units = [(isinstance(a, Const) and a.value in (0.0, 1.0, -1.0))
+                 or (isinstance(a, Apply) and ops_module.flag(a.op)) for a in e.args]
+        return ops_module.representable(
+            e.op, [self.representable(a, prec) for a in e.args], units)
 
     def expr(self, e: Expr, compute: ir.Type, space: tuple[int, ...],
              iters: dict[int, ir.Value]) -> ir.Value:
@@ -587,7 +614,9 @@ class RoutineIR:
         if not overwrite:
             old = self.load(a.lhs, a.lhs_idx, space, iters, compute)
             value = self.combine(a.accum, old, value, compute)
-        self.store(a.lhs, off, value)
+        exact = (a.lhs.prec is Precision.bf16 and (overwrite or a.accum in ("max", "min"))
+                 and self.representable(a.expr, a.lhs.prec))
+        self.store(a.lhs, off, value, exact)
         self.copying = False
 
     def _reduction(self, nest: LoopNest, space: tuple[int, ...],
@@ -718,9 +747,9 @@ class RoutineIR:
         """A derived node's value from its wider node's: rounded to ``node``'s precision as
         its copy nest would store it, then widened as a load would."""
         copying, self.copying = self.copying, node.id not in self.for_gemms
-        bits = self.narrow(convert(self.b, wide, F32), node.prec)
+        value = self.round_to(convert(self.b, wide, F32), node.prec)
         self.copying = copying
-        return self.widen(bits, node.prec)
+        return value
 
     def narrow_into(self, src: ir.Value, dst: ir.Value, prec: Precision, size: int,
                     ranged: bool = False) -> None:

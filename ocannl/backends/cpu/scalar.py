@@ -397,9 +397,30 @@ def f32_to_f16_soft(b: ir.IRBuilder, f: ir.Value) -> ir.Value:
 
 
 def f32_to_bf16(b: ir.IRBuilder, f: ir.Value) -> ir.Value:
+    """f32 -> bf16 bits, nearest with ties to even; a NaN becomes the quiet NaN of its sign."""
+    return b.trunc(b.lshr(_bf16_rounded_bits(b, f), _c32(16)), I16)
+
+
+def f32_to_bf16_exact(b: ir.IRBuilder, f: ir.Value) -> ir.Value:
+    """:func:`f32_to_bf16` of an ``f`` that bf16 represents (or a NaN): its top half, with no
+    rounding to do; a NaN still becomes the quiet NaN of its sign."""
     bits = b.bitcast(f, I32)
-    nan = b.or_(b.and_(b.lshr(bits, _c32(16)), _c32(0x8000)), _c32(0x7FC0))
+    nan = b.or_(b.and_(bits, _c32(0x80000000)), _c32(0x7FC00000))
+    return b.trunc(b.lshr(b.select(b.fcmp_unordered("uno", f, f), nan, bits), _c32(16)), I16)
+
+
+def f32_round_bf16(b: ir.IRBuilder, f: ir.Value) -> ir.Value:
+    """``f`` rounded to bf16, kept as an f32: what widening :func:`f32_to_bf16`'s bits gives,
+    without moving them down and back up."""
+    return b.bitcast(b.and_(_bf16_rounded_bits(b, f), _c32(0xFFFF0000)), F32)
+
+
+def _bf16_rounded_bits(b: ir.IRBuilder, f: ir.Value) -> ir.Value:
+    """``f``'s bits with the top half rounded to nearest even (the bottom half is dropped
+    next), or the quiet NaN of ``f``'s sign. NaN is found by an unordered compare: one vector
+    instruction, where testing the bits takes two."""
+    bits = b.bitcast(f, I32)
     odd = b.and_(b.lshr(bits, _c32(16)), _c32(1))
-    rounded = b.lshr(b.add(b.add(bits, _c32(0x7FFF)), odd), _c32(16))
-    is_nan = b.icmp_unsigned(">", b.and_(bits, _c32(0x7FFFFFFF)), _c32(0x7F800000))
-    return b.trunc(b.select(is_nan, nan, rounded), I16)
+    rounded = b.add(b.add(bits, _c32(0x7FFF)), odd)
+    nan = b.or_(b.and_(bits, _c32(0x80000000)), _c32(0x7FC00000))
+    return b.select(b.fcmp_unordered("uno", f, f), nan, rounded)
