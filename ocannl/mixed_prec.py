@@ -765,16 +765,19 @@ class GatedStep(Recipe):
         self._grads: Routine | None = None
         self.nonfinite_seen = flag
         self._routine: Routine | None = None
+        self._read_seen: Callable[[], float] | None = None
 
     def compile(self, ctx: Context) -> Context:
         if self.reducer is not None:
             ctx, self._grads = ctx.compile(self.grad_comp)
         ctx, self._routine = ctx.compile(self.comp)
+        self._read_seen = ctx.reader(self.nonfinite_seen)
         self._bind(ctx)
         return ctx
 
     def step(self, ctx: Context) -> Context:
-        self._check_ctx(ctx)
+        if ctx is not self._ctx:
+            self._check_ctx(ctx)  # raises, saying why
         assert self._routine is not None
         if self.reducer is not None:
             assert self._grads is not None
@@ -790,11 +793,12 @@ class GatedStep(Recipe):
         self._check_ctx(ctx)
         if self.pending == 0:
             return ctx
-        seen = ctx.get_value(self.nonfinite_seen)
+        assert self._read_seen is not None
+        seen = self._read_seen()
         skipped = self.pending if not 0.0 <= seen <= self.pending else int(seen)
         if seen != 0.0:
             skipped = max(skipped, 1)
-            ctx = ctx.set_value(self.nonfinite_seen, 0.0)
+            ctx = ctx.set_values(self.nonfinite_seen, 0.0)
         return self._close_window(ctx, skipped)
 
     def state_nodes(self) -> list[Tnode]:
