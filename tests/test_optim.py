@@ -385,6 +385,27 @@ def test_one_grad_checksum_with_an_optional_unscale() -> None:
     assert math.isnan(ctx.get_value(flag)) and ctx.get_value(plain) == 0.0
 
 
+@pytest.mark.parametrize("out_in", [((40,), ()), ((3,), (24,)), ((24,), (3,)), ((5,), (24,))])
+def test_the_checksum_of_finite_gradients_whose_sum_overflows_is_zero(out_in: tuple) -> None:
+    """Each term is ``g * 0``, summed in whatever order the code finds fastest: +0 for finite
+    gradients, even where summing the gradients first would overflow (and ``inf * 0`` is
+    NaN). Gradients of one axis, of short rows and of long rows (the partial sums' path)."""
+    w = T.param("wbig", output_dims=out_in[0], input_dims=out_in[1])
+    loss = T.sum(w * w)
+    flag, check = train.grad_checksum(loss, unscale=T.number(0.5))
+    ctx = train.init_params(Context.cpu(), loss)
+    ctx, r = ctx.compile(check)
+    big = np.full(w.value.size, 3e38, np.float32)
+    big[::3] = -1e38
+    ctx.set_values(w.grad, big)
+    ctx.run(r)
+    assert ctx.get_value(flag) == 0.0 and math.copysign(1.0, ctx.get_value(flag)) > 0
+    big[-1] = math.nan
+    ctx.set_values(w.grad, big)
+    ctx.run(r)
+    assert math.isnan(ctx.get_value(flag))
+
+
 @pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan])
 def test_the_checksum_finds_one_bad_gradient_cell_anywhere(bad: float) -> None:
     """A gradient of two axes is checked through a row of partial sums: one non-finite cell,

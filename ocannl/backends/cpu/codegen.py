@@ -627,9 +627,15 @@ class RoutineIR:
         neutral = ACCUMS[a.accum]
         self.b.store(ir.Constant(compute, 0.0 if neutral is None else neutral), acc)
 
+        unordered = a.accum == "+" and _zero_or_nan(a.expr)
+
         def inner() -> None:
             value = self.expr(a.expr, compute, space, iters)
-            new = self.combine(a.accum, self.b.load(acc), value, compute)
+            if unordered:  # LLVM may keep several partial sums (in vectors): the same result
+                new = self.b.fadd(self.b.load(acc), convert(self.b, value, compute),
+                                  flags=("reassoc",))
+            else:
+                new = self.combine(a.accum, self.b.load(acc), value, compute)
             self.b.store(convert(self.b, new, compute), acc)
 
         self._loops(list(nest.red), space, iters, inner)
@@ -926,6 +932,14 @@ def _for_gemms(code: list[Lowered]) -> frozenset[int]:
                 if not (nest.assign.accum == "=" or nest.assign.reset):
                     other_read.add(nest.assign.lhs.id)
     return frozenset(local & gemm_read - other_read)
+
+
+def _zero_or_nan(e: Expr) -> bool:
+    """Whether every value of ``e`` is +-0 or NaN (a product with a constant 0: the gradient
+    checksum's terms). A sum of such terms from +0 is +0 or NaN in any order, so it needs no
+    fixed order of additions."""
+    return isinstance(e, Apply) and e.op == "mul" and any(
+        isinstance(x, Const) and x.value == 0.0 for x in e.args)
 
 
 def _forwarded(code: list[Lowered]) -> dict[int, Gemm]:
