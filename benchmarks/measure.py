@@ -14,8 +14,12 @@ from benchmarks.specs import TOLERANCE, VARIANTS
 
 Log = Callable[[str], None]
 
-# Pause before each runner's block of timed steps: BLAS and OpenMP worker threads of the
-# previous runner spin-wait for a while after their last call, and would steal the cores.
+# Pause before a runner's block of timed steps unless it and the previous block are both
+# this project's: another framework's BLAS and OpenMP worker threads spin-wait for a while
+# after their last call, and would steal the cores. This project's rows follow one another
+# without a pause (the pool's workers spin for about 40 us), so they run within milliseconds
+# of each other and meet the same state of a noisy machine: their ratios compare like with
+# like.
 SETTLE_S = 0.1
 
 
@@ -80,8 +84,11 @@ def time_steps(fx: Fixture, runners: list[Runner], rows: list[Row], log: Log) ->
     per_round = max(1, w.timed_steps // w.rounds)
     clock = time.perf_counter
     for _ in range(w.rounds):
+        previous = None
         for r, row in live:
-            time.sleep(SETTLE_S)
+            if previous is None or "ocannl" != previous.framework or "ocannl" != r.framework:
+                time.sleep(SETTLE_S)
+            previous = r
             samples = row.samples
             for i in range(step, step + per_round):
                 t0 = clock()

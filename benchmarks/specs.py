@@ -126,8 +126,10 @@ class Workload:
 WORKLOADS: dict[str, Workload] = {
     "mlp_small": Workload(
         name="mlp_small", dataset="half_moons", sizes=(2, 32, 32, 2), batch=32, n_batches=16,
-        learning_rate=0.1, seed=1, parity_steps=20, warmup_steps=50, timed_steps=2000,
-        rounds=10,
+        learning_rate=0.1, seed=1, parity_steps=20, warmup_steps=50, timed_steps=8000,
+        # Rounds of 200 steps (2-3 ms a row): this machine's speed changes every few tens of
+        # milliseconds, so many short rounds give every row the same mix.
+        rounds=40,
     ),
     "mlp_wide": Workload(
         name="mlp_wide", dataset="gaussian_classes", sizes=(256, 1024, 1024, 10), batch=256,
