@@ -707,23 +707,14 @@ class ScaledStep(Recipe):
             self._check_ctx(ctx)  # raises, saying why
         assert self._routines is not None
         grads, update = self._routines
-        # Once Context.run has checked a routine's inputs, the recipe (which compiled it on
-        # this context) calls it directly: a small model's step is a few microseconds, and
-        # the host gate's own Python is most of what it adds to the static step.
-        if grads.checked:
-            grads.call()
-        else:
-            ctx.run(grads)
+        _run(ctx, grads)
         if self.reducer is not None:
             assert self._check is not None
             ctx = self.reducer.reduce(ctx, self.scaler)
             ctx = ctx.run(self._check)
         finite = isfinite(self._read_checksum())
         if finite:
-            if update.checked:
-                update.call()
-            else:
-                ctx.run(update)
+            _run(ctx, update)
             ctx = self.scaler._grow(ctx, 1)  # update's schedule, its argument checks spared
             self.applied_steps += 1
         else:
@@ -733,6 +724,16 @@ class ScaledStep(Recipe):
         self.windows += 1
         self.last_applied = finite
         return ctx
+
+
+def _run(ctx: Context, routine: Routine) -> None:
+    """``ctx.run(routine)`` for a recipe's own routine (compiled on ``ctx``, which the step
+    checked): called directly once Context.run has checked its inputs. A small model's step
+    takes a few microseconds, and a recipe's own Python is most of what it adds."""
+    if routine.checked:
+        routine.call()
+    else:
+        ctx.run(routine)
 
 
 def scaled_step(scaler: Loss_scaler, loss: Tensor, optimizer: Optimizer, *,
@@ -798,7 +799,7 @@ class GatedStep(Recipe):
             assert self._grads is not None
             ctx = ctx.run(self._grads)
             ctx = self.reducer.reduce(ctx, self.scaler)
-        ctx = ctx.run(self._routine)
+        _run(ctx, self._routine)
         self.pending += 1
         if self.pending >= self.check_interval:
             ctx = self.flush(ctx)
