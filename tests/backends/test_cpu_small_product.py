@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from ocannl import Context
-from ocannl.backends.cpu import jit, small_product
+from ocannl.backends.cpu import codegen, jit, small_product
 from ocannl.backends.cpu.scalar import F32, F64
 from ocannl.ir import lowering
 from ocannl.ir.assignments import Accum, Comp, Get, apply
@@ -57,13 +57,21 @@ def _run(comp: Comp, inputs: dict, outputs: list[Tnode]) -> list[bytes]:
     return [ctx.get_values(t).tobytes() for t in outputs]
 
 
-@pytest.mark.parametrize("prec", [Precision.f32, Precision.f64, Precision.bf16])
+@pytest.mark.parametrize("prec", [Precision.f32, Precision.f64, Precision.bf16, Precision.f16])
 def test_small_products_are_bitwise_the_loops(monkeypatch, prec):
+    """At 16 bits the products read their right operands' buffers directly, widening as
+    they load (no f32 copies of them): still the loops' bits."""
     comp, inputs, outputs = _products(prec)
     code = lower(comp, batched=True)
     gemms = [item for item in code if isinstance(item, Gemm)]
     compute = F64 if prec is Precision.f64 else F32
     assert len(gemms) == 6 and all(small_product.fits(g, compute) for g in gemms)
+    if prec.is_narrow and jit.hardware_f16():
+        r = codegen.RoutineIR(list(inputs), jit.target(), {}, {})
+        for g in gemms:
+            assert [n for n, _ in r.gemm_copies(g, inline=True)] == [g.a.node] + (
+                [] if g.assign.reset else [g.assign.lhs])
+            assert [n for n, _ in r.gemm_copies(g, inline=False)][:2] == [g.a.node, g.b.node]
     assert {(g.a.transposed, g.b.transposed) for g in gemms} >= {
         (False, False), (True, False), (False, True), (True, True)}
     inline = _run(comp, inputs, outputs)
@@ -74,7 +82,8 @@ def test_small_products_are_bitwise_the_loops(monkeypatch, prec):
     monkeypatch.undo()
     monkeypatch.setattr(small_product, "SMALL_WORK", 0)
     blas = _run(comp, inputs, outputs)
-    tol = {Precision.f64: 1e-12, Precision.f32: 1e-5, Precision.bf16: 2e-2}[prec]
+    tol = {Precision.f64: 1e-12, Precision.f32: 1e-5, Precision.bf16: 2e-2,
+           Precision.f16: 3e-3}[prec]
     for x, y in zip(inline, blas, strict=True):
         got, want = (np.frombuffer(z, dtype=prec.numpy_dtype).astype(np.float64) for z in (x, y))
         np.testing.assert_allclose(got, want, rtol=tol, atol=tol * 1e3)

@@ -541,11 +541,26 @@ class RoutineIR:
     def has_copy(self, node: Tnode, ty: ir.Type) -> bool:
         return self._current_copy(node, ty) is not None
 
-    def gemm_copies(self, g: Gemm) -> list[tuple[Tnode, ir.Type]]:
+    def reads_directly(self, v: MatrixView, g: Gemm, compute: ir.Type, inline: bool) -> bool:
+        """Whether an inline small product (``inline``) reads its right operand's 16-bit
+        buffer itself, widening a vector of values as it loads them (two instructions), rather
+        than an f32 copy made by an item of its own: a 16-bit node with a buffer of its own
+        values and no current copy. The left operand's values are loaded one at a time and
+        broadcast, which a copy's f32 values make one instruction."""
+        node = v.node
+        return (inline and v is g.b and compute == F32 and not self.has_copy(node, compute)
+                and (node.prec is Precision.bf16
+                     or (node.prec is Precision.f16 and self.hardware_f16))
+                and node.id not in self.derived and node.id not in self.forwarded
+                and node.id not in self.redirect)
+
+    def gemm_copies(self, g: Gemm, inline: bool) -> list[tuple[Tnode, ir.Type]]:
         """What a GEMM needs converted before it runs, and is not: its operands not in its
-        type, and a 16-bit target it accumulates into (the copy it accumulates in)."""
+        type (but those it reads directly: :meth:`reads_directly`), and a 16-bit target it
+        accumulates into (the copy it accumulates in)."""
         compute = _FLOAT[g.assign.lhs.prec.compute]
-        out = [(v.node, compute) for v in (g.a, g.b) if _ELEM[v.node.prec] != compute]
+        out = [(v.node, compute) for v in (g.a, g.b) if _ELEM[v.node.prec] != compute
+               and not self.reads_directly(v, g, compute, inline)]
         lhs = g.assign.lhs
         if lhs.prec.is_narrow and not g.assign.reset:
             out.append((lhs, compute))
@@ -763,11 +778,17 @@ class RoutineIR:
         with self.loop(*(self.range if ranged and self.range else (size,))) as i:
             b.store(self.narrow(b.load(b.gep(src, [i])), prec), b.gep(dst, [i]))
 
-    def _matrix(self, v: MatrixView, compute: ir.Type, role: str) -> ir.Value:
-        """The operand's values in the GEMM's type: the buffer itself, or a converted copy."""
-        if _ELEM[v.node.prec] == compute:
+    def _matrix(self, v: MatrixView, g: Gemm, compute: ir.Type, inline: bool) -> ir.Value:
+        """The operand's values: the buffer itself when it holds the GEMM's type or is read
+        directly (:meth:`reads_directly`), else a converted copy."""
+        if _ELEM[v.node.prec] == compute or self.reads_directly(v, g, compute, inline):
             return self.buffer(v.node)
         return self.copy_of(v.node, compute)
+
+    @staticmethod
+    def inline(g: Gemm, compute: ir.Type, along: str | None) -> bool:
+        """Whether the product is computed inline (``small_product``) rather than by BLAS."""
+        return along not in ("rows", "cols") and small_product.fits(g, compute)
 
     def gemm(self, g: Gemm, along: str | None = None) -> None:
         """``out (=|+=) a @ b``, one product per batch point: small ones inline
@@ -777,13 +798,14 @@ class RoutineIR:
         of the product."""
         lhs = g.assign.lhs
         compute = _FLOAT[lhs.prec.compute]
-        a = self._matrix(g.a, compute, "a")
-        bm = self._matrix(g.b, compute, "b")
+        inline = self.inline(g, compute, along)
+        a = self._matrix(g.a, g, compute, inline)
+        bm = self._matrix(g.b, g, compute, inline)
         out = self._gemm_out(g, compute) if lhs.prec.is_narrow else self.buffer(lhs)
         b = self.b
         first = (const_int(0), const_int(0), const_int(0))
         call: Callable[[tuple[ir.Value, ir.Value, ir.Value]], None]
-        if along not in ("rows", "cols") and small_product.fits(g, compute):
+        if inline:
             def call(offsets: tuple[ir.Value, ir.Value, ir.Value]) -> None:
                 small_product.emit(self, g, compute, a, bm, out, offsets)
         else:
@@ -1071,10 +1093,11 @@ def _gemm_items(r: RoutineIR, g: Gemm, threads: int, shared: bool) -> None:
     def split(size: int) -> int | None:
         return _split_size(size) if threads > 1 else None
 
-    for node, ty in r.gemm_copies(g):
+    along, extent = _gemm_split(g) if shared else (None, 0)
+    inline = r.inline(g, _FLOAT[g.assign.lhs.prec.compute], along)
+    for node, ty in r.gemm_copies(g, inline):
         with r.item([node], split(node.size)):
             r.copy_of(node, ty, ranged=True)
-    along, extent = _gemm_split(g) if shared else (None, 0)
     # One block range per thread: each range packs its operands again.
     with r.item(_used(g), extent if along else None, per_thread=1):
         r.gemm(g, along)

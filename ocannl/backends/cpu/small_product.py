@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING
 
 from llvmlite import ir
 
-from ocannl.backends.cpu.scalar import F32, I32, const_int
+from ocannl.backends.cpu.scalar import F16, F32, I16, I32, const_int
 from ocannl.ir.lowering import Gemm
+from ocannl.ir.ops import Precision
 
 if TYPE_CHECKING:
     from ocannl.backends.cpu.codegen import RoutineIR
@@ -48,15 +49,18 @@ def emit(r: RoutineIR, g: Gemm, compute: ir.Type, a: ir.Value, bm: ir.Value, out
     w = lanes(compute)
     vec = ir.VectorType(compute, w)
     elem = 4 if compute == F32 else 8
+    # A 16-bit right operand read directly (``RoutineIR.reads_directly``): widened as loaded.
+    b_prec = g.b.node.prec if bm.type.pointee == I16 else None
     rows_b, ld_b = bm, g.b.ld
-    if g.b.transposed:  # stored cols x inner: pack it inner x cols
+    if g.b.transposed:  # stored cols x inner: pack it inner x cols, widened
         pack = r.entry.alloca(ir.ArrayType(compute, g.inner * g.cols))
         rows_b, ld_b = r.entry.bitcast(pack, compute.as_pointer()), g.cols
         with r.loop(g.cols) as j, r.loop(g.inner) as k:
             src = b.add(o_b, b.add(b.mul(j, const_int(g.b.ld)), k))
             dst = b.add(b.mul(k, const_int(g.cols)), j)
-            b.store(b.load(b.gep(bm, [src])), b.gep(rows_b, [dst]))
-        o_b = const_int(0)
+            value = b.load(b.gep(bm, [src]))
+            b.store(r.widen(value, b_prec) if b_prec else value, b.gep(rows_b, [dst]))
+        o_b, b_prec = const_int(0), None
     zero = ir.Constant(vec, [0.0] * w)
     splat_mask = ir.Constant(ir.VectorType(I32, w), [0] * w)
 
@@ -69,6 +73,18 @@ def emit(r: RoutineIR, g: Gemm, compute: ir.Type, a: ir.Value, bm: ir.Value, out
     def vector_at(base: ir.Value, at: ir.Value) -> ir.Value:
         return b.bitcast(b.gep(base, [at]), vec.as_pointer())
 
+    def b_row_at(at: ir.Value) -> ir.Value:
+        """``w`` values of b's rows from ``at``: a vector load, widened from 16 bits."""
+        if not b_prec:
+            return b.load(vector_at(rows_b, at), align=elem)
+        bits = b.load(b.bitcast(b.gep(rows_b, [at]), ir.VectorType(I16, w).as_pointer()),
+                      align=2)
+        if b_prec is Precision.bf16:
+            wide = b.shl(b.zext(bits, ir.VectorType(I32, w)),
+                         ir.Constant(ir.VectorType(I32, w), [16] * w))
+            return b.bitcast(wide, vec)
+        return b.fpext(b.bitcast(bits, ir.VectorType(F16, w)), vec)
+
     def block(first: ir.Value, rows: int, col: ir.Value) -> None:
         """Output rows ``first ..< first + rows``, columns ``col ..< col + w``."""
         accs = [r.local(vec) for _ in range(rows)]
@@ -76,8 +92,7 @@ def emit(r: RoutineIR, g: Gemm, compute: ir.Type, a: ir.Value, bm: ir.Value, out
             b.store(zero, acc)
         row_ids = [b.add(first, const_int(u)) for u in range(rows)]
         with r.loop(g.inner) as k:
-            bv = b.load(vector_at(rows_b, b.add(o_b, b.add(b.mul(k, const_int(ld_b)), col))),
-                        align=elem)
+            bv = b_row_at(b.add(o_b, b.add(b.mul(k, const_int(ld_b)), col)))
             for i, acc in zip(row_ids, accs, strict=True):
                 s = b.insert_element(ir.Constant(vec, ir.Undefined), a_at(i, k), const_int(0, I32))
                 splat = b.shuffle_vector(s, ir.Constant(vec, ir.Undefined), splat_mask)
