@@ -222,3 +222,46 @@ def test_16_bit_products_read_by_the_next_item_are_never_stored(monkeypatch, tmp
     assert not ref_held
     assert bits == ref_bits
     assert arena < ref_arena
+
+
+def test_parts_are_balanced_by_nests_not_items(monkeypatch, tmp_path):
+    """A long pointwise chain lowers to few items of many nests each: it is still cut into one
+    part per compile worker, of about equal nests; a routine of few nests stays whole; the
+    parts' bits are those of one part."""
+    from ocannl.backends.cpu import codegen
+    from ocannl.ir.lowering import Fill, LoopGroup, lower
+    from ocannl.ir.ops import Precision
+    from ocannl.ir.tnode import Tnode
+
+    fill = Fill(Tnode("f", (1,), Precision.f32), 0.0)
+    groups = [LoopGroup(nests=(None,) * 32) for _ in range(94)]  # type: ignore[arg-type]
+    assert codegen._part_bounds(groups, 2) == [0, 47, 94]
+    assert codegen._part_bounds(groups, 1) == [0, 94]
+    assert codegen._part_bounds([fill] * 40, 2) == [0, 40]  # under two parts' worth
+    assert codegen._part_bounds([fill] * 100, 3) == [0, 50, 100]  # parts of 48 nests or more
+    assert codegen._part_bounds([fill] * 150, 3) == [0, 50, 100, 150]
+    assert codegen._part_bounds([], 2) == [0, 0]
+    h = T.term([1.0, 2.0, 3.0], label="h")
+    for _ in range(300):
+        h = h + 1.0
+    assert len(lower(train.forward(h))) < codegen.PART_NESTS  # one part, counted by items
+    parts: list[int] = []
+    compile_ir = jit.compile_ir
+
+    def counting(key, texts, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        parts.append(len(texts))
+        return compile_ir(key, texts, *args, **kwargs)
+
+    monkeypatch.setattr(jit, "compile_ir", counting)
+    bits = []
+    for workers in (1, 2):
+        monkeypatch.setattr(jit, "workers", lambda w=workers: w)
+        monkeypatch.setenv("OCANNL_CACHE_DIR", str(tmp_path / str(workers)))
+        monkeypatch.setattr(jit, "_state", {**jit._state, "loaded": {}})
+        monkeypatch.setattr(type(Context.cpu()._backend), "_compiled", {})
+        ctx, r = Context.cpu().compile(train.forward(h))
+        ctx.run(r)
+        bits.append(ctx.get_values(h).tobytes())
+    assert parts == [1, 2]
+    assert bits[0] == bits[1]
+    np.testing.assert_array_equal(np.frombuffer(bits[0], np.float32), [301.0, 302.0, 303.0])

@@ -893,9 +893,30 @@ REUSE = 4
 # could otherwise share it: widening again costs one pass over the node.
 FRESH_COPY = 1 << 18
 
-# Lowered items per part, about: a routine of more items is cut into parts that LLVM compiles
-# in parallel (one per core, at most), each an object of its own.
-PART_ITEMS = 48
+# Loop nests per part, at least: a routine of more is cut into parts that LLVM compiles in
+# parallel (one per core, at most), each an object of its own. Nests, not items, measure the
+# work: a group of a long pointwise chain holds dozens (a chain of 3,000 additions made 94
+# items, which compiled as one part).
+PART_NESTS = 48
+
+
+def _weight(item: Lowered) -> int:
+    """An item's share of LLVM's work: its nests (a fill or a product counts one)."""
+    return len(item.nests) if isinstance(item, LoopGroup) else 1
+
+
+def _part_bounds(code: list[Lowered], workers: int) -> list[int]:
+    """Where the parts start (and the last ends): at most ``workers`` parts of about equal
+    weight, each of at least ``PART_NESTS`` nests."""
+    weights = [_weight(item) for item in code]
+    total = sum(weights)
+    count = max(1, min(workers, total // PART_NESTS))
+    starts, done = [0], 0
+    for k, w in enumerate(weights[:-1]):  # no part starts after the last item
+        done += w
+        if len(starts) < count and done * count >= total * len(starts):
+            starts.append(k + 1)
+    return [*starts, len(code)]
 
 
 def routine_ir(code: list[Lowered], nodes: list[Tnode], target: Target
@@ -904,9 +925,8 @@ def routine_ir(code: list[Lowered], nodes: list[Tnode], target: Target
     runs them in order. Also its scratch arrays (size, "f32" | "f64", the first and the last
     item using it), whose addresses follow the nodes' in the table: nothing in one outlives
     a run, so arrays whose items do not overlap may share memory (``backend.py``). At most
-    ``target.workers`` parts, each of at least ``PART_ITEMS`` items."""
-    count = max(1, min(target.workers, len(code) // PART_ITEMS))
-    bounds = [len(code) * k // count for k in range(count + 1)]
+    ``target.workers`` parts, each of at least ``PART_NESTS`` nests (``_part_bounds``)."""
+    bounds = _part_bounds(code, target.workers)
     scratch: dict[tuple[int, str, ir.Type], int] = {}
     copies: dict[int, tuple[tuple[int, str, ir.Type], int]] = {}
     uses: dict[int, list[int]] = {}
