@@ -226,8 +226,8 @@ def test_16_bit_products_read_by_the_next_item_are_never_stored(monkeypatch, tmp
 
 def test_parts_are_balanced_by_nests_not_items(monkeypatch, tmp_path):
     """A long pointwise chain lowers to few items of many nests each: it is still cut into one
-    part per compile worker, of about equal nests; a routine of few nests stays whole; the
-    parts' bits are those of one part."""
+    part per compile worker (of equal numbers of items); a routine of few nests stays whole;
+    the parts' bits are those of one part."""
     from ocannl.backends.cpu import codegen
     from ocannl.ir.lowering import Fill, LoopGroup, lower
     from ocannl.ir.ops import Precision
@@ -237,6 +237,8 @@ def test_parts_are_balanced_by_nests_not_items(monkeypatch, tmp_path):
     groups = [LoopGroup(nests=(None,) * 32) for _ in range(94)]  # type: ignore[arg-type]
     assert codegen._part_bounds(groups, 2) == [0, 47, 94]
     assert codegen._part_bounds(groups, 1) == [0, 94]
+    big = [LoopGroup(nests=(None,) * 100)] * 2  # type: ignore[arg-type]
+    assert codegen._part_bounds(big, 4) == [0, 1, 2]  # no more parts than items
     assert codegen._part_bounds([fill] * 40, 2) == [0, 40]  # under two parts' worth
     assert codegen._part_bounds([fill] * 100, 3) == [0, 50, 100]  # parts of 48 nests or more
     assert codegen._part_bounds([fill] * 150, 3) == [0, 50, 100, 150]
