@@ -27,7 +27,6 @@ import re
 import warnings
 from collections.abc import Callable
 from fractions import Fraction
-from math import isfinite
 from typing import Protocol, TypeVar
 
 import numpy as np
@@ -659,16 +658,19 @@ class Recipe:
             raise ValueError(f"{type(self).__name__} was compiled on {self._ctx!r}, not on "
                              f"{ctx!r}: compile it on this context first")
 
-    def _close_window(self, ctx: Context, skipped: int) -> Context:
-        """Account for the pending steps, ``skipped`` of them skipped, and update the scaler."""
-        steps = self.pending
-        finite = skipped == 0
+    def _close_window(self, ctx: Context, steps: int, skipped: int) -> Context:
+        """Account for a window of ``steps`` steps, ``skipped`` of them skipped, and update the
+        scaler; nothing is pending after it."""
         # update_n's schedule; its argument checks are spared, every step of the host gate
-        ctx = self.scaler._grow(ctx, steps) if finite else self.scaler._backoff(ctx)
-        self.applied_steps += steps - skipped
-        self.skipped_steps += skipped
+        if skipped == 0:
+            ctx = self.scaler._grow(ctx, steps)
+            self.applied_steps += steps
+        else:
+            ctx = self.scaler._backoff(ctx)
+            self.applied_steps += steps - skipped
+            self.skipped_steps += skipped
+            self.skipped_windows += 1
         self.windows += 1
-        self.skipped_windows += not finite
         self.pending = 0
         return ctx
 
@@ -712,16 +714,10 @@ class ScaledStep(Recipe):
             assert self._check is not None
             ctx = self.reducer.reduce(ctx, self.scaler)
             ctx = ctx.run(self._check)
-        finite = isfinite(self._read_checksum())
+        finite = math.isfinite(self._read_checksum())
         if finite:
             _run(ctx, update)
-            ctx = self.scaler._grow(ctx, 1)  # update's schedule, its argument checks spared
-            self.applied_steps += 1
-        else:
-            ctx = self.scaler._backoff(ctx)
-            self.skipped_steps += 1
-            self.skipped_windows += 1
-        self.windows += 1
+        ctx = self._close_window(ctx, 1, 0 if finite else 1)  # a window of one step
         self.last_applied = finite
         return ctx
 
@@ -815,7 +811,7 @@ class GatedStep(Recipe):
         if seen != 0.0:
             skipped = max(skipped, 1)
             ctx = ctx.set_values(self.nonfinite_seen, 0.0)
-        return self._close_window(ctx, skipped)
+        return self._close_window(ctx, self.pending, skipped)
 
     def state_nodes(self) -> list[Tnode]:
         """The skipped-step counter: a checkpoint taken mid-window must hold it."""
