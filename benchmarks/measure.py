@@ -10,6 +10,7 @@ from collections.abc import Callable
 from benchmarks.fixtures import Fixture
 from benchmarks.results import Row, relative_error
 from benchmarks.runners.base import Runner, Unavailable
+from benchmarks.sgemm import SgemmInRounds
 from benchmarks.specs import TOLERANCE, VARIANTS
 
 Log = Callable[[str], None]
@@ -71,8 +72,10 @@ def parity(fx: Fixture, runners: list[Runner], rows: list[Row], ref: Runner, log
             f"(tol {row.tolerance:.0e}) {'pass' if ok else 'FAIL'}")
 
 
-def time_steps(fx: Fixture, runners: list[Runner], rows: list[Row], log: Log) -> None:
-    """Warm up, then time ``timed_steps`` steps per passing runner over interleaved rounds."""
+def time_steps(fx: Fixture, runners: list[Runner], rows: list[Row], log: Log,
+               yardstick: SgemmInRounds | None = None) -> None:
+    """Warm up, then time ``timed_steps`` steps per passing runner over interleaved rounds;
+    ``yardstick``: NumPy's sgemm, timed first in every round too."""
     w = fx.workload
     live = [(r, row) for r, row in zip(runners, rows, strict=True) if row.status == "ok"]
     step = w.parity_steps
@@ -85,6 +88,13 @@ def time_steps(fx: Fixture, runners: list[Runner], rows: list[Row], log: Log) ->
     clock = time.perf_counter
     for _ in range(w.rounds):
         previous = None
+        if yardstick is not None:
+            time.sleep(SETTLE_S)
+            for _ in range(yardstick.calls):
+                t0 = clock()
+                yardstick.step()
+                yardstick.samples.append(clock() - t0)
+            previous = yardstick
         for r, row in live:
             if previous is None or "ocannl" != previous.framework or "ocannl" != r.framework:
                 time.sleep(SETTLE_S)
@@ -100,12 +110,16 @@ def time_steps(fx: Fixture, runners: list[Runner], rows: list[Row], log: Log) ->
         row.finish_timing()
         row.mem_bytes = r.mem_bytes()
         log(f"  time {row.name}: p50 {row.p50 * 1e3:.3f} ms")
+    if yardstick is not None and yardstick.samples:
+        log(f"  NumPy sgemm in these rounds: {yardstick.rate() / 1e9:.0f} GFLOP/s (median)")
 
 
-def measure(fx: Fixture, runners: list[Runner], ref: Runner, log: Log = print) -> list[Row]:
-    """Build, gate and time ``runners`` on ``fx``; ``ref`` (among them) is the parity oracle."""
+def measure(fx: Fixture, runners: list[Runner], ref: Runner, log: Log = print,
+            yardstick: SgemmInRounds | None = None) -> list[Row]:
+    """Build, gate and time ``runners`` on ``fx``; ``ref`` (among them) is the parity oracle;
+    ``yardstick``: NumPy's sgemm, timed in the same rounds."""
     rows = [Row(fx.workload.name, r.framework, r.device, r.variant) for r in runners]
     build_all(runners, rows, log)
     parity(fx, runners, rows, ref, log)
-    time_steps(fx, runners, rows, log)
+    time_steps(fx, runners, rows, log, yardstick)
     return rows

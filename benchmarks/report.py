@@ -47,6 +47,24 @@ def _label(r: Row) -> str:
     return f"ocannl {r.variant} ({r.device})"
 
 
+def sgemm_line(info: dict) -> str:
+    """The machine's sgemm rates: alone before and after the workloads, and in mlp_wide's
+    rounds (the GEMM row's yardstick when measured)."""
+    alone = info.get("sgemm_alone") or []
+    rounds = info.get("sgemm_rounds")
+    text = "- NumPy sgemm (1024³ f32, median): "
+    if alone:
+        text += " then ".join(f"{x / 1e9:.0f}" for x in alone) + " GFLOP/s alone (before and " \
+            "after the workloads)"
+    if rounds:
+        text += f"{'; ' if alone else ''}{rounds / 1e9:.0f} GFLOP/s in mlp_wide's rounds, " \
+            "beside its steps: the yardstick of its GEMM column and target"
+    elif not alone:
+        text += f"{fmt(info['sgemm'] and info['sgemm'] / 1e9, '.0f')} GFLOP/s, measured in " \
+            "this run"
+    return text
+
+
 def table(rows: list[Row], sgemm: float | None) -> list[str]:
     """One workload's markdown table; skipped and failed rows listed below it."""
     wl = WORKLOADS[rows[0].workload]
@@ -249,8 +267,7 @@ def render(rows: list[Row], targets: list[Target], info: dict, chart: str | None
         f"{info['platform']}",
         f"- Commit: `{info['commit']}`",
         "- Versions: " + ", ".join(f"{k} {val}" for k, val in v.items()),
-        f"- NumPy sgemm (1024³ f32, median): {fmt(info['sgemm'] and info['sgemm'] / 1e9, '.0f')}"
-        " GFLOP/s, measured in this run",
+        sgemm_line(info),
         f"- Load average (1/5/15 min) at start: {info['load_start']}; at end: {info['load_end']}"
         " (a busy machine makes every number noisy; ratios from the same run are the robust "
         "figures)",

@@ -6,6 +6,8 @@ import time
 
 import numpy as np
 
+FRAMEWORK = "numpy"  # how the rounds tell it from this project's rows (a pause around it)
+
 
 def sgemm_rate(n: int = 1024, reps: int = 15, seed: int = 0) -> float:
     """Median FLOP/s of ``np.dot`` on two f32 ``n x n`` matrices (after one warm-up call)."""
@@ -20,3 +22,28 @@ def sgemm_rate(n: int = 1024, reps: int = 15, seed: int = 0) -> float:
         np.dot(a, b, out=out)
         times.append(time.perf_counter() - t0)
     return 2.0 * n**3 / float(np.median(times))
+
+
+class SgemmInRounds:
+    """NumPy's sgemm timed inside a workload's interleaved rounds (``measure.time_steps``),
+    ``calls`` products a round: the yardstick then meets the machine states the steps it
+    measures meet. This machine switches between two speeds every few tens of milliseconds, so
+    a rate measured once before or after the rounds may come from the other state."""
+
+    framework = FRAMEWORK
+
+    def __init__(self, n: int = 1024, calls: int = 3, seed: int = 0) -> None:
+        rng = np.random.default_rng(seed)
+        self.n, self.calls = n, calls
+        self.a = rng.standard_normal((n, n), dtype=np.float32)
+        self.b = rng.standard_normal((n, n), dtype=np.float32)
+        self.out = np.empty((n, n), np.float32)
+        self.samples: list[float] = []
+        np.dot(self.a, self.b, out=self.out)  # warm-up
+
+    def step(self) -> None:
+        np.dot(self.a, self.b, out=self.out)
+
+    def rate(self) -> float | None:
+        """FLOP/s at the median product time, or None before any round."""
+        return 2.0 * self.n**3 / float(np.median(self.samples)) if self.samples else None

@@ -115,6 +115,47 @@ def test_parity_gate_and_report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
         in text
 
 
+def test_sgemm_yardstick_runs_first_in_every_round(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """NumPy's sgemm timed inside the rounds: its calls open every round, before the steps,
+    with the pause another framework's rows get; its rate comes from those samples, and the
+    report names it as the GEMM column's yardstick beside the rates measured alone."""
+    from benchmarks.sgemm import SgemmInRounds
+
+    monkeypatch.setattr(measure_mod, "SETTLE_S", 0.0)
+    w = replace(TINY, timed_steps=6, rounds=3)
+    fx = fixtures.load(w, tmp_path)
+    events: list[str] = []
+    slept: list[str] = []
+    monkeypatch.setattr(measure_mod.time, "sleep", lambda s: slept.append(events[-1:]))
+
+    class Yard(SgemmInRounds):
+        def step(self) -> None:
+            events.append("sgemm")
+            super().step()
+
+    yard = Yard(n=32, calls=2)
+    ocannl = make_runner(fx, "ocannl", "f32", "cpu")
+    ocannl_step = ocannl.step
+    ocannl.step = lambda i: (events.append("ocannl"), ocannl_step(i))[1]
+    ref = make_runner(fx, "torch", "eager", "cpu")
+    rows = measure(fx, [ref, ocannl], ref, log=lambda _: None, yardstick=yard)
+    assert [r.status for r in rows] == ["ok", "ok"]
+    timed = events[-(3 * 2 + 3 * 2):]  # the rounds: 2 sgemm calls, then 2 ocannl steps
+    assert timed == ["sgemm", "sgemm", "ocannl", "ocannl"] * 3
+    assert len(yard.samples) == 3 * 2 and all(t > 0 for t in yard.samples)
+    assert yard.rate() == pytest.approx(2 * 32**3 / float(np.median(yard.samples)))
+    # a pause before the sgemm calls, before PyTorch's row after them and before ocannl's row
+    # after PyTorch's, in every round
+    assert len(slept) == 3 * 3 and slept[:3] == [["ocannl"], ["sgemm"], ["sgemm"]]
+    info = {"command": "test", "date": "today", "runtime_s": 0.0, "cpu": "cpu", "cores": 2,
+            "memory": "1 GiB", "platform": "p", "commit": "c", "versions": {"numpy": "x"},
+            "sgemm": 2e11, "sgemm_alone": [3e11, 1e11], "sgemm_rounds": 2e11,
+            "load_start": "0", "load_end": "0"}
+    text = report.render(rows, targets.evaluate(rows, 2e11), info, None, {w.name: w})
+    assert "300 then 100 GFLOP/s alone" in text and "200 GFLOP/s in mlp_wide's rounds" in text
+
+
 def test_convnet_fixture(tmp_path: Path) -> None:
     pytest.importorskip("sklearn")
     fx = fixtures.load(CONV, tmp_path)
