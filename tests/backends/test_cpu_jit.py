@@ -267,3 +267,49 @@ def test_parts_are_balanced_by_nests_not_items(monkeypatch, tmp_path):
     assert parts == [1, 2]
     assert bits[0] == bits[1]
     np.testing.assert_array_equal(np.frombuffer(bits[0], np.float32), [301.0, 302.0, 303.0])
+
+
+@pytest.mark.parametrize("prec", ["bf16", "f16"])
+@pytest.mark.parametrize("cells,terms", [(9, 3), (9, 8), (7, 3), (13, 5)])
+def test_16_bit_cells_of_short_loops_are_written_alone(prec, cells, terms):
+    """``out[b, c, a] += sum_d x[b, a, d] * y[d, c]`` into 16-bit cells, with a loop of a few
+    cells (under 16, not a whole number of vectors) innermost: each cell gets its own value,
+    and nothing around the buffers changes. LLVM 22 vectorized such a loop with a masked
+    remainder and stored its one 16-bit lane as 32 bits, zeroing the next cell and writing
+    past the buffer's end (``jit._LLVM_OPTIONS``)."""
+    import ctypes
+
+    import ml_dtypes
+
+    from ocannl.backends.cpu.backend import CpuBackend, scratch_arrays
+    from ocannl.ir.assignments import Accum, Comp, Get, apply
+    from ocannl.ir.lowering import lower, nodes_of
+    from ocannl.ir.ops import Precision
+    from ocannl.ir.tnode import Tnode
+
+    p = Precision(prec)
+    dt = ml_dtypes.bfloat16 if prec == "bf16" else np.float16
+    x, y = Tnode("x", (2, cells, terms), p), Tnode("y", (terms, 10), p)
+    out = Tnode("out", (2, 10, cells), p)
+    comp = Comp((Accum(out, (0, 1, 2), "+", apply("mul", Get(x, (0, 2, 3)), Get(y, (3, 1))),
+                       (2, 10, cells, terms), reset=False),))
+    code = lower(comp)
+    nodes = nodes_of(code)
+    compiled, _ = CpuBackend().compile("short", code, nodes)
+    rng = np.random.default_rng(cells * terms)
+    values = {n.label: rng.normal(size=n.size).astype(dt) for n in nodes}
+    pad, mark = 32, np.uint16(0x7777)
+    padded = {n.label: np.full(n.size + 2 * pad, mark, np.uint16) for n in nodes}
+    for n in nodes:
+        padded[n.label][pad:pad + n.size] = values[n.label].view(np.uint16)
+    arrays = [padded[n.label][pad:pad + n.size] for n in nodes]
+    arrays += scratch_arrays(compiled.scratch)
+    table = np.array([a.ctypes.data for a in arrays], dtype=np.int64)
+    ctypes.CFUNCTYPE(None, ctypes.c_void_p)(compiled.address)(table.ctypes.data)
+    for n in nodes:
+        assert (padded[n.label][:pad] == mark).all() and (padded[n.label][-pad:] == mark).all(), n
+    wide = {k: v.astype(np.float64) for k, v in values.items()}
+    want = (np.einsum("bad,dc->bca", wide["x"].reshape(x.dims), wide["y"].reshape(y.dims))
+            + wide["out"].reshape(out.dims))
+    got = padded["out"][pad:-pad].view(dt).astype(np.float64).reshape(out.dims)
+    np.testing.assert_allclose(got, want, rtol=2.0 ** -7, atol=1e-2)
