@@ -313,3 +313,48 @@ def test_16_bit_cells_of_short_loops_are_written_alone(prec, cells, terms):
             + wide["out"].reshape(out.dims))
     got = padded["out"][pad:-pad].view(dt).astype(np.float64).reshape(out.dims)
     np.testing.assert_allclose(got, want, rtol=2.0 ** -7, atol=1e-2)
+
+
+def test_items_with_the_same_code_are_compiled_once(monkeypatch, tmp_path):
+    """The same layer twice (bf16, so its products read f32 copies in scratch arrays of their
+    own) and its parameters' updates: each item function is defined once per part and called
+    for every layer, with that layer's buffers and scratch. The step keeps its bits, and the
+    IR is smaller than with an item function per item."""
+    import re
+
+    from ocannl import nn_blocks
+    from ocannl.backends.cpu import codegen
+    from ocannl.backends.cpu.backend import emit_ir
+
+    monkeypatch.setenv("OCANNL_CACHE_DIR", str(tmp_path))
+
+    def run(version: str) -> tuple[list[bytes], int, int, int]:
+        monkeypatch.setattr(codegen, "_VERSION", codegen._VERSION + version)
+        monkeypatch.setattr(jit, "workers", lambda: 1)  # one part: every item in one module
+        rng = np.random.default_rng(5)
+        x = T.term(rng.normal(size=(48, 64)).astype(np.float32), label="xd",
+                   batch_dims=(48,), output_dims=(64,), prec="bf16")
+        y, _ = nn_blocks.mlp(x, (64, 64, 64), 64, label="same", prec="bf16")
+        loss = T.sum(y * y)
+        ctx = train.init_params(Context.cpu(), loss)
+        for p in loss.params:
+            ctx.set_values(p, rng.normal(size=p.value.dims) * 0.1)
+        comp = train.grad_update(loss) + train.sgd_update(loss, learning_rate=0.01)
+        code = ctx.lower(comp)
+        (text,), scratch = emit_ir(code, ctx_nodes(code))
+        defined = len(re.findall(r'define internal void @"item\d+"\(', text))
+        ctx, r = ctx.compile(comp)
+        for _ in range(2):
+            ctx.run(r)
+        return ([ctx.get_values(p).tobytes() for p in loss.params], defined, len(text),
+                len(scratch))
+
+    from ocannl.ir.lowering import nodes_of as ctx_nodes
+
+    bits, defined, size, scratch = run("-same")
+    assert scratch >= 4  # the layers' products read f32 copies of bf16 operands
+    monkeypatch.setattr(codegen.RoutineIR, "_same_item", lambda self, fn: fn)
+    ref_bits, ref_defined, ref_size, _ = run("-apart")
+    assert bits == ref_bits
+    assert defined <= ref_defined - 8, (defined, ref_defined)
+    assert size < 0.8 * ref_size

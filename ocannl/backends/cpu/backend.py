@@ -33,8 +33,7 @@ def emit_ir(code: list[Lowered], nodes: list[Tnode]
     """The LLVM IR of a routine over ``nodes``, one text per part (buffers named by position,
     so the same code over other nodes is the same text), and its scratch arrays (size, "f32" |
     "f64", the first and last item using it)."""
-    modules, scratch = routine_ir(code, nodes, jit.target())
-    return [str(m) for m in modules], scratch
+    return routine_ir(code, nodes, jit.target())
 
 
 class CpuBackend:
@@ -86,8 +85,8 @@ class CpuBackend:
             return compiled, False
         hit = jit.load(key)
         if hit is None:
-            modules, scratch = routine_ir(code, nodes, target)
-            address = jit.compile_ir(key, [str(m) for m in modules], scratch,
+            texts, scratch = routine_ir(code, nodes, target)
+            address = jit.compile_ir(key, texts, scratch,
                                      single_blas=shares_products(code, target))
             hit = (address, scratch, False)
         compiled = self._compiled[key] = CompiledRoutine(*hit)

@@ -119,8 +119,9 @@ class RoutineIR:
         self.uses = {} if uses is None else uses
         self.base = base  # the routine's items before this part's
         self.functions: dict[tuple[str, ir.Type], ir.Function] = {}
-        # Each item: its function, its slots, (its extent when shared, chunks per thread).
-        self.calls: list[tuple[ir.Function, list[int], tuple[int | None, int]]] = []
+        # Each item: its function, its slots, (its extent when shared, chunks per thread), the
+        # scratch arrays it uses (their numbers, in the order of its table).
+        self.calls: list[tuple[ir.Function, list[int], tuple[int | None, int], list[int]]] = []
         # Whether the nest being emitted copies a value unchanged (a cast): only then does a
         # signalling NaN's bit pattern survive to the store, and the f16 conversions keep it
         # as NumPy does. Arithmetic quiets a NaN whatever the conversion did, so elsewhere the
@@ -132,6 +133,12 @@ class RoutineIR:
         # The group's nodes kept in registers, and their values at the point being emitted.
         self.registers: frozenset[int] = frozenset()
         self.held: dict[int, ir.Value] = {}
+        # Each item function's text (its name left out) -> the function: an item whose text an
+        # earlier one of this part has is that one (``_same_item``); and the text of each
+        # function kept, by name (the module's text is made of them, not made again).
+        self.items_by_text: dict[str, ir.Function] = {}
+        self.item_texts: dict[str, str] = {}
+        self.jobs: dict[tuple[str, str], ir.Function] = {}  # (item, frame type) -> its job
 
     # --- plumbing ---------------------------------------------------------------------------
 
@@ -159,7 +166,7 @@ class RoutineIR:
         self.table = self.fn.args[0]
         self.args = {k: self.fn.args[1 + j] for j, k in enumerate(slots)}
         self.range = tuple(self.fn.args[-2:]) if split else None
-        self.scratch_pointers: dict[int, ir.Value] = {}
+        self.scratch_pointers: dict[int, ir.Value] = {}  # scratch number -> its address
         self.entry = ir.IRBuilder(self.fn.append_basic_block("entry"))
         self.b = ir.IRBuilder(self.fn.append_basic_block("start"))
         if self.avx:
@@ -172,22 +179,37 @@ class RoutineIR:
         yield
         self.entry.branch(self.fn.blocks[1])
         self.b.ret_void()
-        self.calls.append((self.fn, slots, (split, per_thread)))
+        self.calls.append((self._same_item(self.fn), slots, (split, per_thread),
+                           list(self.scratch_pointers)))
+
+    def _same_item(self, fn: ir.Function) -> ir.Function:
+        """``fn``, or the earlier item function of this part with the same text (its name
+        aside), ``fn`` then dropped: the items of a stack's layers, or of their parameters'
+        updates, are the same code over other buffers (the buffers are arguments), compiled
+        once. The same text is the same code, so nothing else needs to agree."""
+        text = str(fn)
+        same = self.items_by_text.setdefault(text.replace(f'@"{fn.name}"', "@item", 1), fn)
+        if same is fn:
+            self.item_texts[fn.name] = text
+        del self.module.globals[fn.name]  # in the module's text as ``item_texts``
+        return same
 
     def buffer(self, node: Tnode) -> ir.Value:
         return self.args[self.slots[node.id]]
 
     def scratch_for(self, size: int, role: str, elem: ir.Type) -> ir.Value:
         """The scratch array of ``role`` (a copy, a product's output, a scatter's f32 target),
-        allocated once per bound routine; its address follows the nodes' in the table. Each
-        use extends its span of items, which decides what it may share memory with."""
+        allocated once per bound routine. An item reads the addresses of those it uses from
+        its table argument, in the order it first uses them (``finish`` gives each call its
+        own table), so items differing only in which arrays they use are the same code. Each
+        use extends the array's span of items, which decides what it may share memory with."""
         k = self.scratch.setdefault((size, role, elem), len(self.scratch))
         at = self.base + len(self.calls)  # the item being emitted
         span = self.uses.setdefault(k, [at, at])
         span[0], span[1] = min(span[0], at), max(span[1], at)
         if k not in self.scratch_pointers:
             e = self.entry
-            address = e.load(e.gep(self.table, [const_int(len(self.nodes) + k)]))
+            address = e.load(e.gep(self.table, [const_int(len(self.scratch_pointers))]))
             self.scratch_pointers[k] = e.inttoptr(address, elem.as_pointer())
         return self.scratch_pointers[k]
 
@@ -237,21 +259,21 @@ class RoutineIR:
         b.branch(after)
         b.position_at_end(after)
 
-    def finish(self) -> ir.Module:
+    def finish(self) -> str:
         """Add ``part(table)``: load the addresses of the buffers the items use, call each
-        item in order. A split item goes to the thread pool (``pool.py``) with its arguments
-        in a frame: its outermost loop is cut into chunks (``per_thread`` per thread) that the
-        pool's threads claim."""
+        item in order, with a table of the scratch arrays it uses. A split item goes to the
+        thread pool (``pool.py``) with its arguments in a frame: its outermost loop is cut into
+        chunks (``per_thread`` per thread) that the pool's threads claim."""
         entry = ir.Function(self.module, ir.FunctionType(ir.VoidType(), [I64.as_pointer()]),
                             name="part")
         self.b = b = ir.IRBuilder(entry.append_basic_block("entry"))
         self.fn = entry
         table = entry.args[0]
-        used = sorted({k for _, slots, _ in self.calls for k in slots})
+        used = sorted({k for _, slots, _, _ in self.calls for k in slots})
         pointers = {k: b.inttoptr(b.load(b.gep(table, [const_int(k)])),
                                   _ELEM[self.nodes[k].prec].as_pointer()) for k in used}
-        for fn, slots, (split, per_thread) in self.calls:
-            args = [table, *(pointers[k] for k in slots)]
+        for fn, slots, (split, per_thread), scratch in self.calls:
+            args = [self._scratch_table(table, scratch), *(pointers[k] for k in slots)]
             if not split:
                 b.call(fn, args)
                 continue
@@ -262,12 +284,28 @@ class RoutineIR:
             b.call(self._pool_run(), [self._job(fn, frame_ty), b.bitcast(frame, _VOID_P),
                                       const_int(split), const_int(per_thread)])
         b.ret_void()
-        return self.module
+        return "\n".join([str(self.module), *self.item_texts.values()])
+
+    def _scratch_table(self, table: ir.Value, scratch: list[int]) -> ir.Value:
+        """The table of an item's call: the addresses of the scratch arrays it uses, in its
+        order, copied from the routine's table (which lists them after the nodes)."""
+        if not scratch:
+            return table
+        b = self.b
+        own = b.alloca(ir.ArrayType(I64, len(scratch)))
+        for j, k in enumerate(scratch):
+            address = b.load(b.gep(table, [const_int(len(self.nodes) + k)]))
+            b.store(address, b.gep(own, [ir.Constant(I32, 0), ir.Constant(I32, j)]))
+        return b.gep(own, [ir.Constant(I32, 0), ir.Constant(I32, 0)])
 
     def _job(self, fn: ir.Function, frame_ty: ir.Type) -> ir.Function:
         """``void job(void *frame, i64 lo, i64 hi)``: ``fn`` over ``[lo, hi)`` with the
-        arguments stored in the frame."""
-        run = ir.Function(self.module, pool.JOB, name=f"{fn.name}_job")
+        arguments stored in the frame (one per item function and frame type)."""
+        key = (fn.name, str(frame_ty))
+        if key in self.jobs:
+            return self.jobs[key]
+        run = self.jobs[key] = ir.Function(self.module, pool.JOB,
+                                           name=self.module.get_unique_name(f"{fn.name}_job"))
         run.linkage = "internal"
         b = ir.IRBuilder(run.append_basic_block("entry"))
         frame = b.bitcast(run.args[0], frame_ty.as_pointer())
@@ -911,17 +949,18 @@ def _part_bounds(code: list[Lowered], workers: int) -> list[int]:
 
 
 def routine_ir(code: list[Lowered], nodes: list[Tnode], target: Target
-               ) -> tuple[list[ir.Module], list[tuple[int, str, int, int]]]:
-    """The modules of a routine over ``nodes``, each defining ``part(table)``: the routine
-    runs them in order. Also its scratch arrays (size, "f32" | "f64", the first and the last
-    item using it), whose addresses follow the nodes' in the table: nothing in one outlives
-    a run, so arrays whose items do not overlap may share memory (``backend.py``). At most
-    ``target.workers`` parts, each of at least ``PART_NESTS`` nests (``_part_bounds``)."""
+               ) -> tuple[list[str], list[tuple[int, str, int, int]]]:
+    """The modules of a routine over ``nodes``, as LLVM IR text, each defining
+    ``part(table)``: the routine runs them in order. Also its scratch arrays (size, "f32" |
+    "f64", the first and the last item using it), whose addresses follow the nodes' in the
+    table: nothing in one outlives a run, so arrays whose items do not overlap may share
+    memory (``backend.py``). At most ``target.workers`` parts, each of at least
+    ``PART_NESTS`` nests (``_part_bounds``)."""
     bounds = _part_bounds(code, target.workers)
     scratch: dict[tuple[int, str, ir.Type], int] = {}
     copies: dict[int, tuple[tuple[int, str, ir.Type], int]] = {}
     uses: dict[int, list[int]] = {}
-    modules = []
+    texts: list[str] = []
     base = 0
     for_gemms, forwarded, derived = _for_gemms(code), _forwarded(code), _derived(code)
     gemm_outs: dict[int, tuple[int, str, ir.Type]] = {}
@@ -945,8 +984,8 @@ def routine_ir(code: list[Lowered], nodes: list[Tnode], target: Target
                         r.group(item)
             r.written(_written(item))
         base += len(r.calls)
-        modules.append(r.finish())
-    return modules, [(size, "f32" if ty == F32 else "f64", *uses[k])
+        texts.append(r.finish())
+    return texts, [(size, "f32" if ty == F32 else "f64", *uses[k])
                      for (size, _, ty), k in scratch.items()]
 
 
