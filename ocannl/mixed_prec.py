@@ -693,6 +693,10 @@ class ScaledStep(Recipe):
         self._routines: tuple[Routine, Routine] | None = None
         self._check: Routine | None = None
         self._read_checksum: Callable[[], float] | None = None
+        # The gradient routine's call, the checksum's reader and the update's call, once
+        # Context.run has checked both routines' inputs (no reducer): ``step``'s fast path.
+        self._calls: tuple[Callable[[], None], Callable[[], float], Callable[[], None]] | None \
+            = None
 
     def compile(self, ctx: Context) -> Context:
         ctx, grads = ctx.compile(self.grad_comp)
@@ -701,35 +705,48 @@ class ScaledStep(Recipe):
         ctx, update = ctx.compile(self.update_comp)
         self._routines = (grads, update)
         self._read_checksum = ctx.reader(self.checksum)
+        self._calls = None
         self._bind(ctx)
         return ctx
 
     def step(self, ctx: Context) -> Context:
         if ctx is not self._ctx:
             self._check_ctx(ctx)  # raises, saying why
-        assert self._routines is not None
-        grads, update = self._routines
-        _run(ctx, grads)
-        if self.reducer is not None:
-            assert self._check is not None
-            ctx = self.reducer.reduce(ctx, self.scaler)
-            ctx = ctx.run(self._check)
-        finite = math.isfinite(self._read_checksum())
+        calls = self._calls
+        if calls is None:
+            return self._step_checked(ctx)
+        grads, read, update = calls
+        grads()
+        finite = _isfinite(read())
         if finite:
-            _run(ctx, update)
+            update()
         ctx = self._close_window(ctx, 1, 0 if finite else 1)  # a window of one step
         self.last_applied = finite
         return ctx
 
+    def _step_checked(self, ctx: Context) -> Context:
+        """A step through ``Context.run``, until it has checked both routines' inputs (every
+        step with a reducer); then :meth:`step` calls them directly."""
+        assert self._routines is not None and self._read_checksum is not None
+        grads, update = self._routines
+        ctx = ctx.run(grads)
+        if self.reducer is not None:
+            assert self._check is not None
+            ctx = self.reducer.reduce(ctx, self.scaler)
+            ctx = ctx.run(self._check)
+        finite = _isfinite(self._read_checksum())
+        if finite:
+            ctx = ctx.run(update)
+        ctx = self._close_window(ctx, 1, 0 if finite else 1)
+        self.last_applied = finite
+        if self.reducer is None and grads.checked and update.checked:
+            self._calls = (grads.call, self._read_checksum, update.call)
+        return ctx
 
-def _run(ctx: Context, routine: Routine) -> None:
-    """``ctx.run(routine)`` for a recipe's own routine (compiled on ``ctx``, which the step
-    checked): called directly once Context.run has checked its inputs. A small model's step
-    takes a few microseconds, and a recipe's own Python is most of what it adds."""
-    if routine.checked:
-        routine.call()
-    else:
-        ctx.run(routine)
+
+# A recipe's step on a small model takes a few microseconds, and its own Python is most of
+# what a recipe adds to the routines' time: module-level names are the cheapest to reach.
+_isfinite = math.isfinite
 
 
 def scaled_step(scaler: Loss_scaler, loss: Tensor, optimizer: Optimizer, *,
@@ -778,24 +795,33 @@ class GatedStep(Recipe):
         self.nonfinite_seen = flag
         self._routine: Routine | None = None
         self._read_seen: Callable[[], float] | None = None
+        # The routine's call once Context.run has checked its inputs (no reducer).
+        self._call: Callable[[], None] | None = None
 
     def compile(self, ctx: Context) -> Context:
         if self.reducer is not None:
             ctx, self._grads = ctx.compile(self.grad_comp)
         ctx, self._routine = ctx.compile(self.comp)
         self._read_seen = ctx.reader(self.nonfinite_seen)
+        self._call = None
         self._bind(ctx)
         return ctx
 
     def step(self, ctx: Context) -> Context:
         if ctx is not self._ctx:
             self._check_ctx(ctx)  # raises, saying why
-        assert self._routine is not None
-        if self.reducer is not None:
-            assert self._grads is not None
-            ctx = ctx.run(self._grads)
-            ctx = self.reducer.reduce(ctx, self.scaler)
-        _run(ctx, self._routine)
+        call = self._call
+        if call is not None:
+            call()
+        else:
+            assert self._routine is not None
+            if self.reducer is not None:
+                assert self._grads is not None
+                ctx = ctx.run(self._grads)
+                ctx = self.reducer.reduce(ctx, self.scaler)
+            ctx = ctx.run(self._routine)
+            if self.reducer is None and self._routine.checked:
+                self._call = self._routine.call
         self.pending += 1
         if self.pending >= self.check_interval:
             ctx = self.flush(ctx)
