@@ -107,6 +107,7 @@ def time_steps(fx: Fixture, runners: list[Runner], rows: list[Row], log: Log,
                 samples.append(clock() - t0)
         step += per_round
     for r, row in live:
+        row.rounds = w.rounds
         row.finish_timing()
         row.mem_bytes = r.mem_bytes()
         log(f"  time {row.name}: p50 {row.p50 * 1e3:.3f} ms")

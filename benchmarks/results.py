@@ -23,6 +23,7 @@ class Row:
     p50: float | None = None
     p90: float | None = None
     steps_timed: int = 0
+    rounds: int = 0  # the interleaved rounds the samples were taken in, in order
     build_s: float | None = None  # in the benchmark process (cache state as found)
     compile_cold_s: float | None = None  # fresh process, empty on-disk cache
     compile_warm_s: float | None = None  # fresh process, cache filled by the cold one
@@ -47,6 +48,21 @@ class Row:
         d = asdict(self)
         d.pop("samples")
         return d
+
+
+def paired_ratio(a: Row, b: Row) -> float | None:
+    """The median, over the timing rounds, of ``a``'s median step over ``b``'s in the same
+    round (None without samples). This project's rows of one round run within milliseconds of
+    each other, so each round's ratio compares steps that met one state of a noisy machine
+    (this one switches speeds every few tens of milliseconds), where the ratio of the p50s
+    compares two mixtures of both."""
+    n, rounds = len(a.samples), a.rounds
+    if rounds < 1 or n == 0 or b.rounds != rounds or len(b.samples) != n or n % rounds:
+        return None
+    per = n // rounds
+    pa = np.median(np.reshape(a.samples, (rounds, per)), axis=1)
+    pb = np.median(np.reshape(b.samples, (rounds, per)), axis=1)
+    return float(np.median(pa / pb))
 
 
 def relative_error(got: list[float], ref: list[float]) -> float:

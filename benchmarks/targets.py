@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from benchmarks.compile_chain import per_op_growth
-from benchmarks.results import Row
+from benchmarks.results import Row, paired_ratio
 from benchmarks.specs import WORKLOADS
 
 # Variants whose step is held to the f32 step's ("bf16 and f16 step / own f32 step"); "f16" is
@@ -187,14 +187,27 @@ def step_targets(rows: list[Row], sgemm_flops: float | None) -> list[Target]:
         f32 = _p50(rows, wl, "ocannl", "f32")
         for v in HALF_VARIANTS:
             out.append(_target("half", f"{wl} {v} step / f32 step",
-                               _ratio(_p50(rows, wl, "ocannl", v), f32)))
+                               _ratio(_p50(rows, wl, "ocannl", v), f32),
+                               _paired(rows, wl, v, "f32")))
     for wl in names:
         static = _p50(rows, wl, "ocannl", "f16-static")
         out.append(_target("gate", f"{wl} f16 (host gate) / f16-static",
-                           _ratio(_p50(rows, wl, "ocannl", "f16"), static)))
+                           _ratio(_p50(rows, wl, "ocannl", "f16"), static),
+                           _paired(rows, wl, "f16", "f16-static")))
         out.append(_target("gated16", f"{wl} f16-gated16 / f16-static",
-                           _ratio(_p50(rows, wl, "ocannl", "f16-gated16"), static)))
+                           _ratio(_p50(rows, wl, "ocannl", "f16-gated16"), static),
+                           _paired(rows, wl, "f16-gated16", "f16-static")))
     return out
+
+
+def _paired(rows: list[Row], wl: str, a: str, b: str) -> str:
+    """A note with the ratio of two of this project's rows paired by round
+    (``results.paired_ratio``), shown beside the target's ratio of p50s, which decides."""
+    ra, rb = _find(rows, wl, "ocannl", a), _find(rows, wl, "ocannl", b)
+    if ra is None or rb is None or ra.status != "ok" or rb.status != "ok":
+        return ""
+    paired = paired_ratio(ra, rb)
+    return "" if paired is None else f"paired by round: {paired:.3f}x"
 
 
 def probe_targets(rows: list[Row]) -> list[Target]:

@@ -156,6 +156,29 @@ def test_sgemm_yardstick_runs_first_in_every_round(tmp_path: Path,
     assert "300 then 100 GFLOP/s alone" in text and "200 GFLOP/s in mlp_wide's rounds" in text
 
 
+def test_paired_ratio_compares_rows_round_by_round() -> None:
+    """Rows whose rounds meet a machine of two speeds in different proportions: the ratio of
+    their p50s mixes the speeds, the paired ratio (each round's medians, then their median)
+    is the per-round factor; the gate targets carry it in their note."""
+    from benchmarks.results import paired_ratio
+
+    speeds = [1.0, 1.0, 1.6, 1.0, 1.6, 1.6, 1.6]  # the machine's state in each round
+    static = Row("mlp_small", "ocannl", "cpu", "f16-static", status="ok", rounds=7)
+    gated = Row("mlp_small", "ocannl", "cpu", "f16-gated16", status="ok", rounds=7)
+    for k, speed in enumerate(speeds):
+        static.samples += [speed * 10e-6 * (1 + 0.01 * i) for i in range(5)]
+        # the gated rows' rounds came a little later: in the slow state one round earlier
+        gated.samples += [(speeds[k + 1] if k + 1 < 7 else speed) * 10.2e-6 * (1 + 0.01 * i)
+                          for i in range(5)]
+    for r in (static, gated):
+        r.finish_timing()
+    assert paired_ratio(gated, static) == pytest.approx(1.02)
+    assert gated.p50 / static.p50 != pytest.approx(1.02, abs=0.01)
+    assert paired_ratio(gated, replace(static, rounds=5)) is None  # not the same rounds
+    found = {t.name: t for t in targets.evaluate([static, gated], sgemm_flops=None)}
+    assert found["mlp_small f16-gated16 / f16-static"].note == "paired by round: 1.020x"
+
+
 def test_convnet_fixture(tmp_path: Path) -> None:
     pytest.importorskip("sklearn")
     fx = fixtures.load(CONV, tmp_path)
