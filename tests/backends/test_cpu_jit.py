@@ -269,6 +269,40 @@ def test_parts_are_balanced_by_nests_not_items(monkeypatch, tmp_path):
     np.testing.assert_array_equal(np.frombuffer(bits[0], np.float32), [301.0, 302.0, 303.0])
 
 
+def _run_guarded(comp, values: dict) -> dict:  # noqa: ANN001
+    """Run ``comp``'s compiled routine on buffers with 32 guard cells on each side; assert the
+    guards are untouched; the buffers' values after the run, as float64, by label."""
+    import ctypes
+
+    from ocannl.backends.cpu.backend import CpuBackend, scratch_arrays
+    from ocannl.ir.lowering import lower, nodes_of
+
+    code = lower(comp)
+    nodes = nodes_of(code)
+    compiled, _ = CpuBackend().compile("guarded", code, nodes)
+    pad, padded = 32, {}
+    for n in nodes:
+        bits = np.asarray(values[n.label], n.prec.numpy_dtype).reshape(-1)
+        if n.prec.is_narrow:
+            bits = bits.view(np.uint16)
+        a = np.full(n.size + 2 * pad, 0x7777, bits.dtype)
+        a[pad:pad + n.size] = bits
+        padded[n.label] = a
+    arrays = [padded[n.label][pad:pad + n.size] for n in nodes]
+    arrays += scratch_arrays(compiled.scratch)
+    table = np.array([a.ctypes.data for a in arrays], dtype=np.int64)
+    ctypes.CFUNCTYPE(None, ctypes.c_void_p)(compiled.address)(table.ctypes.data)
+    out = {}
+    for n in nodes:
+        a, mark = padded[n.label], padded[n.label].dtype.type(0x7777)
+        assert (a[:pad] == mark).all() and (a[-pad:] == mark).all(), \
+            f"{n.label}: written outside its buffer"
+        body = a[pad:-pad]
+        out[n.label] = (body.view(n.prec.numpy_dtype) if n.prec.is_narrow else body).astype(
+            np.float64).reshape(n.dims)
+    return out
+
+
 @pytest.mark.parametrize("prec", ["bf16", "f16"])
 @pytest.mark.parametrize("cells,terms", [(9, 3), (9, 8), (7, 3), (13, 5)])
 def test_16_bit_cells_of_short_loops_are_written_alone(prec, cells, terms):
@@ -277,42 +311,40 @@ def test_16_bit_cells_of_short_loops_are_written_alone(prec, cells, terms):
     and nothing around the buffers changes. LLVM 22 vectorized such a loop with a masked
     remainder and stored its one 16-bit lane as 32 bits, zeroing the next cell and writing
     past the buffer's end (``jit._LLVM_OPTIONS``)."""
-    import ctypes
-
-    import ml_dtypes
-
-    from ocannl.backends.cpu.backend import CpuBackend, scratch_arrays
     from ocannl.ir.assignments import Accum, Comp, Get, apply
-    from ocannl.ir.lowering import lower, nodes_of
     from ocannl.ir.ops import Precision
     from ocannl.ir.tnode import Tnode
 
     p = Precision(prec)
-    dt = ml_dtypes.bfloat16 if prec == "bf16" else np.float16
     x, y = Tnode("x", (2, cells, terms), p), Tnode("y", (terms, 10), p)
     out = Tnode("out", (2, 10, cells), p)
     comp = Comp((Accum(out, (0, 1, 2), "+", apply("mul", Get(x, (0, 2, 3)), Get(y, (3, 1))),
                        (2, 10, cells, terms), reset=False),))
-    code = lower(comp)
-    nodes = nodes_of(code)
-    compiled, _ = CpuBackend().compile("short", code, nodes)
     rng = np.random.default_rng(cells * terms)
-    values = {n.label: rng.normal(size=n.size).astype(dt) for n in nodes}
-    pad, mark = 32, np.uint16(0x7777)
-    padded = {n.label: np.full(n.size + 2 * pad, mark, np.uint16) for n in nodes}
-    for n in nodes:
-        padded[n.label][pad:pad + n.size] = values[n.label].view(np.uint16)
-    arrays = [padded[n.label][pad:pad + n.size] for n in nodes]
-    arrays += scratch_arrays(compiled.scratch)
-    table = np.array([a.ctypes.data for a in arrays], dtype=np.int64)
-    ctypes.CFUNCTYPE(None, ctypes.c_void_p)(compiled.address)(table.ctypes.data)
-    for n in nodes:
-        assert (padded[n.label][:pad] == mark).all() and (padded[n.label][-pad:] == mark).all(), n
+    values = {n.label: rng.normal(size=n.dims).astype(p.numpy_dtype) for n in (x, y, out)}
+    got = _run_guarded(comp, values)
     wide = {k: v.astype(np.float64) for k, v in values.items()}
-    want = (np.einsum("bad,dc->bca", wide["x"].reshape(x.dims), wide["y"].reshape(y.dims))
-            + wide["out"].reshape(out.dims))
-    got = padded["out"][pad:-pad].view(dt).astype(np.float64).reshape(out.dims)
-    np.testing.assert_allclose(got, want, rtol=2.0 ** -7, atol=1e-2)
+    want = np.einsum("bad,dc->bca", wide["x"], wide["y"]) + wide["out"]
+    np.testing.assert_allclose(got["out"], want, rtol=2.0 ** -7, atol=1e-2)
+
+
+@pytest.mark.parametrize("dims", [(9, 9), (9, 12), (5, 9, 14)])
+def test_a_16_bit_accumulation_of_a_few_cells_a_row_is_written_alone(dims):
+    """``y += relu(x)``, f32 into bf16, over rows of 9 to 14 cells: the simplest loop the
+    miscompile above hit (found by a random search with guard cells around every buffer)."""
+    from ocannl.ir.assignments import Accum, Comp, Get, apply
+    from ocannl.ir.ops import Precision
+    from ocannl.ir.tnode import Tnode
+
+    axes = tuple(range(len(dims)))
+    x, y = Tnode("x", dims, Precision.f32), Tnode("y", dims, Precision.bf16)
+    comp = Comp((Accum(y, axes, "+", apply("relu", Get(x, axes)), dims),))
+    rng = np.random.default_rng(len(dims))
+    values = {"x": rng.normal(size=dims).astype(np.float32),
+              "y": rng.normal(size=dims).astype(Precision.bf16.numpy_dtype)}
+    got = _run_guarded(comp, values)
+    want = values["y"].astype(np.float64) + np.maximum(values["x"], 0)
+    np.testing.assert_allclose(got["y"], want, rtol=2.0 ** -8, atol=0)
 
 
 def test_items_with_the_same_code_are_compiled_once(monkeypatch, tmp_path):
