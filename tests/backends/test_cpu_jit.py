@@ -3,12 +3,15 @@ and the value, before anything is compiled or allocated."""
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
 
 import numpy as np
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 import ocannl.tensor as T
 from ocannl import Context, train
@@ -390,3 +393,58 @@ def test_items_with_the_same_code_are_compiled_once(monkeypatch, tmp_path):
     assert bits == ref_bits
     assert defined <= ref_defined - 8, (defined, ref_defined)
     assert size < 0.8 * ref_size
+
+
+@st.composite
+def _nests_16_bit(draw):  # noqa: ANN001, ANN202
+    """One assignment into a 16-bit node: 1 to 3 axes, most a few vectors' worth plus one
+    cell (9 = 8 + 1: the remainder LLVM 22 miscompiled was one lane), some summed, the others
+    permuted into the target; an f32 or 16-bit operand; overwritten, reset or added."""
+    sizes = st.sampled_from([9, 9, 9, 5, 13, 17, 3, 12])
+    dims = tuple(draw(st.lists(sizes, min_size=1, max_size=3)))
+    axes = list(range(len(dims)))
+    red = draw(st.lists(st.sampled_from(axes), unique=True, max_size=len(dims) - 1))
+    kept = draw(st.permutations([i for i in axes if i not in red]))
+    out_prec = draw(st.sampled_from(["bf16", "f16"]))
+    in_prec = draw(st.sampled_from(["bf16", "f16", "f32"]))
+    accum = "+" if red else draw(st.sampled_from(["=", "+"]))
+    reset = accum == "+" and draw(st.booleans())
+    op = draw(st.sampled_from(["mul", "add", "relu", "neg"]))
+    return dims, red, kept, out_prec, in_prec, accum, reset, op, draw(st.integers(0, 2**16))
+
+
+@settings(max_examples=60, deadline=None)
+@given(_nests_16_bit())
+# two that the random search found to hit LLVM 22's miscompile
+@example(((9, 9), [], [0, 1], "bf16", "f32", "+", False, "relu", 1))
+@example(((9, 12), [1], [0], "bf16", "f32", "+", False, "mul", 1))
+def test_random_16_bit_nests_write_their_cells_and_nothing_else(case):
+    """Random loop nests into 16-bit targets (the shapes where vectorized loops need
+    remainders) compute NumPy's values and write nothing outside their buffers: the guard
+    against a back end's miscompile of narrow stores, like LLVM 22's above."""
+    from ocannl.ir.assignments import Accum, Comp, Const, Get, apply
+    from ocannl.ir.ops import Precision
+    from ocannl.ir.tnode import Tnode
+
+    dims, red, kept, out_prec, in_prec, accum, reset, op, seed = case
+    axes = tuple(range(len(dims)))
+    x = Tnode("x", dims, Precision(in_prec))
+    y = Tnode("y", tuple(dims[i] for i in kept), Precision(out_prec))
+    got = Get(x, axes)
+    expr = apply(op, got, Const(1.5)) if op in ("mul", "add") else apply(op, got)
+    comp = Comp((Accum(y, tuple(kept), accum, expr, dims, reset=reset),))
+    rng = np.random.default_rng(seed)
+    values = {"x": rng.normal(size=dims).astype(x.prec.numpy_dtype),
+              "y": rng.normal(size=y.dims).astype(y.prec.numpy_dtype)}
+    out = _run_guarded(comp, values)["y"]
+    f = {"mul": lambda v: v * 1.5, "add": lambda v: v + 1.5, "relu": lambda v: np.maximum(v, 0),
+         "neg": lambda v: -v}[op]
+    terms = f(values["x"].astype(np.float64))
+    summed = terms.sum(axis=tuple(red)) if red else terms
+    rest = [i for i in axes if i not in red]
+    want = np.transpose(summed, [rest.index(i) for i in kept]).reshape(y.dims)
+    if accum == "+" and not reset:
+        want = want + values["y"].astype(np.float64)
+    n = math.prod(dims[i] for i in red)
+    bound = 2.0 ** -7 * (np.abs(want) + n * (1.5 + np.abs(values["x"]).max()))
+    np.testing.assert_array_less(np.abs(out - want), bound + 1e-3)
