@@ -204,7 +204,7 @@ _LEVEL = 2
 # x86 back end lowers a masked store of one 16-bit lane (a bf16 cell, narrowed from 32 bits)
 # as a 32-bit store, writing 0 over the next cell and, at a buffer's end, past it. With no
 # trip count counted as tiny, such loops end with scalar iterations instead, as longer ones
-# do (``tests/backends/test_cpu_exact_stores.py``).
+# do (``tests/backends/test_cpu_jit.py``).
 _LLVM_OPTIONS = ("-vectorizer-min-trip-count=0",)
 
 
