@@ -90,10 +90,7 @@ def time_steps(fx: Fixture, runners: list[Runner], rows: list[Row], log: Log,
         previous = None
         if yardstick is not None:
             time.sleep(SETTLE_S)
-            for _ in range(yardstick.calls):
-                t0 = clock()
-                yardstick.step()
-                yardstick.samples.append(clock() - t0)
+            yardstick.time()
             previous = yardstick
         for r, row in live:
             if previous is None or "ocannl" != previous.framework or "ocannl" != r.framework:

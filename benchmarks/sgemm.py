@@ -10,18 +10,13 @@ FRAMEWORK = "numpy"  # how the rounds tell it from this project's rows (a pause 
 
 
 def sgemm_rate(n: int = 1024, reps: int = 15, seed: int = 0) -> float:
-    """Median FLOP/s of ``np.dot`` on two f32 ``n x n`` matrices (after one warm-up call)."""
-    rng = np.random.default_rng(seed)
-    a = rng.standard_normal((n, n), dtype=np.float32)
-    b = rng.standard_normal((n, n), dtype=np.float32)
-    out = np.empty((n, n), np.float32)
-    np.dot(a, b, out=out)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        np.dot(a, b, out=out)
-        times.append(time.perf_counter() - t0)
-    return 2.0 * n**3 / float(np.median(times))
+    """Median FLOP/s of ``np.dot`` on two f32 ``n x n`` matrices (after one warm-up call),
+    measured alone."""
+    alone = SgemmInRounds(n, calls=reps, seed=seed)
+    alone.time()
+    rate = alone.rate()
+    assert rate is not None
+    return rate
 
 
 class SgemmInRounds:
@@ -43,6 +38,14 @@ class SgemmInRounds:
 
     def step(self) -> None:
         np.dot(self.a, self.b, out=self.out)
+
+    def time(self) -> None:
+        """Time ``calls`` products, one sample each."""
+        clock = time.perf_counter
+        for _ in range(self.calls):
+            t0 = clock()
+            self.step()
+            self.samples.append(clock() - t0)
 
     def rate(self) -> float | None:
         """FLOP/s at the median product time, or None before any round."""

@@ -405,8 +405,8 @@ def f32_to_bf16_exact(b: ir.IRBuilder, f: ir.Value) -> ir.Value:
     """:func:`f32_to_bf16` of an ``f`` that bf16 represents (or a NaN): its top half, with no
     rounding to do; a NaN still becomes the quiet NaN of its sign."""
     bits = b.bitcast(f, I32)
-    nan = b.or_(b.and_(bits, _c32(0x80000000)), _c32(0x7FC00000))
-    return b.trunc(b.lshr(b.select(b.fcmp_unordered("uno", f, f), nan, bits), _c32(16)), I16)
+    return b.trunc(b.lshr(b.select(b.fcmp_unordered("uno", f, f), _bf16_quiet_nan(b, bits),
+                                   bits), _c32(16)), I16)
 
 
 def f32_round_bf16(b: ir.IRBuilder, f: ir.Value) -> ir.Value:
@@ -422,5 +422,9 @@ def _bf16_rounded_bits(b: ir.IRBuilder, f: ir.Value) -> ir.Value:
     bits = b.bitcast(f, I32)
     odd = b.and_(b.lshr(bits, _c32(16)), _c32(1))
     rounded = b.add(b.add(bits, _c32(0x7FFF)), odd)
-    nan = b.or_(b.and_(bits, _c32(0x80000000)), _c32(0x7FC00000))
-    return b.select(b.fcmp_unordered("uno", f, f), nan, rounded)
+    return b.select(b.fcmp_unordered("uno", f, f), _bf16_quiet_nan(b, bits), rounded)
+
+
+def _bf16_quiet_nan(b: ir.IRBuilder, bits: ir.Value) -> ir.Value:
+    """The f32 bits whose top half is bf16's quiet NaN with the sign of ``bits``."""
+    return b.or_(b.and_(bits, _c32(0x80000000)), _c32(0x7FC00000))
