@@ -20,7 +20,8 @@ Log = Callable[[str], None]
 # after their last call, and would steal the cores. This project's rows follow one another
 # without a pause (the pool's workers spin for about 40 us), so they run within milliseconds
 # of each other and meet the same state of a noisy machine: their ratios compare like with
-# like.
+# like. Their order turns by one every round (``round_order``): on a machine that slows down
+# for some 70 ms in every 200, identical rows in a fixed order differed by up to 23% at p50.
 SETTLE_S = 0.1
 
 
@@ -72,6 +73,21 @@ def parity(fx: Fixture, runners: list[Runner], rows: list[Row], ref: Runner, log
             f"(tol {row.tolerance:.0e}) {'pass' if ok else 'FAIL'}")
 
 
+def round_order(live: list, k: int) -> list:
+    """The rows in round ``k``'s order: each run of one framework's rows (kept in place, so
+    the pauses between frameworks stay as few) turned left by ``k``, so that every row of
+    this project takes every place in its run as often as the others."""
+    out: list = []
+    start = 0
+    for end in range(1, len(live) + 1):
+        if end == len(live) or live[end][0].framework != live[start][0].framework:
+            run = live[start:end]
+            turn = k % len(run)
+            out += run[turn:] + run[:turn]
+            start = end
+    return out
+
+
 def time_steps(fx: Fixture, runners: list[Runner], rows: list[Row], log: Log,
                yardstick: SgemmInRounds | None = None) -> None:
     """Warm up, then time ``timed_steps`` steps per passing runner over interleaved rounds;
@@ -86,13 +102,13 @@ def time_steps(fx: Fixture, runners: list[Runner], rows: list[Row], log: Log,
     step += w.warmup_steps
     per_round = max(1, w.timed_steps // w.rounds)
     clock = time.perf_counter
-    for _ in range(w.rounds):
+    for k in range(w.rounds):
         previous = None
         if yardstick is not None:
             time.sleep(SETTLE_S)
             yardstick.time()
             previous = yardstick
-        for r, row in live:
+        for r, row in round_order(live, k):
             if previous is None or "ocannl" != previous.framework or "ocannl" != r.framework:
                 time.sleep(SETTLE_S)
             previous = r
@@ -116,7 +132,8 @@ def measure(fx: Fixture, runners: list[Runner], ref: Runner, log: Log = print,
             yardstick: SgemmInRounds | None = None) -> list[Row]:
     """Build, gate and time ``runners`` on ``fx``; ``ref`` (among them) is the parity oracle;
     ``yardstick``: NumPy's sgemm, timed in the same rounds."""
-    rows = [Row(fx.workload.name, r.framework, r.device, r.variant) for r in runners]
+    rows = [Row(fx.workload.name, r.framework, r.device, r.variant,
+                control=getattr(r, "control", False)) for r in runners]
     build_all(runners, rows, log)
     parity(fx, runners, rows, ref, log)
     time_steps(fx, runners, rows, log, yardstick)

@@ -8,8 +8,8 @@ from collections import defaultdict
 from pathlib import Path
 
 from benchmarks.results import Row
-from benchmarks.specs import VARIANTS, WORKLOADS, Workload
-from benchmarks.targets import Summary, Target, summarize
+from benchmarks.specs import CONTROL_VARIANT, VARIANTS, WORKLOADS, Workload
+from benchmarks.targets import Summary, Target, aa_control, summarize
 
 OBSTACLES = Path(__file__).resolve().parent / "OBSTACLES.md"
 
@@ -44,7 +44,7 @@ def _compile(s: float | None, setup: float | None) -> str:
 def _label(r: Row) -> str:
     if r.framework == "torch":
         return {"eager": "PyTorch eager", "compile": "torch.compile"}[r.variant] + f" ({r.device})"
-    return f"ocannl {r.variant} ({r.device})"
+    return f"ocannl {r.variant} ({r.device})" + (", A/A control" if r.control else "")
 
 
 def sgemm_line(info: dict) -> str:
@@ -63,6 +63,16 @@ def sgemm_line(info: dict) -> str:
         text += f"{fmt(info['sgemm'] and info['sgemm'] / 1e9, '.0f')} GFLOP/s, measured in " \
             "this run"
     return text
+
+
+def aa_line(rows: list[Row]) -> list[str]:
+    """The workload's A/A control against its twin, when both were timed."""
+    aa = aa_control(rows, rows[0].workload)
+    if aa is None:
+        return []
+    paired = "" if aa[1] is None else f", paired by round {aa[1]:.3f}x"
+    return [f"- A/A control: a second {CONTROL_VARIANT} runner, timed in the same rounds, ran "
+            f"at {aa[0]:.3f}x its twin's p50{paired}: no code differs between them.", ""]
 
 
 def table(rows: list[Row], sgemm: float | None) -> list[str]:
@@ -285,7 +295,11 @@ def render(rows: list[Row], targets: list[Target], info: dict, chart: str | None
         "only where it passes. Step times are p10 / p50 / p90 of per-step wall times after "
         "warm-up, the runners interleaved in rounds so background load falls on all alike "
         "(a pause of 0.1 s before a framework's rows, for the other's spinning threads; "
-        "this project's rows back to back). "
+        "this project's rows back to back, their order turned by one each round so that "
+        "each takes every place alike). An A/A control, a second "
+        f"{CONTROL_VARIANT} runner timed in the same rounds, measures the run's own noise on "
+        "ratios between this project's rows: a ratio closer to its goal than the control to "
+        "its twin is marked as within that noise. "
         "Compile time is measured in a fresh process: *cold* with empty on-disk caches "
         "(`OCANNL_CACHE_DIR`, `TORCHINDUCTOR_CACHE_DIR`), *warm* with the caches the cold run "
         "filled; it covers building the graph, lowering and compiling (torch.compile: its first "
@@ -312,7 +326,7 @@ def render(rows: list[Row], targets: list[Target], info: dict, chart: str | None
         if name == "mlp_wide":
             out += [f"GEMM FLOPs per step: {w.gemm_flops() / 1e9:.3f} G (forward, weight "
                     "gradients, input gradients but the first layer's).", ""]
-        out += table(wrows, info["sgemm"]) + [""]
+        out += table(wrows, info["sgemm"]) + [""] + aa_line(wrows)
     out += ["## Issue 12's targets (CPU, medians, ratios from this run)", "",
             "The issue's table, row for row: *at filing* is the issue's \"now\", *measured* "
             "this run's figure (a range where the row covers several workloads), *met / by how "

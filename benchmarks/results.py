@@ -31,11 +31,15 @@ class Row:
     setup_warm_s: float | None = None
     peak_rss_mib: float | None = None  # fresh process: peak resident growth over imports
     mem_bytes: int | None = None  # device buffers held, where the runner knows
+    # The A/A control: a second runner of a row already in the run (``specs.CONTROL_VARIANT``),
+    # timed in the same rounds; no target reads it, its ratio to the first is the run's noise.
+    control: bool = False
     samples: list[float] = field(default_factory=list, repr=False)
 
     @property
     def name(self) -> str:
-        return f"{self.framework} {self.device} {self.variant}"
+        return f"{self.framework} {self.device} {self.variant}" + (
+            " (A/A control)" if self.control else "")
 
     def finish_timing(self) -> None:
         """Fill p10 / p50 / p90 from the collected per-step samples."""
@@ -54,7 +58,7 @@ def paired_ratio(a: Row, b: Row) -> float | None:
     """The median, over the timing rounds, of ``a``'s median step over ``b``'s in the same
     round (None without samples). This project's rows of one round run within milliseconds of
     each other, so each round's ratio compares steps that met one state of a noisy machine
-    (this one switches speeds every few tens of milliseconds), where the ratio of the p50s
+    (this one ran about 1.6x slower for some 70 ms in every 200), where the ratio of the p50s
     compares two mixtures of both."""
     n, rounds = len(a.samples), a.rounds
     if rounds < 1 or n == 0 or b.rounds != rounds or len(b.samples) != n or n % rounds:

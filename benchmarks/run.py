@@ -34,7 +34,7 @@ from benchmarks.probe import run_probe  # noqa: E402
 from benchmarks.results import Row  # noqa: E402
 from benchmarks.runners import make_runner, row_specs  # noqa: E402
 from benchmarks.sgemm import SgemmInRounds, sgemm_rate  # noqa: E402
-from benchmarks.specs import WORKLOADS, scaled  # noqa: E402
+from benchmarks.specs import CONTROL_VARIANT, WORKLOADS, scaled  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 PROBE_STEPS = 3
@@ -82,7 +82,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def probe_rows(rows: list[Row]) -> None:
     """Fill compile times (cold, warm) and peak memory from fresh processes."""
     for r in rows:
-        if r.status not in ("ok", "parity-fail"):
+        if r.status not in ("ok", "parity-fail") or r.control:  # the control: as its twin
             continue
         compiles = r.framework == "ocannl" or r.variant == "compile"
         with tempfile.TemporaryDirectory(prefix="ocannl-bench-") as tmp:
@@ -107,8 +107,8 @@ def slowest_rows(rows: list[Row], k: int) -> list[Row]:
     p50 (at most one per workload), furthest behind first."""
     eager = {r.workload: r.p50 for r in rows
              if (r.framework, r.variant, r.device, r.status) == ("torch", "eager", "cpu", "ok")}
-    ranked = sorted((r for r in rows if (r.framework, r.device, r.status) ==
-                     ("ocannl", "cpu", "ok") and eager.get(r.workload) and r.p50),
+    ranked = sorted((r for r in rows if (r.framework, r.device, r.status, r.control) ==
+                     ("ocannl", "cpu", "ok", False) and eager.get(r.workload) and r.p50),
                     key=lambda r: r.p50 / eager[r.workload], reverse=True)
     out: list[Row] = []
     for r in ranked:
@@ -181,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         fx = load(w, args.fixtures)
         log(f"{name}:")
         runners = [make_runner(fx, *s) for s in specs]
+        if ("ocannl", CONTROL_VARIANT, "cpu") in specs:  # the A/A control, timed with the rest
+            runners.append(make_runner(fx, "ocannl", CONTROL_VARIANT, "cpu", control=True))
         # The wide step's yardstick, timed in its rounds: the same machine states as the step.
         in_rounds = SgemmInRounds() if name == "mlp_wide" else None
         rows += measure(fx, runners, runners[0], log, yardstick=in_rounds)

@@ -16,6 +16,11 @@ VARIANTS = {
     "f16-gated16": ("f16", "f16 twins, fused on-device gate, host check every 16 steps"),
 }
 
+# The variant timed twice per workload, the second runner as the A/A control: two identical
+# rows in the same rounds differ only by the machine's noise, which their ratio measures (this
+# one's denominator is that of the gate targets, the finest goals: 3%).
+CONTROL_VARIANT = "f16-static"
+
 
 @dataclass(frozen=True)
 class Workload:

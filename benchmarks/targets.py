@@ -8,11 +8,11 @@ into one ``Target`` per workload (or per chain length) that the run can speak to
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from benchmarks.compile_chain import per_op_growth
 from benchmarks.results import Row, paired_ratio
-from benchmarks.specs import WORKLOADS
+from benchmarks.specs import CONTROL_VARIANT, WORKLOADS
 
 # Variants whose step is held to the f32 step's ("bf16 and f16 step / own f32 step"); "f16" is
 # the host-gated one, the issue's plain f16.
@@ -71,6 +71,17 @@ class Target:
     key: str = ""  # the ``Goal`` this instance belongs to
     note: str = ""  # what the figure is made of, or why it is missing
     lower_bound: bool = False  # ``measured`` is a floor of the true figure (a timeout)
+    # For a ratio of two of this project's rows: how far the workload's A/A control, timed in
+    # the same rounds, stood from its twin (|p50 ratio - 1|): the run's own noise on such ratios
+    noise: float | None = None
+
+    @property
+    def within_noise(self) -> bool:
+        """The figure is closer to the goal than the run's A/A control to its twin: this run
+        cannot tell which side of the goal the true ratio lies."""
+        m = self.measured
+        return (self.noise is not None and m is not None and not self.lower_bound
+                and abs(m / self.goal - 1) <= self.noise)
 
     @property
     def met(self) -> bool | None:
@@ -104,7 +115,9 @@ class Target:
         """"met, 12% under", "**not met**, 1.30x the goal (30% over)", "not measured"."""
         if self.met is None:
             return self.margin() if self.measured is not None else "not measured"
-        return ("met, " if self.met else "**not met**, ") + self.margin()
+        noise = (f"; within this run's A/A noise ({_pct(self.noise)})"
+                 if self.within_noise and self.noise is not None else "")
+        return ("met, " if self.met else "**not met**, ") + self.margin() + noise
 
     def shortfall(self) -> float:
         """How badly the goal is missed, comparable across instances (larger: worse)."""
@@ -117,12 +130,23 @@ class Target:
         return {**asdict(self), "met": self.met, "margin": self.margin()}
 
 
-def _find(rows: list[Row], workload: str, framework: str, variant: str) -> Row | None:
+def _find(rows: list[Row], workload: str, framework: str, variant: str,
+          control: bool = False) -> Row | None:
     for r in rows:
-        if (r.workload, r.framework, r.device, r.variant) == (workload, framework, "cpu",
-                                                                 variant):
+        if (r.workload, r.framework, r.device, r.variant, r.control) == (
+                workload, framework, "cpu", variant, control):
             return r
     return None
+
+
+def aa_control(rows: list[Row], wl: str) -> tuple[float, float | None] | None:
+    """The workload's A/A control against its twin (``specs.CONTROL_VARIANT``): the ratio of
+    their p50s and their ratio paired by round; None where either was not timed."""
+    twin = _find(rows, wl, "ocannl", CONTROL_VARIANT)
+    control = _find(rows, wl, "ocannl", CONTROL_VARIANT, control=True)
+    if twin is None or control is None or "ok" != twin.status or "ok" != control.status:
+        return None
+    return control.p50 / twin.p50, paired_ratio(control, twin)  # type: ignore[operator]
 
 
 def _p50(rows: list[Row], workload: str, framework: str, variant: str) -> float | None:
@@ -152,7 +176,8 @@ def _ran(rows: list[Row]) -> list[str]:
 
 
 def _ocannl_rows(rows: list[Row], wl: str) -> list[Row]:
-    return [r for r in rows if (r.workload, r.framework, r.device) == (wl, "ocannl", "cpu")]
+    return [r for r in rows if (r.workload, r.framework, r.device, r.control) ==
+            (wl, "ocannl", "cpu", False)]
 
 
 def _worst(values: dict[str, float], fmt: str, what: str) -> tuple[float | None, str]:
@@ -174,8 +199,10 @@ def step_targets(rows: list[Row], sgemm_flops: float | None) -> list[Target]:
     for key, wl in (("wide_eager", "mlp_wide"), ("conv_eager", "convnet"),
                     ("gpt_eager", "gpt_mini")):
         if wl in names:
-            out.append(_target(key, f"{wl} f32 step / PyTorch eager", _ratio(
-                _p50(rows, wl, "ocannl", "f32"), _p50(rows, wl, "torch", "eager"))))
+            eager = _p50(rows, wl, "torch", "eager")
+            note = _gemm_floor(eager, sgemm_flops) if wl == "mlp_wide" else ""
+            out.append(_target(key, f"{wl} f32 step / PyTorch eager",
+                               _ratio(_p50(rows, wl, "ocannl", "f32"), eager), note))
     if "mlp_wide" in names:
         wide = _p50(rows, "mlp_wide", "ocannl", "f32")
         frac = None
@@ -184,20 +211,34 @@ def step_targets(rows: list[Row], sgemm_flops: float | None) -> list[Target]:
         note = "" if sgemm_flops else "NumPy sgemm not measured"
         out.append(_target("wide_gemm", "mlp_wide f32 GEMM FLOP/s / NumPy sgemm", frac, note))
     for wl in names:
-        f32 = _p50(rows, wl, "ocannl", "f32")
         for v in HALF_VARIANTS:
-            out.append(_target("half", f"{wl} {v} step / f32 step",
-                               _ratio(_p50(rows, wl, "ocannl", v), f32),
-                               _paired(rows, wl, v, "f32")))
+            out.append(_between(rows, wl, "half", f"{wl} {v} step / f32 step", v, "f32"))
     for wl in names:
-        static = _p50(rows, wl, "ocannl", "f16-static")
-        out.append(_target("gate", f"{wl} f16 (host gate) / f16-static",
-                           _ratio(_p50(rows, wl, "ocannl", "f16"), static),
-                           _paired(rows, wl, "f16", "f16-static")))
-        out.append(_target("gated16", f"{wl} f16-gated16 / f16-static",
-                           _ratio(_p50(rows, wl, "ocannl", "f16-gated16"), static),
-                           _paired(rows, wl, "f16-gated16", "f16-static")))
+        out.append(_between(rows, wl, "gate", f"{wl} f16 (host gate) / f16-static", "f16",
+                            "f16-static"))
+        out.append(_between(rows, wl, "gated16", f"{wl} f16-gated16 / f16-static",
+                            "f16-gated16", "f16-static"))
     return out
+
+
+def _gemm_floor(eager: float | None, sgemm_flops: float | None) -> str:
+    """The wide step's floor: its GEMM FLOPs at NumPy's sgemm rate in the same run, with no
+    other work, over PyTorch eager's p50 (the ratio no step whose products run at that rate
+    can beat)."""
+    if eager is None or not sgemm_flops:
+        return ""
+    floor = WORKLOADS["mlp_wide"].gemm_flops() / sgemm_flops
+    return (f"floor: its GEMMs alone at NumPy's sgemm rate take {floor * 1e3:.2f} ms, "
+            f"{floor / eager:.3f}x PyTorch eager's p50")
+
+
+def _between(rows: list[Row], wl: str, key: str, name: str, a: str, b: str) -> Target:
+    """The target on the ratio of two of this project's rows (p50s): with the ratio paired by
+    round as a note, and the workload's A/A noise."""
+    aa = aa_control(rows, wl)
+    t = _target(key, name, _ratio(_p50(rows, wl, "ocannl", a), _p50(rows, wl, "ocannl", b)),
+                _paired(rows, wl, a, b))
+    return t if aa is None else replace(t, noise=abs(aa[0] - 1))
 
 
 def _paired(rows: list[Row], wl: str, a: str, b: str) -> str:

@@ -9,8 +9,12 @@ from benchmarks.specs import VARIANTS
 __all__ = ["Runner", "Unavailable", "make_runner", "row_specs"]
 
 
-def make_runner(fx: Fixture, framework: str, variant: str, device: str) -> Runner:
-    """The runner for one row of the report."""
+def make_runner(fx: Fixture, framework: str, variant: str, device: str, *,
+                control: bool = False) -> Runner:
+    """The runner for one row of the report; ``control``: the A/A control's runner, a second
+    one of an ocannl row (``specs.CONTROL_VARIANT``)."""
+    if control and framework != "ocannl":
+        raise ValueError(f"the A/A control is a second ocannl runner, not a {framework!r} one")
     if framework == "torch":
         from benchmarks.runners.torch_runner import TorchRunner
 
@@ -18,7 +22,7 @@ def make_runner(fx: Fixture, framework: str, variant: str, device: str) -> Runne
     if framework == "ocannl":
         from benchmarks.runners.ocannl_runner import OcannlRunner
 
-        return OcannlRunner(fx, variant=variant, device=device)
+        return OcannlRunner(fx, variant=variant, device=device, control=control)
     raise ValueError(f"unknown framework {framework!r}: expected 'torch' or 'ocannl'")
 
 

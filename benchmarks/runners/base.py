@@ -20,6 +20,7 @@ class Runner(Protocol):
     framework: str  # "ocannl" or "torch"
     variant: str  # e.g. "f32", "f16-gated16", "eager", "compile"
     device: str  # "cpu" or "cuda"
+    # (optional) True on the A/A control's runner: a second one of an ocannl row
 
     def build(self) -> None: ...
 

@@ -30,10 +30,11 @@ class OcannlRunner:
 
     framework = "ocannl"
 
-    def __init__(self, fx: Fixture, *, variant: str = "f32", device: str = "cpu") -> None:
+    def __init__(self, fx: Fixture, *, variant: str = "f32", device: str = "cpu",
+                 control: bool = False) -> None:
         if variant not in VARIANTS:
             raise ValueError(f"unknown variant {variant!r}: expected one of {list(VARIANTS)}")
-        self.fx, self.variant, self.device = fx, variant, device
+        self.fx, self.variant, self.device, self.control = fx, variant, device, control
 
     def build(self) -> None:
         from benchmarks import models

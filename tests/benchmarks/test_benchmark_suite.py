@@ -179,6 +179,76 @@ def test_paired_ratio_compares_rows_round_by_round() -> None:
     assert found["mlp_small f16-gated16 / f16-static"].note == "paired by round: 1.020x"
 
 
+def test_rows_of_a_framework_take_turns_from_round_to_round(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each run of one framework's rows turns by one each round, the runs staying in place (so
+    the pauses between frameworks stay as few): every row takes every place of its run alike.
+    Through ``measure``, with the A/A control's runner among this project's."""
+    class Fake:
+        def __init__(self, framework: str) -> None:
+            self.framework = framework
+
+    live = [(Fake("torch"), 0), (Fake("torch"), 1), (Fake("ocannl"), 2), (Fake("ocannl"), 3),
+            (Fake("ocannl"), 4)]
+    orders = [[row for _, row in measure_mod.round_order(live, k)] for k in range(6)]
+    assert orders[:4] == [[0, 1, 2, 3, 4], [1, 0, 3, 4, 2], [0, 1, 4, 2, 3], [1, 0, 2, 3, 4]]
+    assert all(sorted(o[k] for o in orders) == [2, 2, 3, 3, 4, 4] for k in (2, 3, 4))
+
+    monkeypatch.setattr(measure_mod, "SETTLE_S", 0.0)
+    w = replace(TINY, timed_steps=6, rounds=3)
+    fx = fixtures.load(w, tmp_path)
+    ran: list[str] = []
+    runners = [make_runner(fx, "torch", "eager", "cpu"), make_runner(fx, "ocannl", "f32", "cpu"),
+               make_runner(fx, "ocannl", "f16-static", "cpu", control=True)]
+    for r in runners[1:]:
+        inner = r.step
+        r.step = lambda i, r=r, inner=inner: (ran.append("aa" if r.control else r.variant),
+                                              inner(i))[1]
+    rows = measure(fx, runners, runners[0], log=lambda _: None)
+    assert [r.status for r in rows] == ["ok"] * 3
+    assert [r.control for r in rows] == [False, False, True]
+    assert rows[2].name == "ocannl cpu f16-static (A/A control)"
+    f32, aa = "f32", "aa"
+    assert ran[-12:] == [f32, f32, aa, aa, aa, aa, f32, f32, f32, f32, aa, aa]
+    with pytest.raises(ValueError, match="A/A control is a second ocannl runner"):
+        make_runner(fx, "torch", "eager", "cpu", control=True)
+
+
+def test_aa_control_measures_the_noise_of_ratios_between_own_rows(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The A/A control (a second f16-static runner) is nobody's denominator: the gate targets
+    read its twin. How far it stood from its twin is the run's noise on ratios between this
+    project's rows; a ratio closer to its goal than that says so in its verdict. The control
+    is not probed (its twin is)."""
+    def row(variant: str, p50: float, control: bool = False) -> Row:
+        r = Row("mlp_small", "ocannl", "cpu", variant, status="ok", rounds=1, control=control)
+        r.samples = [p50]
+        r.finish_timing()
+        return r
+
+    rows = [row("f32", 10e-6), row("f16-static", 10e-6), row("f16-gated16", 10.25e-6),
+            row("f16", 11.5e-6), row("bf16", 11e-6), row("f16-static", 10.3e-6, control=True)]
+    found = {t.name: t for t in targets.evaluate(rows, sgemm_flops=None)}
+    gated = found["mlp_small f16-gated16 / f16-static"]
+    assert gated.measured == pytest.approx(1.025)  # over the twin, not over the control
+    assert gated.noise == pytest.approx(0.03) and gated.within_noise and gated.met
+    assert gated.verdict() == "met, 0.5% under; within this run's A/A noise (3.0%)"
+    gate = found["mlp_small f16 (host gate) / f16-static"]  # 1.15 against 1.10: 4.5% over
+    assert gate.met is False and not gate.within_noise
+    assert gate.verdict() == "**not met**, 1.045x the goal (4.5% over)"
+    text = report.render(rows, list(found.values()), INFO, None, {TINY.name: TINY})
+    assert "| ocannl f16-static (cpu), A/A control | " in text
+    assert ("- A/A control: a second f16-static runner, timed in the same rounds, ran at "
+            "1.030x its twin's p50, paired by round 1.030x") in text
+    alone = {t.name: t for t in targets.evaluate(rows[:-1], sgemm_flops=None)}
+    assert alone["mlp_small f16-gated16 / f16-static"].noise is None
+    assert "A/A" not in alone["mlp_small f16-gated16 / f16-static"].verdict()
+    probed: list[str] = []
+    monkeypatch.setattr(run, "run_probe", lambda *a: (probed.append(a[2]), {"status": "ok"})[1])
+    run.probe_rows(rows)
+    assert sorted(probed) == sorted(["f32", "f16-static", "f16-gated16", "f16", "bf16"] * 2)
+
+
 def test_convnet_fixture(tmp_path: Path) -> None:
     pytest.importorskip("sklearn")
     fx = fixtures.load(CONV, tmp_path)
@@ -332,6 +402,10 @@ def test_issue_12_targets_and_report() -> None:
     assert counts == {"wide_eager": 1, "wide_gemm": 1, "conv_eager": 1, "gpt_eager": 1,
                       "half": 8, "gate": 4, "gated16": 4, "cold_wide": 1, "cold_big": 2,
                       "warm": 4, "chain_3000": 1, "chain_linear": 1, "rss": 4}
+    floor = WORKLOADS["mlp_wide"].gemm_flops() / 1e11  # its GEMMs at the sgemm rate: 18.9 ms
+    assert by["mlp_wide f32 step / PyTorch eager"].note == (
+        f"floor: its GEMMs alone at NumPy's sgemm rate take {floor * 1e3:.2f} ms, "
+        f"{floor / 1e-2:.3f}x PyTorch eager's p50")
     assert by["convnet f32 step / PyTorch eager"].measured == pytest.approx(0.7)
     assert by["convnet f32 step / PyTorch eager"].met is True
     wide = WORKLOADS["mlp_wide"].gemm_flops() / (0.7e-2 * 1e11)
