@@ -277,7 +277,7 @@ def _run_guarded(comp, values: dict) -> dict:  # noqa: ANN001
     guards are untouched; the buffers' values after the run, as float64, by label."""
     import ctypes
 
-    from ocannl.backends.cpu.backend import CpuBackend, scratch_arrays
+    from ocannl.backends.cpu.backend import CpuBackend
     from ocannl.ir.lowering import lower, nodes_of
 
     code = lower(comp)
@@ -291,9 +291,7 @@ def _run_guarded(comp, values: dict) -> dict:  # noqa: ANN001
         a = np.full(n.size + 2 * pad, 0x7777, bits.dtype)
         a[pad:pad + n.size] = bits
         padded[n.label] = a
-    arrays = [padded[n.label][pad:pad + n.size] for n in nodes]
-    arrays += scratch_arrays(compiled.scratch)
-    table = np.array([a.ctypes.data for a in arrays], dtype=np.int64)
+    table, _arrays = compiled.table([padded[n.label][pad:pad + n.size] for n in nodes])
     ctypes.CFUNCTYPE(None, ctypes.c_void_p)(compiled.address)(table.ctypes.data)
     out = {}
     for n in nodes:
@@ -357,7 +355,7 @@ def test_items_with_the_same_code_are_compiled_once(monkeypatch, tmp_path):
             ctx.set_values(p, rng.normal(size=p.value.dims) * 0.1)
         comp = train.grad_update(loss) + train.sgd_update(loss, learning_rate=0.01)
         code = ctx.lower(comp)
-        (text,), scratch = emit_ir(code, ctx_nodes(code))
+        (text,), scratch, _ = emit_ir(code, ctx_nodes(code))
         defined = len(re.findall(r'define internal void @"item\d+"\(', text))
         ctx, r = ctx.compile(comp)
         for _ in range(2):
@@ -429,3 +427,51 @@ def test_random_16_bit_nests_write_their_cells_and_nothing_else(case):
     n = math.prod(dims[i] for i in red)
     bound = 2.0 ** -7 * (np.abs(want) + n * (1.5 + np.abs(values["x"]).max()))
     np.testing.assert_array_less(np.abs(out - want), bound + 1e-3)
+
+
+def test_scratch_tables_are_bound_once_and_kept_with_the_machine_code(monkeypatch, tmp_path):
+    """An item call using scratch arrays is given its own block of the routine's table,
+    filled with their addresses when the routine is bound. The blocks are kept in the cache
+    file beside the machine code: a routine loaded from disk computes the same bits, and a
+    file without them (another version's) or naming an array the routine lacks is compiled
+    again and replaced."""
+    import json
+
+    from ocannl import nn_blocks
+    from ocannl.backends.cpu.backend import CpuBackend
+
+    monkeypatch.setenv("OCANNL_CACHE_DIR", str(tmp_path))
+
+    def run() -> tuple[list[bytes], object]:
+        monkeypatch.setattr(jit, "_state", {**jit._state, "loaded": {}})
+        monkeypatch.setattr(CpuBackend, "_compiled", {})
+        rng = np.random.default_rng(5)
+        x = T.term(rng.normal(size=(32, 40)).astype(np.float32), label="xt",
+                   batch_dims=(32,), output_dims=(40,), prec="bf16")
+        y, _ = nn_blocks.mlp(x, (48, 48), 8, label="tab", prec="bf16")
+        loss = T.sum(y * y)
+        ctx = train.init_params(Context.cpu(), loss)
+        for p in loss.params:
+            ctx.set_values(p, rng.normal(size=p.value.dims) * 0.1)
+        ctx, r = ctx.compile(train.grad_update(loss))
+        ctx.run(r)
+        return [ctx.get_values(p.grad).tobytes() for p in loss.params], r.compiled
+
+    bits, compiled = run()
+    assert not compiled.loaded_from_disk
+    # the products' f32 copies and outputs: several calls, some arrays in more than one
+    assert len(compiled.tables) > len(set(compiled.tables)) >= 4
+    assert set(compiled.tables) <= set(range(len(compiled.scratch)))
+    (path,) = (tmp_path / "llvm").glob("*.objects")
+    whole = path.read_bytes()
+    head, _, body = whole.partition(b"\n")
+    assert json.loads(head)["tables"] == compiled.tables
+    again, loaded = run()
+    assert loaded.loaded_from_disk and again == bits and loaded.tables == compiled.tables
+    header = json.loads(head)
+    for bad in ({k: v for k, v in header.items() if k != "tables"},
+                {**header, "tables": [*header["tables"][:-1], len(header["scratch"])]}):
+        path.write_bytes(json.dumps(bad).encode() + b"\n" + body)
+        redone, fresh = run()
+        assert not fresh.loaded_from_disk and redone == bits
+        assert path.read_bytes() == whole

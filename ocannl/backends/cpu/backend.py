@@ -9,7 +9,7 @@ argument, a table of its buffers' addresses.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -29,10 +29,10 @@ def storage_dtype(prec: Precision) -> np.dtype:
 
 
 def emit_ir(code: list[Lowered], nodes: list[Tnode]
-            ) -> tuple[list[str], list[tuple[int, str, int, int]]]:
+            ) -> tuple[list[str], list[tuple[int, str, int, int]], list[int]]:
     """The LLVM IR of a routine over ``nodes``, one text per part (buffers named by position,
-    so the same code over other nodes is the same text), and its scratch arrays (size, "f32" |
-    "f64", the first and last item using it)."""
+    so the same code over other nodes is the same text), its scratch arrays (size, "f32" |
+    "f64", the first and last item using it) and the rest of its table (``routine_ir``)."""
     return routine_ir(code, nodes, jit.target())
 
 
@@ -85,28 +85,36 @@ class CpuBackend:
             return compiled, False
         hit = jit.load(key)
         if hit is None:
-            texts, scratch = routine_ir(code, nodes, target)
-            address = jit.compile_ir(key, texts, scratch,
+            texts, scratch, tables = routine_ir(code, nodes, target)
+            address = jit.compile_ir(key, texts, scratch, tables,
                                      single_blas=shares_products(code, target))
-            hit = (address, scratch, False)
+            hit = (address, scratch, tables, False)
         compiled = self._compiled[key] = CompiledRoutine(*hit)
         return compiled, True
 
 
 class CompiledRoutine:
     """Machine code shared by every routine with the same IR, bound to buffers once: a table
-    of their addresses, then of scratch arrays of its own."""
+    of their addresses, then, for each item call that uses scratch arrays of the routine's
+    own, theirs (``tables``: their numbers)."""
 
     def __init__(self, address: int, scratch: list[tuple[int, str, int, int]],
-                 from_disk: bool) -> None:
+                 tables: list[int], from_disk: bool) -> None:
         self.address = address
         self.loaded_from_disk = from_disk  # the on-disk cache supplied the machine code
         self.scratch = scratch
+        self.tables = tables
+
+    def table(self, buffers: Sequence[np.ndarray]) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
+        """The routine's table over ``buffers``, with new scratch arrays of its own, and every
+        array it points into (valid while they live)."""
+        scratch = scratch_arrays(self.scratch)
+        table = np.array([a.ctypes.data for a in buffers] +
+                         [scratch[k].ctypes.data for k in self.tables], dtype=np.int64)
+        return table, (*buffers, *scratch)
 
     def bind(self, buffers: tuple[np.ndarray, ...]) -> Callable[[], None]:
-        scratch = scratch_arrays(self.scratch)
-        arrays = (*buffers, *scratch)
-        table = np.array([a.ctypes.data for a in arrays], dtype=np.int64)
+        table, arrays = self.table(buffers)
         # The addresses stay valid while the builtin lives: it holds the arrays.
         return entry.builtin(jit.trampoline(), self.address, table, arrays)
 

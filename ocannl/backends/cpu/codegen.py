@@ -96,7 +96,8 @@ class RoutineIR:
                  for_gemms: frozenset[int] = frozenset(),
                  forwarded: dict[int, Gemm] | None = None,
                  gemm_outs: dict[int, tuple[int, str, ir.Type]] | None = None,
-                 derived: dict[int, Tnode] | None = None) -> None:
+                 derived: dict[int, Tnode] | None = None,
+                 tables: list[int] | None = None) -> None:
         self.module = ir.Module(name="ocannl")
         # Local nodes only products read (im2col's patches): what a copy into one does to a
         # signalling NaN's bits cannot show, as a product quiets it anyway.
@@ -139,6 +140,9 @@ class RoutineIR:
         self.items_by_text: dict[str, ir.Function] = {}
         self.item_texts: dict[str, str] = {}
         self.jobs: dict[tuple[str, str], ir.Function] = {}  # (item, frame type) -> its job
+        # The routine's table past its nodes, shared by its parts: one block per item call
+        # that uses scratch, the numbers of its scratch arrays in its order (``finish``).
+        self.tables = [] if tables is None else tables
 
     # --- plumbing ---------------------------------------------------------------------------
 
@@ -200,9 +204,10 @@ class RoutineIR:
     def scratch_for(self, size: int, role: str, elem: ir.Type) -> ir.Value:
         """The scratch array of ``role`` (a copy, a product's output, a scatter's f32 target),
         allocated once per bound routine. An item reads the addresses of those it uses from
-        its table argument, in the order it first uses them (``finish`` gives each call its
-        own table), so items differing only in which arrays they use are the same code. Each
-        use extends the array's span of items, which decides what it may share memory with."""
+        its table argument, in the order it first uses them (``finish`` points each call at a
+        block of its own in the routine's table), so items differing only in which arrays
+        they use are the same code. Each use extends the array's span of items, which decides
+        what it may share memory with."""
         k = self.scratch.setdefault((size, role, elem), len(self.scratch))
         at = self.base + len(self.calls)  # the item being emitted
         span = self.uses.setdefault(k, [at, at])
@@ -261,7 +266,7 @@ class RoutineIR:
 
     def finish(self) -> str:
         """Add ``part(table)``: load the addresses of the buffers the items use, call each
-        item in order, with a table of the scratch arrays it uses. A split item goes to the
+        item in order, with its block of the table (``_scratch_table``). A split item goes to the
         thread pool (``pool.py``) with its arguments in a frame: its outermost loop is cut into
         chunks (``per_thread`` per thread) that the pool's threads claim."""
         entry = ir.Function(self.module, ir.FunctionType(ir.VoidType(), [I64.as_pointer()]),
@@ -287,16 +292,14 @@ class RoutineIR:
         return "\n".join([str(self.module), *self.item_texts.values()])
 
     def _scratch_table(self, table: ir.Value, scratch: list[int]) -> ir.Value:
-        """The table of an item's call: the addresses of the scratch arrays it uses, in its
-        order, copied from the routine's table (which lists them after the nodes)."""
+        """The table of an item's call: a block of the routine's table, past its nodes, that
+        binding fills with the addresses of the scratch arrays the item uses, in its order
+        (``CompiledRoutine.bind``); so a call passes a pointer and copies nothing."""
         if not scratch:
             return table
-        b = self.b
-        own = b.alloca(ir.ArrayType(I64, len(scratch)))
-        for j, k in enumerate(scratch):
-            address = b.load(b.gep(table, [const_int(len(self.nodes) + k)]))
-            b.store(address, b.gep(own, [ir.Constant(I32, 0), ir.Constant(I32, j)]))
-        return b.gep(own, [ir.Constant(I32, 0), ir.Constant(I32, 0)])
+        at = len(self.nodes) + len(self.tables)
+        self.tables.extend(scratch)
+        return self.b.gep(table, [const_int(at)])
 
     def _job(self, fn: ir.Function, frame_ty: ir.Type) -> ir.Function:
         """``void job(void *frame, i64 lo, i64 hi)``: ``fn`` over ``[lo, hi)`` with the
@@ -949,12 +952,13 @@ def _part_bounds(code: list[Lowered], workers: int) -> list[int]:
 
 
 def routine_ir(code: list[Lowered], nodes: list[Tnode], target: Target
-               ) -> tuple[list[str], list[tuple[int, str, int, int]]]:
+               ) -> tuple[list[str], list[tuple[int, str, int, int]], list[int]]:
     """The modules of a routine over ``nodes``, as LLVM IR text, each defining
     ``part(table)``: the routine runs them in order. Also its scratch arrays (size, "f32" |
-    "f64", the first and the last item using it), whose addresses follow the nodes' in the
-    table: nothing in one outlives a run, so arrays whose items do not overlap may share
-    memory (``backend.py``). At most ``target.workers`` parts, each of at least
+    "f64", the first and the last item using it): nothing in one outlives a run, so arrays
+    whose items do not overlap may share memory (``backend.py``). And the rest of its table,
+    after the nodes' addresses: the numbers of the scratch arrays whose addresses go there,
+    a block per item call that uses any. At most ``target.workers`` parts, each of at least
     ``PART_NESTS`` nests (``_part_bounds``)."""
     bounds = _part_bounds(code, target.workers)
     scratch: dict[tuple[int, str, ir.Type], int] = {}
@@ -964,9 +968,10 @@ def routine_ir(code: list[Lowered], nodes: list[Tnode], target: Target
     base = 0
     for_gemms, forwarded, derived = _for_gemms(code), _forwarded(code), _derived(code)
     gemm_outs: dict[int, tuple[int, str, ir.Type]] = {}
+    tables: list[int] = []
     for lo, hi in zip(bounds, bounds[1:], strict=False):
         r = RoutineIR(nodes, target, scratch, copies, uses, base, for_gemms, forwarded,
-                      gemm_outs, derived)
+                      gemm_outs, derived, tables)
         for r.lowered, item in enumerate(code[lo:hi], lo):
             if isinstance(item, Gemm):
                 _gemm_items(r, item, target.threads, target.products_shared)
@@ -986,7 +991,7 @@ def routine_ir(code: list[Lowered], nodes: list[Tnode], target: Target
         base += len(r.calls)
         texts.append(r.finish())
     return texts, [(size, "f32" if ty == F32 else "f64", *uses[k])
-                     for (size, _, ty), k in scratch.items()]
+                     for (size, _, ty), k in scratch.items()], tables
 
 
 def _for_gemms(code: list[Lowered]) -> frozenset[int]:

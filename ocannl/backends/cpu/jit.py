@@ -282,20 +282,24 @@ def key_of(signature: str) -> str:
 
 
 Scratch = list[tuple[int, str, int, int]]  # size, "f32" | "f64", first and last item using it
+# The routine's table past its nodes: scratch array numbers, a block per item call using any
+Tables = list[int]
 
 
-def _pack(scratch: Scratch, objects: list[bytes]) -> bytes:
-    """A cache file: a JSON header line (the scratch arrays, the objects' sizes, the SHA-256 of
-    the objects), the objects."""
+def _pack(scratch: Scratch, tables: Tables, objects: list[bytes]) -> bytes:
+    """A cache file: a JSON header line (the scratch arrays, the table's blocks, the objects'
+    sizes, the SHA-256 of the objects), the objects."""
     body = b"".join(objects)
-    header = json.dumps({"scratch": scratch, "sizes": [len(o) for o in objects],
+    header = json.dumps({"scratch": scratch, "tables": tables,
+                         "sizes": [len(o) for o in objects],
                          "sha256": hashlib.sha256(body).hexdigest()})
     return b"".join([header.encode(), b"\n", body])
 
 
-def _unpack(data: bytes) -> tuple[Scratch, list[bytes]]:
-    """A cache file's scratch arrays and objects; ``ValueError`` when it is not one whole
-    (truncated, or any byte changed: machine code is never loaded unverified)."""
+def _unpack(data: bytes) -> tuple[Scratch, Tables, list[bytes]]:
+    """A cache file's scratch arrays, table blocks and objects; ``ValueError`` when it is not
+    one whole (truncated, or any byte changed: machine code is never loaded unverified), and
+    ``KeyError`` when its header lacks a field (another version's file)."""
     head, _, body = data.partition(b"\n")
     header = json.loads(head)
     if hashlib.sha256(body).hexdigest() != header["sha256"]:
@@ -306,26 +310,31 @@ def _unpack(data: bytes) -> tuple[Scratch, list[bytes]]:
         at += size
     if at != len(body):
         raise ValueError("truncated")
-    return [(int(n), str(kind), int(first), int(last))
-            for n, kind, first, last in header["scratch"]], out
+    scratch = [(int(n), str(kind), int(first), int(last))
+               for n, kind, first, last in header["scratch"]]
+    tables = [int(k) for k in header["tables"]]
+    if any(not 0 <= k < len(scratch) for k in tables):
+        raise ValueError("a table block names no scratch array")
+    return scratch, tables, out
 
 
-def load(key: str) -> tuple[int, Scratch, bool] | None:
+def load(key: str) -> tuple[int, Scratch, Tables, bool] | None:
     """The routine under ``key`` if this process or the disk cache has it: its address, its
-    scratch arrays, whether it came from disk."""
+    scratch arrays and table blocks, whether it came from disk."""
     with _lock:
         engine, _ = _setup()
         loaded = _state.setdefault("loaded", {})
         if key in loaded:  # type: ignore[operator]
             return loaded[key]  # type: ignore[index]
         try:
-            scratch, objects = _unpack((cache_dir() / f"{key}.objects").read_bytes())
+            scratch, tables, objects = _unpack((cache_dir() / f"{key}.objects").read_bytes())
         except (OSError, ValueError, KeyError, TypeError):
             return None  # absent or damaged: compiled again, and replaced
-        return _add(key, objects, scratch, True)
+        return _add(key, objects, scratch, tables, True)
 
 
-def compile_ir(key: str, texts: list[str], scratch: Scratch, single_blas: bool = False) -> int:
+def compile_ir(key: str, texts: list[str], scratch: Scratch, tables: Tables,
+               single_blas: bool = False) -> int:
     """Compile the routine whose parts are ``texts`` (each defining ``part(table)``, run in
     order; the parts in parallel), cache it on disk under ``key`` and load it: its address.
     ``single_blas``: the routine runs BLAS single-threaded, on the pool's threads, restoring
@@ -345,12 +354,12 @@ def compile_ir(key: str, texts: list[str], scratch: Scratch, single_blas: bool =
                      + "  call void @ocannl_blas_set_threads(i32 %old)\n")
         modules.append(f'{decls}define void @"r_{key}"(i64* %t) {{\n{calls}  ret void\n}}\n')
         objects = _objects(modules)
-        _write(cache_dir() / f"{key}.objects", _pack(scratch, objects))
-        return _add(key, objects, scratch, False)[0]
+        _write(cache_dir() / f"{key}.objects", _pack(scratch, tables, objects))
+        return _add(key, objects, scratch, tables, False)[0]
 
 
-def _add(key: str, objects: list[bytes], scratch: Scratch, from_disk: bool
-         ) -> tuple[int, Scratch, bool]:
+def _add(key: str, objects: list[bytes], scratch: Scratch, tables: Tables, from_disk: bool
+         ) -> tuple[int, Scratch, Tables, bool]:
     engine, _ = _setup()
     for obj in objects:
         engine.add_object_file(llvm.ObjectFileRef.from_data(obj))
@@ -358,7 +367,7 @@ def _add(key: str, objects: list[bytes], scratch: Scratch, from_disk: bool
     address = engine.get_function_address(f"r_{key}")
     if not address:
         raise RuntimeError(f"the JIT did not load r_{key}")
-    entry = _state["loaded"][key] = (address, scratch, from_disk)  # type: ignore[index]
+    entry = _state["loaded"][key] = (address, scratch, tables, from_disk)  # type: ignore[index]
     return entry
 
 
