@@ -133,28 +133,30 @@ WORKLOADS: dict[str, Workload] = {
         name="mlp_small", dataset="half_moons", sizes=(2, 32, 32, 2), batch=32, n_batches=16,
         learning_rate=0.1, seed=1, parity_steps=20, warmup_steps=50, timed_steps=8000,
         # Rounds of 200 steps (2-3 ms a row): this machine's speed changes every few tens of
-        # milliseconds, so many short rounds give every row the same mix.
+        # milliseconds, so many short rounds give every row the same mix. The larger
+        # workloads' rounds are as many as their step times allow, for the same reason (the
+        # A/A control's noise, ``OBSTACLES.md``).
         rounds=40,
     ),
     "mlp_wide": Workload(
         name="mlp_wide", dataset="gaussian_classes", sizes=(256, 1024, 1024, 10), batch=256,
         n_batches=8, learning_rate=0.01, seed=2, parity_steps=20, warmup_steps=5,
-        timed_steps=100, rounds=20,
+        timed_steps=160, rounds=40,
     ),
     # nn_blocks.lenet on scikit-learn's 8x8 digits (16 x 64 of them, a seeded draw), Adam at
     # torch's default lr: 8x8x1 -> conv 8 -> pool 4x4 -> conv 16 -> pool 2x2 -> 64 -> 64 -> 10.
     "convnet": Workload(
         name="convnet", dataset="digits", sizes=(64, 64, 10), batch=64, n_batches=16,
-        learning_rate=1e-3, seed=3, parity_steps=20, warmup_steps=10, timed_steps=300,
-        rounds=10, model="lenet", optimizer="adam", image=(8, 8, 1), channels=(8, 16),
+        learning_rate=1e-3, seed=3, parity_steps=20, warmup_steps=10, timed_steps=600,
+        rounds=30, model="lenet", optimizer="adam", image=(8, 8, 1), channels=(8, 16),
     ),
     # nn_blocks.gpt, 2 blocks of d_model 128 with 4 heads, over 16 sequences of 64 tokens of a
     # synthetic character-level text (64 symbols, a seeded bigram chain: something to learn),
     # predicting each next token; Adam at 1e-3 (tests/test_convnet.py says why not larger).
     "gpt_mini": Workload(
         name="gpt_mini", dataset="markov_chars", sizes=(), batch=16, n_batches=8,
-        learning_rate=1e-3, seed=4, parity_steps=20, warmup_steps=5, timed_steps=100,
-        rounds=10, model="gpt", optimizer="adam", vocab=64, context=64, d_model=128, heads=4,
+        learning_rate=1e-3, seed=4, parity_steps=20, warmup_steps=5, timed_steps=160,
+        rounds=32, model="gpt", optimizer="adam", vocab=64, context=64, d_model=128, heads=4,
         layers=2,
     ),
 }

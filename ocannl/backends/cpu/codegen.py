@@ -831,15 +831,14 @@ class RoutineIR:
         """Whether the product is computed inline (``small_product``) rather than by BLAS."""
         return along not in ("rows", "cols") and small_product.fits(g, compute)
 
-    def gemm(self, g: Gemm, along: str | None = None) -> None:
+    def gemm(self, g: Gemm, along: str | None, inline: bool) -> None:
         """``out (=|+=) a @ b``, one product per batch point: small ones inline
-        (``small_product``, as the loops would compute them), others through BLAS
-        (:meth:`_blas_call`). ``along`` (when this item has a range): the range picks the batch
-        points (``"batch"``, the first batch axis) or blocks of ``GEMM_BLOCK`` rows or columns
-        of the product."""
+        (``small_product``, as the loops would compute them, when ``inline``: as
+        :meth:`inline` decided), others through BLAS (:meth:`_blas_call`). ``along`` (when
+        this item has a range): the range picks the batch points (``"batch"``, the first batch
+        axis) or blocks of ``GEMM_BLOCK`` rows or columns of the product."""
         lhs = g.assign.lhs
         compute = _FLOAT[lhs.prec.compute]
-        inline = self.inline(g, compute, along)
         a = self._matrix(g.a, g, compute, inline)
         bm = self._matrix(g.b, g, compute, inline)
         out = self._gemm_out(g, compute) if lhs.prec.is_narrow else self.buffer(lhs)
@@ -1155,7 +1154,7 @@ def _gemm_items(r: RoutineIR, g: Gemm, threads: int, shared: bool) -> None:
             r.copy_of(node, ty, ranged=True)
     # One block range per thread: each range packs its operands again.
     with r.item(_used(g), extent if along else None, per_thread=1):
-        r.gemm(g, along)
+        r.gemm(g, along, inline)
     lhs = g.assign.lhs
     if lhs.prec.is_narrow and lhs.id not in r.forwarded:
         with r.item([lhs], split(lhs.size)):
