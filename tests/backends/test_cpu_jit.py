@@ -117,26 +117,35 @@ def test_scratch_arrays_share_memory_only_when_their_items_do_not_overlap():
     assert f32_bytes < sum(s for s, k, *_ in scratch if k == "f32")  # something was shared
 
 
+def _bf16_mlp_grads(seed: int, label: str, shape: tuple[int, int], hidden: tuple[int, ...],
+                    classes: int) -> tuple[list[bytes], object]:
+    """A bf16 MLP's gradients, compiled and run once from seeded weights: their bits and the
+    routine's compiled code (its products read f32 copies of bf16 operands, in scratch)."""
+    from ocannl import nn_blocks
+
+    rng = np.random.default_rng(seed)
+    x = T.term(rng.normal(size=shape).astype(np.float32), label=f"{label}_x",
+               batch_dims=(shape[0],), output_dims=(shape[1],), prec="bf16")
+    y, _ = nn_blocks.mlp(x, hidden, classes, label=label, prec="bf16")
+    loss = T.sum(y * y)
+    ctx = train.init_params(Context.cpu(), loss)
+    for p in loss.params:
+        ctx.set_values(p, rng.normal(size=p.value.dims) * 0.1)
+    ctx, r = ctx.compile(train.grad_update(loss))
+    ctx.run(r)
+    return [ctx.get_values(p.grad).tobytes() for p in loss.params], r.compiled
+
+
 def test_shared_scratch_gives_the_bits_of_separate_scratch(monkeypatch):
     """A bf16 step with many products (their f32 copies and outputs in scratch) computes the
     same bits whether scratch arrays share memory or not."""
-    from ocannl import nn_blocks
     from ocannl.backends import arena
     from ocannl.backends.cpu import backend
 
     def run() -> list[bytes]:
-        rng = np.random.default_rng(7)
-        x = T.term(rng.normal(size=(64, 48)).astype(np.float32), label="xs",
-                   batch_dims=(64,), output_dims=(48,), prec="bf16")
-        y, _ = nn_blocks.mlp(x, (96, 96), 10, label="scr", prec="bf16")
-        loss = T.sum(y * y)
-        ctx = train.init_params(Context.cpu(), loss)
-        for p in loss.params:
-            ctx.set_values(p, rng.normal(size=p.value.dims) * 0.1)
-        ctx, r = ctx.compile(train.grad_update(loss))
-        ctx.run(r)
-        scratch.extend(r.compiled.scratch)
-        return [ctx.get_values(p.grad).tobytes() for p in loss.params]
+        bits, compiled = _bf16_mlp_grads(7, "scr", (64, 48), (96, 96), 10)
+        scratch.extend(compiled.scratch)
+        return bits
 
     scratch: list = []
     shared = run()
@@ -437,7 +446,6 @@ def test_scratch_tables_are_bound_once_and_kept_with_the_machine_code(monkeypatc
     again and replaced."""
     import json
 
-    from ocannl import nn_blocks
     from ocannl.backends.cpu.backend import CpuBackend
 
     monkeypatch.setenv("OCANNL_CACHE_DIR", str(tmp_path))
@@ -445,17 +453,7 @@ def test_scratch_tables_are_bound_once_and_kept_with_the_machine_code(monkeypatc
     def run() -> tuple[list[bytes], object]:
         monkeypatch.setattr(jit, "_state", {**jit._state, "loaded": {}})
         monkeypatch.setattr(CpuBackend, "_compiled", {})
-        rng = np.random.default_rng(5)
-        x = T.term(rng.normal(size=(32, 40)).astype(np.float32), label="xt",
-                   batch_dims=(32,), output_dims=(40,), prec="bf16")
-        y, _ = nn_blocks.mlp(x, (48, 48), 8, label="tab", prec="bf16")
-        loss = T.sum(y * y)
-        ctx = train.init_params(Context.cpu(), loss)
-        for p in loss.params:
-            ctx.set_values(p, rng.normal(size=p.value.dims) * 0.1)
-        ctx, r = ctx.compile(train.grad_update(loss))
-        ctx.run(r)
-        return [ctx.get_values(p.grad).tobytes() for p in loss.params], r.compiled
+        return _bf16_mlp_grads(5, "tab", (32, 40), (48, 48), 8)
 
     bits, compiled = run()
     assert not compiled.loaded_from_disk
