@@ -166,7 +166,9 @@ def _summary_verdict(s: Summary) -> str:
     rest = "".join(f"; {k} {what}" for k, what in ((missing, "not measured"),
                                                     (open_, "undecided")) if k)
     if failed:
-        return (f"**not met** ({failed} of {n}){rest}; worst {worst.name}: "
+        inside = sum(t.met is False and t.within_noise for t in s.targets)
+        within = f", {inside} of them within this run's A/A noise" if inside else ""
+        return (f"**not met** ({failed} of {n}{within}){rest}; worst {worst.name}: "
                 f"{worst.margin()}")
     if worst is None:
         return f"not measured ({n} instances)"

@@ -240,6 +240,10 @@ def test_aa_control_measures_the_noise_of_ratios_between_own_rows(
     assert "| ocannl f16-static (cpu), A/A control | " in text
     assert ("- A/A control: a second f16-static runner, timed in the same rounds, ran at "
             "1.030x its twin's p50, paired by round 1.030x") in text
+    over = replace(gated, name="other", measured=1.04)  # 1.0% over the goal, within 3%
+    (row,) = [x for x in targets.summarize([gated, over, gate]) if x.goal.key == "gated16"]
+    assert report._summary_verdict(row) == ("**not met** (1 of 2, 1 of them within this run's "
+                                            "A/A noise); worst other: 1.010x the goal (1.0% over)")
     alone = {t.name: t for t in targets.evaluate(rows[:-1], sgemm_flops=None)}
     assert alone["mlp_small f16-gated16 / f16-static"].noise is None
     assert "A/A" not in alone["mlp_small f16-gated16 / f16-static"].verdict()
