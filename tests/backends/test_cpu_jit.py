@@ -442,8 +442,8 @@ def test_scratch_tables_are_bound_once_and_kept_with_the_machine_code(monkeypatc
     """An item call using scratch arrays is given its own block of the routine's table,
     filled with their addresses when the routine is bound. The blocks are kept in the cache
     file beside the machine code: a routine loaded from disk computes the same bits, and a
-    file without them (another version's) or naming an array the routine lacks is compiled
-    again and replaced."""
+    file without them (another version's), naming an array the routine lacks, or with any
+    block or scratch size changed (the digest covers them) is compiled again and replaced."""
     import json
 
     from ocannl.backends.cpu.backend import CpuBackend
@@ -468,7 +468,9 @@ def test_scratch_tables_are_bound_once_and_kept_with_the_machine_code(monkeypatc
     assert loaded.loaded_from_disk and again == bits and loaded.tables == compiled.tables
     header = json.loads(head)
     for bad in ({k: v for k, v in header.items() if k != "tables"},
-                {**header, "tables": [*header["tables"][:-1], len(header["scratch"])]}):
+                {**header, "tables": [*header["tables"][:-1], len(header["scratch"])]},
+                {**header, "tables": header["tables"][:-1]},
+                {**header, "scratch": [[n // 2, *rest] for n, *rest in header["scratch"]]}):
         path.write_bytes(json.dumps(bad).encode() + b"\n" + body)
         redone, fresh = run()
         assert not fresh.loaded_from_disk and redone == bits

@@ -286,35 +286,42 @@ Scratch = list[tuple[int, str, int, int]]  # size, "f32" | "f64", first and last
 Tables = list[int]
 
 
+def _digest(scratch: Scratch, tables: Tables, body: bytes) -> str:
+    """The SHA-256 of what a cache file's machine code relies on: the objects, and the scratch
+    arrays and table blocks it reads its addresses from (a changed size or block would send it
+    outside its arrays)."""
+    layout = json.dumps({"scratch": scratch, "tables": tables}).encode()
+    return hashlib.sha256(layout + b"\n" + body).hexdigest()
+
+
 def _pack(scratch: Scratch, tables: Tables, objects: list[bytes]) -> bytes:
     """A cache file: a JSON header line (the scratch arrays, the table's blocks, the objects'
-    sizes, the SHA-256 of the objects), the objects."""
+    sizes, the digest of them all), the objects."""
     body = b"".join(objects)
     header = json.dumps({"scratch": scratch, "tables": tables,
                          "sizes": [len(o) for o in objects],
-                         "sha256": hashlib.sha256(body).hexdigest()})
+                         "sha256": _digest(scratch, tables, body)})
     return b"".join([header.encode(), b"\n", body])
 
 
 def _unpack(data: bytes) -> tuple[Scratch, Tables, list[bytes]]:
     """A cache file's scratch arrays, table blocks and objects; ``ValueError`` when it is not
-    one whole (truncated, or any byte changed: machine code is never loaded unverified), and
-    ``KeyError`` when its header lacks a field (another version's file)."""
+    one whole (truncated, or any byte of the objects, the scratch arrays or the table blocks
+    changed: machine code is never loaded unverified), and ``KeyError`` when its header lacks
+    a field (another version's file)."""
     head, _, body = data.partition(b"\n")
     header = json.loads(head)
-    if hashlib.sha256(body).hexdigest() != header["sha256"]:
-        raise ValueError("the objects' digest does not match")
+    scratch = [(int(n), str(kind), int(first), int(last))
+               for n, kind, first, last in header["scratch"]]
+    tables = [int(k) for k in header["tables"]]
+    if _digest(scratch, tables, body) != header["sha256"]:
+        raise ValueError("the digest does not match")
     out, at = [], 0
     for size in header["sizes"]:
         out.append(body[at:at + size])
         at += size
     if at != len(body):
         raise ValueError("truncated")
-    scratch = [(int(n), str(kind), int(first), int(last))
-               for n, kind, first, last in header["scratch"]]
-    tables = [int(k) for k in header["tables"]]
-    if any(not 0 <= k < len(scratch) for k in tables):
-        raise ValueError("a table block names no scratch array")
     return scratch, tables, out
 
 
