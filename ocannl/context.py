@@ -188,7 +188,7 @@ class Context:
                 return self._backend.alloc(node)
 
             placed = views([(0 if n.id in kept_out else n.size, *spans[n.id]) for n in group],
-                           arena, shared)
+                           arena, prec.itemsize, shared)
             out.update((n.id, v) for n, v in zip(group, placed, strict=True))
         return out
 

@@ -10,11 +10,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-# Places start at multiples of this many elements (64 bytes of f32).
-ALIGN = 16
+# Places start at multiples of this many bytes from the arena's start (a cache line; the CPU
+# backend's arenas start on one too).
+ALIGN_BYTES = 64
 
 
-def pack(spans: Sequence[tuple[int, int, int]], align: int = ALIGN) -> tuple[list[int], int]:
+def pack(spans: Sequence[tuple[int, int, int]], align: int) -> tuple[list[int], int]:
     """Offsets (in elements) for buffers given as (size, first item, last item), and the
     arena's size: largest first, each at the lowest offset clear of the buffers already placed
     whose spans meet its own."""
@@ -34,16 +35,18 @@ def pack(spans: Sequence[tuple[int, int, int]], align: int = ALIGN) -> tuple[lis
     return offsets, max((o + s[0] for o, s in zip(offsets, spans, strict=True)), default=0)
 
 
-def views(spans: Sequence[tuple[int, int, int]], alloc: Callable[[int], Any],
+def views(spans: Sequence[tuple[int, int, int]], alloc: Callable[[int], Any], itemsize: int,
           shared: bool = True) -> list[Any]:
     """Buffers for (size, first item, last item) as slices of one arena ``alloc(elements)``
-    gives: placed by :func:`pack`, or (``shared`` False) back to back."""
+    gives, of elements of ``itemsize`` bytes: placed by :func:`pack`, or (``shared`` False)
+    one after another; each starts ``ALIGN_BYTES``-aligned in the arena."""
+    align = max(1, ALIGN_BYTES // itemsize)
     if shared:
-        offsets, total = pack(spans)
+        offsets, total = pack(spans, align)
     else:
         offsets, total = [], 0
         for size, _, _ in spans:
             offsets.append(total)
-            total += size
+            total = -(-(total + size) // align) * align
     arena = alloc(total)
     return [arena[o:o + s[0]] for o, s in zip(offsets, spans, strict=True)]
