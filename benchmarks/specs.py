@@ -23,6 +23,22 @@ CONTROL_VARIANT = "f16-static"
 
 
 @dataclass(frozen=True)
+class Product:
+    """A matrix product ``rows x inner`` by ``inner x cols``; a transposed operand is stored
+    the other way round (as the step stores it)."""
+
+    rows: int
+    inner: int
+    cols: int
+    a_transposed: bool = False
+    b_transposed: bool = False
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.rows * self.inner * self.cols
+
+
+@dataclass(frozen=True)
 class Workload:
     """One benchmark workload: a model (``benchmarks.models``) on a dataset, trained with plain
     SGD or Adam, softmax cross-entropy (a gpt's: at every position, over the vocabulary)."""
@@ -107,14 +123,23 @@ class Workload:
         opt = "plain SGD" if self.optimizer == "sgd" else "Adam"
         return f"{net}, {opt} at lr {self.learning_rate:g}"
 
-    def gemm_flops(self) -> int:
-        """FLOPs of an MLP step's GEMMs: forward, weight gradient, and input gradient except
-        for the first layer (its input is data)."""
+    def gemm_products(self) -> list[Product]:
+        """An MLP step's products, per layer of ``i`` inputs and ``o`` outputs at batch ``b``:
+        the forward ``x @ w`` (b x i by i x o), the weight gradient ``x^T @ g`` (i x b by
+        b x o) and, but for the first layer (its input is data), the input gradient
+        ``g @ w^T`` (b x o by o x i)."""
         if self.model != "mlp":
-            raise ValueError(f"workload {self.name}: gemm_flops counts MLP layers only")
-        b = self.batch
-        pairs = list(zip(self.sizes[:-1], self.sizes[1:], strict=True))
-        return sum(2 * b * i * o * (2 if k == 0 else 3) for k, (i, o) in enumerate(pairs))
+            raise ValueError(f"workload {self.name}: gemm_products lists MLP layers only")
+        b, out = self.batch, []
+        for k, (i, o) in enumerate(zip(self.sizes[:-1], self.sizes[1:], strict=True)):
+            out += [Product(b, i, o), Product(i, b, o, a_transposed=True)]
+            if k:
+                out.append(Product(b, o, i, b_transposed=True))
+        return out
+
+    def gemm_flops(self) -> int:
+        """FLOPs of an MLP step's GEMMs (``gemm_products``)."""
+        return sum(p.flops for p in self.gemm_products())
 
     def to_meta(self) -> dict[str, str]:
         return {k: repr(v) for k, v in asdict(self).items()}

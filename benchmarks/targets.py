@@ -192,7 +192,8 @@ def _worst(values: dict[str, float], fmt: str, what: str) -> tuple[float | None,
     return values[worst], f"worst of {len(values)} ocannl rows ({worst}); {listed}"
 
 
-def step_targets(rows: list[Row], sgemm_flops: float | None) -> list[Target]:
+def step_targets(rows: list[Row], sgemm_flops: float | None,
+                 products_s: float | None = None) -> list[Target]:
     """The step-time targets: against PyTorch eager, NumPy sgemm, the f32 and f16-static steps."""
     out = []
     names = _ran(rows)
@@ -200,7 +201,7 @@ def step_targets(rows: list[Row], sgemm_flops: float | None) -> list[Target]:
                     ("gpt_eager", "gpt_mini")):
         if wl in names:
             eager = _p50(rows, wl, "torch", "eager")
-            note = _gemm_floor(eager, sgemm_flops) if wl == "mlp_wide" else ""
+            note = _gemm_floor(eager, sgemm_flops, products_s) if wl == "mlp_wide" else ""
             out.append(_target(key, f"{wl} f32 step / PyTorch eager",
                                _ratio(_p50(rows, wl, "ocannl", "f32"), eager), note))
     if "mlp_wide" in names:
@@ -221,15 +222,22 @@ def step_targets(rows: list[Row], sgemm_flops: float | None) -> list[Target]:
     return out
 
 
-def _gemm_floor(eager: float | None, sgemm_flops: float | None) -> str:
-    """The wide step's floor: its GEMM FLOPs at NumPy's sgemm rate in the same run, with no
-    other work, over PyTorch eager's p50 (the ratio no step whose products run at that rate
-    can beat)."""
+def _gemm_floor(eager: float | None, sgemm_flops: float | None,
+                products_s: float | None = None) -> str:
+    """The wide step's floors over PyTorch eager's p50, with no other work: its GEMM FLOPs at
+    NumPy's 1024^3 sgemm rate in the same run; and (``products_s``) its products of their own
+    shapes as NumPy computes them, on OpenBLAS's own threads, timed in the step's rounds (a
+    product with 256 or 10 rows or columns runs below the 1024^3 rate)."""
     if eager is None or not sgemm_flops:
         return ""
     floor = WORKLOADS["mlp_wide"].gemm_flops() / sgemm_flops
-    return (f"floor: its GEMMs alone at NumPy's sgemm rate take {floor * 1e3:.2f} ms, "
+    text = (f"floor: its GEMMs alone at NumPy's sgemm rate take {floor * 1e3:.2f} ms, "
             f"{floor / eager:.3f}x PyTorch eager's p50")
+    if products_s:
+        count = len(WORKLOADS["mlp_wide"].gemm_products())
+        text += (f"; its {count} products as NumPy computes them, in the same rounds: "
+                 f"{products_s * 1e3:.2f} ms, {products_s / eager:.3f}x")
+    return text
 
 
 def _between(rows: list[Row], wl: str, key: str, name: str, a: str, b: str) -> Target:
@@ -330,10 +338,12 @@ def chain_note(r: dict) -> str:
     return f"{r['status']}: {r.get('note', '')}".strip()
 
 
-def evaluate(rows: list[Row], sgemm_flops: float | None, chain: dict | None = None
-             ) -> list[Target]:
-    """Every target of the issue that this run's rows (and chain results) can speak to."""
-    return step_targets(rows, sgemm_flops) + probe_targets(rows) + chain_targets(chain)
+def evaluate(rows: list[Row], sgemm_flops: float | None, chain: dict | None = None,
+             products_s: float | None = None) -> list[Target]:
+    """Every target of the issue that this run's rows (and chain results) can speak to;
+    ``products_s``: NumPy's time for the wide step's products, in its rounds."""
+    return (step_targets(rows, sgemm_flops, products_s) + probe_targets(rows)
+            + chain_targets(chain))
 
 
 @dataclass(frozen=True)

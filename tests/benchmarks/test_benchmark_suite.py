@@ -26,7 +26,8 @@ from benchmarks import measure as measure_mod  # noqa: E402
 from benchmarks.measure import measure  # noqa: E402
 from benchmarks.results import Row  # noqa: E402
 from benchmarks.runners import Unavailable, make_runner  # noqa: E402
-from benchmarks.specs import WORKLOADS, scaled  # noqa: E402
+from benchmarks.sgemm import SgemmInRounds  # noqa: E402
+from benchmarks.specs import WORKLOADS, Product, scaled  # noqa: E402
 
 TINY = replace(scaled(WORKLOADS["mlp_small"], 0.01), parity_steps=4, n_batches=2)
 # The convnet at batch 8, 3 parity steps, 2 distinct batches, a handful of timed steps.
@@ -120,8 +121,6 @@ def test_sgemm_yardstick_runs_first_in_every_round(tmp_path: Path,
     """NumPy's sgemm timed inside the rounds: its calls open every round, before the steps,
     with the pause another framework's rows get; its rate comes from those samples, and the
     report names it as the GEMM column's yardstick beside the rates measured alone."""
-    from benchmarks.sgemm import SgemmInRounds
-
     monkeypatch.setattr(measure_mod, "SETTLE_S", 0.0)
     w = replace(TINY, timed_steps=6, rounds=3)
     fx = fixtures.load(w, tmp_path)
@@ -134,7 +133,7 @@ def test_sgemm_yardstick_runs_first_in_every_round(tmp_path: Path,
             events.append("sgemm")
             super().step()
 
-    yard = Yard(n=32, calls=2)
+    yard = Yard(n=32, calls=2, products=[Product(3, 5, 4), Product(4, 3, 6, a_transposed=True)])
     ocannl = make_runner(fx, "ocannl", "f32", "cpu")
     ocannl_step = ocannl.step
     ocannl.step = lambda i: (events.append("ocannl"), ocannl_step(i))[1]
@@ -145,6 +144,9 @@ def test_sgemm_yardstick_runs_first_in_every_round(tmp_path: Path,
     assert timed == ["sgemm", "sgemm", "ocannl", "ocannl"] * 3
     assert len(yard.samples) == 3 * 2 and all(t > 0 for t in yard.samples)
     assert yard.rate() == pytest.approx(2 * 32**3 / float(np.median(yard.samples)))
+    # and one pass over the step's products a round, after the sgemm calls
+    assert len(yard.product_samples) == 3
+    assert yard.products_time() == float(np.median(yard.product_samples)) > 0
     # a pause before the sgemm calls, before PyTorch's row after them and before ocannl's row
     # after PyTorch's, in every round
     assert len(slept) == 3 * 3 and slept[:3] == [["ocannl"], ["sgemm"], ["sgemm"]]
@@ -154,6 +156,40 @@ def test_sgemm_yardstick_runs_first_in_every_round(tmp_path: Path,
             "load_start": "0", "load_end": "0"}
     text = report.render(rows, targets.evaluate(rows, 2e11), info, None, {w.name: w})
     assert "300 then 100 GFLOP/s alone" in text and "200 GFLOP/s in mlp_wide's rounds" in text
+
+
+def test_the_wide_steps_products_are_those_its_ocannl_step_runs(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``gemm_products`` (the floor's yardstick, and the GEMM column's FLOPs) lists the
+    products an MLP step of this project lowers to GEMMs, shape for shape (the step may
+    compute one the other way round: its transpose), and NumPy's pass over them computes
+    each product of its operands."""
+    from ocannl import Context
+    from ocannl.ir.lowering import Gemm
+
+    w = replace(scaled(WORKLOADS["mlp_wide"], 0.01), sizes=(16, 32, 32, 8), batch=16,
+                n_batches=2, parity_steps=2)
+    fx = fixtures.load(w, tmp_path)
+    comps: list = []
+    compile_ = Context.compile
+    monkeypatch.setattr(Context, "compile", lambda self, comp, bindings=None: (
+        comps.append(comp), compile_(self, comp, bindings))[1])
+    runner = make_runner(fx, "ocannl", "f32", "cpu")
+    runner.build()
+    lowered = [g for comp in comps for g in runner.ctx.lower(comp) if isinstance(g, Gemm)]
+    assert len(lowered) == 8
+    ran = sorted((g.inner, *sorted((g.rows, g.cols))) for g in lowered)
+    listed = sorted((p.inner, *sorted((p.rows, p.cols))) for p in w.gemm_products())
+    assert ran == listed
+    assert w.gemm_flops() == sum(2 * g.rows * g.inner * g.cols for g in lowered)
+
+    yard = SgemmInRounds(n=8, calls=1, products=w.gemm_products())
+    yard.time()
+    for (a, b, out), p in zip(yard.products, w.gemm_products(), strict=True):
+        assert a.shape == (p.rows, p.inner) and b.shape == (p.inner, p.cols)
+        assert (a.flags.f_contiguous, b.flags.f_contiguous) == (p.a_transposed, p.b_transposed)
+        np.testing.assert_allclose(out, a.astype(np.float64) @ b, rtol=1e-4, atol=1e-4)
+    assert len(yard.product_samples) == 1
 
 
 def test_paired_ratio_compares_rows_round_by_round() -> None:
@@ -394,7 +430,7 @@ def test_issue_12_targets_and_report() -> None:
     """Every row of issue 12's table gets its instances (every workload that ran, the chain),
     with the goals as the issue states them; the report renders the issue's table."""
     rows = _suite_rows()
-    found = targets.evaluate(rows, sgemm_flops=1e11, chain=CHAIN)
+    found = targets.evaluate(rows, sgemm_flops=1e11, chain=CHAIN, products_s=8e-3)
     by = {t.name: t for t in found}
     goals = {g.key: g.goal for g in targets.ISSUE_TABLE}
     assert goals == {"wide_eager": 0.8, "wide_gemm": 0.7, "conv_eager": 1.0, "gpt_eager": 1.0,
@@ -409,7 +445,8 @@ def test_issue_12_targets_and_report() -> None:
     floor = WORKLOADS["mlp_wide"].gemm_flops() / 1e11  # its GEMMs at the sgemm rate: 18.9 ms
     assert by["mlp_wide f32 step / PyTorch eager"].note == (
         f"floor: its GEMMs alone at NumPy's sgemm rate take {floor * 1e3:.2f} ms, "
-        f"{floor / 1e-2:.3f}x PyTorch eager's p50")
+        f"{floor / 1e-2:.3f}x PyTorch eager's p50; its 8 products as NumPy computes them, in "
+        f"the same rounds: 8.00 ms, 0.800x")
     assert by["convnet f32 step / PyTorch eager"].measured == pytest.approx(0.7)
     assert by["convnet f32 step / PyTorch eager"].met is True
     wide = WORKLOADS["mlp_wide"].gemm_flops() / (0.7e-2 * 1e11)
