@@ -471,3 +471,42 @@ def test_scratch_tables_are_bound_once_and_kept_with_the_machine_code(monkeypatc
         redone, fresh = run()
         assert not fresh.loaded_from_disk and redone == bits
         assert path.read_bytes() == whole
+
+
+@pytest.mark.skipif(not jit._features_dict().get("avx512f"),
+                    reason="512-bit vectors need a CPU with AVX-512 to run")
+def test_512_bit_vectors_give_the_bits_of_256_bit_ones(monkeypatch, tmp_path):
+    """The same bf16 step compiled preferring 512-bit and 256-bit vectors (``jit.features``:
+    each lane computes what a scalar would) gives the same gradients, bit for bit, from code
+    on 512-bit registers and code on 256-bit ones."""
+    from ocannl.backends.cpu import codegen
+    from ocannl.backends.cpu.backend import CpuBackend
+
+    host = jit.llvm.get_host_cpu_features().flatten()
+    compile_ = jit._object
+    monkeypatch.setattr(jit, "workers", lambda: 1)  # every module compiled here, recorded
+    runs = []
+    for width in (512, 256):
+        monkeypatch.setenv("OCANNL_CACHE_DIR", str(tmp_path / str(width)))
+        monkeypatch.setattr(jit, "features", lambda w=width: host + (
+            ",-prefer-256-bit" if w == 512 else ",+prefer-256-bit"))
+        monkeypatch.setattr(codegen, "_VERSION", f"{codegen._VERSION}-{width}")
+        monkeypatch.setattr(CpuBackend, "_compiled", {})
+        registers = {"zmm": 0, "ymm": 0}  # operands on 512-bit and on 256-bit registers
+
+        def recording(text: str, registers: dict[str, int] = registers) -> bytes:
+            module = jit.llvm.parse_assembly(text, context=jit.llvm.create_context())
+            tm = jit._target_machine()
+            jit._optimize(module, tm)
+            asm = tm.emit_assembly(module)
+            for r in registers:
+                registers[r] += asm.count(f"%{r}")
+            return compile_(text)
+
+        monkeypatch.setattr(jit, "_object", recording)
+        bits, _ = _bf16_mlp_grads(9, f"w{width}", (32, 72), (96, 96), 10)
+        runs.append((bits, registers))
+    (wide, wide_regs), (narrow, narrow_regs) = runs
+    # (small products use 64-byte vectors either way: zmm in both)
+    assert wide_regs["zmm"] > 2 * narrow_regs["zmm"] and narrow_regs["ymm"] > 4 * wide_regs["ymm"]
+    assert wide == narrow
