@@ -332,3 +332,56 @@ def test_jammed_reductions_sum_each_cell_in_order(cols):
         expected = (expected + e[:, :, k]).astype(np.float32)
     assert ctx.get_values(s).tobytes() == expected.tobytes()
     assert ctx.get_values(m).tobytes() == xv.max(axis=2).tobytes()
+
+
+@pytest.mark.parametrize("prec", ["f32", "bf16"])
+def test_jammed_reductions_in_vectors_give_the_bits_of_scalar_cells(monkeypatch, tmp_path, prec):
+    """A jammed reduction whose term vectors take (``RoutineIR._lanes``) runs as one vector of
+    its cells: a padded 3x3 convolution into 8 channels (its kernel, channels apart, packed
+    first) and a max across rows (each read gathered) over NaN, infinities and signed zeros.
+    They give the bits of the cells computed one by one."""
+    import ocannl.tensor as T
+    from ocannl import train
+    from ocannl.backends.cpu import codegen
+    from ocannl.backends.cpu.backend import CpuBackend
+    from ocannl.tensor.spatial import conv2d
+
+    monkeypatch.setenv("OCANNL_CACHE_DIR", str(tmp_path))
+    rng = np.random.default_rng(11)
+    xv, kv = rng.uniform(-1, 1, (4, 6, 6, 1)), rng.uniform(-1, 1, (8, 3, 3, 1))
+    mv = rng.normal(size=(2, 16, 40)).astype(np.float32)
+    mv[0, 3, 7], mv[0, 4, :] = np.nan, -0.0
+    mv[0, 5, :20], mv[0, 5, 20:] = 0.0, -0.0
+    mv[1, 6, 9], mv[1, 7, :] = np.inf, -np.inf
+    vectors = []
+    lanes = codegen.RoutineIR._lanes
+
+    def run(vector: bool) -> list[bytes]:
+        monkeypatch.setattr(codegen, "_VERSION", f"{codegen._VERSION}-{vector}")
+        monkeypatch.setattr(CpuBackend, "_compiled", {})
+        monkeypatch.setattr(codegen.RoutineIR, "_lanes", lambda self, *a: (
+            vectors.append(lanes(self, *a)) or vectors[-1]) if vector else False)
+        x = T.term(xv.astype(np.float32), label="lx", batch_dims=(4,), output_dims=(6, 6, 1),
+                   prec=prec)
+        kernel = T.term(kv.astype(np.float32), label="lk", output_dims=(8,),
+                        input_dims=(3, 3, 1), prec=prec)
+        y = conv2d(x, kernel, padding=1)
+        m_in = Tnode("lm_in", (2, 16, 40), Precision(prec))
+        m = Tnode("lm", (2, 16), Precision(prec))
+        ctx = Context.cpu().set_values(m_in, mv)
+        ctx, r = ctx.compile(train.forward(y) + Comp((
+            Accum(m, (0, 1), "max", Get(m_in, (0, 1, 2)), (2, 16, 40), True),)))
+        ctx.run(r)
+        return [ctx.get_values(y).tobytes(), ctx.get_values(m).tobytes()]
+
+    scalar = run(False)
+    assert run(True) == scalar
+    # The convolution ran as vectors; so did the f32 max. The bf16 max reads each 16-bit cell
+    # once, widening it as it loads it (no f32 copy), which lanes do not: one cell at a time.
+    assert vectors == [True, prec == "f32"]
+    conv, top = (np.frombuffer(v, Precision(prec).numpy_dtype) for v in scalar)
+    expected = np.nanmax(np.where(np.isnan(mv), np.inf, mv), axis=2)
+    expected[0, 3] = np.nan
+    np.testing.assert_array_equal(top.astype(np.float32).reshape(2, 16),
+                                  expected.astype(Precision(prec).numpy_dtype).astype(np.float32))
+    assert np.isfinite(conv.astype(np.float32)).all()
