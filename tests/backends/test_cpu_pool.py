@@ -137,3 +137,47 @@ def test_a_shared_reduction_over_16_bit_nodes_gives_one_threads_bits(monkeypatch
     np.testing.assert_allclose(got, np.exp(av.astype(prec.numpy_dtype).astype(np.float64))
                                @ bv.astype(prec.numpy_dtype).astype(np.float64),
                                rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize("prec", ["f32", "bf16"])
+def test_a_shared_scatter_gives_one_threads_bits(monkeypatch, tmp_path, prec):
+    """A max pool's gradient is a scatter (each window's cells written through affine
+    indices); shared by batch points, its target's first axis, each thread writes a block
+    of cells of its own (a 16-bit target: its block of the f32 accumulator too), and the
+    bits are one thread's."""
+    import ocannl.tensor as T
+    from ocannl import train
+    from ocannl.backends.cpu import codegen
+    from ocannl.tensor.spatial import max_pool2d
+
+    rng = np.random.default_rng(8)
+    xv = rng.normal(size=(64, 8, 8, 8))
+    xv[:, 0, 0, :] = xv[:, 0, 1, :]  # ties in windows
+    cv = rng.normal(size=(64, 4, 4, 8))
+    split = codegen._split
+    shared: list[bool] = []
+
+    monkeypatch.setenv("OCANNL_CACHE_DIR", str(tmp_path))
+    version = codegen._VERSION
+
+    def run(threads: int) -> bytes:
+        monkeypatch.setattr(jit, "threads", lambda: threads)
+        monkeypatch.setattr(codegen, "_VERSION", f"{version}-scatter-{threads}")  # compiled here
+        monkeypatch.setattr(codegen, "_split", lambda item: (
+            shared.append(item.lead.scatter and split(item) is not None)
+            if isinstance(item, codegen.LoopGroup) else None) or split(item))
+        x = T.param("px", batch_dims=(64,), output_dims=(8, 8, 8), input_dims=(), prec=prec)
+        c = T.term(cv.astype(np.float32), label="pc", batch_dims=(64,), output_dims=(4, 4, 8))
+        loss = T.sum(T.cast(max_pool2d(x), "f32") * c)
+        ctx = train.init_params(Context.cpu(), loss)
+        ctx.set_values(x, xv)
+        ctx, r = ctx.compile(train.grad_update(loss))
+        ctx.run(r)
+        return ctx.get_values(x.grad).tobytes()
+
+    one = run(1)
+    assert not any(shared)
+    assert run(3) == one
+    assert any(shared)  # the scatter was shared
+    grad = np.frombuffer(one, Precision(prec).numpy_dtype).astype(np.float64)
+    assert np.count_nonzero(grad) >= 64 * 4 * 4 * 8  # a cell per window at least

@@ -507,9 +507,13 @@ class RoutineIR:
         lhs = lead.assign.lhs
         widened = self._widen_reused(lead)
         target = lead.scatter and lhs.prec.is_narrow and lead.assign.accum != "="
+        # A shared scatter's range is of the target's first axis: its block of cells.
+        cells = None
+        if self.range and lead.scatter:
+            cells = tuple(self.b.mul(v, const_int(lhs.strides[0])) for v in self.range)
         if target:
             wide = self.scratch_for(lhs.size, "scatter", F32)
-            self.convert_into(self.buffer(lhs), lhs.prec, wide, lhs.size)
+            self.convert_into(self.buffer(lhs), lhs.prec, wide, lhs.size, cells=cells)
             self.redirect[lhs.id] = wide
         width = _jam(g)
         if lead.walk_rows:
@@ -529,7 +533,7 @@ class RoutineIR:
             del self.redirect[node.id]
         if target:
             del self.redirect[lhs.id]
-            self.narrow_into(wide, self.buffer(lhs), lhs.prec, lhs.size)
+            self.narrow_into(wide, self.buffer(lhs), lhs.prec, lhs.size, cells=cells)
 
     def reused_narrow(self, nest: LoopNest) -> list[Tnode]:
         """The 16-bit nodes a reduction reads (not its target) at least ``REUSE`` times per
@@ -942,11 +946,11 @@ class RoutineIR:
                 write()
 
     def convert_into(self, src: ir.Value, src_prec: Precision, dst: ir.Value, size: int,
-                     ranged: bool = False) -> None:
-        """Copy ``size`` values (``ranged``: this item's range of them) into an f32 / f64
-        array, widening or converting each."""
+                     ranged: bool = False, cells: tuple[ir.Value, ...] | None = None) -> None:
+        """Copy ``size`` values (``ranged``: this item's range of them; ``cells``: those from
+        ``cells[0]`` to ``cells[1]``) into an f32 / f64 array, widening or converting each."""
         b = self.b
-        with self.loop(*(self.range if ranged and self.range else (size,))) as i:
+        with self.loop(*(cells or (self.range if ranged and self.range else (size,)))) as i:
             v = b.load(b.gep(src, [i]))
             v = self.widen(v, src_prec) if src_prec.is_narrow else v
             b.store(convert(b, v, dst.type.pointee), b.gep(dst, [i]))
@@ -960,9 +964,9 @@ class RoutineIR:
         return value
 
     def narrow_into(self, src: ir.Value, dst: ir.Value, prec: Precision, size: int,
-                    ranged: bool = False) -> None:
+                    ranged: bool = False, cells: tuple[ir.Value, ...] | None = None) -> None:
         b = self.b
-        with self.loop(*(self.range if ranged and self.range else (size,))) as i:
+        with self.loop(*(cells or (self.range if ranged and self.range else (size,)))) as i:
             b.store(self.narrow(b.load(b.gep(src, [i])), prec), b.gep(dst, [i]))
 
     def _matrix(self, v: MatrixView, g: Gemm, compute: ir.Type, inline: bool) -> ir.Value:
@@ -1344,12 +1348,22 @@ def _split(item: Lowered) -> int | None:
     """The extent of the outermost loop a loop group may share out over threads, or None.
     Distinct iterations of it write distinct cells and read nothing another writes (the group
     is pointwise, or a reduction over its inner iterators), so each thread computes its cells
-    as one would, bit for bit. Not split: scatters (cells move with reductions)."""
+    as one would, bit for bit. A scatter's cells move with its reductions: it is shared only
+    by its first parallel iterator, where that is its target's first axis and the scatter
+    reads no other cell of its target, so each thread's points write a block of the target's
+    own (a max pool's gradient, batch point by batch point)."""
     if not isinstance(item, LoopGroup):
         return None
     lead = item.lead
-    if lead.scatter or math.prod(lead.space) * len(item.nests) < PARALLEL_POINTS:
+    if math.prod(lead.space) * len(item.nests) < PARALLEL_POINTS:
         return None
+    if lead.scatter:
+        a = lead.assign
+        if (len(item.nests) > 1 or not lead.par or a.lhs_idx[0] != lead.par[0]
+                or any(g.node.id == a.lhs.id for g in reads(a.expr))):
+            return None
+        extent = lead.space[lead.par[0]]
+        return extent if extent > 1 else None
     if lead.walk_rows and len(lead.par) == 1:  # a lone row: shared by blocks of its cells
         blocks = -(-lead.space[lead.par[0]] // ROW_BLOCK)
         return blocks if blocks >= ROW_BLOCKS_MIN else None
