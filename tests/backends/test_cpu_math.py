@@ -334,12 +334,12 @@ def test_jammed_reductions_sum_each_cell_in_order(cols):
     assert ctx.get_values(m).tobytes() == xv.max(axis=2).tobytes()
 
 
-@pytest.mark.parametrize("prec", ["f32", "bf16"])
+@pytest.mark.parametrize("prec", ["f32", "bf16", "f16"])
 def test_jammed_reductions_in_vectors_give_the_bits_of_scalar_cells(monkeypatch, tmp_path, prec):
     """A jammed reduction whose term vectors take (``RoutineIR._lanes``) runs as one vector of
     its cells: a padded 3x3 convolution into 8 channels (its kernel, channels apart, packed
-    first) and a max across rows (each read gathered) over NaN, infinities and signed zeros.
-    They give the bits of the cells computed one by one."""
+    first; its output stored as a vector) and a max across rows (each read gathered) over NaN,
+    infinities and signed zeros. They give the bits of the cells computed one by one."""
     import ocannl.tensor as T
     from ocannl import train
     from ocannl.backends.cpu import codegen
@@ -376,8 +376,9 @@ def test_jammed_reductions_in_vectors_give_the_bits_of_scalar_cells(monkeypatch,
 
     scalar = run(False)
     assert run(True) == scalar
-    # The convolution ran as vectors; so did the f32 max. The bf16 max reads each 16-bit cell
-    # once, widening it as it loads it (no f32 copy), which lanes do not: one cell at a time.
+    # The convolution ran as vectors, stored as vectors (rounded lane by lane to 16 bits); so
+    # did the f32 max. A 16-bit max reads each cell once, widening it as it loads it (no f32
+    # copy), which lanes do not: one cell at a time.
     assert vectors == [True, prec == "f32"]
     conv, top = (np.frombuffer(v, Precision(prec).numpy_dtype) for v in scalar)
     expected = np.nanmax(np.where(np.isnan(mv), np.inf, mv), axis=2)

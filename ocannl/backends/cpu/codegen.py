@@ -746,6 +746,8 @@ class RoutineIR:
                     b.store(convert(b, new, compute), acc)
 
             self._loops(list(nest.red), space, iters, inner)
+            if lanes and self._store_lanes(nest, width, iters, b.load(accs[0])):
+                return
             for u, cell in enumerate(cells):
                 iters[last] = cell
                 result = (b.extract_element(b.load(accs[0]), const_int(u, I32)) if lanes
@@ -754,6 +756,31 @@ class RoutineIR:
                     old = self.load(a.lhs, a.lhs_idx, space, iters, compute)
                     result = self.combine(a.accum, old, result, compute)
                 self.store(a.lhs, self.offset(a.lhs, a.lhs_idx, iters), result)
+
+    def _store_lanes(self, nest: LoopNest, width: int, iters: dict[int, ir.Value],
+                     value: ir.Value) -> bool:
+        """Store a vector of a jammed reduction's cells (from ``iters[last]`` on) as one vector,
+        rounded lane by lane to a 16-bit target: where the cells lie side by side, the
+        reduction overwrites them and nothing else stands in for the target. False when it
+        cannot (each cell is then stored alone)."""
+        a = nest.assign
+        lhs, b = a.lhs, self.b
+        ok = (a.reset and self._stride(Get(lhs, a.lhs_idx), nest.par[-1]) == 1
+              and not ({lhs.id} & (self.redirect.keys() | self.derived.keys()))
+              and lhs.id not in self.registers
+              and (lhs.prec is not Precision.f16 or self.hardware_f16))
+        if not ok:
+            return False
+        if value.type.element == F64 and lhs.prec is not Precision.f64:
+            value = b.fptrunc(value, ir.VectorType(F32, width))
+        if lhs.prec is Precision.bf16:
+            value = f32_to_bf16(b, value)
+        elif lhs.prec is Precision.f16:
+            value = b.bitcast(b.fptrunc(value, ir.VectorType(F16, width)),
+                              ir.VectorType(I16, width))
+        at = b.gep(self.buffer(lhs), [self.offset(lhs, a.lhs_idx, iters)])
+        b.store(value, b.bitcast(at, value.type.as_pointer()), align=lhs.prec.itemsize)
+        return True
 
     def _in_lanes(self, e: Expr, compute: ir.Type, last: int) -> bool:
         """Whether a jammed reduction's term can be computed for its cells as one vector, lane
