@@ -147,8 +147,8 @@ def _unary_grad(op: str, a: Expr, v: Expr, g: Expr, c: float | None) -> Expr:
     one = Const(1.0)
     if op == "neg":
         return apply("neg", g)
-    if op == "relu":
-        return apply("mul", g, apply("gt", a, Const(0.0)))
+    if op == "relu":  # where the result is positive, as torch's: the input is then not kept
+        return apply("mul", g, apply("gt", v, Const(0.0)))
     if op == "exp":
         return apply("mul", g, v)
     if op == "log":

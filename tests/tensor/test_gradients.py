@@ -377,3 +377,25 @@ def test_shared_subexpressions(prec, data):
         return th * th + torch.tanh(th) * ta - torch.log(ta) / torch.sigmoid(tb) + t_sum * tb
 
     check_parity(out, torch_fn, [(a, av), (b, bv)])
+
+
+def test_relu_gradient_reads_the_result_so_the_input_is_not_kept():
+    """relu's gradient passes where its result is positive (as torch's does), which is where
+    its input is: the same bits. A hidden layer's pre-activation (``x @ w + b``, local to the
+    block) is then read by nothing after the forward pass, so the step hands it to relu in a
+    register (``LoopGroup.registers``) and never stores it."""
+    from ocannl import Context, nn_blocks, train
+    from ocannl.ir.assignments import reads
+    from ocannl.ir.lowering import LoopGroup
+
+    x = T.term(np.random.default_rng(2).normal(size=(8, 16)), label="rx", batch_dims=(8,),
+               output_dims=(16,))
+    y = T.relu(T.param("rw", output_dims=(6,), input_dims=(16,)) @ x)
+    read = {g.node.id for a in y.backprop_code for g in reads(a.expr)}
+    assert read == {y.value.id, y.grad.id}  # the result and its gradient, not the input
+    logits, _ = nn_blocks.mlp(x, (12,), 4, label="rmlp")
+    loss = T.sum(logits * logits)
+    ctx = train.init_params(Context.cpu(), loss)
+    groups = [g for g in ctx.lower(train.grad_update(loss)) if isinstance(g, LoopGroup)]
+    relu = [g for g in groups if any(n.assign.lhs.name.startswith("relu") for n in g.nests)]
+    assert relu and all(g.registers for g in relu)
