@@ -134,7 +134,7 @@ class RoutineIR:
         # The group's nodes kept in registers, and their values at the point being emitted.
         self.registers: frozenset[int] = frozenset()
         self.held: dict[int, ir.Value] = {}
-        # A jammed reduction's reads packed as vectors of its cells (``_pack_lanes``), by id.
+        # A jammed reduction's reads packed as vectors of its cells (``_lanes``), by id.
         self.packed: dict[int, tuple[ir.Value, list[int], int]] = {}
         # Each item function's text (its name left out) -> the function: an item whose text an
         # earlier one of this part has is that one (``_same_item``); and the text of each
