@@ -795,13 +795,18 @@ class RoutineIR:
         node = e.node
         if node.id in self.redirect:  # an f32 copy stands in for it
             stored, plain = F32, True
-        else:
-            stored = _ELEM[node.prec]
+        else:  # 16-bit values widen as they load, lane by lane
+            stored = F32 if self._widens_in_lanes(node.prec) else _ELEM[node.prec]
             plain = not ({node.id} & (self.held.keys() | self.derived.keys()
                                       | self.forwarded.keys()))
         return (stored == compute and plain
                 and not any(isinstance(i, Affine) and any(it == last and c for c, it in i.terms)
                             for i in e.idx))
+
+    def _widens_in_lanes(self, prec: Precision) -> bool:
+        """Whether a vector of 16-bit values of ``prec`` widens to f32 in a few instructions:
+        bf16's a shift, f16's one conversion where the CPU has it."""
+        return prec is Precision.bf16 or (prec is Precision.f16 and self.hardware_f16)
 
     def _lanes(self, nest: LoopNest, width: int, space: tuple[int, ...]) -> bool:
         """Whether the jammed reduction runs as a vector of its cells (``_in_lanes``), and its
@@ -890,24 +895,32 @@ class RoutineIR:
             return b.load(b.bitcast(b.gep(pack, [at]), vec.as_pointer()),
                           align=4 if compute == F32 else 8)
         base = self.redirect.get(node.id) or self.buffer(node)
+        narrow = node.id not in self.redirect and node.prec.is_narrow
+        loaded = ir.VectorType(I16, width) if narrow else vec
         stride = self._stride(e, last)
         off = self.offset(node, e.idx, iters)
         cond = self.in_bounds(node, e.idx, space, iters)
         if cond is not None:
             off = b.select(cond, off, const_int(0))
         if stride == 1:
-            value = b.load(b.bitcast(b.gep(base, [off]), vec.as_pointer()),
-                           align=4 if compute == F32 else 8)
+            value = b.load(b.bitcast(b.gep(base, [off]), loaded.as_pointer()),
+                           align=loaded.element.width // 8 if narrow else
+                           (4 if compute == F32 else 8))
         elif stride == 0:
-            one = b.insert_element(ir.Constant(vec, ir.Undefined), b.load(b.gep(base, [off])),
-                                   const_int(0, I32))
-            value = b.shuffle_vector(one, ir.Constant(vec, ir.Undefined),
+            one = b.insert_element(ir.Constant(loaded, ir.Undefined),
+                                   b.load(b.gep(base, [off])), const_int(0, I32))
+            value = b.shuffle_vector(one, ir.Constant(loaded, ir.Undefined),
                                      ir.Constant(ir.VectorType(I32, width), [0] * width))
         else:
-            value = ir.Constant(vec, ir.Undefined)
+            value = ir.Constant(loaded, ir.Undefined)
             for u in range(width):
                 at = b.add(off, const_int(u * stride), flags=["nsw"])
                 value = b.insert_element(value, b.load(b.gep(base, [at])), const_int(u, I32))
+        if narrow and node.prec is Precision.bf16:  # the top half of an f32
+            wide = ir.VectorType(I32, width)
+            value = b.bitcast(b.shl(b.zext(value, wide), ir.Constant(wide, 16)), vec)
+        elif narrow:
+            value = b.fpext(b.bitcast(value, ir.VectorType(F16, width)), vec)
         if cond is not None:
             value = b.select(cond, value, ir.Constant(vec, 0.0))
         return value
