@@ -44,6 +44,7 @@ from ocannl.backends.cpu.scalar import (
     f32_to_bf16_exact,
     f32_to_f16_hw,
     f32_to_f16_soft,
+    like,
 )
 from ocannl.ir import ops as ops_module
 from ocannl.ir.assignments import Affine, Apply, Const, Expr, Fixed, Get, Projection, reads
@@ -328,15 +329,17 @@ class RoutineIR:
     # --- 16-bit storage -----------------------------------------------------------------------
 
     def widen(self, bits: ir.Value, prec: Precision) -> ir.Value:
-        """16-bit pattern -> f32, exact."""
+        """16-bit pattern -> f32, exact. ``bits`` may be a vector where it is bf16 or f16 on
+        F16C outside a copy (``_widens_in_lanes``)."""
         b = self.b
         if prec is Precision.bf16:
-            return b.bitcast(b.shl(b.zext(bits, I32), const_int(16, I32)), F32)
+            wide = like(bits, I32)
+            return b.bitcast(b.shl(b.zext(bits, wide), ir.Constant(wide, 16)), like(bits, F32))
         if not self.hardware_f16:
             return f16_to_f32_soft(b, bits)
         if self.copying:
             return f16_to_f32_hw(b, bits)
-        return b.fpext(b.bitcast(bits, F16), F32)
+        return b.fpext(b.bitcast(bits, like(bits, F16)), like(bits, F32))
 
     def round_to(self, value: ir.Value, prec: Precision) -> ir.Value:
         """``value`` rounded to a 16-bit precision as a store would, then widened as a load
@@ -346,17 +349,18 @@ class RoutineIR:
         return self.widen(self.narrow(value, prec), prec)
 
     def narrow(self, value: ir.Value, prec: Precision) -> ir.Value:
-        """f32 (or f64, through f32) -> 16-bit pattern, nearest with ties to even."""
+        """f32 (or f64, through f32) -> 16-bit pattern, nearest with ties to even. ``value``
+        may be a vector where ``widen``'s bits may."""
         b = self.b
-        if value.type == F64:
-            value = b.fptrunc(value, F32)
+        if like(value, F64) == value.type:
+            value = b.fptrunc(value, like(value, F32))
         if prec is Precision.bf16:
             return f32_to_bf16(b, value)
         if not self.hardware_f16:
             return f32_to_f16_soft(b, value)
         if self.copying:
             return f32_to_f16_hw(b, value)
-        return b.bitcast(b.fptrunc(value, F16), I16)
+        return b.bitcast(b.fptrunc(value, like(value, F16)), like(value, I16))
 
     # --- loads, stores, expressions ----------------------------------------------------------
 
@@ -771,13 +775,10 @@ class RoutineIR:
               and (lhs.prec is not Precision.f16 or self.hardware_f16))
         if not ok:
             return False
-        if value.type.element == F64 and lhs.prec is not Precision.f64:
+        if lhs.prec.is_narrow:
+            value = self.narrow(value, lhs.prec)
+        elif value.type.element != _FLOAT[lhs.prec]:  # an f64 sum into an f32 target
             value = b.fptrunc(value, ir.VectorType(F32, width))
-        if lhs.prec is Precision.bf16:
-            value = f32_to_bf16(b, value)
-        elif lhs.prec is Precision.f16:
-            value = b.bitcast(b.fptrunc(value, ir.VectorType(F16, width)),
-                              ir.VectorType(I16, width))
         at = b.gep(self.buffer(lhs), [self.offset(lhs, a.lhs_idx, iters)])
         b.store(value, b.bitcast(at, value.type.as_pointer()), align=lhs.prec.itemsize)
         return True
@@ -916,11 +917,8 @@ class RoutineIR:
             for u in range(width):
                 at = b.add(off, const_int(u * stride), flags=["nsw"])
                 value = b.insert_element(value, b.load(b.gep(base, [at])), const_int(u, I32))
-        if narrow and node.prec is Precision.bf16:  # the top half of an f32
-            wide = ir.VectorType(I32, width)
-            value = b.bitcast(b.shl(b.zext(value, wide), ir.Constant(wide, 16)), vec)
-        elif narrow:
-            value = b.fpext(b.bitcast(value, ir.VectorType(F16, width)), vec)
+        if narrow:
+            value = self.widen(value, node.prec)
         if cond is not None:
             value = b.select(cond, value, ir.Constant(vec, 0.0))
         return value

@@ -332,12 +332,12 @@ IR_OPS: dict[str, Callable[..., ir.Value]] = {
 # them vectorize.
 
 
-def _c32(v: int, like: ir.Value | None = None) -> ir.Constant:
-    """An i32 constant, or a vector of it as wide as ``like``."""
-    return ir.Constant(I32 if like is None else _like(like, I32), v)
+def _c32(v: int, of: ir.Value | None = None) -> ir.Constant:
+    """An i32 constant, or a vector of it as wide as ``of``."""
+    return ir.Constant(I32 if of is None else like(of, I32), v)
 
 
-def _like(value: ir.Value, scalar: ir.Type) -> ir.Type:
+def like(value: ir.Value, scalar: ir.Type) -> ir.Type:
     """``scalar``, or a vector of as many of it as ``value`` has lanes."""
     ty = value.type
     return ir.VectorType(scalar, ty.count) if isinstance(ty, ir.VectorType) else scalar
@@ -406,7 +406,7 @@ def f32_to_f16_soft(b: ir.IRBuilder, f: ir.Value) -> ir.Value:
 def f32_to_bf16(b: ir.IRBuilder, f: ir.Value) -> ir.Value:
     """f32 -> bf16 bits, nearest with ties to even; a NaN becomes the quiet NaN of its sign.
     ``f`` may be a vector (lane by lane)."""
-    return b.trunc(b.lshr(_bf16_rounded_bits(b, f), _c32(16, f)), _like(f, I16))
+    return b.trunc(b.lshr(_bf16_rounded_bits(b, f), _c32(16, f)), like(f, I16))
 
 
 def f32_to_bf16_exact(b: ir.IRBuilder, f: ir.Value) -> ir.Value:
@@ -427,7 +427,7 @@ def _bf16_rounded_bits(b: ir.IRBuilder, f: ir.Value) -> ir.Value:
     """``f``'s bits with the top half rounded to nearest even (the bottom half is dropped
     next), or the quiet NaN of ``f``'s sign. NaN is found by an unordered compare: one vector
     instruction, where testing the bits takes two."""
-    bits = b.bitcast(f, _like(f, I32))
+    bits = b.bitcast(f, like(f, I32))
     odd = b.and_(b.lshr(bits, _c32(16, f)), _c32(1, f))
     rounded = b.add(b.add(bits, _c32(0x7FFF, f)), odd)
     return b.select(b.fcmp_unordered("uno", f, f), _bf16_quiet_nan(b, bits), rounded)
