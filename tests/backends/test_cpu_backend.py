@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 import ocannl.tensor as T
 from ocannl import Context, nn_blocks, train
@@ -35,3 +36,9 @@ def test_an_aligned_array_has_its_size_and_dtype_and_is_zero():
         assert not a.any()
         if size:  # NumPy gives an empty slice the address of the array it slices
             assert a.ctypes.data % 64 == 0
+
+
+@pytest.mark.parametrize("size", [-1, 2.5])
+def test_an_aligned_array_of_a_size_that_is_no_count_is_refused(size):
+    with pytest.raises(ValueError, match=f"got {size!r}"):
+        aligned(size, np.dtype(np.float32))
