@@ -43,12 +43,22 @@ def commit() -> str:
 
 def versions() -> dict[str, str]:
     out = {"python": platform.python_version()}
-    for pkg in ("ocannl", "numpy", "llvmlite", "scipy", "torch", "ml-dtypes", "cupy-cuda12x"):
+    for pkg in ("ocannl", "numpy", "llvmlite", "scipy", "mkl", "torch", "ml-dtypes",
+                "cupy-cuda12x"):
         try:
             out[pkg] = metadata.version(pkg)
         except metadata.PackageNotFoundError:
             pass
     return out
+
+
+def blas_in_use() -> str:
+    """The library ocannl's CPU routines call for their products (``ocannl.backends.cpu.blas``:
+    MKL on Intel CPUs where its wheel is installed, else NumPy's OpenBLAS)."""
+    from ocannl.backends.cpu import blas
+
+    return {"mkl": "Intel MKL (its sequential layer, on ocannl's threads)",
+            "numpy": "NumPy's OpenBLAS", "scipy": "SciPy's OpenBLAS"}[blas.chosen().name]
 
 
 def load_average() -> str:
@@ -67,4 +77,5 @@ def describe() -> dict[str, object]:
         "platform": platform.platform(),
         "commit": commit(),
         "versions": versions(),
+        "blas": blas_in_use(),
     }

@@ -279,6 +279,8 @@ def render(rows: list[Row], targets: list[Target], info: dict, chart: str | None
         f"{info['platform']}",
         f"- Commit: `{info['commit']}`",
         "- Versions: " + ", ".join(f"{k} {val}" for k, val in v.items()),
+        f"- ocannl's products call {info.get('blas', 'a BLAS not recorded')}; the sgemm yardstick "
+        "is NumPy's own (OpenBLAS)",
         sgemm_line(info),
         f"- Load average (1/5/15 min) at start: {info['load_start']}; at end: {info['load_end']}"
         " (a busy machine makes every number noisy; ratios from the same run are the robust "

@@ -185,10 +185,10 @@ def test_products_shared_over_threads_give_the_same_bits(monkeypatch, prec):
     part a single-threaded BLAS call) compute what one thread does, bit for bit, 16-bit
     operands and targets included (their conversions shared out too), accumulating products
     too."""
-    from ocannl.backends.cpu import jit
+    from ocannl.backends.cpu import blas, jit
     from ocannl.ir.lowering import Gemm, lower
 
-    assert jit._blas_threads() is not None, "NumPy's OpenBLAS thread controls were not found"
+    assert blas.chosen().threads is not None, f"{blas.chosen().name}'s thread controls not found"
     m, k, n, batch = 250, 64, 80, 6  # more rows than columns, a partial last block
     a, w = Tnode("a", (m, k), prec), Tnode("w", (n, k), prec)
     c = Tnode("c", (m, n), prec)
@@ -222,50 +222,6 @@ def test_products_shared_over_threads_give_the_same_bits(monkeypatch, prec):
     rounded = {t: vals[t].astype(prec.numpy_dtype).astype(np.float64) for t in (a2, w2, c2)}
     np.testing.assert_allclose(got, rounded[c2] + rounded[a2].T @ rounded[w2], rtol=0.02,
                                atol=0.3)
-
-
-def test_scipys_blas_serves_where_numpys_is_not_used(tmp_path):
-    """``OCANNL_BLAS=scipy`` (what a NumPy without a bundled OpenBLAS gets): the products go
-    through SciPy's 32-bit-integer BLAS, a plain and a transposed one, accumulating or not,
-    f32 and f64, and match NumPy's."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    script = """
-import json, numpy as np
-from ocannl import Context
-from ocannl.backends.cpu import jit
-from ocannl.ir.assignments import Accum, Comp, Get, apply
-from ocannl.ir.ops import Precision
-from ocannl.ir.tnode import Tnode
-out = {"bits": jit.target().blas_int}
-for prec in (Precision.f32, Precision.f64):
-    a, w = Tnode("a", (40, 30), prec), Tnode("w", (20, 30), prec)
-    c, d = Tnode("c", (40, 20), prec), Tnode("d", (30, 20), prec)
-    comp = Comp((Accum(c, (0, 1), "+", apply("mul", Get(a, (0, 2)), Get(w, (1, 2))), (40, 20, 30)),
-                 Accum(d, (0, 1), "+", apply("mul", Get(a, (2, 0)), Get(c, (2, 1))), (30, 20, 40),
-                       True)))
-    rng = np.random.default_rng(0)
-    av, wv, c0 = rng.normal(size=(40, 30)), rng.normal(size=(20, 30)), rng.normal(size=(40, 20))
-    ctx = Context.cpu()
-    ctx.set_values(a, av); ctx.set_values(w, wv); ctx.set_values(c, c0)
-    ctx, r = ctx.compile(comp)
-    ctx.run(r)
-    dt = prec.numpy_dtype
-    want_c = c0.astype(dt) + av.astype(dt) @ wv.astype(dt).T
-    out[prec.value] = [float(np.abs(ctx.get_values(c) - want_c).max()),
-                       float(np.abs(ctx.get_values(d) - av.astype(dt).T @ want_c).max())]
-print(json.dumps(out))
-"""
-    env = {**os.environ, "OCANNL_BLAS": "scipy", "OCANNL_CACHE_DIR": str(tmp_path)}
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                          text=True, timeout=300, check=False)
-    assert done.returncode == 0, done.stderr
-    got = json.loads(done.stdout.strip().splitlines()[-1])
-    assert got["bits"] == 32
-    assert max(got["f32"]) < 1e-3 and max(got["f64"]) < 1e-10, got
 
 
 def test_a_silent_compiling_child_is_stopped_and_its_part_compiled_here(monkeypatch, tmp_path):

@@ -7,8 +7,8 @@ routine's objects are cached in one file under a key made of what its IR is made
 lowered code and the code generator's version: ``codegen.signature``) and of everything else
 the machine code depends on (the CPU and its features, LLVM's version), so a warm process
 neither builds the IR nor optimizes anything. The generated code calls libm (f64 math, ``log``)
-and SciPy's BLAS; both are resolved by symbol name when an object is loaded, so cached objects
-hold no process-specific address.
+and the BLAS (``blas.py``); both are resolved by symbol name when an object is loaded, so
+cached objects hold no process-specific address.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from pathlib import Path
 import llvmlite
 import llvmlite.binding as llvm
 
-from ocannl.backends.cpu import entry, pool
+from ocannl.backends.cpu import blas, entry, pool
 from ocannl.backends.cpu.codegen import GEMM_SYMBOLS, Target
 
 _lock = threading.Lock()
@@ -83,72 +83,9 @@ def target() -> Target:
         count = 1
     else:
         resize(count - 1)  # type: ignore[operator]
-    return Target(hardware_f16(), workers(), has_avx(), _blas()[2], count,
-                  count > 1 and _blas_threads() is not None)
-
-
-def _blas() -> tuple[int, int, int]:
-    """The Fortran-interface ``sgemm`` and ``dgemm`` the generated code calls, and the bits of
-    their integer arguments: NumPy's own OpenBLAS where its wheel bundles one (the library the
-    benchmarks' NumPy sgemm yardstick measures; a 256x1024 by 1024x1024 product ran at 183
-    GFLOP/s through it and 111 through SciPy's, on a 2-core Sapphire Rapids), else SciPy's
-    (``OCANNL_BLAS=scipy`` chooses SciPy's)."""
-    if "blas" not in _state:
-        choice = os.environ.get("OCANNL_BLAS", "").strip()
-        if choice not in ("", "numpy", "scipy"):
-            raise ValueError(f"OCANNL_BLAS={choice!r}: expected 'numpy' (NumPy's bundled "
-                             "OpenBLAS, the default where there is one) or 'scipy'")
-        numpy_blas = None if choice == "scipy" else _numpy_openblas()
-        if choice == "numpy" and numpy_blas is None:
-            raise ValueError("OCANNL_BLAS='numpy': this NumPy bundles no OpenBLAS with the "
-                             "routines needed (scipy_sgemm_64_); unset it to use SciPy's BLAS")
-        _state["blas"] = numpy_blas or (_scipy_blas("sgemm"), _scipy_blas("dgemm"), 32)
-    return _state["blas"]  # type: ignore[return-value]
-
-
-def _blas_threads() -> tuple[int, int] | None:
-    """The addresses of ``int get_num_threads(void)`` and ``void set_num_threads(int)`` of
-    the BLAS in use, where it is NumPy's OpenBLAS."""
-    if "blas_threads" not in _state:
-        found = None
-        if _blas()[2] == 64:
-            lib = ctypes.CDLL(_state["blas_path"])  # type: ignore[arg-type]
-            try:
-                found = (ctypes.cast(lib.scipy_openblas_get_num_threads64_, ctypes.c_void_p).value,
-                         ctypes.cast(lib.scipy_openblas_set_num_threads64_, ctypes.c_void_p).value)
-            except AttributeError:
-                found = None
-        _state["blas_threads"] = found
-    return _state["blas_threads"]  # type: ignore[return-value]
-
-
-def _numpy_openblas() -> tuple[int, int, int] | None:
-    import numpy
-
-    folder = Path(numpy.__file__).resolve().parent.parent / "numpy.libs"
-    for path in sorted(folder.glob("libscipy_openblas64_*.so*")):
-        try:
-            lib = ctypes.CDLL(str(path))  # loaded with NumPy already: the same library
-            s, d = lib.scipy_sgemm_64_, lib.scipy_dgemm_64_
-        except (OSError, AttributeError):
-            continue
-        _state["blas_path"] = str(path)
-        return (ctypes.cast(s, ctypes.c_void_p).value, ctypes.cast(d, ctypes.c_void_p).value,
-                64)
-    return None
-
-
-def _scipy_blas(name: str) -> int:
-    """The address of SciPy's Fortran-interface BLAS routine (``sgemm``, ``dgemm``)."""
-    from scipy.linalg import cython_blas
-
-    capsule = cython_blas.__pyx_capi__[name]
-    get_name = ctypes.pythonapi.PyCapsule_GetName
-    get_name.restype, get_name.argtypes = ctypes.c_char_p, [ctypes.py_object]
-    get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
-    get_pointer.restype = ctypes.c_void_p
-    get_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
-    return get_pointer(capsule, get_name(capsule))
+    chosen = blas.chosen()
+    return Target(hardware_f16(), workers(), has_avx(), chosen.int_bits, count,
+                  count > 1 and chosen.threads is not None)
 
 
 def _env_count(name: str) -> int | None:
@@ -177,8 +114,8 @@ def threads() -> int:
     """How many threads share a routine's large loops (``pool.py``): ``OCANNL_THREADS``, else
     this process's cores, divided among the processes an MPI launcher started on this machine
     (data-parallel ranks would otherwise fight over the cores). Products are shared over the
-    same threads where the BLAS's thread count can be set (NumPy's OpenBLAS), else over the
-    BLAS's own."""
+    same threads where the BLAS's thread count can be set (MKL, NumPy's OpenBLAS), else over
+    the BLAS's own."""
     given = _env_count("OCANNL_THREADS")
     if given is None:
         local = 1
@@ -232,10 +169,10 @@ def _setup() -> tuple[llvm.ExecutionEngine, str]:
         libc = ctypes.CDLL(None)
         for name in ("pthread_create", "pthread_detach", "getpid", "syscall", "sched_yield"):
             llvm.add_symbol(name, ctypes.cast(getattr(libc, name), ctypes.c_void_p).value)
-        sgemm, dgemm, _ = _blas()
+        chosen = blas.chosen()
         for ty, symbol in GEMM_SYMBOLS.items():
-            llvm.add_symbol(symbol, sgemm if str(ty) == "float" else dgemm)
-        control = _blas_threads()
+            llvm.add_symbol(symbol, chosen.sgemm if str(ty) == "float" else chosen.dgemm)
+        control = chosen.threads
         if control is not None:
             llvm.add_symbol("ocannl_blas_get_threads", control[0])
             llvm.add_symbol("ocannl_blas_set_threads", control[1])

@@ -1,0 +1,138 @@
+"""The BLAS a CPU routine's products call: which library, the addresses of its Fortran-interface
+``sgemm`` and ``dgemm``, the width of their integer arguments, and its thread-count controls.
+
+The choice, ``OCANNL_BLAS`` (``mkl``, ``numpy`` or ``scipy``), or by default:
+- Intel's MKL (the ``mkl`` wheel, the ``mkl`` extra) on an Intel CPU, run on its sequential
+  layer: the pool's threads share a product, one MKL call each. On a 2-core Sapphire Rapids
+  the step's five large products, each split over two threads as a routine splits them, took
+  0.83x of OpenBLAS's time (10.2 against 12.3 ms). Not chosen by default on other vendors'
+  CPUs, where MKL's kernels are not its own vendor's;
+- NumPy's own OpenBLAS where its wheel bundles one (the library NumPy's ``@`` uses);
+- SciPy's, whose thread count cannot be set.
+A product of two threads can differ in its last bits from one thread's in either library, for
+some shapes: its kernels are chosen by the size of each call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+CHOICES = ("mkl", "numpy", "scipy")
+# MKL's threading layers (mkl_service.h): sequential, one thread per call.
+_MKL_THREADING_SEQUENTIAL = 1
+
+
+@dataclass(frozen=True)
+class Blas:
+    """``name``, one of ``CHOICES``; ``sgemm`` and ``dgemm``, addresses; ``int_bits``, 32
+    (LP64) or 64 (ILP64); ``threads``, the addresses of ``int get(void)`` and ``void
+    set(int)`` for its thread count, None where it cannot be set."""
+
+    name: str
+    sgemm: int
+    dgemm: int
+    int_bits: int
+    threads: tuple[int, int] | None
+
+
+_chosen: list[Blas] = []
+
+
+def chosen() -> Blas:
+    """The BLAS this process's routines call (decided once per process)."""
+    if not _chosen:
+        _chosen.append(_choose(os.environ.get("OCANNL_BLAS", "").strip()))
+    return _chosen[0]
+
+
+def _choose(choice: str) -> Blas:
+    if choice not in ("", *CHOICES):
+        raise ValueError(f"OCANNL_BLAS={choice!r}: expected 'mkl' (Intel's MKL, from the "
+                         "mkl wheel), 'numpy' (NumPy's bundled OpenBLAS) or 'scipy'")
+    if choice == "mkl" or (not choice and intel_cpu()):
+        found = mkl()
+        if found is not None or choice == "mkl":
+            if found is None:
+                raise ValueError("OCANNL_BLAS='mkl': no usable libmkl_rt under "
+                                 f"{Path(sys.prefix) / 'lib'} (pip install mkl), or MKL is "
+                                 "already loaded with a threaded layer; unset it to use "
+                                 "NumPy's OpenBLAS")
+            return found
+    if choice in ("", "numpy"):
+        found = numpy_openblas()
+        if found is not None:
+            return found
+        if choice == "numpy":
+            raise ValueError("OCANNL_BLAS='numpy': this NumPy bundles no OpenBLAS with the "
+                             "routines needed (scipy_sgemm_64_); unset it to use SciPy's BLAS")
+    return Blas("scipy", _scipy("sgemm"), _scipy("dgemm"), 32, None)
+
+
+def intel_cpu() -> bool:
+    """Whether this is an x86 CPU of Intel's (``GenuineIntel`` in ``/proc/cpuinfo``)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
+            for line in info:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip() == "GenuineIntel"
+    except OSError:
+        pass
+    return False
+
+
+def mkl() -> Blas | None:
+    """MKL's single dynamic library from this environment, on its sequential layer; None
+    where there is none, or where MKL was already running a threaded layer here."""
+    for path in sorted((Path(sys.prefix) / "lib").glob("libmkl_rt.so*"), reverse=True):
+        try:
+            lib = ctypes.CDLL(str(path))
+            layer = lib.MKL_Set_Threading_Layer(_MKL_THREADING_SEQUENTIAL)
+            found = lib.sgemm_, lib.dgemm_, lib.MKL_Get_Max_Threads, lib.MKL_Set_Num_Threads
+        except (OSError, AttributeError):
+            continue
+        if layer != _MKL_THREADING_SEQUENTIAL:
+            return None
+        s, d, get, set_ = (ctypes.cast(f, ctypes.c_void_p).value for f in found)
+        return Blas("mkl", s, d, 32, (get, set_))  # type: ignore[arg-type]
+    return None
+
+
+def numpy_openblas() -> Blas | None:
+    """The OpenBLAS NumPy's wheel bundles (ILP64, ``scipy_``-prefixed symbols)."""
+    import numpy
+
+    folder = Path(numpy.__file__).resolve().parent.parent / "numpy.libs"
+    for path in sorted(folder.glob("libscipy_openblas64_*.so*")):
+        try:
+            lib = ctypes.CDLL(str(path))  # loaded with NumPy already: the same library
+            found = lib.scipy_sgemm_64_, lib.scipy_dgemm_64_
+        except (OSError, AttributeError):
+            continue
+        s, d = (ctypes.cast(f, ctypes.c_void_p).value for f in found)
+        try:
+            control = (ctypes.cast(lib.scipy_openblas_get_num_threads64_, ctypes.c_void_p).value,
+                       ctypes.cast(lib.scipy_openblas_set_num_threads64_, ctypes.c_void_p).value)
+        except AttributeError:
+            control = None
+        return Blas("numpy", s, d, 64, control)  # type: ignore[arg-type]
+    return None
+
+
+def _scipy(name: str) -> int:
+    """The address of SciPy's Fortran-interface BLAS routine (``sgemm``, ``dgemm``)."""
+    from scipy.linalg import cython_blas
+
+    capsule = cython_blas.__pyx_capi__[name]
+    get_name = ctypes.pythonapi.PyCapsule_GetName
+    get_name.restype, get_name.argtypes = ctypes.c_char_p, [ctypes.py_object]
+    get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+    get_pointer.restype = ctypes.c_void_p
+    get_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+    return get_pointer(capsule, get_name(capsule))
