@@ -76,6 +76,51 @@ def test_the_default_is_mkl_on_intel_cpus_and_openblas_elsewhere(monkeypatch):
     assert blas._choose("").name == "numpy"
 
 
+ISOLATION = """
+import ctypes, json, sys
+from ocannl.backends.cpu import blas
+libc = ctypes.CDLL(None)
+libc.dlsym.restype, libc.dlsym.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_char_p]
+names = ("sgemm_", "mkl_blas_sgemm", "mkl_serv_get_max_threads", "MKL_Set_Num_Threads")
+if sys.argv[1] == "another":  # an MKL loaded as libmkl_rt loads it: its parts global
+    import glob
+    path = sorted(glob.glob(sys.prefix + "/lib/libmkl_rt.so*"))[-1]
+    other = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+    other.MKL_Get_Max_Threads()
+try:
+    chosen = blas._choose("mkl").name
+except ValueError as err:
+    chosen = str(err)
+print(json.dumps({"chosen": chosen, "global": [n for n in names if libc.dlsym(None, n.encode())],
+                  "default": blas._choose("").name}))
+"""
+
+
+def _isolation(case: str) -> dict:
+    done = subprocess.run([sys.executable, "-c", ISOLATION, case], capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not MKL_WHEEL, reason="the mkl wheel is built for x86-64 Linux only")
+def test_mkl_stays_out_of_the_process_global_scope():
+    """MKL is loaded as a group of its own: none of its symbols becomes global, so PyTorch's
+    MKL (linked into libtorch_cpu, every symbol exported) keeps binding to its own code.
+    Through ``libmkl_rt`` they all were, and torch's products ran on our sequential layer."""
+    got = _isolation("alone")
+    assert got["chosen"] == "mkl" and got["global"] == []
+
+
+@pytest.mark.skipif(not MKL_WHEEL, reason="the mkl wheel is built for x86-64 Linux only")
+def test_mkl_is_refused_where_another_mkl_is_global():
+    """Ours would bind to the other's internals (another version, another threading layer):
+    asked for, it is refused with a message; by default, NumPy's OpenBLAS serves."""
+    got = _isolation("another")
+    assert "another MKL's symbols are global in this process" in got["chosen"]
+    assert got["default"] in ("numpy", "scipy")
+
+
 @pytest.mark.skipif(not MKL_WHEEL, reason="the mkl wheel is built for x86-64 Linux only")
 def test_mkl_runs_one_thread_a_call():
     """MKL is loaded on its sequential layer: the pool's threads share a product, and MKL's
@@ -94,7 +139,8 @@ def test_a_blas_asked_for_that_is_not_there_is_refused(monkeypatch, tmp_path):
     with pytest.raises(ValueError, match="OCANNL_BLAS='openblas': expected 'mkl'"):
         blas._choose("openblas")
     monkeypatch.setattr(sys, "prefix", str(tmp_path))  # an environment without the wheel
-    with pytest.raises(ValueError, match=f"OCANNL_BLAS='mkl': no usable libmkl_rt under "
+    with pytest.raises(ValueError, match=f"OCANNL_BLAS='mkl': no usable libmkl_intel_lp64, "
+                                         f"libmkl_sequential and libmkl_core under "
                                          f"{tmp_path / 'lib'}"):
         blas._choose("mkl")
     monkeypatch.setattr(blas, "intel_cpu", lambda: True)  # the default falls back

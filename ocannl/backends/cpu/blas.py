@@ -2,11 +2,11 @@
 ``sgemm`` and ``dgemm``, the width of their integer arguments, and its thread-count controls.
 
 The choice, ``OCANNL_BLAS`` (``mkl``, ``numpy`` or ``scipy``), or by default:
-- Intel's MKL (the ``mkl`` wheel, the ``mkl`` extra) on an Intel CPU, run on its sequential
-  layer: the pool's threads share a product, one MKL call each. On a 2-core Sapphire Rapids
-  the step's five large products, each split over two threads as a routine splits them, took
-  0.83x of OpenBLAS's time (10.2 against 12.3 ms). Not chosen by default on other vendors'
-  CPUs, where MKL's kernels are not its own vendor's;
+- Intel's MKL (the ``mkl`` wheel, the ``mkl`` extra) on an Intel CPU, linked with its
+  sequential layer: the pool's threads share a product, one MKL call each. On a 2-core
+  Sapphire Rapids the step's five large products, each split over two threads as a routine
+  splits them, took 0.83x of OpenBLAS's time (10.2 against 12.3 ms). Not chosen by default
+  on other vendors' CPUs, where MKL's kernels are not its own vendor's;
 - NumPy's own OpenBLAS where its wheel bundles one (the library NumPy's ``@`` uses);
 - SciPy's, whose thread count cannot be set.
 A product of two threads can differ in its last bits from one thread's in either library, for
@@ -23,9 +23,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from ocannl.backends.cpu import link_group
+
 CHOICES = ("mkl", "numpy", "scipy")
-# MKL's threading layers (mkl_service.h): sequential, one thread per call.
-_MKL_THREADING_SEQUENTIAL = 1
 
 
 @dataclass(frozen=True)
@@ -59,9 +59,10 @@ def _choose(choice: str) -> Blas:
         found = mkl()
         if found is not None or choice == "mkl":
             if found is None:
-                raise ValueError("OCANNL_BLAS='mkl': no usable libmkl_rt under "
-                                 f"{Path(sys.prefix) / 'lib'} (pip install mkl), or MKL is "
-                                 "already loaded with a threaded layer; unset it to use "
+                raise ValueError("OCANNL_BLAS='mkl': no usable libmkl_intel_lp64, "
+                                 "libmkl_sequential and libmkl_core under "
+                                 f"{Path(sys.prefix) / 'lib'} (pip install mkl), or another "
+                                 "MKL's symbols are global in this process; unset it to use "
                                  "NumPy's OpenBLAS")
             return found
     if choice in ("", "numpy"):
@@ -89,21 +90,46 @@ def intel_cpu() -> bool:
 
 
 def mkl() -> Blas | None:
-    """MKL's single dynamic library from this environment, on its sequential layer; None
-    where there is none, or where MKL was already running a threaded layer here."""
-    for path in sorted((Path(sys.prefix) / "lib").glob("libmkl_rt.so*"), reverse=True):
-        try:
-            lib = ctypes.CDLL(str(path))
-            layer = lib.MKL_Set_Threading_Layer(_MKL_THREADING_SEQUENTIAL)
-            found = lib.sgemm_, lib.dgemm_, lib.MKL_Get_Max_Threads, lib.MKL_Set_Num_Threads
-        except (OSError, AttributeError):
-            continue
-        if layer != _MKL_THREADING_SEQUENTIAL:
-            return None
-        _first_call(found[0])
-        s, d, get, set_ = (ctypes.cast(f, ctypes.c_void_p).value for f in found)
-        return Blas("mkl", s, d, 32, (get, set_))  # type: ignore[arg-type]
-    return None
+    """MKL from this environment's ``lib`` folder (the ``mkl`` wheel): its LP64 interface,
+    sequential layer and core loaded as one group private to this project
+    (``link_group.py``: PyTorch's own MKL would otherwise bind to ours). None where any is
+    missing, or where another MKL's symbols are already global in this process (ours would
+    bind to its internals)."""
+    if not link_group.supported():
+        return None
+    paths = _mkl_libraries(Path(sys.prefix) / "lib")
+    if paths is None or _global_symbol("mkl_serv_get_max_threads"):
+        return None
+    try:
+        lib = link_group.load(paths, "ocannl_mkl")
+        found = lib.sgemm_, lib.dgemm_, lib.MKL_Get_Max_Threads, lib.MKL_Set_Num_Threads
+    except (OSError, AttributeError):
+        return None
+    _first_call(found[0])
+    s, d, get, set_ = (ctypes.cast(f, ctypes.c_void_p).value for f in found)
+    return Blas("mkl", s, d, 32, (get, set_))  # type: ignore[arg-type]
+
+
+_MKL_PARTS = ("libmkl_intel_lp64", "libmkl_sequential", "libmkl_core")
+
+
+def _mkl_libraries(folder: Path) -> list[Path] | None:
+    """The three libraries a sequential LP64 program links, of the newest version present
+    of all three (``libmkl_core.so.3``: version ``.3``)."""
+    versions = [{p.name[len(part) + 3:] for p in folder.glob(f"{part}.so*")} for part in
+                _MKL_PARTS]
+    common = set.intersection(*versions)
+    if not common:
+        return None
+    newest = max(common, key=lambda v: tuple(int(x) for x in v.split(".") if x.isdigit()))
+    return [folder / f"{part}.so{newest}" for part in _MKL_PARTS]
+
+
+def _global_symbol(name: str) -> bool:
+    """Whether ``name`` is defined in this process's global scope."""
+    libc = ctypes.CDLL(None)
+    libc.dlsym.restype, libc.dlsym.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_char_p]
+    return bool(libc.dlsym(None, name.encode()))
 
 
 def _first_call(sgemm: Callable[..., object]) -> None:
