@@ -57,14 +57,14 @@ def _choose(choice: str) -> Blas:
                          "mkl wheel), 'numpy' (NumPy's bundled OpenBLAS) or 'scipy'")
     if choice == "mkl" or (not choice and intel_cpu()):
         found = mkl()
-        if found is not None or choice == "mkl":
-            if found is None:
-                raise ValueError("OCANNL_BLAS='mkl': no usable libmkl_intel_lp64, "
-                                 "libmkl_sequential and libmkl_core under "
-                                 f"{Path(sys.prefix) / 'lib'} (pip install mkl), or another "
-                                 "MKL's symbols are global in this process; unset it to use "
-                                 "NumPy's OpenBLAS")
+        if found is not None:
             return found
+        if choice == "mkl":
+            raise ValueError("OCANNL_BLAS='mkl': no usable libmkl_intel_lp64, "
+                             "libmkl_sequential and libmkl_core under "
+                             f"{Path(sys.prefix) / 'lib'} (pip install mkl), or another "
+                             "MKL's symbols are global in this process; unset it to use "
+                             "NumPy's OpenBLAS")
     if choice in ("", "numpy"):
         found = numpy_openblas()
         if found is not None:
