@@ -24,7 +24,7 @@ import numpy as np
 from ocannl.backends.arena import views
 from ocannl.backends.base import Backend, Buffer
 from ocannl.ir.assignments import Comp
-from ocannl.ir.lowering import Effects, Lowered, effects, lower, nodes_of
+from ocannl.ir.lowering import Effects, Lowered, effects, item_nodes, lower, stored_nodes
 from ocannl.ir.ops import Precision
 from ocannl.ir.tnode import MemoryMode, Tnode
 
@@ -130,8 +130,7 @@ class Context:
     def lower(self, comp: Comp) -> list[Lowered]:
         """The lowered items (fills, loop groups, GEMMs) this context's backend runs for
         ``comp``, in order: what :meth:`compile` compiles."""
-        return lower(comp, gemm=self._backend.has_gemm, batched=self._backend.has_batched_gemm,
-                     im2col=getattr(self._backend, "im2col", False))
+        return lower(comp, self._backend.target)
 
     def compile_lowered(self, label: str, code: list[Lowered], *,
                         local_check: bool = True) -> tuple[Context, Routine]:
@@ -141,7 +140,7 @@ class Context:
         writing it whole is refused, naming it. ``local_check=False`` gives each local node
         memory of its own with no check, for timing a part of a routine alone
         (``benchmarks/profile_items.py``)."""
-        nodes = [n for n in nodes_of(code) if n.memory_mode is not MemoryMode.virtual]
+        nodes = stored_nodes(code)
         fx = effects(code)
         local = {n.id: n for n in nodes if n.memory_mode is MemoryMode.local}
         if local_check:
@@ -173,12 +172,10 @@ class Context:
         False) one arena each."""
         spans: dict[int, list[int]] = {}
         for k, item in enumerate(code):
-            for n in nodes_of([item]):
+            for n in item_nodes(item):
                 span = spans.setdefault(n.id, [k, k])
                 span[1] = k
         out: dict[int, Buffer] = {}
-        unstored = getattr(self._backend, "unstored", None)
-        kept_out = unstored(code) if unstored is not None and shared else frozenset()
         for prec in dict.fromkeys(n.prec for n in local):
             group = [n for n in local if n.prec is prec]
 
@@ -187,8 +184,8 @@ class Context:
                 self._local_bytes += node.size * prec.itemsize
                 return self._backend.alloc(node)
 
-            placed = views([(0 if n.id in kept_out else n.size, *spans[n.id]) for n in group],
-                           arena, prec.itemsize, shared)
+            placed = views([(n.size, *spans[n.id]) for n in group], arena, prec.itemsize,
+                           shared)
             out.update((n.id, v) for n, v in zip(group, placed, strict=True))
         return out
 

@@ -1,4 +1,5 @@
-"""The backend protocol: what a :class:`~ocannl.context.Context` needs from a device."""
+"""The backend protocol: what a :class:`~ocannl.context.Context` needs from a device, and the
+target record (:class:`~ocannl.ir.target.Target`) lowering reads from it."""
 
 from __future__ import annotations
 
@@ -7,17 +8,25 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ocannl.ir.lowering import Lowered
+from ocannl.ir.lowered import Lowered
+from ocannl.ir.target import Target
 from ocannl.ir.tnode import Tnode
 
 Buffer = Any  # a NumPy array on the CPU, a CuPy array on CUDA: flat, in storage dtype
 
+__all__ = ["Backend", "Buffer", "Target"]
+
 
 class Backend(Protocol):
+    """A device: buffers, and routines compiled from lowered code. What it can do is one
+    value, :attr:`target`, from which lowering makes every choice (``ocannl.ir.schedule``);
+    ``compile`` renders the lowered items as they are."""
+
     name: str
-    has_gemm: bool  # lowering may hand matrix products to it (BLAS, cuBLAS)
-    has_batched_gemm: bool  # ... and batched ones, with strided rows
-    im2col: bool  # ... and convolutions through patches and a GEMM (``lower(im2col=...)``)
+
+    @property
+    def target(self) -> Target:
+        """What lowering may rely on (products, threads, vectors, conversions)."""
 
     def alloc(self, node: Tnode) -> Buffer:
         """A zero-filled flat buffer for the node, in its storage dtype."""

@@ -3,7 +3,8 @@
 A :class:`Flavour` says how the target language spells a literal, a buffer load and a buffer
 store, and which op templates it uses; this module renders the lowered loop-nest bodies with
 it. The CUDA backend wraps those bodies in threads; the CPU backend builds LLVM IR instead
-(:mod:`ocannl.backends.cpu.codegen`), with the same cases.
+(:mod:`ocannl.backends.cpu.codegen`), with the same cases. (A flavour is a language's
+spelling: C for CUDA; the CPU's own is LLVM IR, built elsewhere.)
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 
 from ocannl.ir.assignments import Affine, Apply, Const, Expr, Fixed, Get, Projection
-from ocannl.ir.lowering import LoopNest
+from ocannl.ir.lowered import LoopNest
 from ocannl.ir.ops import ACCUMS, OPS, Precision
 from ocannl.ir.tnode import Tnode
 
@@ -42,6 +43,11 @@ class Flavour:
     def load(self, node: Tnode, offset: str) -> str:
         ref = f"{self.buffer(node)}[{offset}]"
         return f"{self.widen[node.prec]}({ref})" if node.prec.is_narrow else ref
+
+    def rounded(self, value: str, prec: Precision) -> str:
+        """``value`` rounded to a 16-bit precision as a store would round it, widened back as
+        a load would (a read of a virtual node through its source: ``Get.rounded``)."""
+        return f"{self.widen[prec]}({self.narrow[prec]}({value}))"
 
     def store(self, node: Tnode, offset: str, value: str) -> str:
         if node.prec.is_narrow:
@@ -128,7 +134,8 @@ class BodyWriter:
         if isinstance(e, Const):
             return self.flavour.literal(e.value, self.compute)
         if isinstance(e, Get):
-            return self.load(e.node, e.idx)
+            value = self.load(e.node, e.idx)
+            return value if e.rounded is None else self.flavour.rounded(value, e.rounded)
         assert isinstance(e, Apply)
         template = getattr(OPS[e.op], self.flavour.name)
         args = []

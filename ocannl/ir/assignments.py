@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from ocannl.ir.ops import ACCUMS, OPS
+from ocannl.ir.ops import ACCUMS, OPS, Precision
 from ocannl.ir.tnode import Tnode
 
 
@@ -62,10 +62,13 @@ def iterators_of(idx: Projection) -> set[int]:
 
 @dataclass(frozen=True, eq=False)
 class Get:
-    """Read ``node`` at the projection ``idx`` of the current product-space point."""
+    """Read ``node`` at the projection ``idx`` of the current product-space point; ``rounded``:
+    the value rounded to that (16-bit) precision as a store into a node of it would round it,
+    then widened back: a read of a virtual node through its source (``ocannl.ir.schedule``)."""
 
     node: Tnode
     idx: Projection
+    rounded: Precision | None = None
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Lowering: assignments become the loop structure every backend renders, decided once here.
+"""Lowering: assignments become the items every backend renders, decided once here.
 
 - A :class:`LoopNest` splits the product space into *parallel* iterators (distinct points
   write distinct cells of the written buffer) and *reduction* iterators (the rest: points that
@@ -8,23 +8,25 @@
   parallel space with the same result as run one after another (one loop on the CPU, one kernel
   on CUDA). A nest with a reduction is always alone in its group.
 - A :class:`Gemm` is an assignment shaped like a matrix product over plain iterators, handed to
-  BLAS (CPU) or cuBLAS (GPU), when the backend has one (``lower(comp, gemm=...)``); a batched
-  product (attention's scores) is one per batch point, when the backend takes those
-  (``batched=...``).
-- *im2col* (``lower(comp, im2col=True)``, for backends whose GEMM beats their loop nests on a
+  the backend's library (``Target.gemm``: BLAS, cuBLAS); a batched product (attention's
+  scores) is one per batch point, when the backend takes those (``Target.batched_gemm``).
+- *im2col* (``Target.im2col``, for backends whose products beat their loop nests on a
   convolution): a product with one operand read through a window (an affine projection) is
   copied patch by patch into a node of its own, then multiplied as a GEMM; a product scattered
   into a window (a convolution's input gradient) is a GEMM into a patch gradient added back
   into its target by a nest (col2im). See :func:`im2col_items`.
 
-Backends only render what this module decided; they never re-decide it.
+:func:`lower` does this, then hands the items to :func:`ocannl.ir.schedule.schedule`, which
+makes the target's choices (placements, product kernels, widened copies, threads, vectors).
+The items and their fields are in :mod:`ocannl.ir.lowered`. Backends only render what was
+decided here; they never re-decide it.
 """
 
 from __future__ import annotations
 
 import math
 import weakref
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from ocannl.ir.assignments import (
     Accum,
@@ -39,115 +41,42 @@ from ocannl.ir.assignments import (
     apply,
     reads,
 )
+from ocannl.ir.lowered import (
+    BatchAxis,
+    Effects,
+    Fill,
+    Gemm,
+    LoopGroup,
+    LoopNest,
+    Lowered,
+    MatrixView,
+    accesses,
+    copy_source,
+    covers,
+    effects,
+    item_nodes,
+    loop_nest,
+    nests,
+    nodes_of,
+    parallel_iterators,
+    stored_nodes,
+    written,
+)
 from ocannl.ir.ops import ACCUMS, Precision
+from ocannl.ir.schedule import schedule
+from ocannl.ir.target import Target
 from ocannl.ir.tnode import MemoryMode, Tnode
+
+__all__ = [
+    "BatchAxis", "Effects", "Fill", "Gemm", "LoopGroup", "LoopNest", "Lowered", "MatrixView",
+    "accesses", "copy_source", "covers", "effects", "im2col_items", "item_nodes", "lower",
+    "lower_items", "loop_nest", "nests", "nodes_of", "parallel_iterators", "stored_nodes",
+    "written",
+]
 
 # Below this many multiply-adds a GEMM-shaped assignment stays a loop nest: the call into
 # BLAS costs more than the arithmetic.
 GEMM_MIN_FLOPS = 2048
-
-
-@dataclass(frozen=True)
-class Fill:
-    """Set every cell of ``node`` to ``value``."""
-
-    node: Tnode
-    value: float
-
-
-@dataclass(frozen=True)
-class LoopNest:
-    """Loops over ``par`` (outer, distinct cells, in the written node's axis order so the
-    innermost store is contiguous) then ``red`` (inner, accumulated locally). ``scatter``: the
-    written cell moves with reduction iterators too (an affine target index: a convolution's
-    input gradient), so every point reads, combines and writes its cell in turn.
-    ``walk_rows``: the last parallel iterator runs innermost, inside the reduction loops, over
-    a row of accumulators (a bias gradient summing ``g[i, j]`` over ``i`` reads rows of ``g``,
-    not columns); each cell still accumulates its terms in the same order, so the same bits."""
-
-    assign: Accum
-    par: tuple[int, ...]
-    red: tuple[int, ...]
-    scatter: bool = False
-    walk_rows: bool = False
-
-    @property
-    def space(self) -> tuple[int, ...]:
-        return self.assign.space
-
-    @property
-    def par_size(self) -> int:
-        return math.prod(self.space[i] for i in self.par)
-
-    @property
-    def red_size(self) -> int:
-        return math.prod(self.space[i] for i in self.red)
-
-
-@dataclass(frozen=True)
-class LoopGroup:
-    """Nests run point by point inside one loop over the first one's parallel iterators.
-    ``registers``: the ids of local nodes no item but this group touches, each written by one
-    of its pointwise nests and read only by later pointwise nests at the same cell: a backend
-    may hand the value over in a register and never store it (it stays correct to store)."""
-
-    nests: tuple[LoopNest, ...]
-    registers: frozenset[int] = frozenset()
-
-    @property
-    def lead(self) -> LoopNest:
-        return self.nests[0]
-
-
-@dataclass(frozen=True)
-class MatrixView:
-    """A node read as a 2-D matrix ``rows x cols``; ``transposed``: stored as ``cols x rows``.
-    ``ld``: the stride between consecutive stored rows (the stored row length when dense)."""
-
-    node: Tnode
-    rows: int
-    cols: int
-    transposed: bool
-    ld: int
-
-
-@dataclass(frozen=True)
-class BatchAxis:
-    """An iterator a batched product runs over: its size and its stride in the output and in
-    each operand."""
-
-    size: int
-    out: int
-    a: int
-    b: int
-
-
-@dataclass(frozen=True)
-class Gemm:
-    """``out (accum)= a @ b`` with ``out`` a ``rows x cols`` row-major view of ``assign.lhs``
-    (rows ``out_ld`` apart), once per point of ``batch`` (none: one product)."""
-
-    assign: Accum
-    a: MatrixView
-    b: MatrixView
-    rows: int
-    cols: int
-    inner: int
-    out_ld: int
-    batch: tuple[BatchAxis, ...] = ()
-
-
-Lowered = Fill | LoopGroup | Gemm
-
-
-def covers(a: Accum) -> bool:
-    """True when the lhs projection visits every cell exactly once per reduction slice."""
-    its = [i for i in a.lhs_idx if isinstance(i, int)]
-    return (
-        len(its) == len(a.lhs_idx)
-        and len(set(its)) == len(its)
-        and all(a.space[i] == d for i, d in zip(its, a.lhs.dims, strict=True))
-    )
 
 
 def _group_order(idx: Projection, group: set[int]) -> list[int] | None:
@@ -215,41 +144,6 @@ def _as_gemm(a: Accum, batched: bool = False) -> Gemm | None:
     batch = tuple(BatchAxis(a.space[i], stride(a.lhs, a.lhs_idx, i), stride(x.node, x.idx, i),
                             stride(y.node, y.idx, i)) for i in a.lhs_idx if i in bs)
     return Gemm(a, va, vb, rows, cols, inner, out_ld, batch)
-
-
-def parallel_iterators(a: Accum) -> tuple[int, ...]:
-    """The iterators that pick distinct cells of ``a.lhs``, in its axis order: those indexing
-    an lhs axis of more than one cell. An iterator that indexes only size-1 axes writes one cell
-    from many points: it is a reduction, however the projection names it."""
-    out: dict[int, None] = {}
-    for i, d in zip(a.lhs_idx, a.lhs.dims, strict=True):
-        if isinstance(i, int) and (d > 1 or a.space[i] == 1):
-            out.setdefault(i)
-    return tuple(out)
-
-
-# A row of accumulators (``LoopNest.walk_rows``) holds at least and at most this many cells,
-# and its reduction takes at least ROW_MIN terms.
-ROW_MIN, ROW_MAX = 8, 4096
-
-
-def _walks_rows(a: Accum, par: tuple[int, ...], red: tuple[int, ...], scatter: bool) -> bool:
-    """Whether reading along the last parallel iterator beats reading along the reductions:
-    some operand's last axis is that iterator and none's is a reduction iterator."""
-    if scatter or not red or not par or a.accum not in ("+", "max"):
-        return False
-    last = par[-1]
-    if not ROW_MIN <= a.space[last] <= ROW_MAX or math.prod(a.space[i] for i in red) < ROW_MIN:
-        return False  # a short reduction (a 2x2 pooling window) gains less than the row costs
-    ends = [g.idx[-1] for g in reads(a.expr) if g.idx]
-    return last in ends and not any(isinstance(i, int) and i in red for i in ends)
-
-
-def loop_nest(a: Accum) -> LoopNest:
-    par = parallel_iterators(a)
-    red = tuple(i for i in range(len(a.space)) if i not in par)
-    scatter = any(isinstance(i, Affine) for i in a.lhs_idx)
-    return LoopNest(a, par, red, scatter, _walks_rows(a, par, red, scatter))
 
 
 def lower_assignment(a: Accum, *, gemm: bool = True, batched: bool = False,
@@ -549,19 +443,23 @@ HOIST_WINDOW = 96
 
 
 def _touched(item: Fill | Gemm | _Group) -> tuple[set[int], set[int]]:
-    """The ids of the nodes an item reads and writes."""
-    if isinstance(item, Fill):
-        return set(), {item.node.id}
-    if isinstance(item, Gemm):
-        return {item.a.node.id, item.b.node.id}, {item.assign.lhs.id}
-    return item.read, set(item.written)
+    """The ids of the nodes an item reads and writes (a group being built: its own sets)."""
+    if isinstance(item, _Group):
+        return item.read, set(item.written)
+    return accesses(item)
 
 
-def lower(comp: Comp, *, gemm: bool = True, batched: bool = False, im2col: bool = False
-          ) -> list[Lowered]:
-    """Lower a computation to what backends render, in order: fills, GEMMs (when the backend
-    has a GEMM: ``gemm``; batched products too when it takes those: ``batched``; windowed
-    products through patches too when ``im2col``: see :func:`im2col_items`) and loop groups.
+def lower(comp: Comp, target: Target) -> list[Lowered]:
+    """The items ``target``'s backend renders for ``comp``, in order, with every choice made:
+    :func:`lower_items`, then :func:`ocannl.ir.schedule.schedule`."""
+    return schedule(lower_items(comp, target), target)
+
+
+def lower_items(comp: Comp, target: Target) -> list[Lowered]:
+    """Lower a computation to items that mean the same on every backend, in order: fills,
+    GEMMs (when the target has a library for them: ``Target.gemm``; batched products too when
+    it takes those: ``Target.batched_gemm``; windowed products through patches too when
+    ``Target.im2col``: see :func:`im2col_items`) and loop groups.
 
     A pointwise nest joins the latest loop group it fits, up to ``HOIST_WINDOW`` items back,
     when it moves past nothing it depends on or that depends on it: an optimizer's per-weight
@@ -571,6 +469,7 @@ def lower(comp: Comp, *, gemm: bool = True, batched: bool = False, im2col: bool 
     The patches of a node are copied once while the node is unchanged (a convolution's and its
     kernel gradient's are the same). A zero fill of a target that im2col's col2im then adds
     into whole, with nothing touching the target between, becomes that col2im's reset."""
+    gemm, batched, im2col = target.gemm, target.batched_gemm, target.im2col
     out: list[Fill | Gemm | _Group] = []
     gathered: dict[int, int] = {}  # patch node id -> its source's, while the copy is current
     for a in fuse_resets(comp.assignments):
@@ -585,14 +484,13 @@ def lower(comp: Comp, *, gemm: bool = True, batched: bool = False, im2col: bool 
             elif isinstance(item, LoopNest) and _col2im_after_zeros(item, out):
                 item = replace(item, assign=replace(item.assign, reset=True))
             _append(out, item)
-            written = _touched(out[-1])[1] if not isinstance(item, LoopNest) else \
+            wrote = _touched(out[-1])[1] if not isinstance(item, LoopNest) else \
                 {item.assign.lhs.id}
             for p, src in list(gathered.items()):
-                if src in written:
+                if src in wrote:
                     del gathered[p]
-    return _in_registers(_pull_up(_alias_copies([LoopGroup(tuple(i.nests))
-                                                 if isinstance(i, _Group) else i
-                                                 for i in out])))
+    return _pull_up(_alias_copies([LoopGroup(tuple(i.nests)) if isinstance(i, _Group) else i
+                                   for i in out]))
 
 
 # How far back (in items) a loop group looks for the GEMM whose result it reads.
@@ -606,8 +504,9 @@ def _pull_up(code: list[Lowered]) -> list[Lowered]:
     or writes. The result is consumed at once, its memory free sooner (a cast twin's
     gradient, flowing into its master's, no longer waits for the input gradient's
     product)."""
-    # A read of a local copy of a node counts as a read of that node too: a backend may
-    # recompute the copy at each read (a cast twin from its master: ``codegen._derived``).
+    # A read of a local copy of a node counts as a read of that node too: scheduling may make
+    # the copy virtual, each read then reading the node (a cast twin its master:
+    # ``schedule.virtual_twins``), which the moved item must not pass a write of.
     source = {n.assign.lhs.id: n.assign.expr.node.id for item in code
               if isinstance(item, LoopGroup) for n in item.nests
               if isinstance(n.assign.expr, Get) and n.assign.lhs.memory_mode is MemoryMode.local}
@@ -635,35 +534,6 @@ def _pull_up(code: list[Lowered]) -> list[Lowered]:
         elif all(independent(out[p], other) for other in between):  # the product down
             out.insert(r - 1, out.pop(p))
     return out
-
-
-def accesses(item: Lowered) -> tuple[set[int], set[int]]:
-    """The ids of the nodes an item reads and those it writes."""
-    if isinstance(item, Fill):
-        return set(), {item.node.id}
-    if isinstance(item, Gemm):
-        a = item.assign
-        return ({item.a.node.id, item.b.node.id} | (set() if a.reset else {a.lhs.id}),
-                {a.lhs.id})
-    reads_, writes = set(), set()
-    for nest in item.nests:
-        a = nest.assign
-        reads_ |= {g.node.id for g in reads(a.expr)}
-        if not (a.accum == "=" or a.reset):
-            reads_.add(a.lhs.id)
-        writes.add(a.lhs.id)
-    return reads_, writes
-
-
-def copy_source(nest: LoopNest) -> Tnode | None:
-    """The node ``nest`` copies into its target cell for cell (``b = a``: pointwise, whole,
-    the same dims and projection), or None. The precisions may differ (a cast)."""
-    a = nest.assign
-    if (nest.red or nest.scatter or not isinstance(a.expr, Get) or a.expr.idx != a.lhs_idx
-            or not (a.accum == "=" or a.reset) or a.expr.node.dims != a.lhs.dims
-            or not covers(a)):
-        return None
-    return a.expr.node
 
 
 def _alias_copies(code: list[Lowered]) -> list[Lowered]:
@@ -725,50 +595,6 @@ def _alias_copies(code: list[Lowered]) -> list[Lowered]:
     return out
 
 
-def _in_registers(code: list[Lowered]) -> list[Lowered]:
-    """Mark the nodes each loop group may keep in registers (``LoopGroup.registers``): local
-    (no host or other routine reads them), written once, by a pointwise nest that overwrites
-    its cell, and read only inside the same group, by later pointwise nests at that cell. A
-    chain of pointwise steps (softmax's gradient through its shift and mask) then stores only
-    its last value."""
-    home: dict[int, int] = {}  # node id -> the first item touching it
-    write: dict[int, tuple[int, LoopNest]] = {}  # node id -> its one writing nest
-    bad: set[int] = set()
-
-    def touch(node_id: int, k: int) -> None:
-        if home.setdefault(node_id, k) != k:
-            bad.add(node_id)
-
-    for k, item in enumerate(code):
-        if not isinstance(item, LoopGroup):
-            for n in nodes_of([item]):
-                touch(n.id, k)
-                bad.add(n.id)
-            continue
-        for j, nest in enumerate(item.nests):
-            a = nest.assign
-            touch(a.lhs.id, k)
-            pointwise = not nest.red and not nest.scatter
-            if (a.lhs.id in write or not pointwise or not (a.accum == "=" or a.reset)
-                    or a.lhs.memory_mode is not MemoryMode.local):
-                bad.add(a.lhs.id)
-            write[a.lhs.id] = (j, nest)
-            for g in reads(a.expr):
-                touch(g.node.id, k)
-                wrote = write.get(g.node.id)
-                if not pointwise or wrote is None or wrote[0] >= j or \
-                        g.idx != wrote[1].assign.lhs_idx:
-                    bad.add(g.node.id)
-    out: list[Lowered] = []
-    for k, item in enumerate(code):
-        if isinstance(item, LoopGroup) and not item.lead.walk_rows:
-            held = frozenset(i for i, at in home.items() if at == k and i in write
-                             and i not in bad)
-            item = replace(item, registers=held) if held else item
-        out.append(item)
-    return out
-
-
 def _col2im_after_zeros(nest: LoopNest, out: list[Fill | Gemm | _Group]) -> bool:
     """Whether ``nest`` is a col2im adding into its whole target (a covering ``+=`` reading a
     patch gradient) that the latest item touching the target zeroed (a zero fill, dropped)."""
@@ -803,67 +629,3 @@ def _append(out: list[Fill | Gemm | _Group], item: Fill | LoopNest | Gemm) -> No
             break
     out.append(_Group(item))
 
-
-def nests(code: list[Lowered]) -> list[LoopNest]:
-    """Every loop nest of lowered code, in order."""
-    return [n for item in code if isinstance(item, LoopGroup) for n in item.nests]
-
-
-def _assigns(code: list[Lowered]) -> list[Fill | Accum]:
-    out: list[Fill | Accum] = []
-    for it in code:
-        if isinstance(it, LoopGroup):
-            out.extend(n.assign for n in it.nests)
-        else:
-            out.append(it if isinstance(it, Fill) else it.assign)
-    return out
-
-
-def nodes_of(code: list[Lowered]) -> list[Tnode]:
-    """Every node the lowered code touches, in first-use order (each written node before
-    what its assignment reads)."""
-    seen: dict[int, Tnode] = {}
-    for a in _assigns(code):
-        if isinstance(a, Fill):
-            seen.setdefault(a.node.id, a.node)
-        else:
-            seen.setdefault(a.lhs.id, a.lhs)
-            for g in reads(a.expr):
-                seen.setdefault(g.node.id, g.node)
-    return list(seen.values())
-
-
-@dataclass(frozen=True)
-class Effects:
-    """What running lowered code needs and leaves: ``inputs``, the nodes it reads before
-    writing them whole (their values must come from somewhere), and ``written``, every node it
-    writes."""
-
-    inputs: tuple[Tnode, ...]
-    written: tuple[Tnode, ...]
-
-
-def effects(code: list[Lowered]) -> Effects:
-    """The :class:`Effects` of lowered code, in first-use order."""
-    whole: set[int] = set()
-    inputs: dict[int, Tnode] = {}
-    written: dict[int, Tnode] = {}
-
-    def read(n: Tnode) -> None:
-        if n.id not in whole:
-            inputs.setdefault(n.id, n)
-
-    for a in _assigns(code):
-        if isinstance(a, Fill):
-            whole.add(a.node.id)
-            written.setdefault(a.node.id, a.node)
-            continue
-        for g in reads(a.expr):
-            read(g.node)
-        overwrites = a.accum == "=" or a.reset
-        if not overwrites:
-            read(a.lhs)
-        if overwrites and covers(a):
-            whole.add(a.lhs.id)
-        written.setdefault(a.lhs.id, a.lhs)
-    return Effects(tuple(inputs.values()), tuple(written.values()))

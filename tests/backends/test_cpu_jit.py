@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 import ocannl.tensor as T
 from ocannl import Context, train
 from ocannl.backends.cpu import jit
+from ocannl.ir.target import PRODUCTS
 
 
 @pytest.mark.parametrize("name", ["OCANNL_THREADS", "OCANNL_COMPILE_WORKERS"])
@@ -86,7 +87,7 @@ def test_a_routine_sharing_a_product_restores_the_blas_thread_count(monkeypatch)
     comp = Comp((Accum(c, (0, 1), "+", apply("mul", Get(a, (0, 2)), Get(w, (2, 1))),
                        (m, m, m), True),))
     ctx = Context.cpu()
-    assert shares_products(ctx.lower(comp), jit.target())
+    assert shares_products(ctx.lower(comp))
     ctx.set_values(a, np.ones((m, m)))
     ctx.set_values(w, np.full((m, m), 0.5))
     ctx, r = ctx.compile(comp)
@@ -258,7 +259,7 @@ def test_parts_are_balanced_by_nests_not_items(monkeypatch, tmp_path):
     h = T.term([1.0, 2.0, 3.0], label="h")
     for _ in range(300):
         h = h + 1.0
-    assert len(lower(train.forward(h))) < codegen.PART_NESTS  # one part, counted by items
+    assert len(lower(train.forward(h), PRODUCTS)) < codegen.PART_NESTS  # one part, counted by items
     parts: list[int] = []
     compile_ir = jit.compile_ir
 
@@ -289,7 +290,7 @@ def _run_guarded(comp, values: dict) -> dict:  # noqa: ANN001
     from ocannl.backends.cpu.backend import CpuBackend
     from ocannl.ir.lowering import lower, nodes_of
 
-    code = lower(comp)
+    code = lower(comp, PRODUCTS)
     nodes = nodes_of(code)
     compiled, _ = CpuBackend().compile("guarded", code, nodes)
     pad, padded = 32, {}

@@ -14,6 +14,7 @@ import pytest
 from ocannl import Context
 from ocannl.ir.assignments import Accum, Comp, Get, apply
 from ocannl.ir.ops import Precision
+from ocannl.ir.target import PRODUCTS, Target
 from ocannl.ir.tnode import Tnode
 
 
@@ -157,7 +158,7 @@ def test_loops_shared_over_threads_give_the_same_bits(monkeypatch):
         Accum(s, (0,), "+", apply("exp", Get(y, (0, 1))), (n, m), reset=True),
         Accum(cols, (1,), "+", apply("exp", Get(z, (0, 1))), (n, w), reset=True),
     ))
-    items = lower(comp)
+    items = lower(comp, PRODUCTS)
     assert len(items) == 3 and items[2].lead.walk_rows
     assert codegen._split(items[2]) == -(-w // codegen.ROW_BLOCK)
     rng = np.random.default_rng(0)
@@ -203,7 +204,7 @@ def test_products_shared_over_threads_give_the_same_bits(monkeypatch, prec):
               (batch, m, n, k), True),
         Accum(c2, (0, 1), "+", apply("mul", Get(a2, (2, 0)), Get(w2, (2, 1))), (m2, n2, k)),
     ))
-    assert [type(i) for i in lower(comp, batched=True)] == [Gemm, Gemm, Gemm]
+    assert [type(i) for i in lower(comp, Target(im2col=False))] == [Gemm, Gemm, Gemm]
     rng = np.random.default_rng(1)
     vals = {t: rng.normal(size=t.dims) for t in (a, w, q, v, a2, w2, c2)}
 
@@ -275,7 +276,7 @@ def test_jammed_reductions_sum_each_cell_in_order(cols):
         Accum(s, (0, 1), "+", apply("exp", Get(x, (0, 1, 2))), (rows, cols, terms), True),
         Accum(m, (0, 1), "max", Get(x, (0, 1, 2)), (rows, cols, terms), True),
     ))
-    groups = [i for i in lower(comp) if isinstance(i, LoopGroup)]
+    groups = [i for i in lower(comp, PRODUCTS) if isinstance(i, LoopGroup)]
     assert len(groups) == 2 and all(_jam(g) > 1 for g in groups)
     xv = np.random.default_rng(4).normal(size=(rows, cols, terms)).astype(np.float32) * 3
     ctx = Context.cpu()

@@ -13,6 +13,7 @@ from ocannl.ir import lowering
 from ocannl.ir.assignments import Accum, Comp, Get, apply
 from ocannl.ir.lowering import Gemm, lower
 from ocannl.ir.ops import Precision
+from ocannl.ir.target import Target
 from ocannl.ir.tnode import Tnode
 
 
@@ -62,7 +63,7 @@ def test_small_products_are_bitwise_the_loops(monkeypatch, prec):
     """At 16 bits the products read their right operands' buffers directly, widening as
     they load (no f32 copies of them): still the loops' bits."""
     comp, inputs, outputs = _products(prec)
-    code = lower(comp, batched=True)
+    code = lower(comp, Target(im2col=False))
     gemms = [item for item in code if isinstance(item, Gemm)]
     compute = F64 if prec is Precision.f64 else F32
     assert len(gemms) == 6 and all(small_product.fits(g, compute) for g in gemms)
@@ -76,7 +77,7 @@ def test_small_products_are_bitwise_the_loops(monkeypatch, prec):
         (False, False), (True, False), (False, True), (True, True)}
     inline = _run(comp, inputs, outputs)
     monkeypatch.setattr(lowering, "GEMM_MIN_FLOPS", 1 << 40)  # every product a loop nest
-    assert not any(isinstance(item, Gemm) for item in lower(comp, batched=True))
+    assert not any(isinstance(item, Gemm) for item in lower(comp, Target(im2col=False)))
     assert _run(comp, inputs, outputs) == inline
     # and near BLAS's (another order of the same sums)
     monkeypatch.undo()
@@ -98,7 +99,7 @@ def test_batched_small_products_shared_over_threads_give_the_same_bits(monkeypat
     comp = Comp((Accum(s, (0, 1, 2, 3), "+",
                        apply("mul", Get(q, (0, 2, 1, 4)), Get(kk, (0, 3, 1, 4))),
                        (n_batch, heads, ctx_len, ctx_len, d), reset=True),))
-    [g] = lower(comp, batched=True)
+    [g] = lower(comp, Target(im2col=False))
     assert isinstance(g, Gemm) and g.b.transposed and small_product.fits(g, F32)
     rng = np.random.default_rng(3)
     inputs = {q: rng.normal(size=q.dims), kk: rng.normal(size=kk.dims)}

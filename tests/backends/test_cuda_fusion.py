@@ -37,7 +37,7 @@ def _sgd():
 
 @pytest.mark.parametrize("variant", ["f32", "f16-gated"])
 def test_one_kernel_per_loop_group(variant: str) -> None:
-    code = lower(_step(variant), gemm=True)
+    code = lower(_step(variant), cc.cuda_target())
     groups = [it for it in code if isinstance(it, LoopGroup)]
     fills = [it for it in code if isinstance(it, Fill)]
     gemms = [it for it in code if isinstance(it, Gemm)]

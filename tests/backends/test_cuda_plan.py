@@ -74,7 +74,7 @@ def test_map_launch_examples() -> None:
 
 
 def _plan(comp: object, *, use_cublas: bool = True) -> cc.Plan:
-    return cc.plan_routine(lower(comp, gemm=use_cublas))
+    return cc.plan_routine(lower(comp, cc.cuda_target(use_cublas)))
 
 
 def test_wide_mlp_checksum_and_loss_are_block_reductions() -> None:

@@ -16,7 +16,7 @@ from cuda_emu import emulator_unavailable
 
 from ocannl import Context, train
 from ocannl.backends.cuda import nvrtc
-from ocannl.backends.cuda.plan import Plan, plan_routine
+from ocannl.backends.cuda.plan import Plan, cuda_target, plan_routine
 from ocannl.backends.cuda.runtime import CupyCudaBackend, module_source, storage_dtype
 from ocannl.ir.lowering import lower
 from ocannl.ir.ops import Precision
@@ -27,7 +27,8 @@ needs_emu = pytest.mark.skipif(_no_emu is not None, reason=f"no emulator: {_no_e
 
 
 def _gated_plan(prec: str = "f16", dims: tuple[int, ...] = (2, 64, 64, 2), batch: int = 1024):
-    return plan_routine(lower(M.build(prec, dims=dims, batch=batch).comps["gated"]))
+    return plan_routine(lower(M.build(prec, dims=dims, batch=batch).comps["gated"],
+                              cuda_target()))
 
 
 # --- the module of a routine ----------------------------------------------------------------

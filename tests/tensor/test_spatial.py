@@ -14,6 +14,7 @@ from torch_oracle import check_parity
 import ocannl.tensor as T
 from ocannl import Context, Precision
 from ocannl.ir.lowering import lower, nests
+from ocannl.ir.target import PRODUCTS
 from ocannl.tensor.spatial import avg_pool2d, conv2d, max_pool2d
 
 F32 = Precision.f32
@@ -89,7 +90,7 @@ def test_the_image_gradient_is_a_scatter_and_padding_reads_zero():
         (1, 3, 3, 1)))
     from ocannl import train
 
-    code = lower(train.grad_update(T.sum(y)))
+    code = lower(train.grad_update(T.sum(y)), PRODUCTS)
     assert any(n.scatter and n.assign.lhs is x.grad for n in nests(code))
     ctx, r = ctx.compile(train.grad_update(T.sum(y)))
     ctx.run(r)

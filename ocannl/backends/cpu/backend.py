@@ -1,9 +1,10 @@
 """The CPU backend: one LLVM-compiled function per routine, over flat NumPy buffers.
 
 Lowered code goes straight to LLVM IR (``codegen.py``), which LLVM optimizes for this CPU and
-loads into the process (``jit.py``, with an on-disk cache of the machine code). GEMM-shaped
-assignments call SciPy's BLAS. A bound routine is called through a C function pointer with one
-argument, a table of its buffers' addresses.
+loads into the process (``jit.py``, with an on-disk cache of the machine code). Products call
+the BLAS ``blas.py`` chose (MKL, NumPy's OpenBLAS or SciPy's). A bound routine is a built-in
+callable (``entry.py``) that passes the compiled code one argument, a table of its buffers'
+addresses.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ import numpy as np
 
 from ocannl.backends.arena import ALIGN_BYTES, views
 from ocannl.backends.cpu import entry, jit
-from ocannl.backends.cpu.codegen import routine_ir, shares_products, signature, unstored
+from ocannl.backends.cpu.codegen import routine_ir, shares_products, signature
 from ocannl.backends.rounding import to_precision
-from ocannl.ir.lowering import Lowered
+from ocannl.ir.lowered import Lowered
 from ocannl.ir.ops import Precision
+from ocannl.ir.target import Target
 from ocannl.ir.tnode import Tnode
 
 
@@ -54,18 +56,16 @@ class CpuBackend:
     """Buffers are flat NumPy arrays; routines are LLVM-compiled functions, cached by IR."""
 
     name = "cpu"
-    has_gemm = True  # SciPy's BLAS
-    has_batched_gemm = True  # a BLAS call per batch point
-    im2col = True  # a convolution's BLAS call on its patches beats its loop nests
     _compiled: dict[str, CompiledRoutine] = {}  # shared by every CPU context in the process
+
+    @property
+    def target(self) -> Target:
+        """What lowering may rely on here: BLAS products (batched, im2col, small ones inline),
+        this process's threads and the CPU's conversions (``jit.target``)."""
+        return jit.target()
 
     def alloc(self, node: Tnode) -> np.ndarray:
         return aligned(node.size, storage_dtype(node.prec))
-
-    @staticmethod
-    def unstored(code: list[Lowered]) -> frozenset[int]:
-        """The ids of the local nodes the compiled code never keeps in memory."""
-        return unstored(code)
 
     def write(self, node: Tnode, buf: np.ndarray, host: np.ndarray) -> None:
         """Round ``host`` once, from the values given, to the node's precision (ties to even;
@@ -101,7 +101,7 @@ class CpuBackend:
         if hit is None:
             texts, scratch, tables = routine_ir(code, nodes, target)
             address = jit.compile_ir(key, texts, scratch, tables,
-                                     single_blas=shares_products(code, target))
+                                     single_blas=shares_products(code))
             hit = (address, scratch, tables, False)
         compiled = self._compiled[key] = CompiledRoutine(*hit)
         return compiled, True

@@ -74,7 +74,9 @@ def features() -> str:
 
 
 def target() -> Target:
-    """What this process's code is generated for; the thread pool's size follows it."""
+    """What lowering and code generation may rely on in this process (``ocannl.ir.target``):
+    the BLAS, the threads (the pool's size follows them), the CPU's conversions; the
+    products, vectors and thresholds at their CPU defaults."""
     count = threads()
     with _lock:
         _setup()
@@ -84,8 +86,9 @@ def target() -> Target:
     else:
         resize(count - 1)  # type: ignore[operator]
     chosen = blas.chosen()
-    return Target(hardware_f16(), workers(), has_avx(), chosen.int_bits, count,
-                  count > 1 and chosen.threads is not None)
+    return Target(name="cpu", hardware_f16=hardware_f16(), workers=workers(), avx=has_avx(),
+                  blas_int=chosen.int_bits, threads=count,
+                  products_shared=count > 1 and chosen.threads is not None)
 
 
 def _env_count(name: str) -> int | None:

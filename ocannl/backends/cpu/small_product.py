@@ -22,31 +22,22 @@ from ocannl.ir.ops import Precision
 if TYPE_CHECKING:
     from ocannl.backends.cpu.codegen import RoutineIR
 
-# Products of at most this many multiply-adds (each), with columns a whole number of vectors,
-# are computed here; larger ones go to BLAS.
-SMALL_WORK = 1 << 18
-# A transposed right operand is packed when it has at most this many cells (a stack array).
-PACK_CELLS = 1 << 14
 ROWS = 4  # output rows per register block
-VECTOR_BYTES = 64  # one vector of columns: 16 f32 or 8 f64 (two halves on AVX2)
 
 
-def lanes(compute: ir.Type) -> int:
-    return VECTOR_BYTES // (4 if compute == F32 else 8)
-
-
-def fits(g: Gemm, compute: ir.Type) -> bool:
-    """Whether ``g``'s products are computed here."""
-    return (g.rows * g.cols * g.inner <= SMALL_WORK and g.cols % lanes(compute) == 0
-            and (not g.b.transposed or g.inner * g.cols <= PACK_CELLS))
+def lanes(compute: ir.Type, vector_bytes: int) -> int:
+    """Columns per vector: the target's ``inline_vector_bytes`` of ``compute`` values (16 f32
+    or 8 f64 in 64 bytes: two halves on AVX2)."""
+    return vector_bytes // (4 if compute == F32 else 8)
 
 
 def emit(r: RoutineIR, g: Gemm, compute: ir.Type, a: ir.Value, bm: ir.Value, out: ir.Value,
          offsets: tuple[ir.Value, ir.Value, ir.Value]) -> None:
-    """One product, ``out (+)= a @ b`` at ``offsets`` (out, a, b) in the three arrays."""
+    """One product, ``out (+)= a @ b`` at ``offsets`` (out, a, b) in the three arrays
+    (scheduling chose this kernel for it: ``ocannl.ir.schedule.inline_fits``)."""
     b = r.b
     o_out, o_a, o_b = offsets
-    w = lanes(compute)
+    w = lanes(compute, r.inline_vector_bytes)
     vec = ir.VectorType(compute, w)
     elem = 4 if compute == F32 else 8
     # A 16-bit right operand read directly (``RoutineIR.reads_directly``): widened as loaded.

@@ -2,7 +2,8 @@
 
 Every lowered item becomes a launch plan (:func:`plan_routine`) built without a GPU: each loop
 nest is one kernel (two for a long reduction split across blocks), each GEMM a cuBLAS call
-through CuPy with conversion kernels around it when a buffer is 16-bit. Kernel bodies come from
+through CuPy (a 16-bit operand or target is a node of lowering's own in f32, made and
+rounded by nests: ``ocannl.ir.schedule``). Kernel bodies come from
 :mod:`ocannl.backends.emit` with a C flavour; the wrapping is this module's: threads over the
 written cells (grid-stride), a reduction serial within a thread only when it is short,
 otherwise a block reduction (warp shuffles, then shared memory; split over several blocks with
@@ -28,6 +29,7 @@ from ocannl.backends.emit import BodyWriter, Flavour, NestBody, float_literal, n
 from ocannl.ir.assignments import Accum, Comp
 from ocannl.ir.lowering import Fill, Gemm, LoopGroup, Lowered, lower
 from ocannl.ir.ops import Precision
+from ocannl.ir.target import Target
 from ocannl.ir.tnode import Tnode
 
 # --- launch-configuration policy (pure; unit-tested on the CPU) --------------------------------
@@ -285,45 +287,19 @@ class _Planner:
         src = "\n".join([_signature("ocannl_fill", [node], [], block), *_indent(body, 1), "}"])
         self.steps.append(Kernel("fill", "ocannl_fill", src + "\n", grid, block, (node,)))
 
-    def convert(self, node: Tnode, s: Scratch, *, to_node: bool) -> None:
-        """Copy between a node and a scratch buffer of another precision (exact widening,
-        round-to-nearest-even narrowing)."""
-        f = CudaFlavour([node], s.prec)
-        ity = _index_type(node.size)
-        grid, block = map_launch(node.size)
-        stmt = f.store(node, "p", "s0[p]") if to_node else f"s0[p] = {f.load(node, 'p')};"
-        body = [
-            f"for ({ity} p = ({ity})blockIdx.x * {block} + threadIdx.x; p < {node.size}; "
-            f"p += ({ity})gridDim.x * {block}) {{",
-            "  " + stmt,
-            "}",
-        ]
-        src = "\n".join([_signature("ocannl_convert", [node], [s], block), *_indent(body, 1), "}"])
-        self.steps.append(Kernel("convert", "ocannl_convert", src + "\n", grid, block, (node,),
-                                 (s,)))
-
     # -- GEMMs --
 
     def gemm(self, g: Gemm) -> None:
+        """A cuBLAS call over the product's nodes as lowering left them: operands and target
+        in the product's precision (scheduling gave 16-bit ones f32 copies of their own)."""
         lhs = g.assign.lhs
-        compute = lhs.prec.compute
-        slots: list[int | None] = []
-        for v in (g.a, g.b):
-            if v.node.prec is compute:
-                slots.append(None)
-            else:
-                s = self.slot(v.node.size, compute)
-                self.convert(v.node, s, to_node=False)
-                slots.append(s.slot)
+        bad = [v.name for v in (lhs, g.a.node, g.b.node) if v.prec.is_narrow]
+        if bad:
+            raise ValueError(f"the CUDA plan multiplies f32 or f64 nodes through cuBLAS, not "
+                             f"16-bit {', '.join(bad)}: lowering must give the product copies "
+                             f"in its precision (Target.native_products is empty here)")
         beta = 0.0 if g.assign.reset else 1.0
-        if lhs.prec is compute:
-            self.steps.append(GemmCall(g, slots[0], slots[1], None, beta))
-            return
-        out = self.slot(lhs.size, compute)
-        if not g.assign.reset:
-            self.convert(lhs, out, to_node=False)
-        self.steps.append(GemmCall(g, slots[0], slots[1], out.slot, beta))
-        self.convert(lhs, out, to_node=True)
+        self.steps.append(GemmCall(g, None, None, None, beta))
 
     # -- loop nests --
 
@@ -458,10 +434,19 @@ class _Planner:
                                  BLOCK, (a.lhs,), (part,)))
 
 
+def cuda_target(cublas: bool = True) -> Target:
+    """What lowering may rely on for this backend: cuBLAS products when it is loadable (one
+    call each: batched products, convolutions and small products run as generated kernels),
+    no thread pool (threads are the kernels' own), f16 conversions in hardware."""
+    return Target(name="cuda", gemm=cublas, batched_gemm=False, im2col=False,
+                  inline_product_work=0, threads=1, products_shared=False,
+                  parallel_scatters=False, hardware_f16=True)
+
+
 def plan_routine(code: Sequence[Lowered]) -> Plan:
     """The launch plan of lowered code, one step per lowered item (a split reduction takes two
-    passes, a 16-bit GEMM its conversions): pure Python, no GPU needed. Without cuBLAS, lower
-    with ``gemm=False``: the plan renders what lowering decided."""
+    passes): pure Python, no GPU needed. The plan renders what lowering decided for
+    :func:`cuda_target`."""
     p = _Planner()
     for item in code:
         if isinstance(item, Fill):
@@ -476,7 +461,7 @@ def plan_routine(code: Sequence[Lowered]) -> Plan:
 def cuda_sources(comp: Comp | Sequence[Lowered], *, use_cublas: bool = True) -> list[str]:
     """The CUDA C source of every distinct kernel of a computation (or of lowered code), as
     the CUDA backend would compile them; needs no GPU, so NVRTC can check them anywhere."""
-    code = lower(comp, gemm=use_cublas) if isinstance(comp, Comp) else list(comp)
+    code = lower(comp, cuda_target(use_cublas)) if isinstance(comp, Comp) else list(comp)
     return plan_routine(code).sources()
 
 

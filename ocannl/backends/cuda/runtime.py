@@ -56,10 +56,11 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from ocannl.backends.cuda.plan import GemmCall, Kernel, Plan, plan_routine
+from ocannl.backends.cuda.plan import GemmCall, Kernel, Plan, cuda_target, plan_routine
 from ocannl.backends.rounding import to_precision
 from ocannl.ir.lowering import Lowered, MatrixView
 from ocannl.ir.ops import Precision
+from ocannl.ir.target import Target
 from ocannl.ir.tnode import Tnode
 
 
@@ -275,11 +276,10 @@ class CupyCudaBackend:
             self.cublas_missing = ""
 
     @property
-    def has_gemm(self) -> bool:
-        """Whether lowering may hand matrix products to this backend (cuBLAS is loadable)."""
-        return self.cublas is not None
-
-    has_batched_gemm = False  # batched products run as generated kernels
+    def target(self) -> Target:
+        """What lowering may rely on here (``plan.cuda_target``): cuBLAS products when cuBLAS
+        is loadable."""
+        return cuda_target(self.cublas is not None)
 
     # --- buffers ------------------------------------------------------------------------------
 
@@ -316,8 +316,8 @@ class CupyCudaBackend:
         gemms = tuple(_gemm_key(s) for s in plan.steps if isinstance(s, GemmCall))
         if gemms and self.cublas is None:
             raise CudaUnavailable(f"{label}: the code holds matrix products for cuBLAS, which is "
-                                  f"not loadable ({self.cublas_missing}); lower it with "
-                                  f"gemm=False")
+                                  f"not loadable ({self.cublas_missing}); lower it for "
+                                  f"cuda_target(cublas=False)")
         functions: dict[str, Any] = {}
         names: dict[str, str] = {}
         if plan.kernels:

@@ -1,0 +1,303 @@
+"""The lowered code: what lowering hands every backend, and the one walker over it.
+
+A routine's code is a list of items, run in order: :class:`Fill`, :class:`LoopGroup` (of
+:class:`LoopNest`) and :class:`Gemm`. Their fields say what to compute (the assignments) and
+how (what :mod:`ocannl.ir.schedule` decided from the backend's target record); a renderer reads
+both and decides nothing. :func:`item_nodes` and :func:`accesses` are the one answer to "what
+does this item read and write", which every pass and backend asks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ocannl.ir.assignments import Accum, Affine, Get, reads
+from ocannl.ir.tnode import Tnode
+
+
+@dataclass(frozen=True)
+class Fill:
+    """Set every cell of ``node`` to ``value``."""
+
+    node: Tnode
+    value: float
+
+
+@dataclass(frozen=True)
+class LoopNest:
+    """Loops over ``par`` (outer, distinct cells, in the written node's axis order so the
+    innermost store is contiguous) then ``red`` (inner, accumulated locally). ``scatter``: the
+    written cell moves with reduction iterators too (an affine target index: a convolution's
+    input gradient), so every point reads, combines and writes its cell in turn.
+    ``walk_rows``: the last parallel iterator runs innermost, inside the reduction loops, over
+    a row of accumulators (a bias gradient summing ``g[i, j]`` over ``i`` reads rows of ``g``,
+    not columns); each cell still accumulates its terms in the same order, so the same bits."""
+
+    assign: Accum
+    par: tuple[int, ...]
+    red: tuple[int, ...]
+    scatter: bool = False
+    walk_rows: bool = False
+
+    @property
+    def space(self) -> tuple[int, ...]:
+        return self.assign.space
+
+    @property
+    def par_size(self) -> int:
+        return math.prod(self.space[i] for i in self.par)
+
+    @property
+    def red_size(self) -> int:
+        return math.prod(self.space[i] for i in self.red)
+
+
+@dataclass(frozen=True)
+class LoopGroup:
+    """Nests run point by point inside one loop over the first one's parallel iterators.
+
+    What scheduling decided (``ocannl.ir.schedule``): ``registers``, the ids of local nodes no
+    item but this group touches, each written by one of its pointwise nests and read only by
+    later pointwise nests at the same cell: handed over in a register, never stored, given no
+    memory; ``split``, the extent of the outermost loop shared over threads (None: one
+    thread), in ``chunks`` chunks per thread; ``jam``, how many cells of a lone reduction are
+    computed at once (0: one); ``lanes``, those cells as one vector, the reads at positions
+    ``packed`` (in :func:`~ocannl.ir.assignments.reads` order) packed into stack arrays
+    first."""
+
+    nests: tuple[LoopNest, ...]
+    registers: frozenset[int] = frozenset()
+    split: int | None = None
+    chunks: int = 0
+    jam: int = 0
+    lanes: bool = False
+    packed: tuple[int, ...] = ()
+
+    @property
+    def lead(self) -> LoopNest:
+        return self.nests[0]
+
+
+@dataclass(frozen=True)
+class MatrixView:
+    """A node read as a 2-D matrix ``rows x cols``; ``transposed``: stored as ``cols x rows``.
+    ``ld``: the stride between consecutive stored rows (the stored row length when dense)."""
+
+    node: Tnode
+    rows: int
+    cols: int
+    transposed: bool
+    ld: int
+
+
+@dataclass(frozen=True)
+class BatchAxis:
+    """An iterator a batched product runs over: its size and its stride in the output and in
+    each operand."""
+
+    size: int
+    out: int
+    a: int
+    b: int
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """``out (accum)= a @ b`` with ``out`` a ``rows x cols`` row-major view of ``assign.lhs``
+    (rows ``out_ld`` apart), once per point of ``batch`` (none: one product).
+
+    What scheduling decided: ``kernel``, ``"blas"`` (the library) or ``"inline"``
+    (register-blocked loops summing each cell's terms in order, as the plain loops would);
+    ``split``, how it is shared over threads (``"batch"``: by its first batch axis; ``"rows"``
+    / ``"cols"``: by blocks of ``GEMM_BLOCK``) over ``split_extent`` points or blocks, or None.
+    Its operands' and target's precisions are those of their nodes: a 16-bit one is taken as
+    stored (the target's native products, or the inline kernel's right operand)."""
+
+    assign: Accum
+    a: MatrixView
+    b: MatrixView
+    rows: int
+    cols: int
+    inner: int
+    out_ld: int
+    batch: tuple[BatchAxis, ...] = ()
+    kernel: str = "blas"
+    split: str | None = None
+    split_extent: int = 0
+
+
+Lowered = Fill | LoopGroup | Gemm
+
+
+
+def covers(a: Accum) -> bool:
+    """True when the lhs projection visits every cell exactly once per reduction slice."""
+    its = [i for i in a.lhs_idx if isinstance(i, int)]
+    return (
+        len(its) == len(a.lhs_idx)
+        and len(set(its)) == len(its)
+        and all(a.space[i] == d for i, d in zip(its, a.lhs.dims, strict=True))
+    )
+
+
+
+def parallel_iterators(a: Accum) -> tuple[int, ...]:
+    """The iterators that pick distinct cells of ``a.lhs``, in its axis order: those indexing
+    an lhs axis of more than one cell. An iterator that indexes only size-1 axes writes one cell
+    from many points: it is a reduction, however the projection names it."""
+    out: dict[int, None] = {}
+    for i, d in zip(a.lhs_idx, a.lhs.dims, strict=True):
+        if isinstance(i, int) and (d > 1 or a.space[i] == 1):
+            out.setdefault(i)
+    return tuple(out)
+
+
+# A row of accumulators (``LoopNest.walk_rows``) holds at least and at most this many cells,
+# and its reduction takes at least ROW_MIN terms.
+ROW_MIN, ROW_MAX = 8, 4096
+
+
+def _walks_rows(a: Accum, par: tuple[int, ...], red: tuple[int, ...], scatter: bool) -> bool:
+    """Whether reading along the last parallel iterator beats reading along the reductions:
+    some operand's last axis is that iterator and none's is a reduction iterator."""
+    if scatter or not red or not par or a.accum not in ("+", "max"):
+        return False
+    last = par[-1]
+    if not ROW_MIN <= a.space[last] <= ROW_MAX or math.prod(a.space[i] for i in red) < ROW_MIN:
+        return False  # a short reduction (a 2x2 pooling window) gains less than the row costs
+    ends = [g.idx[-1] for g in reads(a.expr) if g.idx]
+    return last in ends and not any(isinstance(i, int) and i in red for i in ends)
+
+
+def loop_nest(a: Accum) -> LoopNest:
+    par = parallel_iterators(a)
+    red = tuple(i for i in range(len(a.space)) if i not in par)
+    scatter = any(isinstance(i, Affine) for i in a.lhs_idx)
+    return LoopNest(a, par, red, scatter, _walks_rows(a, par, red, scatter))
+
+
+
+def item_nodes(item: Lowered) -> list[Tnode]:
+    """Every node ``item`` reads or writes, each once, in order: a fill's node; a product's
+    target then operands; each nest's target then its reads."""
+    if isinstance(item, Fill):
+        return [item.node]
+    if isinstance(item, Gemm):
+        found = [item.assign.lhs, item.a.node, item.b.node]
+    else:
+        found = [n for nest in item.nests
+                 for n in (nest.assign.lhs, *(g.node for g in reads(nest.assign.expr)))]
+    return list({n.id: n for n in found}.values())
+
+
+def accesses(item: Lowered) -> tuple[set[int], set[int]]:
+    """The ids of the nodes an item reads and those it writes. A target that is accumulated
+    into (not overwritten, not reset) is read too: a product's as a nest's."""
+    if isinstance(item, Fill):
+        return set(), {item.node.id}
+    if isinstance(item, Gemm):
+        a = item.assign
+        return ({item.a.node.id, item.b.node.id} | (set() if a.reset else {a.lhs.id}),
+                {a.lhs.id})
+    reads_, writes = set(), set()
+    for nest in item.nests:
+        a = nest.assign
+        reads_ |= {g.node.id for g in reads(a.expr)}
+        if not (a.accum == "=" or a.reset):
+            reads_.add(a.lhs.id)
+        writes.add(a.lhs.id)
+    return reads_, writes
+
+
+def written(item: Lowered) -> list[Tnode]:
+    """The nodes ``item`` writes, in order."""
+    if isinstance(item, Fill):
+        return [item.node]
+    if isinstance(item, Gemm):
+        return [item.assign.lhs]
+    return list({n.assign.lhs.id: n.assign.lhs for n in item.nests}.values())
+
+
+def stored_nodes(code: list[Lowered]) -> list[Tnode]:
+    """The nodes the code keeps in memory, in first-use order: all it touches but those its
+    loop groups hand over in registers (``LoopGroup.registers``), which get no memory."""
+    held = {i for item in code if isinstance(item, LoopGroup) for i in item.registers}
+    return [n for n in nodes_of(code) if n.id not in held]
+
+
+def copy_source(nest: LoopNest) -> Tnode | None:
+    """The node ``nest`` copies into its target cell for cell (``b = a``: pointwise, whole,
+    the same dims and projection), or None. The precisions may differ (a cast)."""
+    a = nest.assign
+    if (nest.red or nest.scatter or not isinstance(a.expr, Get) or a.expr.idx != a.lhs_idx
+            or a.expr.rounded is not None or not (a.accum == "=" or a.reset)
+            or a.expr.node.dims != a.lhs.dims or not covers(a)):
+        return None
+    return a.expr.node
+
+
+def nests(code: list[Lowered]) -> list[LoopNest]:
+    """Every loop nest of lowered code, in order."""
+    return [n for item in code if isinstance(item, LoopGroup) for n in item.nests]
+
+
+def _assigns(code: list[Lowered]) -> list[Fill | Accum]:
+    out: list[Fill | Accum] = []
+    for it in code:
+        if isinstance(it, LoopGroup):
+            out.extend(n.assign for n in it.nests)
+        else:
+            out.append(it if isinstance(it, Fill) else it.assign)
+    return out
+
+
+def nodes_of(code: list[Lowered]) -> list[Tnode]:
+    """Every node the lowered code touches, in first-use order (each written node before
+    what its assignment reads)."""
+    seen: dict[int, Tnode] = {}
+    for a in _assigns(code):
+        if isinstance(a, Fill):
+            seen.setdefault(a.node.id, a.node)
+        else:
+            seen.setdefault(a.lhs.id, a.lhs)
+            for g in reads(a.expr):
+                seen.setdefault(g.node.id, g.node)
+    return list(seen.values())
+
+
+@dataclass(frozen=True)
+class Effects:
+    """What running lowered code needs and leaves: ``inputs``, the nodes it reads before
+    writing them whole (their values must come from somewhere), and ``written``, every node it
+    writes."""
+
+    inputs: tuple[Tnode, ...]
+    written: tuple[Tnode, ...]
+
+
+def effects(code: list[Lowered]) -> Effects:
+    """The :class:`Effects` of lowered code, in first-use order."""
+    whole: set[int] = set()
+    inputs: dict[int, Tnode] = {}
+    written: dict[int, Tnode] = {}
+
+    def read(n: Tnode) -> None:
+        if n.id not in whole:
+            inputs.setdefault(n.id, n)
+
+    for a in _assigns(code):
+        if isinstance(a, Fill):
+            whole.add(a.node.id)
+            written.setdefault(a.node.id, a.node)
+            continue
+        for g in reads(a.expr):
+            read(g.node)
+        overwrites = a.accum == "=" or a.reset
+        if not overwrites:
+            read(a.lhs)
+        if overwrites and covers(a):
+            whole.add(a.lhs.id)
+        written.setdefault(a.lhs.id, a.lhs)
+    return Effects(tuple(inputs.values()), tuple(written.values()))
+

@@ -1,0 +1,543 @@
+"""Scheduling: the choices lowering makes from the backend's :class:`~ocannl.ir.target.Target`.
+
+:func:`~ocannl.ir.lowering.lower` first turns assignments into fills, loop groups and
+products that mean the same on every backend; :func:`schedule` then decides, from the target
+record alone, everything a renderer would otherwise decide for itself, and writes it into the
+items:
+
+- **Placements.** A node is *virtual* when every read of it can compute it instead (a cast
+  twin of a master that nothing writes while the twin is read; a 16-bit product result read
+  only by the next item's pointwise nests): its copy is dropped and each read becomes a read of
+  its source rounded to its precision (``Get.rounded``). A node in ``LoopGroup.registers`` is
+  handed over in a register and never stored. Every other local node gets a slot in its
+  routine's arena (``Context``), every other node is materialized.
+- **Products.** Each :class:`Gemm`'s kernel (``"blas"``, or ``"inline"``: register-blocked,
+  summing in the loops' order) and its operands' precisions: a 16-bit operand the library does
+  not take as stored (``Target.native_products``) is read from an f32 copy, a node of its own
+  made by a pointwise nest before the product; a 16-bit target is computed in an f32 node and
+  rounded into it by a nest after the product (or read rounded by its readers: virtual).
+- **Widened copies.** A reduction reading a 16-bit node many times over reads an f32 copy; a
+  scatter into a 16-bit node accumulates in an f32 copy rounded once at the end. A copy is
+  reused by later items until its source is written (a large one only by the next item).
+- **Threads and vectors.** Which loops and products are shared over threads, by which extent
+  and in how many chunks; which reductions run several cells at once (``jam``) and as vectors
+  of their cells (``lanes``), with which reads packed first.
+
+Every copy is a plain assignment over a node of its own, so the arena planner is the only
+memory planner, and a backend renders a copy as it renders any other nest.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from ocannl.ir.assignments import Accum, Affine, Apply, Expr, Get, reads
+from ocannl.ir.lowered import (
+    Fill,
+    Gemm,
+    LoopGroup,
+    LoopNest,
+    Lowered,
+    MatrixView,
+    accesses,
+    copy_source,
+    loop_nest,
+    nodes_of,
+)
+from ocannl.ir.ops import Precision
+from ocannl.ir.target import Target
+from ocannl.ir.tnode import MemoryMode, Tnode
+
+
+def schedule(code: list[Lowered], target: Target) -> list[Lowered]:
+    """``code`` with every choice of the module docstring made for ``target``."""
+    virtual = virtual_twins(code)
+    code = _with_copies(code, target, virtual)
+    code = _substitute(code, virtual)
+    code = in_registers(code)
+    return [_threaded(item, target) for item in code]
+
+
+# --- virtual nodes --------------------------------------------------------------------------
+
+
+def virtual_twins(code: list[Lowered]) -> dict[int, Tnode]:
+    """Local 16-bit nodes that are a rounded copy of a materialized wider node, cell for cell
+    (a cast twin of its master), by node id, with that node: written once, and read only
+    before anything writes the wider node again. Each read can round the wider node as the
+    copy would, so the copy is neither run nor stored. A node marked ``MemoryMode.virtual``
+    that is such a copy must be one: ``ValueError`` names it otherwise."""
+    first: dict[int, tuple[int, Tnode, Tnode]] = {}  # id -> its item, the node, its source
+    writes: dict[int, list[int]] = {}
+    last_read: dict[int, int] = {}
+    for k, item in enumerate(code):
+        r_ids, w_ids = accesses(item)
+        for i in w_ids:
+            writes.setdefault(i, []).append(k)
+        for i in r_ids:
+            last_read[i] = k
+        if isinstance(item, LoopGroup) and not item.lead.walk_rows:
+            for nest in item.nests:
+                lhs, src = nest.assign.lhs, copy_source(nest)
+                if (src is not None and lhs.memory_mode in (MemoryMode.local, MemoryMode.virtual)
+                        and lhs.prec.is_narrow and not src.prec.is_narrow
+                        and src.memory_mode is MemoryMode.materialized):
+                    first.setdefault(lhs.id, (k, lhs, src))
+    out: dict[int, Tnode] = {}
+    for i, (k, node, src) in first.items():
+        end = last_read.get(i, k)
+        if writes[i] == [k] and not any(k <= w <= end for w in writes.get(src.id, [])):
+            out[i] = src
+        elif node.memory_mode is MemoryMode.virtual:
+            raise ValueError(
+                f"{node.name} is placed 'virtual' (recomputed from {src.name} at every read), "
+                f"but {src.name} is written between its copy and a read of it, or it is "
+                f"written twice: place it 'auto' or 'materialized'")
+    return out
+
+
+def _substitute(code: list[Lowered], virtual: dict[int, Tnode]) -> list[Lowered]:
+    """Drop the copies into virtual nodes and let their readers read the source, rounded."""
+    if not virtual:
+        return code
+    out: list[Lowered] = []
+    for item in code:
+        if isinstance(item, LoopGroup):
+            kept = tuple(replace(n, assign=replace(n.assign, expr=_rounded_reads(
+                n.assign.expr, virtual))) for n in item.nests if n.assign.lhs.id not in virtual)
+            if not kept:
+                continue
+            item = replace(item, nests=kept)
+        elif isinstance(item, Gemm):  # its 16-bit operands were given copies already
+            assert item.a.node.id not in virtual and item.b.node.id not in virtual
+        out.append(item)
+    return out
+
+
+def _rounded_reads(e: Expr, virtual: dict[int, Tnode]) -> Expr:
+    if isinstance(e, Get):
+        src = virtual.get(e.node.id)
+        return e if src is None else Get(src, e.idx, rounded=e.node.prec)
+    if isinstance(e, Apply):
+        return Apply(e.op, tuple(_rounded_reads(x, virtual) for x in e.args))
+    return e
+
+
+def forwarded(code: list[Lowered]) -> set[int]:
+    """Local 16-bit targets of products (with reset) that only pointwise nests of the next item
+    read: those nests read the product's f32 result rounded as a store would round it, so the
+    target is never stored (a cast twin's gradient flowing into its master's)."""
+    made: dict[int, int] = {}  # node id -> the item of its product
+    bad: set[int] = set()
+    read: set[int] = set()
+    for k, item in enumerate(code):
+        if isinstance(item, Fill):
+            bad.add(item.node.id)
+        elif isinstance(item, Gemm):
+            bad |= {item.a.node.id, item.b.node.id}
+            lhs = item.assign.lhs
+            if (lhs.id in made or not item.assign.reset or not lhs.prec.is_narrow
+                    or lhs.memory_mode is not MemoryMode.local):
+                bad.add(lhs.id)
+            made[lhs.id] = k
+        else:
+            for nest in item.nests:
+                bad.add(nest.assign.lhs.id)
+                got = {g.node.id for g in reads(nest.assign.expr)}
+                if nest.red or nest.scatter:
+                    bad |= got
+                else:  # read by the next item only: the f32 result is held no longer
+                    bad |= {i for i in got if i not in made or made[i] != k - 1}
+                    read |= got
+    return {i for i in made if i not in bad and i in read}
+
+
+# --- registers ----------------------------------------------------------------------------
+
+
+def in_registers(code: list[Lowered]) -> list[Lowered]:
+    """Mark the nodes each loop group may keep in registers (``LoopGroup.registers``): local
+    (no host or other routine reads them), written once, by a pointwise nest that overwrites
+    its cell, and read only inside the same group, by later pointwise nests at that cell. A
+    chain of pointwise steps (softmax's gradient through its shift and mask) then stores only
+    its last value."""
+    home: dict[int, int] = {}  # node id -> the first item touching it
+    write: dict[int, tuple[int, LoopNest]] = {}  # node id -> its one writing nest
+    bad: set[int] = set()
+
+    def touch(node_id: int, k: int) -> None:
+        if home.setdefault(node_id, k) != k:
+            bad.add(node_id)
+
+    for k, item in enumerate(code):
+        if not isinstance(item, LoopGroup):
+            for n in nodes_of([item]):
+                touch(n.id, k)
+                bad.add(n.id)
+            continue
+        for j, nest in enumerate(item.nests):
+            a = nest.assign
+            touch(a.lhs.id, k)
+            pointwise = not nest.red and not nest.scatter
+            if (a.lhs.id in write or not pointwise or not (a.accum == "=" or a.reset)
+                    or a.lhs.memory_mode is not MemoryMode.local):
+                bad.add(a.lhs.id)
+            write[a.lhs.id] = (j, nest)
+            for g in reads(a.expr):
+                touch(g.node.id, k)
+                wrote = write.get(g.node.id)
+                if not pointwise or wrote is None or wrote[0] >= j or \
+                        g.idx != wrote[1].assign.lhs_idx:
+                    bad.add(g.node.id)
+    out: list[Lowered] = []
+    for k, item in enumerate(code):
+        if isinstance(item, LoopGroup) and not item.lead.walk_rows:
+            held = frozenset(i for i, at in home.items() if at == k and i in write
+                             and i not in bad)
+            item = replace(item, registers=held) if held else item
+        out.append(item)
+    return out
+
+
+# --- copies in another precision -----------------------------------------------------------
+
+# A reduction reading each cell of a 16-bit node at least this many times reads an f32 copy.
+REUSE = 4
+# A copy of this many cells or more is reused only by the item that made or last read it and
+# the next one (a product's conversions, the product and its rounding are one item). Kept
+# longer, it would hold its memory from the forward pass to backprop (a weight's f32 copy,
+# read by both), where the arena could otherwise share it: widening again costs one pass.
+FRESH_COPY = 1 << 18
+
+
+class _Copies:
+    """The copies of nodes in another precision made so far, while they are current."""
+
+    def __init__(self, virtual: dict[int, Tnode]) -> None:
+        self.virtual = virtual
+        self.current: dict[tuple[int, Precision], tuple[Tnode, int]] = {}  # -> copy, last use
+        self.at = 0  # the item being scheduled
+
+    def of(self, node: Tnode, prec: Precision, out: list[Lowered]) -> Tnode:
+        """``node``'s values in ``prec``: a current copy, or a new one whose nest goes to
+        ``out`` (a virtual node's copy rounds its source)."""
+        key = (node.id, prec)
+        held = self.current.get(key)
+        if held is not None and not (node.size >= FRESH_COPY and self.at > held[1] + 1):
+            self.current[key] = (held[0], self.at)
+            return held[0]
+        copy = Tnode(f"{node.label}_{prec.value}", node.dims, prec, memory_mode=MemoryMode.local)
+        out.append(copy_group(copy, node, self.virtual.get(node.id)))
+        self.current[key] = (copy, self.at)
+        return copy
+
+    def has(self, node: Tnode, prec: Precision) -> bool:
+        held = self.current.get((node.id, prec))
+        return held is not None and not (node.size >= FRESH_COPY and self.at > held[1] + 1)
+
+    def written(self, ids: set[int]) -> None:
+        for key in [k for k in self.current if k[0] in ids]:
+            del self.current[key]
+
+
+def copy_group(dst: Tnode, src: Tnode, source: Tnode | None = None) -> LoopGroup:
+    """``dst = src`` cell for cell (``source``: ``src`` is virtual, its values those of
+    ``source`` rounded to its precision)."""
+    idx = tuple(range(len(src.dims)))
+    read = Get(src, idx) if source is None else Get(source, idx, rounded=src.prec)
+    return LoopGroup((loop_nest(Accum(dst, idx, "=", read, src.dims)),))
+
+
+def _with_copies(code: list[Lowered], target: Target, virtual: dict[int, Tnode]
+                 ) -> list[Lowered]:
+    """The copies products, reductions and scatters read in another precision, as items of
+    their own before (and roundings after) the items using them."""
+    copies = _Copies(virtual)
+    direct = forwarded(code)
+    out: list[Lowered] = []
+    pending: dict[int, Tnode] = {}  # a forwarded target -> the f32 result its readers round
+    for k, item in enumerate(code):
+        copies.at = k
+        if pending and isinstance(item, LoopGroup):
+            item = _read_rounded(item, pending)
+        pending = {}
+        if isinstance(item, Gemm):
+            pending = _product(item, target, copies, direct, out)
+        elif isinstance(item, LoopGroup):
+            _widened_reads(item, copies, out)
+        else:
+            out.append(item)
+        copies.written(accesses(code[k])[1])
+    return out
+
+
+def _read_rounded(item: LoopGroup, results: dict[int, Tnode]) -> LoopGroup:
+    """``item`` reading each forwarded target's f32 result, rounded to the target's precision."""
+    def expr(e: Expr) -> Expr:
+        if isinstance(e, Get) and e.node.id in results:
+            return Get(results[e.node.id], e.idx, rounded=e.node.prec)
+        if isinstance(e, Apply):
+            return Apply(e.op, tuple(expr(x) for x in e.args))
+        return e
+
+    return replace(item, nests=tuple(replace(n, assign=replace(n.assign, expr=expr(
+        n.assign.expr))) for n in item.nests))
+
+
+def _product(g: Gemm, target: Target, copies: _Copies, direct: set[int], out: list[Lowered]
+             ) -> dict[int, Tnode]:
+    """The product, its kernel and thread split decided, with the copies it reads before it
+    and the rounding of a 16-bit target after it; returns the forwarded target's f32 result
+    (its readers in the next item read it rounded) or nothing."""
+    lhs = g.assign.lhs
+    compute = lhs.prec.compute
+    along, extent = gemm_split(g) if target.products_shared and target.threads > 1 else (None, 0)
+    kernel = "inline" if along not in ("rows", "cols") and inline_fits(g, compute, target) \
+        else "blas"
+
+    def operand(v: MatrixView, right: bool) -> MatrixView:
+        node = v.node
+        if node.prec is compute or node.prec in target.native_products:
+            return v
+        if (right and kernel == "inline" and compute is Precision.f32
+                and not copies.has(node, compute) and node.id not in copies.virtual
+                and (node.prec is Precision.bf16
+                     or (node.prec is Precision.f16 and target.hardware_f16))):
+            return v  # widened vector by vector as the inline product loads it
+        return replace(v, node=copies.of(node, compute, out))
+
+    a, b = operand(g.a, False), operand(g.b, True)
+    # The assignment names the nodes the product reads and writes, as its views do.
+    renamed = {v.node.id: w.node for v, w in ((g.a, a), (g.b, b)) if w is not v}
+    assign = replace(g.assign, expr=_renamed(g.assign.expr, renamed)) if renamed else g.assign
+    if not lhs.prec.is_narrow:
+        out.append(replace(g, assign=assign, a=a, b=b, kernel=kernel, split=along,
+                           split_extent=extent))
+        return {}
+    if g.assign.reset:
+        wide = Tnode(f"{lhs.label}_{compute.value}", lhs.dims, compute,
+                     memory_mode=MemoryMode.local)
+    else:  # accumulates: into a copy of the target
+        wide = copies.of(lhs, compute, out)
+    out.append(replace(g, assign=replace(assign, lhs=wide), a=a, b=b, kernel=kernel,
+                       split=along, split_extent=extent))
+    if lhs.id in direct:
+        return {lhs.id: wide}
+    out.append(copy_group(lhs, wide))
+    return {}
+
+
+def _renamed(e: Expr, nodes: dict[int, Tnode]) -> Expr:
+    """``e`` reading ``nodes[i]`` wherever it read the node of id ``i``."""
+    if isinstance(e, Get):
+        return Get(nodes[e.node.id], e.idx, e.rounded) if e.node.id in nodes else e
+    if isinstance(e, Apply):
+        return Apply(e.op, tuple(_renamed(x, nodes) for x in e.args))
+    return e
+
+
+def _widened_reads(item: LoopGroup, copies: _Copies, out: list[Lowered]) -> None:
+    """``item`` appended to ``out``, a reduction's 16-bit reads it takes many times over from
+    f32 copies made before it, a scatter into a 16-bit node into an f32 copy rounded back
+    after it."""
+    lead = item.lead
+    renamed: dict[int, Tnode] = {}
+    for node in reused_narrow(lead):
+        renamed[node.id] = copies.of(node, Precision.f32, out)
+    lhs = lead.assign.lhs
+    scatter = lead.scatter and lhs.prec.is_narrow and lead.assign.accum != "="
+    wide = None
+    if scatter:
+        wide = Tnode(f"{lhs.label}_f32", lhs.dims, Precision.f32, memory_mode=MemoryMode.local)
+        out.append(copy_group(wide, lhs))
+    if wide is not None:
+        renamed[lhs.id] = wide
+    if renamed:
+        nests = []
+        for n in item.nests:
+            a = replace(n.assign, expr=_renamed(n.assign.expr, renamed))
+            if wide is not None and a.lhs is lhs:
+                a = replace(a, lhs=wide)
+            nests.append(replace(n, assign=a))
+        item = replace(item, nests=tuple(nests))
+    out.append(item)
+    if wide is not None:
+        out.append(copy_group(lhs, wide))
+
+
+def reused_narrow(nest: LoopNest) -> list[Tnode]:
+    """The 16-bit nodes a reduction reads (not its target) at least ``REUSE`` times per cell
+    on average: it reads their f32 copies."""
+    if not nest.red:
+        return []
+    points = math.prod(nest.space)
+    out: list[Tnode] = []
+    for get in reads(nest.assign.expr):
+        node = get.node
+        if (node.prec.is_narrow and node is not nest.assign.lhs
+                and points >= REUSE * node.size and node not in out):
+            out.append(node)
+    return out
+
+
+# --- products ---------------------------------------------------------------------------------
+
+# A product is shared out over threads from this many multiply-adds on, by blocks of this many
+# rows or columns (a multiple of the BLAS kernels' widths).
+GEMM_SPLIT_FLOPS = 1 << 18
+GEMM_BLOCK = 16
+
+
+def gemm_split(g: Gemm) -> tuple[str | None, int]:
+    """How a product is shared: by the first batch axis; else by blocks of its rows when it
+    has more rows than columns (each block then packs all of ``b`` again, the smaller
+    operand), else of its columns."""
+    work = g.rows * g.cols * g.inner * math.prod(axis.size for axis in g.batch)
+    if work < GEMM_SPLIT_FLOPS:
+        return None, 0
+    if g.batch:
+        return ("batch", g.batch[0].size) if g.batch[0].size > 1 else (None, 0)
+    along, size = ("rows", g.rows) if g.rows > g.cols else ("cols", g.cols)
+    blocks = -(-size // GEMM_BLOCK)
+    return (along, blocks) if blocks > 1 else (None, 0)
+
+
+def inline_fits(g: Gemm, compute: Precision, target: Target) -> bool:
+    """Whether ``g``'s products are small enough to compute inline, in registers: at most
+    ``Target.inline_product_work`` multiply-adds each, columns a whole number of vectors, a
+    transposed right operand small enough to pack on the stack."""
+    lanes = target.inline_vector_bytes // compute.itemsize
+    return (g.rows * g.cols * g.inner <= target.inline_product_work and g.cols % lanes == 0
+            and (not g.b.transposed or g.inner * g.cols <= target.inline_pack_cells))
+
+
+# --- threads and vectors ----------------------------------------------------------------------
+
+# A loop group shares its outermost loop out over threads from this many points (points
+# times nests) on: with the pool's workers spinning between jobs, an f32 exp over 4,096
+# points already ran faster on 2 threads; 16,384 leaves room for cheaper arithmetic and
+# sleeping workers (benchmarks/OBSTACLES.md).
+PARALLEL_POINTS = 1 << 14
+# A shared loop is cut into this many chunks per thread, which the threads claim in turn.
+CHUNKS_PER_THREAD = 4
+# A row walk with no other parallel iterator (a bias's gradient, a checksum's partial sums) is
+# shared over threads by blocks of this many cells of its row, when it has at least
+# ROW_BLOCKS_MIN of them (benchmarks/OBSTACLES.md).
+ROW_BLOCK, ROW_BLOCKS_MIN = 64, 4
+# A lone reduction of at least JAM_TERMS terms per cell runs JAM_WIDTH cells at once (or
+# half, or a quarter, whichever divides its last parallel iterator).
+JAM_WIDTH, JAM_TERMS = 8, 8
+# At most this many cells of a read are packed for the lanes (a stack array each).
+PACK_LANES = 1 << 12
+# The ops a jammed reduction's term may use to run as a vector of its cells.
+LANE_OPS = frozenset({"add", "sub", "mul", "max", "min", "relu"})
+
+
+def _threaded(item: Lowered, target: Target) -> Lowered:
+    if not isinstance(item, LoopGroup):
+        return item
+    split = group_split(item, target) if target.threads > 1 else None
+    width = jam(item)
+    packed: tuple[int, ...] | None = lanes(item.lead, width, target) if width else None
+    return replace(item, split=split, chunks=CHUNKS_PER_THREAD if split else 0, jam=width,
+                   lanes=packed is not None, packed=packed or ())
+
+
+def group_split(item: LoopGroup, target: Target) -> int | None:
+    """The extent of the outermost loop a loop group shares out over threads, or None.
+    Distinct iterations of it write distinct cells and read nothing another writes (the group
+    is pointwise, or a reduction over its inner iterators), so each thread computes its cells
+    as one would, bit for bit. A scatter's cells move with its reductions: it is shared only
+    by its first parallel iterator, where that is its target's first axis and the scatter
+    reads no other cell of its target, so each thread's points write a block of the target's
+    own (a max pool's gradient, batch point by batch point)."""
+    lead = item.lead
+    if math.prod(lead.space) * len(item.nests) < PARALLEL_POINTS:
+        return None
+    if lead.scatter:
+        a = lead.assign
+        if (not target.parallel_scatters or len(item.nests) > 1 or not lead.par
+                or a.lhs_idx[0] != lead.par[0]
+                or any(g.node.id == a.lhs.id for g in reads(a.expr))):
+            return None
+        extent = lead.space[lead.par[0]]
+        return extent if extent > 1 else None
+    if lead.walk_rows and len(lead.par) == 1:  # a lone row: shared by blocks of its cells
+        blocks = -(-lead.space[lead.par[0]] // ROW_BLOCK)
+        return blocks if blocks >= ROW_BLOCKS_MIN else None
+    outer = lead.par[:-1] if lead.walk_rows else lead.par
+    if not outer:
+        return None
+    extent = lead.space[outer[0]]
+    return extent if extent > 1 else None
+
+
+def jam(g: LoopGroup) -> int:
+    """How many cells of a lone reduction (not a row walk, a scatter or an overwrite) to
+    compute at once; 0: one at a time. Its last parallel iterator must not be its first (a
+    thread's range is of the first)."""
+    if len(g.nests) != 1:
+        return 0
+    nest = g.lead
+    if (nest.walk_rows or nest.scatter or not nest.red or len(nest.par) < 2
+            or nest.assign.accum not in ("+", "max")
+            or math.prod(nest.space[i] for i in nest.red) < JAM_TERMS):
+        return 0
+    extent = nest.space[nest.par[-1]]
+    for width in (JAM_WIDTH, JAM_WIDTH // 2, JAM_WIDTH // 4):
+        if width > 1 and extent % width == 0:
+            return width
+    return 0
+
+
+def read_stride(get: Get, it: int) -> int:
+    """How far apart in memory ``get`` reads for consecutive values of iterator ``it``."""
+    node = get.node
+    return sum(st for i, st, dim in zip(get.idx, node.strides, node.dims, strict=True)
+               if i == it and not isinstance(i, Affine) and dim > 1)
+
+
+def _in_lanes(e: Expr, compute: Precision, last: int, target: Target) -> bool:
+    """Whether a jammed reduction's term can be computed for its cells as one vector, lane by
+    lane (the scalar's operations, so the same bits): lane ops, reads of ``compute`` values
+    (16-bit ones where they widen in a few instructions: bf16's a shift, f16's one conversion
+    where the CPU has it), padding that does not move with ``last`` (the jammed iterator)."""
+    if not isinstance(e, Get | Apply):
+        return True
+    if isinstance(e, Apply):
+        return e.op in LANE_OPS and all(_in_lanes(x, compute, last, target) for x in e.args)
+    prec = e.node.prec
+    widens = prec is Precision.bf16 or (prec is Precision.f16 and target.hardware_f16)
+    stored = Precision.f32 if widens else prec
+    return (stored is compute and e.rounded is None
+            and not any(isinstance(i, Affine) and any(it == last and c for c, it in i.terms)
+                        for i in e.idx))
+
+
+def lanes(nest: LoopNest, width: int, target: Target) -> tuple[int, ...] | None:
+    """Whether the jammed reduction runs as a vector of its cells (``_in_lanes``): None if
+    not, else the reads (their positions in ``reads`` order) striding across the cells that
+    depend on nothing but the jammed iterator and the reduction's (a convolution's kernel,
+    channels apart), to be packed first into stack arrays so the loops over the other parallel
+    iterators load them as vectors. Another striding read is a vector made of its cells at
+    every term: worth it for a max or a min, not for a sum (benchmarks/OBSTACLES.md)."""
+    a = nest.assign
+    compute = a.lhs.prec.compute
+    last, red = nest.par[-1], list(nest.red)
+    if not _in_lanes(a.expr, compute, last, target):
+        return None
+    terms = math.prod(nest.space[i] for i in red)
+    packs, gathered = [], False
+    for k, get in enumerate(reads(a.expr)):
+        if read_stride(get, last) in (0, 1):
+            continue
+        moving = {i for i in get.idx if isinstance(i, int)} | {
+            it for i in get.idx if isinstance(i, Affine) for c, it in i.terms if c}
+        if moving <= {last, *red} and nest.space[last] * terms <= PACK_LANES:
+            packs.append(k)
+        else:
+            gathered = True
+    if gathered and a.accum not in ("max", "min"):
+        return None
+    return tuple(packs)
