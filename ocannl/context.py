@@ -286,6 +286,12 @@ class Context:
 
     @staticmethod
     def _refuse_local(node: Tnode) -> None:
+        if node.memory_mode is MemoryMode.virtual:
+            raise ValueError(
+                f"node {node.name} is virtual (a cast twin placed 'virtual', recomputed at "
+                f"every read, or a constant folded into the code): it has no buffer, and the "
+                f"host cannot read or write it; read its master, or build twins with "
+                f"placement='materialized' to read them")
         if node.memory_mode is _LOCAL:
             raise ValueError(
                 f"node {node.name} is local to the routines that compute it (a block's "
@@ -296,7 +302,7 @@ class Context:
 
     def _buffer(self, node: Tnode) -> Buffer:
         entry = self._buffers.get(node.id)
-        if entry is None or node.memory_mode is _LOCAL:
+        if entry is None or node.memory_mode is not MemoryMode.materialized:
             self._refuse_local(node)
             raise ValueError(
                 f"node {node.name} has no buffer in this {self.backend_name()} context")

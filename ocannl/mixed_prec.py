@@ -52,19 +52,20 @@ R = TypeVar("R")
 # --- master weights ---------------------------------------------------------------------------
 
 TWIN_PLACEMENTS = ("auto", "materialized", "virtual")
-"""Where a cast twin lives. ``auto``: the port decides: the twin is local to the routines
-computing it (the host cannot read it), and the CPU backend recomputes it at every read
-from its master instead of storing it; ``materialized``: a device buffer refreshed once per
-forward pass, readable from the host; ``virtual``: recomputed at every read site on every
-backend, which this port's lowering cannot promise yet."""
+"""Where a cast twin lives. ``auto``: lowering decides: the twin is local to the routines
+computing it (the host cannot read it), and recomputed from its master at every read (never
+stored) where nothing writes the master between its cast and a read of it, on every backend;
+``materialized``: a device buffer refreshed once per forward pass, readable from the host;
+``virtual``: always recomputed at every read, never stored: a routine where that cannot be
+(the master written between the cast and a read) is refused at compile, naming the twin."""
+
+_TWIN_MODES = {"auto": MemoryMode.local, "materialized": MemoryMode.materialized,
+               "virtual": MemoryMode.virtual}
 
 
 def _check_placement(placement: str) -> None:
     if placement not in TWIN_PLACEMENTS:
         raise ValueError(f"placement {placement!r}: expected one of {TWIN_PLACEMENTS}")
-    if placement == "virtual":
-        raise ValueError("placement 'virtual' (recompute the cast at every read) is not supported: "
-                         "this port's lowering does not inline nodes; use 'auto' or 'materialized'")
 
 
 def _link_twin(twin: Tensor, master: Tensor) -> None:
@@ -98,7 +99,7 @@ def cast_param(p: Tensor, *, prec: Precision | str, placement: str = "auto") -> 
         raise ValueError(f"cast_param: master {p.label} is {p.prec.value}; a master must be f32 "
                          f"or f64 (create the parameter at full precision)")
     node = Tnode(f"{p.label}_{prec.value}", p.value.dims_if_known, prec,
-                 memory_mode=MemoryMode.local if placement == "auto" else MemoryMode.materialized)
+                 memory_mode=_TWIN_MODES[placement])
     twin = Tensor(node, p.shape, kind="op", children=(p,))
     twin.master = p
     if p.shape.input is not None:

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 import ocannl.tensor as T
 from ocannl import Context, Failure, checkpoint, datasets, nn_blocks, optim, train
 from ocannl.ir.assignments import Get
+from ocannl.ir.lowered import nodes_of
 from ocannl.ir.tnode import MemoryMode
 from ocannl.mixed_prec import (
     GatedStep,
@@ -786,9 +787,8 @@ def test_twins_are_declared_tensor_fields_and_the_postprocess_is_context_local()
 
 def test_cast_param_and_with_master_weights_errors() -> None:
     p = T.param("p", output_dims=[2], input_dims=(2,))
-    for bad in ("virtual", "nowhere"):
-        with pytest.raises(ValueError, match="placement"):
-            cast_param(p, prec="f16", placement=bad)
+    with pytest.raises(ValueError, match="placement 'nowhere'"):
+        cast_param(p, prec="f16", placement="nowhere")
     with pytest.raises(ValueError, match="precision"):
         cast_param(p, prec="f8")
     narrow = T.param("narrow", output_dims=[2], input_dims=(2,), prec="f16")
@@ -867,10 +867,13 @@ def test_bf16_training_parity_with_torch_f32() -> None:
 @pytest.mark.parametrize("prec", ["f16", "bf16"])
 def test_auto_twins_are_recomputed_at_each_read_with_the_bits_of_stored_ones(prec, tmp_path,
                                                                             monkeypatch):
-    """Placed ``"auto"`` (the default), a twin is local: the host cannot read it, and the CPU
-    backend rounds its master at every read instead of storing it (``codegen._derived``).
-    Three SGD steps give the bits of twins stored once per forward pass."""
-    from ocannl.backends.cpu import codegen
+    """Placed ``"auto"`` (the default), a twin is local: the host cannot read it, and lowering
+    makes it virtual, every read rounding its master instead of reading a stored copy
+    (``schedule.virtual_twins``). Placed ``"virtual"``, the same, by request. Three SGD steps
+    give the bits of twins stored once per forward pass."""
+    from ocannl.ir.lowering import lower_items
+    from ocannl.ir.schedule import virtual_twins
+    from ocannl.ir.target import Target
     from ocannl.ir.tnode import MemoryMode
 
     monkeypatch.setenv("OCANNL_CACHE_DIR", str(tmp_path))
@@ -884,19 +887,42 @@ def test_auto_twins_are_recomputed_at_each_read_with_the_bits_of_stored_ones(pre
         loss = T.sum(T.cast(y, "f32") * T.cast(y, "f32"))
         ctx = train.init_params(Context.cpu(), loss)
         comp = train.grad_update(loss) + train.sgd_update(loss, learning_rate=0.01)
-        derived = codegen._derived(ctx.lower(comp))
+        derived = virtual_twins(lower_items(comp, Target()))
+        assert not derived.keys() & {n.id for n in nodes_of(ctx.lower(comp))}
         ctx, r = ctx.compile(comp)
         for _ in range(3):
             ctx.run(r)
         return [ctx.get_values(p).tobytes() for p in loss.params], ctx, layers[0][0], len(derived)
 
     auto, ctx, twin, derived = run("auto")
+    virtual, v_ctx, v_twin, v_derived = run("virtual")
     stored, ref_ctx, ref_twin, ref_derived = run("materialized")
     assert twin.value.memory_mode is MemoryMode.local
+    assert v_twin.value.memory_mode is MemoryMode.virtual
     assert ref_twin.value.memory_mode is MemoryMode.materialized and ref_derived == 0
-    assert derived == 4  # both layers' weights and biases
-    assert auto == stored
-    assert ctx.mem() < ref_ctx.mem()
+    assert derived == v_derived == 4  # both layers' weights and biases
+    assert auto == stored == virtual
+    assert ctx.mem() < ref_ctx.mem() and v_ctx.mem() == ctx.mem()
     with pytest.raises(ValueError, match=r"local .* placement='materialized'"):
         ctx.get_values(twin)
+    with pytest.raises(ValueError, match=r"virtual .* placement='materialized'"):
+        v_ctx.get_values(v_twin)
+    with pytest.raises(ValueError, match=r"virtual"):
+        v_ctx.set_values(v_twin, np.zeros(v_twin.dims))
     ref_ctx.get_values(ref_twin)  # a materialized twin reads
+
+
+def test_a_virtual_twin_that_cannot_be_recomputed_is_refused_by_name() -> None:
+    """A twin placed ``"virtual"`` whose master is written between its cast and a read of it
+    (two forward passes around an update, the cast computed twice) cannot be recomputed at
+    its reads: compiling it is refused, naming the twin, and the context is unchanged."""
+    x = T.term(np.ones((4, 3)), label="xv")
+    y, layers = with_master_weights(prec="f16", placement="virtual",
+                                    f=lambda: nn_blocks.mlp(x, (5,), 2, label="vt"))
+    loss = T.sum(T.cast(y, "f32"))
+    ctx = train.init_params(Context.cpu(), loss)
+    comp = train.forward(loss) + train.sgd_update(loss, learning_rate=0.1) + train.forward(loss)
+    before = (ctx.mem(), len(ctx.nodes()))
+    with pytest.raises(ValueError, match=r"vt_w\d_f16_\d+ is placed 'virtual'"):
+        ctx.compile(train.grad_update(loss) + comp)
+    assert (ctx.mem(), len(ctx.nodes())) == before

@@ -25,9 +25,12 @@ class Flavour:
 
     name: str  # key of the op templates: "py" or "c"
 
-    def __init__(self, nodes: list[Tnode]) -> None:
+    def __init__(self, nodes: list[Tnode], registers: dict[int, str] | None = None) -> None:
         # Buffers are named by position, so the same code over other nodes is the same source.
         self.names = {n.id: f"b{k}" for k, n in enumerate(nodes)}
+        # Nodes handed over in locals (``LoopGroup.registers``), by id: the local's name. It
+        # holds the value a load would give (a 16-bit node's rounded, then widened).
+        self.registers = registers or {}
 
     def buffer(self, node: Tnode) -> str:
         return self.names[node.id]
@@ -41,6 +44,8 @@ class Flavour:
         raise NotImplementedError
 
     def load(self, node: Tnode, offset: str) -> str:
+        if node.id in self.registers:
+            return self.registers[node.id]
         ref = f"{self.buffer(node)}[{offset}]"
         return f"{self.widen[node.prec]}({ref})" if node.prec.is_narrow else ref
 
@@ -50,6 +55,9 @@ class Flavour:
         return f"{self.widen[prec]}({self.narrow[prec]}({value}))"
 
     def store(self, node: Tnode, offset: str, value: str) -> str:
+        if node.id in self.registers:
+            held = self.rounded(value, node.prec) if node.prec.is_narrow else value
+            return f"{self.registers[node.id]} = {held}{self.end}"
         if node.prec.is_narrow:
             value = f"{self.narrow[node.prec]}({value})"
         return f"{self.buffer(node)}[{offset}] = {value}{self.end}"

@@ -509,7 +509,8 @@ def _pull_up(code: list[Lowered]) -> list[Lowered]:
     # ``schedule.virtual_twins``), which the moved item must not pass a write of.
     source = {n.assign.lhs.id: n.assign.expr.node.id for item in code
               if isinstance(item, LoopGroup) for n in item.nests
-              if isinstance(n.assign.expr, Get) and n.assign.lhs.memory_mode is MemoryMode.local}
+              if isinstance(n.assign.expr, Get)
+              and n.assign.lhs.memory_mode in (MemoryMode.local, MemoryMode.virtual)}
 
     def touched(item: Lowered) -> tuple[set[int], set[int]]:
         item_reads, item_writes = accesses(item)

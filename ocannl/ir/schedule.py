@@ -55,6 +55,11 @@ def schedule(code: list[Lowered], target: Target) -> list[Lowered]:
     virtual = virtual_twins(code)
     code = _with_copies(code, target, virtual)
     code = _substitute(code, virtual)
+    left = [n.name for n in nodes_of(code) if n.memory_mode is MemoryMode.virtual]
+    if left:
+        raise ValueError(f"{', '.join(left)}: placed 'virtual' (recomputed from its master at "
+                         f"every read), but this code reads it without computing it: compile "
+                         f"its cast with its readers, or place it 'auto' or 'materialized'")
     code = in_registers(code)
     return [_threaded(item, target) for item in code]
 

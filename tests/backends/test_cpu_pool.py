@@ -148,13 +148,14 @@ def test_a_shared_scatter_gives_one_threads_bits(monkeypatch, tmp_path, prec):
     import ocannl.tensor as T
     from ocannl import train
     from ocannl.backends.cpu import codegen
+    from ocannl.ir import schedule
     from ocannl.tensor.spatial import max_pool2d
 
     rng = np.random.default_rng(8)
     xv = rng.normal(size=(64, 8, 8, 8))
     xv[:, 0, 0, :] = xv[:, 0, 1, :]  # ties in windows
     cv = rng.normal(size=(64, 4, 4, 8))
-    split = codegen._split
+    split = schedule.group_split
     shared: list[bool] = []
 
     monkeypatch.setenv("OCANNL_CACHE_DIR", str(tmp_path))
@@ -163,9 +164,9 @@ def test_a_shared_scatter_gives_one_threads_bits(monkeypatch, tmp_path, prec):
     def run(threads: int) -> bytes:
         monkeypatch.setattr(jit, "threads", lambda: threads)
         monkeypatch.setattr(codegen, "_VERSION", f"{version}-scatter-{threads}")  # compiled here
-        monkeypatch.setattr(codegen, "_split", lambda item: (
-            shared.append(item.lead.scatter and split(item) is not None)
-            if isinstance(item, codegen.LoopGroup) else None) or split(item))
+        monkeypatch.setattr(schedule, "group_split", lambda item, target: (
+            shared.append(item.lead.scatter and split(item, target) is not None)
+            or split(item, target)))
         x = T.param("px", batch_dims=(64,), output_dims=(8, 8, 8), input_dims=(), prec=prec)
         c = T.term(cv.astype(np.float32), label="pc", batch_dims=(64,), output_dims=(4, 4, 8))
         loss = T.sum(T.cast(max_pool2d(x), "f32") * c)

@@ -3,12 +3,13 @@ reduction loops, for every layout of the operands, accumulating or not, batched 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
 from ocannl import Context
-from ocannl.backends.cpu import codegen, jit, small_product
-from ocannl.backends.cpu.scalar import F32, F64
+from ocannl.backends.cpu import jit
 from ocannl.ir import lowering
 from ocannl.ir.assignments import Accum, Comp, Get, apply
 from ocannl.ir.lowering import Gemm, lower
@@ -65,14 +66,13 @@ def test_small_products_are_bitwise_the_loops(monkeypatch, prec):
     comp, inputs, outputs = _products(prec)
     code = lower(comp, Target(im2col=False))
     gemms = [item for item in code if isinstance(item, Gemm)]
-    compute = F64 if prec is Precision.f64 else F32
-    assert len(gemms) == 6 and all(small_product.fits(g, compute) for g in gemms)
-    if prec.is_narrow and jit.hardware_f16():
-        r = codegen.RoutineIR(list(inputs), jit.target(), {}, {})
-        for g in gemms:
-            assert [n for n, _ in r.gemm_copies(g, inline=True)] == [g.a.node] + (
-                [] if g.assign.reset else [g.assign.lhs])
-            assert [n for n, _ in r.gemm_copies(g, inline=False)][:2] == [g.a.node, g.b.node]
+    assert len(gemms) == 6 and all(g.kernel == "inline" for g in gemms)
+    if prec.is_narrow:  # the right operand as stored, the left and the target in f32 copies
+        assert all(g.b.node.prec is prec and g.a.node.prec is Precision.f32
+                   and g.assign.lhs.prec is Precision.f32 for g in gemms)
+        blas = lower(comp, Target(im2col=False, inline_product_work=0))
+        assert all(g.kernel == "blas" and g.b.node.prec is Precision.f32
+                   for g in blas if isinstance(g, Gemm))
     assert {(g.a.transposed, g.b.transposed) for g in gemms} >= {
         (False, False), (True, False), (False, True), (True, True)}
     inline = _run(comp, inputs, outputs)
@@ -81,7 +81,8 @@ def test_small_products_are_bitwise_the_loops(monkeypatch, prec):
     assert _run(comp, inputs, outputs) == inline
     # and near BLAS's (another order of the same sums)
     monkeypatch.undo()
-    monkeypatch.setattr(small_product, "SMALL_WORK", 0)
+    every_product_in_blas = replace(jit.target(), inline_product_work=0)
+    monkeypatch.setattr(jit, "target", lambda: every_product_in_blas)
     blas = _run(comp, inputs, outputs)
     tol = {Precision.f64: 1e-12, Precision.f32: 1e-5, Precision.bf16: 2e-2,
            Precision.f16: 3e-3}[prec]
@@ -100,7 +101,7 @@ def test_batched_small_products_shared_over_threads_give_the_same_bits(monkeypat
                        apply("mul", Get(q, (0, 2, 1, 4)), Get(kk, (0, 3, 1, 4))),
                        (n_batch, heads, ctx_len, ctx_len, d), reset=True),))
     [g] = lower(comp, Target(im2col=False))
-    assert isinstance(g, Gemm) and g.b.transposed and small_product.fits(g, F32)
+    assert isinstance(g, Gemm) and g.b.transposed and g.kernel == "inline"
     rng = np.random.default_rng(3)
     inputs = {q: rng.normal(size=q.dims), kk: rng.normal(size=kk.dims)}
     runs = []

@@ -93,7 +93,7 @@ def test_without_cublas_gemms_run_as_kernels(monkeypatch: pytest.MonkeyPatch) ->
         warnings.simplefilter("always")
         ctx = C.training_parity(Context.cuda, "bf16", dims=(2, 64, 64, 2), batch=64, steps=2)
     assert sum("cuBLAS is not loadable" in str(w.message) for w in seen) == 1
-    assert not ctx._backend.has_gemm
+    assert not ctx._backend.target.gemm
     ctx, routine = ctx.compile(M.build("bf16", dims=(2, 64, 64, 2), batch=64).comps["step"])
     assert not any(isinstance(s, GemmCall) for s in routine.compiled.plan.steps)
 

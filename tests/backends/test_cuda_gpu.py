@@ -100,7 +100,7 @@ def test_gemms_match_the_f64_reference() -> None:
 
 def test_f64_gemms() -> None:
     ctx = C.f64_gemms(Context.cuda)
-    assert ctx._backend.has_gemm, "cuBLAS is not loadable: the GEMMs ran as kernels"
+    assert ctx._backend.target.gemm, "cuBLAS is not loadable: the GEMMs ran as kernels"
 
 
 def test_gemms_with_one_row_or_one_column() -> None:

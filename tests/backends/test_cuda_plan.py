@@ -126,25 +126,33 @@ def test_kernel_launch_shapes_are_sane() -> None:
                     assert k.block == cc.BLOCK and f"sh[{cc.BLOCK // cc.WARP}]" in k.source
 
 
-def test_narrow_gemm_converts_around_cublas() -> None:
+def test_narrow_gemm_copies_are_lowerings_nests_around_cublas() -> None:
+    """A 16-bit operand or target of a product reaches cuBLAS through f32 nodes that lowering
+    made, copied and rounded by its own nests (map kernels): the plan converts nothing."""
     comp, (c, z, w) = cuda_cases.gemm_cases()
     steps = _plan(comp).steps
     kinds = [s.kind if isinstance(s, cc.Kernel) else "gemm" for s in steps]
-    # c (f16) += a (f16) @ bt.T (bf16): widen both operands and c, GEMM with beta 1, narrow.
-    assert kinds[:5] == ["convert", "convert", "convert", "gemm", "convert"]
+    # c (f16) += a (f16) @ bt.T (bf16): copy both operands and c to f32, GEMM with beta 1,
+    # round back into c.
+    assert kinds[:5] == ["map", "map", "map", "gemm", "map"]
     g = steps[3]
-    assert g.beta == 1.0 and g.gemm.b.transposed and None not in (g.a_slot, g.b_slot, g.out_slot)
+    assert g.beta == 1.0 and g.gemm.b.transposed
+    assert {g.gemm.a.node.prec, g.gemm.b.node.prec, g.gemm.assign.lhs.prec} == {Precision.f32}
+    assert steps[4].nodes[0] is c
     # z (f32) += x.T @ y: straight into z's buffer.
-    assert kinds[5] == "gemm" and steps[5].out_slot is None and steps[5].gemm.a.transposed
-    # w (bf16) = a @ y, reset: no widening of w first, beta 0.
-    assert kinds[6:] == ["convert", "gemm", "convert"] and steps[7].beta == 0.0
+    assert kinds[5] == "gemm" and steps[5].gemm.assign.lhs is z and steps[5].gemm.a.transposed
+    # w (bf16) = a @ y, reset: the f32 copy of a is current (nothing wrote a); no copy of w
+    # first, beta 0, then w rounded from the f32 result.
+    assert kinds[6:] == ["gemm", "map"] and steps[6].beta == 0.0 and steps[7].nodes[0] is w
+    assert not any(isinstance(s, cc.Kernel) and s.kind == "convert" for s in steps)
 
 
 def test_without_cublas_gemms_are_loop_nests() -> None:
     comp, _ = cuda_cases.gemm_cases()
     plan = _plan(comp, use_cublas=False)
     assert not any(isinstance(s, cc.GemmCall) for s in plan.steps)
-    assert {k.kind for k in plan.kernels} <= {"reduce", "serial", "partial", "final", "fill"}
+    assert {k.kind for k in plan.kernels} <= {"reduce", "serial", "partial", "final", "fill",
+                                               "map"}
 
 
 def test_sources_do_not_depend_on_labels_or_node_ids() -> None:

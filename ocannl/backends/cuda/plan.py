@@ -100,8 +100,9 @@ class CudaFlavour(Flavour):
     narrow = _NARROW
     end = ";"
 
-    def __init__(self, nodes: list[Tnode], compute: Precision = Precision.f32) -> None:
-        super().__init__(nodes)
+    def __init__(self, nodes: list[Tnode], compute: Precision = Precision.f32,
+                 registers: dict[int, str] | None = None) -> None:
+        super().__init__(nodes, registers)
         self.compute = compute
 
     def literal(self, value: float, compute: Precision) -> str:
@@ -313,16 +314,23 @@ class _Planner:
         # A scatter moves its target cell within a thread's reduction loop: serial, never split.
         strategy = "serial" if lead.scatter else nest_strategy(lead.par_size, lead.red_size,
                                                                 a.accum, bool(red))
-        nodes = list({n.id: n for m in group.nests for n in m.assign.nodes}.values())
+        # Nodes handed over in registers (lowering's choice) are locals of the point's loop
+        # body, with no buffer.
+        held = {n.id: n for m in group.nests for n in m.assign.nodes if n.id in group.registers}
+        regs = {i: f"r{k}" for k, i in enumerate(held)}
+        nodes = list({n.id: n for m in group.nests for n in m.assign.nodes
+                      if n.id not in held}.values())
         names = {i: f"i{i}" for i in range(len(a.space))}
-        bodies = [nest_body(m, CudaFlavour(nodes, m.assign.lhs.prec.compute), names)
+        bodies = [nest_body(m, CudaFlavour(nodes, m.assign.lhs.prec.compute, regs), names)
                   for m in group.nests]
         if strategy == "reduce":
             (body,) = bodies
             self.reduce(a, nodes, CudaFlavour(nodes, a.lhs.prec.compute), names, par, red, body)
             return
         if len(bodies) > 1:  # each fused body in its own scope: their locals share names
-            body = NestBody([], [x for b in bodies for x in ["{", *_indent(b.inner, 1), "}"]], [])
+            declared = [f"{_CTYPE[n.prec.compute]} {regs[i]};" for i, n in held.items()]
+            body = NestBody([], declared + [x for b in bodies
+                                            for x in ["{", *_indent(b.inner, 1), "}"]], [])
         else:
             (body,) = bodies
         ity = _index_type(math.prod(a.space), *(n.size for n in nodes))
