@@ -297,7 +297,7 @@ def _product(g: Gemm, target: Target, copies: _Copies, direct: set[int], out: li
     (its readers in the next item read it rounded) or nothing."""
     lhs = g.assign.lhs
     compute = lhs.prec.compute
-    along, extent = gemm_split(g) if target.products_shared and target.threads > 1 else (None, 0)
+    along, extent = gemm_split(g, target.product_parts) if target.products_shared else (None, 0)
     kernel = "inline" if along not in ("rows", "cols") and inline_fits(g, compute, target) \
         else "blas"
 
@@ -394,18 +394,21 @@ GEMM_SPLIT_FLOPS = 1 << 18
 GEMM_BLOCK = 16
 
 
-def gemm_split(g: Gemm) -> tuple[str | None, int]:
-    """How a product is shared: by the first batch axis; else by blocks of its rows when it
-    has more rows than columns (each block then packs all of ``b`` again, the smaller
-    operand), else of its columns."""
+def gemm_split(g: Gemm, parts: int) -> tuple[str | None, int]:
+    """How a product is shared, and into how many parts, each a library call of its own: by
+    the first batch axis, a call per batch point; else into ``parts`` parts of whole blocks of
+    ``GEMM_BLOCK`` rows when it has more rows than columns (each part then packs all of ``b``
+    again, the smaller operand), else of its columns. The parts depend on the shape and the
+    target (``Target.product_parts``), not on how many threads run them: the same calls,
+    hence the same bits, on one thread or many."""
     work = g.rows * g.cols * g.inner * math.prod(axis.size for axis in g.batch)
     if work < GEMM_SPLIT_FLOPS:
         return None, 0
     if g.batch:
         return ("batch", g.batch[0].size) if g.batch[0].size > 1 else (None, 0)
     along, size = ("rows", g.rows) if g.rows > g.cols else ("cols", g.cols)
-    blocks = -(-size // GEMM_BLOCK)
-    return (along, blocks) if blocks > 1 else (None, 0)
+    count = min(parts, -(-size // GEMM_BLOCK))
+    return (along, count) if count > 1 else (None, 0)
 
 
 def inline_fits(g: Gemm, compute: Precision, target: Target) -> bool:

@@ -28,8 +28,10 @@ class Target:
     right operand packed when it has at most ``inline_pack_cells`` cells.
 
     Threads: ``threads`` share a large loop's outermost loop; ``products_shared``, products are
-    shared over them too, by blocks, each block a single-threaded library call;
-    ``parallel_scatters``, a scatter may be shared by its first axis.
+    shared over them too, each large one cut into ``product_parts`` parts (whole blocks of
+    rows or columns, by shape: the same parts whatever the thread count), each part a
+    single-threaded library call; ``parallel_scatters``, a scatter may be shared by its first
+    axis.
 
     Arithmetic and code: ``hardware_f16``, f16 converts with the CPU's instructions (F16C)
     rather than integer code, which also lets 16-bit reads widen in vectors; ``workers``, how
@@ -48,6 +50,7 @@ class Target:
     inline_pack_cells: int = 1 << 14
     threads: int = 1
     products_shared: bool = False
+    product_parts: int = 1
     parallel_scatters: bool = True
     hardware_f16: bool = True
     workers: int = 1

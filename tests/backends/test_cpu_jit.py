@@ -16,7 +16,9 @@ from hypothesis import strategies as st
 import ocannl.tensor as T
 from ocannl import Context, train
 from ocannl.backends.cpu import jit
+from ocannl.ir.ops import Precision
 from ocannl.ir.target import PRODUCTS
+from ocannl.ir.tnode import MemoryMode
 
 
 @pytest.mark.parametrize("name", ["OCANNL_THREADS", "OCANNL_COMPILE_WORKERS"])
@@ -143,31 +145,43 @@ def _bf16_mlp_grads(seed: int, label: str, shape: tuple[int, int], hidden: tuple
     return [ctx.get_values(p.grad).tobytes() for p in loss.params], r.compiled
 
 
-def test_shared_scratch_gives_the_bits_of_separate_scratch(monkeypatch):
-    """A bf16 step with many products (their f32 copies and outputs in scratch) computes the
-    same bits whether scratch arrays share memory or not."""
+def test_a_shared_arena_gives_the_bits_of_separate_memory(monkeypatch):
+    """A bf16 step with many products (their f32 copies and results: local nodes of
+    lowering's own) computes the same bits whether its local nodes share arena memory or
+    not, and sharing takes less memory."""
+    from ocannl import context
     from ocannl.backends import arena
-    from ocannl.backends.cpu import backend
 
-    def run() -> list[bytes]:
-        bits, compiled = _bf16_mlp_grads(7, "scr", (64, 48), (96, 96), 10)
-        scratch.extend(compiled.scratch)
-        return bits
+    def run() -> tuple[list[bytes], int]:
+        before = len(arenas)
+        bits, _ = _bf16_mlp_grads(7, "scr", (64, 48), (96, 96), 10)
+        return bits, sum(arenas[before:])
 
-    scratch: list = []
-    shared = run()
-    arenas = {id(a.base): a.base.nbytes for a in backend.scratch_arrays(scratch)}
-    assert sum(arenas.values()) < sum(s * 4 for s, *_ in scratch)  # some scratch shared memory
-    monkeypatch.setattr(backend, "views", lambda spans, alloc, itemsize, shared=True: arena.views(
+    arenas: list[int] = []
+    views = arena.views
+
+    def counted(spans, alloc, itemsize, shared=True):  # noqa: ANN001, ANN202
+        out = views(spans, alloc, itemsize, shared)
+        arenas.append(sum({id(v.base): v.base.nbytes for v in out if v.base is not None}
+                          .values()))
+        return out
+
+    monkeypatch.setattr(context, "views", counted)
+    shared, shared_bytes = run()
+    monkeypatch.setattr(context, "views", lambda spans, alloc, itemsize, shared=True: counted(
         spans, alloc, itemsize, shared=False))
-    assert run() == shared
+    separate, separate_bytes = run()
+    assert separate == shared
+    assert 0 < shared_bytes < separate_bytes
 
 
 def test_a_large_copy_is_made_again_by_a_later_reader_with_the_same_bits(monkeypatch, tmp_path):
     """A bf16 weight of 2^18 cells is widened again for backprop instead of holding its f32
-    copy from the forward pass on (``codegen.FRESH_COPY``); the gradients keep their bits."""
+    copy from the forward pass on (``schedule.FRESH_COPY``); the gradients keep their bits."""
     from ocannl import mixed_prec, nn_blocks
     from ocannl.backends.cpu import codegen
+    from ocannl.ir import schedule
+    from ocannl.ir.lowered import stored_nodes
 
     def run(version: str) -> tuple[list[bytes], int, int]:
         monkeypatch.setattr(codegen, "_VERSION", version)  # no cached routine of the other
@@ -180,17 +194,15 @@ def test_a_large_copy_is_made_again_by_a_later_reader_with_the_same_bits(monkeyp
             prec="bf16", f=lambda: nn_blocks.mlp(x, (512, 512), 8, label="fresh"))
         loss = T.sum(T.cast(y, "f32") * T.cast(y, "f32"))
         ctx = train.init_params(Context.cpu(), loss)
-        ctx, r = ctx.compile(train.grad_update(loss))
+        comp = train.grad_update(loss)
+        big = sum(1 for n in stored_nodes(ctx.lower(comp)) if n.size == 512 * 512
+                  and n.prec is Precision.f32 and n.memory_mode is MemoryMode.local)
+        ctx, r = ctx.compile(comp)
         ctx.run(r)
-        big = sum(1 for size, *_ in r.compiled.scratch if size == 512 * 512)
-        arena = sum({id(a.base): a.base.nbytes for a in
-                     backend.scratch_arrays(r.compiled.scratch)}.values())
-        return [ctx.get_values(p.grad).tobytes() for p in loss.params], big, arena
-
-    from ocannl.backends.cpu import backend
+        return [ctx.get_values(p.grad).tobytes() for p in loss.params], big, ctx._local_bytes
 
     fresh, fresh_copies, fresh_arena = run(codegen._VERSION + "-fresh")
-    monkeypatch.setattr(codegen, "FRESH_COPY", 1 << 40)
+    monkeypatch.setattr(schedule, "FRESH_COPY", 1 << 40)
     kept, kept_copies, kept_arena = run(codegen._VERSION + "-kept")
     assert fresh_copies == kept_copies + 1  # the second layer's weight: two copies, not one
     assert fresh == kept
@@ -199,17 +211,21 @@ def test_a_large_copy_is_made_again_by_a_later_reader_with_the_same_bits(monkeyp
 
 def test_16_bit_products_read_by_the_next_item_are_never_stored(monkeypatch, tmp_path):
     """A bf16 layer's product and a cast twin's gradient (local GEMM targets the next item
-    reads pointwise) are read from the GEMM's f32 result, rounded as a store rounds: they
-    take no arena memory, and the step keeps its bits."""
+    reads pointwise) are virtual: the next item reads the product's f32 result, rounded as a
+    store rounds (``schedule.forwarded``). They take no arena memory, and the step keeps its
+    bits."""
     from ocannl import mixed_prec, nn_blocks
-    from ocannl.backends.cpu import codegen
+    from ocannl.backends.cpu import codegen, jit
+    from ocannl.ir import schedule
+    from ocannl.ir.lowering import lower_items, nodes_of
 
     monkeypatch.setenv("OCANNL_CACHE_DIR", str(tmp_path))
+    forwarded = schedule.forwarded
 
     def run(forward: bool) -> tuple[list[bytes], set[str], int]:
         monkeypatch.setattr(codegen, "_VERSION", codegen._VERSION + f"-{forward}")
         if not forward:
-            monkeypatch.setattr(codegen, "_forwarded", lambda code: {})
+            monkeypatch.setattr(schedule, "forwarded", lambda code: set())
         T.set_seed(6)
         x = T.term(np.random.default_rng(6).normal(size=(24, 40)).astype(np.float32),
                    label="xw", batch_dims=(24,), output_dims=(40,), prec="bf16")
@@ -218,17 +234,17 @@ def test_16_bit_products_read_by_the_next_item_are_never_stored(monkeypatch, tmp
         loss = T.sum(T.cast(y, "f32") * T.cast(y, "f32"))
         ctx = train.init_params(Context.cpu(), loss)
         comp = train.grad_update(loss) + train.sgd_update(loss, learning_rate=0.1)
-        code = ctx.lower(comp)
-        names = {n.id: n.label for item in code for n in lowering_nodes([item])}
-        held = {names[i] for i in codegen._forwarded(code)}
+        items = lower_items(comp, jit.target())
+        names = {n.id: n.label for n in nodes_of(items)}
+        held = {names[i] for i in schedule.forwarded(items)}
+        assert not held & {n.label for n in nodes_of(ctx.lower(comp))}
         ctx, r = ctx.compile(comp)
         ctx.run(r)
         monkeypatch.undo()
         monkeypatch.setenv("OCANNL_CACHE_DIR", str(tmp_path))
         return [ctx.get_values(p).tobytes() for p in loss.params], held, ctx._local_bytes
 
-    from ocannl.ir.lowering import nodes_of as lowering_nodes
-
+    assert schedule.forwarded is forwarded
     bits, held, arena = run(True)
     assert {"grad_fw_w0_bf16", "grad_fw_w1_bf16"} <= held, held
     ref_bits, ref_held, ref_arena = run(False)
@@ -294,8 +310,8 @@ def _run_guarded(comp, values: dict) -> dict:  # noqa: ANN001
     nodes = nodes_of(code)
     compiled, _ = CpuBackend().compile("guarded", code, nodes)
     pad, padded = 32, {}
-    for n in nodes:
-        bits = np.asarray(values[n.label], n.prec.numpy_dtype).reshape(-1)
+    for n in nodes:  # lowering's own nodes (f32 copies) are written before they are read
+        bits = np.asarray(values.get(n.label, np.zeros(n.dims)), n.prec.numpy_dtype).reshape(-1)
         if n.prec.is_narrow:
             bits = bits.view(np.uint16)
         a = np.full(n.size + 2 * pad, 0x7777, bits.dtype)
@@ -365,18 +381,20 @@ def test_items_with_the_same_code_are_compiled_once(monkeypatch, tmp_path):
             ctx.set_values(p, rng.normal(size=p.value.dims) * 0.1)
         comp = train.grad_update(loss) + train.sgd_update(loss, learning_rate=0.01)
         code = ctx.lower(comp)
-        (text,), scratch, _ = emit_ir(code, ctx_nodes(code))
+        (text,), _, _ = emit_ir(code, ctx_nodes(code))
+        copies = [n for n in ctx_nodes(code) if n.memory_mode is MemoryMode.local
+                  and n.prec is Precision.f32 and n.label.endswith("_f32")]
         defined = len(re.findall(r'define internal void @"item\d+"\(', text))
         ctx, r = ctx.compile(comp)
         for _ in range(2):
             ctx.run(r)
         return ([ctx.get_values(p).tobytes() for p in loss.params], defined, len(text),
-                len(scratch))
+                len(copies))
 
     from ocannl.ir.lowering import nodes_of as ctx_nodes
 
-    bits, defined, size, scratch = run("-same")
-    assert scratch >= 4  # the layers' products read f32 copies of bf16 operands
+    bits, defined, size, copies = run("-same")
+    assert copies >= 4  # the layers' products read f32 copies of bf16 operands
     monkeypatch.setattr(codegen.RoutineIR, "_same_item", lambda self, fn: fn)
     ref_bits, ref_defined, ref_size, _ = run("-apart")
     assert bits == ref_bits
@@ -437,45 +455,6 @@ def test_random_16_bit_nests_write_their_cells_and_nothing_else(case):
     n = math.prod(dims[i] for i in red)
     bound = 2.0 ** -7 * (np.abs(want) + n * (1.5 + np.abs(values["x"]).max()))
     np.testing.assert_array_less(np.abs(out - want), bound + 1e-3)
-
-
-def test_scratch_tables_are_bound_once_and_kept_with_the_machine_code(monkeypatch, tmp_path):
-    """An item call using scratch arrays is given its own block of the routine's table,
-    filled with their addresses when the routine is bound. The blocks are kept in the cache
-    file beside the machine code: a routine loaded from disk computes the same bits, and a
-    file without them (another version's), naming an array the routine lacks, or with any
-    block or scratch size changed (the digest covers them) is compiled again and replaced."""
-    import json
-
-    from ocannl.backends.cpu.backend import CpuBackend
-
-    monkeypatch.setenv("OCANNL_CACHE_DIR", str(tmp_path))
-
-    def run() -> tuple[list[bytes], object]:
-        monkeypatch.setattr(jit, "_state", {**jit._state, "loaded": {}})
-        monkeypatch.setattr(CpuBackend, "_compiled", {})
-        return _bf16_mlp_grads(5, "tab", (32, 40), (48, 48), 8)
-
-    bits, compiled = run()
-    assert not compiled.loaded_from_disk
-    # the products' f32 copies and outputs: several calls, some arrays in more than one
-    assert len(compiled.tables) > len(set(compiled.tables)) >= 4
-    assert set(compiled.tables) <= set(range(len(compiled.scratch)))
-    (path,) = (tmp_path / "llvm").glob("*.objects")
-    whole = path.read_bytes()
-    head, _, body = whole.partition(b"\n")
-    assert json.loads(head)["tables"] == compiled.tables
-    again, loaded = run()
-    assert loaded.loaded_from_disk and again == bits and loaded.tables == compiled.tables
-    header = json.loads(head)
-    for bad in ({k: v for k, v in header.items() if k != "tables"},
-                {**header, "tables": [*header["tables"][:-1], len(header["scratch"])]},
-                {**header, "tables": header["tables"][:-1]},
-                {**header, "scratch": [[n // 2, *rest] for n, *rest in header["scratch"]]}):
-        path.write_bytes(json.dumps(bad).encode() + b"\n" + body)
-        redone, fresh = run()
-        assert not fresh.loaded_from_disk and redone == bits
-        assert path.read_bytes() == whole
 
 
 @pytest.mark.skipif(not jit._features_dict().get("avx512f"),

@@ -773,7 +773,11 @@ class RoutineIR:
             def call(offsets: tuple[ir.Value, ir.Value, ir.Value]) -> None:
                 small_product.emit(self, g, compute, a, bm, out, offsets)
         else:
-            call, first = self._blas_call(g, compute, a, bm, out, along)
+            call, part = self._blas_call(g, compute, a, bm, out, along)
+            if self.range and along in ("rows", "cols"):  # this range's parts, a call each
+                with self.loop(*self.range) as p:
+                    call(part(p))
+                return
 
         def over(axes: tuple, offsets: tuple[ir.Value, ir.Value, ir.Value]) -> None:
             """A product per point of the batch axes, each at its offsets in the nodes."""
@@ -792,9 +796,12 @@ class RoutineIR:
     def _blas_call(self, g: Gemm, compute: ir.Type, a: ir.Value, bm: ir.Value, out: ir.Value,
                    along: str | None
                    ) -> tuple[Callable[[tuple[ir.Value, ir.Value, ir.Value]], None],
-                              tuple[ir.Value, ir.Value, ir.Value]]:
+                              Callable[[ir.Value], tuple[ir.Value, ir.Value, ir.Value]]]:
         """A BLAS call of ``g`` at given offsets (out, a, b), column-major: ``out^T = b^T
-        a^T``; and the first offsets, this range's blocks' when ``along`` is rows or columns."""
+        a^T``; and, when ``along`` is rows or columns, the offsets of a part of the product
+        (its size set for the call). The parts are fixed by the product's shape, whatever the
+        thread count: a BLAS picks its kernels by a call's size, so other cuts could give other
+        bits."""
         m, n, k = g.rows, g.cols, g.inner
         # b is k x n: stored n x k when transposed; a is m x k: stored k x m when transposed.
         op_b, op_a = ("T" if g.b.transposed else "N"), ("T" if g.a.transposed else "N")
@@ -808,19 +815,6 @@ class RoutineIR:
 
         char = ir.IntType(8)
         rows, cols = by_ref(const_int(m, self.blas_int)), by_ref(const_int(n, self.blas_int))
-        first = (const_int(0), const_int(0), const_int(0))
-        if self.range and along in ("rows", "cols"):  # this range's blocks of the product
-            lo, hi = (b.mul(v, const_int(GEMM_BLOCK)) for v in self.range)
-            hi = b.select(b.icmp_unsigned("<", hi, const_int(m if along == "rows" else n)), hi,
-                          const_int(m if along == "rows" else n))
-            count = b.sub(hi, lo)
-            b.store(b.trunc(count, self.blas_int) if self.blas_int != I64 else count,
-                    rows if along == "rows" else cols)
-            if along == "rows":
-                first = (b.mul(lo, const_int(g.out_ld)),
-                         lo if g.a.transposed else b.mul(lo, const_int(g.a.ld)), const_int(0))
-            else:
-                first = (lo, const_int(0), b.mul(lo, const_int(g.b.ld)) if g.b.transposed else lo)
         fixed = [by_ref(ir.Constant(char, ord(op_b))), by_ref(ir.Constant(char, ord(op_a))),
                  cols, rows, by_ref(const_int(k, self.blas_int)),
                  by_ref(ir.Constant(compute, 1.0))]
@@ -835,7 +829,23 @@ class RoutineIR:
             b.call(gemm, [*fixed, b.gep(bm, [o_b]), ld_b, b.gep(a, [o_a]), ld_a, beta_ref,
                           b.gep(out, [o_out]), ld_out])
 
-        return call, first
+        def part(p: ir.Value) -> tuple[ir.Value, ir.Value, ir.Value]:
+            """Part ``p`` of the product's ``split_extent`` parts (``along`` its rows or
+            columns, whole blocks of ``GEMM_BLOCK`` each): its size stored, its offsets."""
+            size = m if along == "rows" else n
+            blocks, parts = const_int(-(-size // GEMM_BLOCK)), const_int(g.split_extent)
+            lo, hi = (b.mul(b.udiv(b.mul(q, blocks), parts), const_int(GEMM_BLOCK))
+                      for q in (p, b.add(p, const_int(1))))
+            hi = b.select(b.icmp_unsigned("<", hi, const_int(size)), hi, const_int(size))
+            count = b.sub(hi, lo)
+            b.store(b.trunc(count, self.blas_int) if self.blas_int != I64 else count,
+                    rows if along == "rows" else cols)
+            if along == "rows":
+                return (b.mul(lo, const_int(g.out_ld)),
+                        lo if g.a.transposed else b.mul(lo, const_int(g.a.ld)), const_int(0))
+            return lo, const_int(0), b.mul(lo, const_int(g.b.ld)) if g.b.transposed else lo
+
+        return call, part
 
     def _gemm_function(self, compute: ir.Type) -> ir.Function:
         key = ("gemm", compute)

@@ -86,9 +86,12 @@ def target() -> Target:
     else:
         resize(count - 1)  # type: ignore[operator]
     chosen = blas.chosen()
+    # Products are cut into as many parts as this process has cores (at most 8), whatever
+    # OCANNL_THREADS says: a thread count changes which thread runs a part, not the parts.
     return Target(name="cpu", hardware_f16=hardware_f16(), workers=workers(), avx=has_avx(),
                   blas_int=chosen.int_bits, threads=count,
-                  products_shared=count > 1 and chosen.threads is not None)
+                  products_shared=resize is not None and chosen.threads is not None,
+                  product_parts=max(1, min(8, _cores())))
 
 
 def _env_count(name: str) -> int | None:
