@@ -34,7 +34,6 @@ from ocannl.backends.cpu.scalar import (
     I16,
     I32,
     I64,
-    IR_OPS,
     const_int,
     convert,
     f16_to_f32_hw,
@@ -59,7 +58,7 @@ from ocannl.ir.lowering import (
     copy_source,
     nodes_of,
 )
-from ocannl.ir.ops import ACCUMS, Precision
+from ocannl.ir.ops import ACCUMS, OPS, Precision
 from ocannl.ir.tnode import MemoryMode, Tnode
 
 _VOID_P = ir.IntType(8).as_pointer()
@@ -466,9 +465,8 @@ class RoutineIR:
             return e.node.prec is prec and e.node.id not in self.redirect
         assert isinstance(e, Apply)
         units = [(isinstance(a, Const) and a.value in (0.0, 1.0, -1.0))
-                 or (isinstance(a, Apply) and ops_module.flag(a.op)) for a in e.args]
-        return ops_module.representable(
-            e.op, [self.representable(a, prec) for a in e.args], units)
+                 or (isinstance(a, Apply) and OPS[a.op].flag) for a in e.args]
+        return OPS[e.op].representable([self.representable(a, prec) for a in e.args], units)
 
     def expr(self, e: Expr, compute: ir.Type, space: tuple[int, ...],
              iters: dict[int, ir.Value]) -> ir.Value:
@@ -478,10 +476,10 @@ class RoutineIR:
             return self.load(e.node, e.idx, space, iters, compute)
         assert isinstance(e, Apply)
         args = [self.expr(a, compute, space, iters) for a in e.args]
-        return IR_OPS[e.op](self, compute, *args)
+        return OPS[e.op].llvm(self, compute, *args)
 
     def combine(self, accum: str, old: ir.Value, new: ir.Value, compute: ir.Type) -> ir.Value:
-        return IR_OPS["add" if accum == "+" else accum](self, compute, old, new)
+        return OPS["add" if accum == "+" else accum].llvm(self, compute, old, new)
 
     # --- lowered items -----------------------------------------------------------------------
 
@@ -791,7 +789,7 @@ class RoutineIR:
         if isinstance(e, Const):
             return True
         if isinstance(e, Apply):
-            return e.op in LANE_OPS and all(self._in_lanes(x, compute, last) for x in e.args)
+            return OPS[e.op].lanes and all(self._in_lanes(x, compute, last) for x in e.args)
         assert isinstance(e, Get)
         node = e.node
         if node.id in self.redirect:  # an f32 copy stands in for it
@@ -886,7 +884,7 @@ class RoutineIR:
             return ir.Constant(vec, e.value)
         if isinstance(e, Apply):
             args = [self._lanes_expr(x, compute, width, last, space, iters) for x in e.args]
-            return IR_OPS[e.op](self, compute, *args)
+            return OPS[e.op].llvm(self, compute, *args)
         assert isinstance(e, Get)
         b, node = self.b, e.node
         if id(e) in self.packed:  # the block's cells side by side for each term
@@ -1422,8 +1420,6 @@ ROW_BLOCK, ROW_BLOCKS_MIN = 64, 4
 # A lone reduction of at least JAM_TERMS terms per cell runs JAM_WIDTH cells at once (or
 # half, or a quarter, whichever divides its last parallel iterator).
 JAM_WIDTH, JAM_TERMS = 8, 8
-# The ops a jammed reduction's term may use to run as a vector of its cells (``_in_lanes``).
-LANE_OPS = frozenset({"add", "sub", "mul", "max", "min", "relu"})
 # At most this many cells of a read are packed for the lanes (a stack array each).
 PACK_LANES = 1 << 12
 
