@@ -348,6 +348,11 @@ def _where_grad(x: Sequence[Expr], v: Expr, g: Expr) -> tuple[None, Expr, Expr]:
     return None, apply("where", x[0], g, zero), apply("where", x[0], zero, g)
 
 
+def _erf(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x)
+    return np.vectorize(math.erf, otypes=[np.float64])(x.astype(np.float64)).astype(x.dtype)
+
+
 def _as(x: np.ndarray, flag: np.ndarray) -> np.ndarray:
     return flag.astype(x.dtype)
 
@@ -414,7 +419,7 @@ OPS: dict[str, Op] = {
         Op("min", 2, "(({0} <= {1} || {0} != {0}) ? {0} : {1})", scalar.extremum("<="),
            np.minimum, _extremum_grad("lt"), lanes=True, selects=(0, 1)),
         Op("abs", 1, "fabs({0})", scalar.call("llvm.fabs"), np.abs, _abs_grad, selects=(0,)),
-        Op("erf", 1, "erf({0})", scalar.erf, lambda a: _erf(a), _erf_grad, ulps=1),
+        Op("erf", 1, "erf({0})", scalar.erf, _erf, _erf_grad, ulps=1),
         # integer hashing for counter-based random draws: see the comment above ``HASH_BITS``
         Op("hash_add", 2, _HASH_ROWS["hash_add"], _hash_add_ir,
            lambda s, v: _hash_np("hash_add", s, v).astype(s.dtype)),
@@ -434,8 +439,3 @@ def reference(op: str, *args: np.ndarray) -> np.ndarray:
     """NumPy semantics of an op (its row's ``ref``), for tests of the generated code."""
     with np.errstate(all="ignore"):
         return OPS[op].ref(*args)
-
-
-def _erf(x: np.ndarray) -> np.ndarray:
-    x = np.asarray(x)
-    return np.vectorize(math.erf, otypes=[np.float64])(x.astype(np.float64)).astype(x.dtype)

@@ -44,6 +44,7 @@ def unify(b: ir.IRBuilder, *vs: ir.Value) -> list[ir.Value]:
 
 
 def binary(name: str) -> Callable:
+    """The builder of an arithmetic op: the IR builder's instruction ``name`` (``fadd``, ...)."""
     def op(r: Emitter, compute: ir.Type, x: ir.Value, y: ir.Value) -> ir.Value:
         x, y = unify(r.b, x, y)
         return getattr(r.b, name)(x, y)
@@ -51,6 +52,7 @@ def binary(name: str) -> Callable:
 
 
 def compare(cmp: str, ordered: bool = True) -> Callable:
+    """The builder of a comparison: 1 or 0 of the compute type (``ordered``: false at NaN)."""
     def op(r: Emitter, compute: ir.Type, x: ir.Value, y: ir.Value) -> ir.Value:
         x, y = unify(r.b, x, y)
         test = (r.b.fcmp_ordered if ordered else r.b.fcmp_unordered)(cmp, x, y)
@@ -69,6 +71,7 @@ def extremum(cmp: str) -> Callable:
 
 
 def call(name: str) -> Callable:
+    """The builder of a unary op that calls ``name`` (an intrinsic or libm) at its type."""
     def op(r: Emitter, compute: ir.Type, x: ir.Value) -> ir.Value:
         return r.b.call(r.function(name, x.type), [x])
     return op
