@@ -9,11 +9,17 @@ assignments of the same form into gradient nodes.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 
-from ocannl.ir.ops import ACCUMS, OPS, Precision
+from ocannl.ir.expr import Apply, Const, Expr, Get, reads
+from ocannl.ir.ops import ACCUMS, apply
 from ocannl.ir.tnode import Tnode
+
+# The expressions (``expr.py``) and their checked constructor (``ops.apply``), re-exported:
+# the IR's users import them from here.
+__all__ = ["ACCUMS", "Accum", "Affine", "Apply", "Comp", "Const", "Expr", "Fixed", "Get",
+           "Index", "Projection", "apply", "iterators_of", "reads"]
 
 
 @dataclass(frozen=True)
@@ -58,55 +64,6 @@ def iterators_of(idx: Projection) -> set[int]:
         elif isinstance(i, int):
             out.add(i)
     return out
-
-
-@dataclass(frozen=True, eq=False)
-class Get:
-    """Read ``node`` at the projection ``idx`` of the current product-space point; ``rounded``:
-    the value rounded to that (16-bit) precision as a store into a node of it would round it,
-    then widened back: a read of a virtual node through its source (``ocannl.ir.schedule``)."""
-
-    node: Tnode
-    idx: Projection
-    rounded: Precision | None = None
-
-
-@dataclass(frozen=True)
-class Const:
-    """A literal folded into the code."""
-
-    value: float
-
-
-@dataclass(frozen=True, eq=False)
-class Apply:
-    """An op from the op table applied to sub-expressions."""
-
-    op: str
-    args: tuple[Expr, ...]
-
-    def __post_init__(self) -> None:
-        if self.op not in OPS:
-            raise ValueError(f"unknown op {self.op!r}: expected one of {sorted(OPS)}")
-        if OPS[self.op].arity != len(self.args):
-            raise ValueError(
-                f"op {self.op} takes {OPS[self.op].arity} operands, got {len(self.args)}")
-
-
-Expr = Get | Const | Apply
-
-
-def apply(op: str, *args: Expr) -> Apply:
-    return Apply(op, tuple(args))
-
-
-def reads(expr: Expr) -> Iterator[Get]:
-    """Every buffer read in an expression."""
-    if isinstance(expr, Get):
-        yield expr
-    elif isinstance(expr, Apply):
-        for a in expr.args:
-            yield from reads(a)
 
 
 @dataclass(frozen=True, eq=False)

@@ -1,21 +1,42 @@
-"""Precisions and the op table: the scalar meaning of every op, once, for every backend.
+"""Precisions and the op table: every op as one row, for every backend and for autodiff.
 
-Each op carries its arity and its C template (``c``, for the CUDA kernels): ``{0}``, ``{1}``,
-``{2}`` stand for the already-rendered operands, ``{zero}`` and ``{one}`` for literals of the
-computation's precision (so f32 code stays f32). The CPU backend builds the same meaning as
-LLVM IR (``backends/cpu/scalar.py``, one entry per op, checked against :func:`reference`).
-Both are written so that NaN and infinities propagate the way PyTorch's ops do (``relu(nan)``
-is ``nan``), which the non-finite gradient checks rely on.
+A row (:class:`Op`) holds all an op is: its arity; its C template (``c``, for the CUDA
+kernels: ``{0}``, ``{1}``, ``{2}`` stand for the already-rendered operands, ``{zero}`` and
+``{one}`` for literals of the computation's precision, so f32 code stays f32); its LLVM IR
+builder (``llvm``, the CPU backend's); its NumPy reference (``ref``, the oracle of the tests);
+its gradient rule (``grad``, what the DSL's pointwise builder writes the backprop from);
+whether vectors run it lane by lane with the scalar's bits (``lanes``); what makes its result
+representable in a precision (``selects``, ``flag``, ``scales``); and how far its builder may
+be from its reference (``ulps``, measured by ``tests/ir/test_ops.py``). A new op is a new row
+(and its tests). Both the template and the builder are written so that NaN and infinities
+propagate the way PyTorch's ops do (``relu(nan)`` is ``nan``), which the non-finite gradient
+checks rely on.
+
+Layering, from the bottom: ``expr.py`` (the expression classes; imports nothing of the IR at
+run time) <- this module (its gradient rules build expressions; :func:`apply` checks an
+application against the table) <- ``tnode.py`` and ``assignments.py`` (which re-exports the
+expressions and :func:`apply`). The LLVM builders are made of the pieces in
+``ocannl.backends.cpu.scalar`` (the f32 polynomials, C's conversions), which imports nothing of
+ocannl: importing this module loads ``llvmlite.ir`` (pure Python: no LLVM is initialized) and
+nothing of the backends beyond that module.
 """
 
 from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import ml_dtypes
 import numpy as np
+from llvmlite import ir
+
+from ocannl.backends.cpu import scalar
+from ocannl.ir.expr import Apply, Const, Expr
+
+Emitter = Any  # the CPU backend's emitter, ``codegen.RoutineIR`` (see ``scalar.py``)
 
 # Host dtypes and promotion ranks, by precision name.
 _HOST_DTYPES = {"f64": np.float64, "f32": np.float32, "f16": np.float16,
@@ -84,19 +105,6 @@ def promote(*precs: Precision) -> Precision:
     if top.is_narrow and any(p is not top for p in precs):
         return Precision.f32
     return top
-
-
-@dataclass(frozen=True)
-class Op:
-    """A scalar operation: its arity and how C spells it."""
-
-    name: str
-    arity: int
-    c: str
-
-
-def _op(name: str, arity: int, c: str) -> Op:
-    return Op(name, arity, c)
 
 
 # --- counter-based random numbers: integer hashing as op-table rows --------------------------
@@ -174,42 +182,251 @@ def uniform_reference(seed: np.ndarray | float, counter: np.ndarray | float,
     return _hash_np("hash_unit", h)
 
 
+# The gradient of an op: ``grad(operands, result, g)``, given the operands' expressions, the
+# result's and the incoming gradient's, is each operand's contribution (None: none, e.g. a
+# condition or a constant exponent).
+GradRule = Callable[[Sequence[Expr], Expr, Expr], tuple["Expr | None", ...]]
+
+
+@dataclass(frozen=True)
+class Op:
+    """A scalar operation: everything about it, in one place (see the module docstring)."""
+
+    name: str
+    arity: int
+    c: str  # the C template
+    llvm: Callable[..., ir.Value]  # (emitter, compute type, *operands) -> value
+    ref: Callable[..., np.ndarray]  # (*operands) -> NumPy result, of the operands' dtype
+    # None: the result is not differentiable (a 0 / 1 flag, a hash)
+    grad: GradRule | None = None
+    lanes: bool = False  # a vector of operands gives the vector of the scalar results
+    # The operands the result is one of, up to sign, or else a zero (``where``: its second or
+    # third; ``relu``: its operand or 0): with those representable in a precision, so is the
+    # result, and a 16-bit store of it needs no rounding.
+    selects: tuple[int, ...] | None = None
+    flag: bool = False  # the result is always 0 or 1
+    # A product: with one operand a unit (0 or +-1) the result is +-0, NaN or +-the other.
+    scales: bool = False
+    # The most the builder's result is from the reference's, in ulps of the computation's
+    # precision (f32 or f64); 0: the same bits (any NaN for a NaN).
+    ulps: int = 0
+
+    def representable(self, args: Sequence[bool], units: Sequence[bool]) -> bool:
+        """Whether the result is exactly representable in a precision, given which operands
+        are (``args``) and which are always 0 or +-1 (``units``: a flag, or such a
+        constant)."""
+        if self.flag:
+            return True
+        if self.selects is not None:
+            return all(args[k] for k in self.selects)
+        if self.scales:
+            return any(units[k] and args[1 - k] for k in (0, 1))
+        return False
+
+
+def apply(op: str, *args: Expr) -> Apply:
+    """``op`` applied to sub-expressions: the one way to build an :class:`Apply`, checked
+    against the table."""
+    row = OPS.get(op)
+    if row is None:
+        raise ValueError(f"unknown op {op!r}: expected one of {sorted(OPS)}")
+    if row.arity != len(args):
+        raise ValueError(f"op {op} takes {row.arity} operands, got {len(args)}")
+    return Apply(op, tuple(args))
+
+
+# --- LLVM builders of single ops (the shared pieces are in backends/cpu/scalar.py) -----------
+
+
+def _pow_ir(r: Emitter, compute: ir.Type, x: ir.Value, y: ir.Value) -> ir.Value:
+    x, y = scalar.unify(r.b, x, y)
+    fn = r.functions.setdefault(("llvm.pow", x.type),
+                                r.module.declare_intrinsic("llvm.pow", [x.type]))
+    return r.b.call(fn, [x, y])
+
+
+def _relu_ir(r: Emitter, compute: ir.Type, x: ir.Value) -> ir.Value:
+    zero = ir.Constant(x.type, 0.0)
+    return r.b.select(r.b.fcmp_ordered("<", x, zero), zero, x)
+
+
+def _sigmoid_ir(r: Emitter, compute: ir.Type, x: ir.Value) -> ir.Value:
+    b = r.b
+    one = ir.Constant(x.type, 1.0)
+    e = scalar.exp(r, compute, b.fneg(x))
+    return b.fdiv(one, b.fadd(one, e))
+
+
+def _isfinite_ir(r: Emitter, compute: ir.Type, x: ir.Value) -> ir.Value:
+    b = r.b
+    magnitude = b.call(r.function("llvm.fabs", x.type), [x])
+    finite = b.fcmp_ordered("!=", magnitude, ir.Constant(x.type, math.inf))
+    return b.select(finite, ir.Constant(compute, 1.0), ir.Constant(compute, 0.0))
+
+
+def _where_ir(r: Emitter, compute: ir.Type, c: ir.Value, x: ir.Value, y: ir.Value) -> ir.Value:
+    b = r.b
+    x, y = scalar.unify(b, x, y)
+    return b.select(b.fcmp_unordered("!=", c, ir.Constant(c.type, 0.0)), x, y)
+
+
+# Integer hashing: operands are read as integers, modulo 2**52.
+_MASK = (1 << HASH_BITS) - 1
+
+
+def _u_ir(b: ir.IRBuilder, x: ir.Value) -> ir.Value:
+    """``x`` truncated to an unsigned integer; 0 for a negative, non-finite or >= 2**53 one."""
+    ok = b.and_(b.fcmp_ordered(">=", x, ir.Constant(x.type, 0.0)),
+                b.fcmp_ordered("<", x, ir.Constant(x.type, 9007199254740992.0)))
+    return b.select(ok, b.fptoui(x, scalar.I64), scalar.const_int(0))
+
+
+def _hash_add_ir(r: Emitter, compute: ir.Type, s: ir.Value, v: ir.Value) -> ir.Value:
+    b, k = r.b, scalar.const_int
+    step = b.mul(b.add(_u_ir(b, v), k(1)), k(HASH_G))
+    return b.uitofp(b.and_(b.add(_u_ir(b, s), step), k(_MASK)), compute)
+
+
+def _hash_xsm_ir(r: Emitter, compute: ir.Type, x: ir.Value, shift: ir.Value,
+                 mult: ir.Value) -> ir.Value:
+    b, k = r.b, scalar.const_int
+    ux = _u_ir(b, x)
+    mixed = b.xor(ux, b.lshr(ux, b.and_(_u_ir(b, shift), k(63))))
+    return b.uitofp(b.and_(b.mul(mixed, _u_ir(b, mult)), k(_MASK)), compute)
+
+
+def _hash_unit_ir(r: Emitter, compute: ir.Type, x: ir.Value) -> ir.Value:
+    b = r.b
+    top = b.uitofp(b.lshr(_u_ir(b, x), scalar.const_int(HASH_BITS - 24)), compute)
+    return b.fdiv(top, ir.Constant(compute, 16777216.0))
+
+
+# --- gradient rules: d(op)/d(operand k) * g, as expressions of the operands ``x``, the
+# result ``v`` and the incoming gradient ``g`` ------------------------------------------------
+
+
+def _div_grad(x: Sequence[Expr], v: Expr, g: Expr) -> tuple[Expr, Expr]:
+    a, b = x
+    return apply("div", g, b), apply("neg", apply("div", apply("mul", g, a), apply("mul", b, b)))
+
+
+def _pow_grad(x: Sequence[Expr], v: Expr, g: Expr) -> tuple[Expr, None]:
+    """A constant exponent ``c`` (what the DSL's ``pow_const`` builds): ``c * a^(c-1)``."""
+    a, c = x
+    if not isinstance(c, Const):
+        raise ValueError(f"pow: backprop needs a constant exponent, got {c!r}")
+    d = apply("mul", g, apply("mul", Const(c.value), apply("pow", a, Const(c.value - 1.0))))
+    return d, None
+
+
+def _extremum_grad(pick_first: str) -> GradRule:
+    """Gradients of a pointwise maximum / minimum: to the operand chosen, halved on ties
+    (as torch's)."""
+    def grad(x: Sequence[Expr], v: Expr, g: Expr) -> tuple[Expr, Expr]:
+        zero, half = Const(0.0), Const(0.5)
+        a, b = x
+        tie = apply("where", apply("eq", a, b), apply("mul", g, half), zero)
+        return (apply("where", apply(pick_first, a, b), g, tie),
+                apply("where", apply(pick_first, b, a), g, tie))
+    return grad
+
+
+def _abs_grad(x: Sequence[Expr], v: Expr, g: Expr) -> tuple[Expr]:
+    """``sign(a)``, 0 at 0 (as torch's)."""
+    sign = apply("sub", apply("gt", x[0], Const(0.0)), apply("lt", x[0], Const(0.0)))
+    return (apply("mul", g, sign),)
+
+
+def _erf_grad(x: Sequence[Expr], v: Expr, g: Expr) -> tuple[Expr]:
+    e = apply("exp", apply("neg", apply("mul", x[0], x[0])))
+    return (apply("mul", g, apply("mul", Const(2.0 / math.sqrt(math.pi)), e)),)
+
+
+def _where_grad(x: Sequence[Expr], v: Expr, g: Expr) -> tuple[None, Expr, Expr]:
+    """To the branch taken; the condition gets none."""
+    zero = Const(0.0)
+    return None, apply("where", x[0], g, zero), apply("where", x[0], zero, g)
+
+
+def _erf(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x)
+    return np.vectorize(math.erf, otypes=[np.float64])(x.astype(np.float64)).astype(x.dtype)
+
+
+def _as(x: np.ndarray, flag: np.ndarray) -> np.ndarray:
+    return flag.astype(x.dtype)
+
+
+# ``ulps``, measured (f32: every 97th f32 bit pattern, 44 million; f64: 8 million random
+# patterns and normals): f32 exp, tanh and erf are this backend's polynomials, log and sqrt
+# libm's, and the references NumPy's own f32 functions, which are not correctly rounded
+# either; f64 tanh is libm's against NumPy's.
 OPS: dict[str, Op] = {
     op.name: op
     for op in [
         # binary
-        _op("add", 2, "({0} + {1})"),
-        _op("sub", 2, "({0} - {1})"),
-        _op("mul", 2, "({0} * {1})"),
-        _op("div", 2, "({0} / {1})"),
-        _op("pow", 2, "pow({0}, {1})"),
-        _op("max", 2, "(({0} >= {1} || {0} != {0}) ? {0} : {1})"),
-        _op("eq", 2, "(({0} == {1}) ? {one} : {zero})"),
-        _op("gt", 2, "(({0} > {1}) ? {one} : {zero})"),
+        Op("add", 2, "({0} + {1})", scalar.binary("fadd"), lambda a, b: a + b,
+           lambda x, v, g: (g, g), lanes=True),
+        Op("sub", 2, "({0} - {1})", scalar.binary("fsub"), lambda a, b: a - b,
+           lambda x, v, g: (g, apply("neg", g)), lanes=True),
+        Op("mul", 2, "({0} * {1})", scalar.binary("fmul"), lambda a, b: a * b,
+           lambda x, v, g: (apply("mul", g, x[1]), apply("mul", g, x[0])), lanes=True,
+           scales=True),
+        Op("div", 2, "({0} / {1})", scalar.binary("fdiv"), lambda a, b: a / b, _div_grad),
+        Op("pow", 2, "pow({0}, {1})", _pow_ir, lambda a, b: a ** b, _pow_grad),
+        Op("max", 2, "(({0} >= {1} || {0} != {0}) ? {0} : {1})", scalar.extremum(">="),
+           np.maximum, _extremum_grad("gt"), lanes=True, selects=(0, 1)),
+        Op("eq", 2, "(({0} == {1}) ? {one} : {zero})", scalar.compare("=="),
+           lambda a, b: _as(a, a == b), flag=True),
+        Op("gt", 2, "(({0} > {1}) ? {one} : {zero})", scalar.compare(">"),
+           lambda a, b: _as(a, a > b), flag=True),
         # unary
-        _op("neg", 1, "(-{0})"),
-        _op("relu", 1, "(({0} < {zero}) ? {zero} : {0})"),
-        _op("exp", 1, "exp({0})"),
-        _op("log", 1, "log({0})"),
-        _op("tanh", 1, "tanh({0})"),
-        _op("sigmoid", 1, "({one} / ({one} + exp(-{0})))"),
-        _op("sqrt", 1, "sqrt({0})"),
-        _op("isfinite", 1, "(isfinite({0}) ? {one} : {zero})"),
+        Op("neg", 1, "(-{0})", lambda r, compute, x: r.b.fneg(x), lambda a: -a,
+           lambda x, v, g: (apply("neg", g),), selects=(0,)),
+        # relu's gradient where the result is positive, as torch's: the input is then not kept
+        Op("relu", 1, "(({0} < {zero}) ? {zero} : {0})", _relu_ir,
+           lambda a: np.where(a < 0, np.zeros_like(a), a),
+           lambda x, v, g: (apply("mul", g, apply("gt", v, Const(0.0))),), lanes=True,
+           selects=(0,)),
+        Op("exp", 1, "exp({0})", scalar.exp, np.exp, lambda x, v, g: (apply("mul", g, v),),
+           ulps=2),
+        Op("log", 1, "log({0})", scalar.call("llvm.log"), np.log,
+           lambda x, v, g: (apply("div", g, x[0]),), ulps=3),
+        Op("tanh", 1, "tanh({0})", scalar.tanh, np.tanh,
+           lambda x, v, g: (apply("mul", g, apply("sub", Const(1.0), apply("mul", v, v))),),
+           ulps=3),
+        Op("sigmoid", 1, "({one} / ({one} + exp(-{0})))", _sigmoid_ir,
+           lambda a: 1 / (1 + np.exp(-a)),
+           lambda x, v, g: (apply("mul", g, apply("mul", v, apply("sub", Const(1.0), v))),),
+           ulps=4),
+        Op("sqrt", 1, "sqrt({0})", scalar.call("llvm.sqrt"), np.sqrt,
+           lambda x, v, g: (apply("div", apply("mul", g, Const(0.5)), v),)),
+        Op("isfinite", 1, "(isfinite({0}) ? {one} : {zero})", _isfinite_ir,
+           lambda a: _as(a, np.isfinite(a)), flag=True),
         # ternary: where(cond != 0, a, b); a select, never a multiply (inf * 0 is nan)
-        _op("where", 3, "(({0} != {zero}) ? {1} : {2})"),
+        Op("where", 3, "(({0} != {zero}) ? {1} : {2})", _where_ir,
+           lambda c, a, b: np.where(c != 0, a, b), _where_grad, selects=(1, 2)),
         # comparisons beyond eq / gt: 0 or 1 (false against NaN, but ne)
-        _op("lt", 2, "(({0} < {1}) ? {one} : {zero})"),
-        _op("le", 2, "(({0} <= {1}) ? {one} : {zero})"),
-        _op("ge", 2, "(({0} >= {1}) ? {one} : {zero})"),
-        _op("ne", 2, "(({0} != {1}) ? {one} : {zero})"),
+        Op("lt", 2, "(({0} < {1}) ? {one} : {zero})", scalar.compare("<"),
+           lambda a, b: _as(a, a < b), flag=True),
+        Op("le", 2, "(({0} <= {1}) ? {one} : {zero})", scalar.compare("<="),
+           lambda a, b: _as(a, a <= b), flag=True),
+        Op("ge", 2, "(({0} >= {1}) ? {one} : {zero})", scalar.compare(">="),
+           lambda a, b: _as(a, a >= b), flag=True),
+        Op("ne", 2, "(({0} != {1}) ? {one} : {zero})", scalar.compare("!=", ordered=False),
+           lambda a, b: _as(a, a != b), flag=True),
         # minimum mirrors max: a NaN on either side propagates (torch.minimum)
-        _op("min", 2, "(({0} <= {1} || {0} != {0}) ? {0} : {1})"),
-        _op("abs", 1, "fabs({0})"),
-        _op("erf", 1, "erf({0})"),
+        Op("min", 2, "(({0} <= {1} || {0} != {0}) ? {0} : {1})", scalar.extremum("<="),
+           np.minimum, _extremum_grad("lt"), lanes=True, selects=(0, 1)),
+        Op("abs", 1, "fabs({0})", scalar.call("llvm.fabs"), np.abs, _abs_grad, selects=(0,)),
+        Op("erf", 1, "erf({0})", scalar.erf, _erf, _erf_grad, ulps=1),
         # integer hashing for counter-based random draws: see the comment above ``HASH_BITS``
-        _op("hash_add", 2, _HASH_ROWS["hash_add"]),
-        _op("hash_xsm", 3, _HASH_ROWS["hash_xsm"]),
-        _op("hash_unit", 1, _HASH_ROWS["hash_unit"]),
+        Op("hash_add", 2, _HASH_ROWS["hash_add"], _hash_add_ir,
+           lambda s, v: _hash_np("hash_add", s, v).astype(s.dtype)),
+        Op("hash_xsm", 3, _HASH_ROWS["hash_xsm"], _hash_xsm_ir,
+           lambda x, s, m: _hash_np("hash_xsm", x, s, m).astype(x.dtype)),
+        Op("hash_unit", 1, _HASH_ROWS["hash_unit"], _hash_unit_ir,
+           lambda x: _hash_np("hash_unit", x).astype(x.dtype)),
     ]
 }
 
@@ -218,68 +435,7 @@ OPS: dict[str, Op] = {
 ACCUMS: dict[str, float | None] = {"=": None, "+": 0.0, "max": -np.inf}
 
 
-# Ops whose result is one of their operands up to sign (``where``: its second or third), so
-# a result of operands representable in a precision is representable too, and a 0 / 1 flag
-# always is. Storing such a result in a 16-bit node needs no rounding (``representable``).
-_SELECTING = {"max": (0, 1), "min": (0, 1), "neg": (0,), "abs": (0,), "relu": (0,),
-              "where": (1, 2)}
-_FLAGS = frozenset({"eq", "gt", "lt", "le", "ge", "ne", "isfinite"})
-
-
-def flag(op: str) -> bool:
-    """Whether ``op``'s result is always 0 or 1 (a comparison, ``isfinite``)."""
-    return op in _FLAGS
-
-
-def representable(op: str, args: list[bool], units: list[bool]) -> bool:
-    """Whether ``op``'s result is exactly representable in a precision, given which of its
-    operands are (``args``) and which are always 0 or +-1 (``units``: a flag, or such a
-    constant). A product with such a unit is +-0, NaN or +-the other operand."""
-    if op in _FLAGS:
-        return True
-    if op in _SELECTING:
-        return all(args[k] for k in _SELECTING[op])
-    if op == "mul":
-        return any(units[k] and args[1 - k] for k in (0, 1))
-    return False
-
-
 def reference(op: str, *args: np.ndarray) -> np.ndarray:
-    """NumPy semantics of an op, for tests of the generated code."""
-    a = args
+    """NumPy semantics of an op (its row's ``ref``), for tests of the generated code."""
     with np.errstate(all="ignore"):
-        table = {
-            "add": lambda: a[0] + a[1],
-            "sub": lambda: a[0] - a[1],
-            "mul": lambda: a[0] * a[1],
-            "div": lambda: a[0] / a[1],
-            "pow": lambda: a[0] ** a[1],
-            "max": lambda: np.maximum(a[0], a[1]),
-            "eq": lambda: (a[0] == a[1]).astype(a[0].dtype),
-            "gt": lambda: (a[0] > a[1]).astype(a[0].dtype),
-            "neg": lambda: -a[0],
-            "relu": lambda: np.where(a[0] < 0, np.zeros_like(a[0]), a[0]),
-            "exp": lambda: np.exp(a[0]),
-            "log": lambda: np.log(a[0]),
-            "tanh": lambda: np.tanh(a[0]),
-            "sigmoid": lambda: 1 / (1 + np.exp(-a[0])),
-            "sqrt": lambda: np.sqrt(a[0]),
-            "isfinite": lambda: np.isfinite(a[0]).astype(a[0].dtype),
-            "where": lambda: np.where(a[0] != 0, a[1], a[2]),
-            "lt": lambda: (a[0] < a[1]).astype(a[0].dtype),
-            "le": lambda: (a[0] <= a[1]).astype(a[0].dtype),
-            "ge": lambda: (a[0] >= a[1]).astype(a[0].dtype),
-            "ne": lambda: (a[0] != a[1]).astype(a[0].dtype),
-            "min": lambda: np.minimum(a[0], a[1]),
-            "abs": lambda: np.abs(a[0]),
-            "erf": lambda: _erf(a[0]),
-            "hash_add": lambda: _hash_np("hash_add", *a).astype(a[0].dtype),
-            "hash_xsm": lambda: _hash_np("hash_xsm", *a).astype(a[0].dtype),
-            "hash_unit": lambda: _hash_np("hash_unit", *a).astype(a[0].dtype),
-        }
-        return table[op]()
-
-
-def _erf(x: np.ndarray) -> np.ndarray:
-    x = np.asarray(x)
-    return np.vectorize(math.erf, otypes=[np.float64])(x.astype(np.float64)).astype(x.dtype)
+        return OPS[op].ref(*args)

@@ -45,7 +45,7 @@ from ocannl.ir.lowered import (
     loop_nest,
     nodes_of,
 )
-from ocannl.ir.ops import Precision
+from ocannl.ir.ops import OPS, Precision
 from ocannl.ir.target import Target
 from ocannl.ir.tnode import MemoryMode, Tnode
 
@@ -438,8 +438,6 @@ ROW_BLOCK, ROW_BLOCKS_MIN = 64, 4
 JAM_WIDTH, JAM_TERMS = 8, 8
 # At most this many cells of a read are packed for the lanes (a stack array each).
 PACK_LANES = 1 << 12
-# The ops a jammed reduction's term may use to run as a vector of its cells.
-LANE_OPS = frozenset({"add", "sub", "mul", "max", "min", "relu"})
 
 
 def _threaded(item: Lowered, target: Target) -> Lowered:
@@ -508,13 +506,14 @@ def read_stride(get: Get, it: int) -> int:
 
 def _in_lanes(e: Expr, compute: Precision, last: int, target: Target) -> bool:
     """Whether a jammed reduction's term can be computed for its cells as one vector, lane by
-    lane (the scalar's operations, so the same bits): lane ops, reads of ``compute`` values
+    lane (the scalar's operations, so the same bits): ops whose row says they run in lanes
+    (``Op.lanes``), reads of ``compute`` values
     (16-bit ones where they widen in a few instructions: bf16's a shift, f16's one conversion
     where the CPU has it), padding that does not move with ``last`` (the jammed iterator)."""
     if not isinstance(e, Get | Apply):
         return True
     if isinstance(e, Apply):
-        return e.op in LANE_OPS and all(_in_lanes(x, compute, last, target) for x in e.args)
+        return OPS[e.op].lanes and all(_in_lanes(x, compute, last, target) for x in e.args)
     prec = e.node.prec
     widens = prec is Precision.bf16 or (prec is Precision.f16 and target.hardware_f16)
     stored = Precision.f32 if widens else prec

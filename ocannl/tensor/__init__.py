@@ -1,17 +1,43 @@
-"""The tensor DSL: build models as graphs of tensors; their code is generated from it."""
+"""The tensor DSL: build models as graphs of tensors; their code is generated from it.
 
-from ocannl.tensor.einsum import einsum
-from ocannl.tensor.operations import (
+By concept: ``leaves`` (``param``, ``term``, ``number``), ``pointwise`` (arithmetic, the
+activations, comparisons, ``where``, ``gelu``, and ``cast``: the identity stored at another
+precision), ``reductions`` (``sum``, ``max``, ``mean``, ``min``, ``reduce``, and ``matmul``: a
+contraction is a sum of products), ``normalisations`` (``softmax``, ``log_softmax``,
+``standardize``), ``data`` (class ids, ``one_hot``, ``embedding``, ``Rng`` draws and
+``dropout``, ``buffers``), ``einsum``, ``spatial`` (convolution, pooling); ``shape`` and
+``tensor`` underneath. Every op builds its forward assignments and, when differentiable, its
+backprop assignments, each next to the other.
+"""
+
+from ocannl.tensor.data import (
     ClassIds,
     Rng,
-    abs,
-    add,
     buffers,
-    cast,
     class_ids,
-    div,
     dropout,
     embedding,
+    one_hot,
+    register_buffers,
+    set_class_ids,
+    uniform_expr,
+)
+from ocannl.tensor.einsum import einsum
+from ocannl.tensor.leaves import (
+    number,
+    param,
+    term,
+)
+from ocannl.tensor.normalisations import (
+    log_softmax,
+    softmax,
+    standardize,
+)
+from ocannl.tensor.pointwise import (
+    abs,
+    add,
+    cast,
+    div,
     eq,
     erf,
     exp,
@@ -20,35 +46,27 @@ from ocannl.tensor.operations import (
     gt,
     le,
     log,
-    log_softmax,
     lt,
-    matmul,
-    max,
     maximum,
-    mean,
-    min,
     minimum,
     mul,
     ne,
     neg,
-    number,
-    one_hot,
-    param,
     pow_const,
-    reduce,
-    register_buffers,
     relu,
-    set_class_ids,
     sigmoid,
-    softmax,
     sqrt,
-    standardize,
     sub,
-    sum,
     tanh,
-    term,
-    uniform_expr,
     where,
+)
+from ocannl.tensor.reductions import (
+    matmul,
+    max,
+    mean,
+    min,
+    reduce,
+    sum,
 )
 from ocannl.tensor.shape import Shape
 from ocannl.tensor.tensor import Init, Tensor, set_seed

@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass
 
 from ocannl.ir.assignments import Affine, Index
-from ocannl.tensor.operations import _contract, _reduce_with
+from ocannl.tensor.reductions import _contract, _reduce_with
 from ocannl.tensor.shape import Shape
 from ocannl.tensor.tensor import Tensor
 

@@ -9,7 +9,9 @@ their gradients into the image are scatters over the same projections.
 from __future__ import annotations
 
 from ocannl.ir.assignments import Affine, Index
-from ocannl.tensor.operations import _contract, _lift, _reduce_with, div
+from ocannl.tensor.leaves import _lift
+from ocannl.tensor.pointwise import div
+from ocannl.tensor.reductions import _contract, _reduce_with
 from ocannl.tensor.shape import Shape, broadcast_projection
 from ocannl.tensor.tensor import Tensor
 

@@ -126,7 +126,7 @@ class Tensor:
         order = [t for t in self.topo() if t.grad is not None]
         return Comp(tuple(fill(t.grad, 0.0) for t in order), f"zero_grads_{self.label}")
 
-    # --- operators (defined in ocannl.tensor.operations) --------------------------------------
+    # --- operators (defined in ocannl.tensor.pointwise and .reductions) -------------------------
 
     def __repr__(self) -> str:
         return f"Tensor({self.label}, {self.shape}, {self.prec.value}, {self.kind})"

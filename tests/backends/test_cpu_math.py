@@ -86,7 +86,7 @@ def _check(op: str, f64, x: np.ndarray, exact: float) -> None:
 
 
 def test_f32_erf_over_the_whole_line():
-    """erf's pieces (``scalar._erf``) over every 101st f32 in [0, 4.5] (10.7 million, every
+    """erf's pieces (``scalar.erf``) over every 101st f32 in [0, 4.5] (10.7 million, every
     binade from the subnormals up) and every f32 within 5000 ulps of where the pieces meet
     (1.35), where erf starts rounding to 1 (3.919206) and where |x| is clamped (4); both signs.
     Within an ulp of the f64 erf rounded (SciPy's, which rounds as ``math.erf`` does), equal to

@@ -17,6 +17,7 @@ from torch_oracle import (
     broadcast_operand,
     check_parity,
     param_of,
+    reduction_axes,
     shapes,
     values,
     view_as_row_broadcast,
@@ -270,24 +271,6 @@ def test_einsum_gradients(spec, equation, prec, data):
 
 
 # --- reductions -------------------------------------------------------------------------------
-
-
-@st.composite
-def reduction_axes(draw, shape: Shape):
-    """None (all), a row name, one position (maybe negative), or several positions."""
-    n = len(shape.dims)
-    kind = draw(st.sampled_from(["all", "row", "position", "positions"] if n else ["all", "row"]))
-    if kind == "all":
-        return None, list(range(n))
-    if kind == "row":
-        row = draw(st.sampled_from(["batch", "output", "input"]))
-        off = shape.row_offsets()[row]
-        return row, list(range(off, off + len(shape.row(row))))
-    if kind == "position":
-        k = draw(st.integers(-n, n - 1))
-        return k, [k % n]
-    ks = draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=n, unique=True))
-    return ks, sorted(ks)
 
 
 def _torch_reduce(kind: str, x: torch.Tensor, axes: list[int]) -> torch.Tensor:

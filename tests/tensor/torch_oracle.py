@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
+from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
@@ -164,3 +165,39 @@ def values(dims: tuple[int, ...], lo: float, hi: float, *, unique: bool = False,
 def param_of(label: str, shape: Shape, prec: Precision) -> Tensor:
     return T.param(label, batch_dims=shape.batch, output_dims=shape.output,
                    input_dims=shape.input, prec=prec)
+
+
+@st.composite
+def reduction_axes(draw, shape: Shape):
+    """None (all), a row name, one position (maybe negative), or several positions."""
+    n = len(shape.dims)
+    kind = draw(st.sampled_from(["all", "row", "position", "positions"] if n else ["all", "row"]))
+    if kind == "all":
+        return None, list(range(n))
+    if kind == "row":
+        row = draw(st.sampled_from(["batch", "output", "input"]))
+        off = shape.row_offsets()[row]
+        return row, list(range(off, off + len(shape.row(row))))
+    if kind == "position":
+        k = draw(st.integers(-n, n - 1))
+        return k, [k % n]
+    ks = draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=n, unique=True))
+    return ks, sorted(ks)
+
+
+# --- running the ocannl side ------------------------------------------------------------------
+
+EXAMPLES = 5
+
+
+def few(n: int = EXAMPLES) -> Callable:
+    """Hypothesis settings: ``n`` examples, no deadline (a compile takes a while)."""
+    return settings(max_examples=n, deadline=None)
+
+
+def run_forward(t: Tensor, ctx: Context | None = None) -> Context:
+    """Compile and run ``t``'s forward code (in ``ctx``, or a fresh CPU context)."""
+    ctx = ctx or Context.cpu()
+    ctx, r = ctx.compile(train.forward(t))
+    ctx.run(r)
+    return ctx

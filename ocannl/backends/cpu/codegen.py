@@ -37,7 +37,6 @@ from ocannl.backends.cpu.scalar import (
     I16,
     I32,
     I64,
-    IR_OPS,
     const_int,
     convert,
     f16_to_f32_hw,
@@ -62,7 +61,7 @@ from ocannl.ir.lowered import (
     item_nodes,
     nodes_of,
 )
-from ocannl.ir.ops import ACCUMS, Precision
+from ocannl.ir.ops import ACCUMS, OPS, Precision
 from ocannl.ir.schedule import GEMM_BLOCK, ROW_BLOCK, read_stride
 from ocannl.ir.target import Target
 from ocannl.ir.tnode import MemoryMode, Tnode
@@ -266,7 +265,7 @@ class RoutineIR:
 
     def widen(self, bits: ir.Value, prec: Precision) -> ir.Value:
         """16-bit pattern -> f32, exact. ``bits`` may be a vector where it is bf16 or f16 on
-        F16C outside a copy (``_widens_in_lanes``)."""
+        F16C outside a copy (``schedule._in_lanes``)."""
         b = self.b
         if prec is Precision.bf16:
             wide = like(bits, I32)
@@ -392,9 +391,8 @@ class RoutineIR:
             return (e.rounded or e.node.prec) is prec
         assert isinstance(e, Apply)
         units = [(isinstance(a, Const) and a.value in (0.0, 1.0, -1.0))
-                 or (isinstance(a, Apply) and ops_module.flag(a.op)) for a in e.args]
-        return ops_module.representable(
-            e.op, [self.representable(a, prec) for a in e.args], units)
+                 or (isinstance(a, Apply) and OPS[a.op].flag) for a in e.args]
+        return OPS[e.op].representable([self.representable(a, prec) for a in e.args], units)
 
     def expr(self, e: Expr, compute: ir.Type, space: tuple[int, ...],
              iters: dict[int, ir.Value]) -> ir.Value:
@@ -404,10 +402,10 @@ class RoutineIR:
             return self.load(e.node, e.idx, space, iters, compute, e.rounded)
         assert isinstance(e, Apply)
         args = [self.expr(a, compute, space, iters) for a in e.args]
-        return IR_OPS[e.op](self, compute, *args)
+        return OPS[e.op].llvm(self, compute, *args)
 
     def combine(self, accum: str, old: ir.Value, new: ir.Value, compute: ir.Type) -> ir.Value:
-        return IR_OPS["add" if accum == "+" else accum](self, compute, old, new)
+        return OPS["add" if accum == "+" else accum].llvm(self, compute, old, new)
 
     # --- lowered items -----------------------------------------------------------------------
 
@@ -640,7 +638,7 @@ class RoutineIR:
             return ir.Constant(vec, e.value)
         if isinstance(e, Apply):
             args = [self._lanes_expr(x, compute, width, last, space, iters) for x in e.args]
-            return IR_OPS[e.op](self, compute, *args)
+            return OPS[e.op].llvm(self, compute, *args)
         assert isinstance(e, Get)
         b, node = self.b, e.node
         if id(e) in self.packed:  # the block's cells side by side for each term

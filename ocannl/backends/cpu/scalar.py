@@ -1,5 +1,7 @@
-"""Scalar code for the CPU backend: the op table's meaning as LLVM IR, the f32 math built for
-vectorization, and the exact 16-bit conversions.
+"""Scalar code for the CPU backend: the pieces the op table's LLVM builders are made of
+(``ocannl.ir.ops``: each op's row holds its builder), the f32 math built for vectorization,
+and the exact 16-bit conversions. Nothing here imports the rest of ocannl, so the op table
+can import it.
 
 Every builder takes the emitter (``codegen.RoutineIR``: its IR builder ``b``, its ``module``
 and its declared ``functions``), the computation's type and the operands. Arithmetic follows
@@ -16,8 +18,6 @@ from typing import Any
 
 from llvmlite import ir
 
-from ocannl.ir.ops import HASH_BITS, HASH_G
-
 I1, I16, I32, I64 = ir.IntType(1), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 F16, F32, F64 = ir.HalfType(), ir.FloatType(), ir.DoubleType()
 
@@ -28,7 +28,7 @@ def const_int(v: int, ty: ir.IntType = I64) -> ir.Constant:
     return ir.Constant(ty, v)
 
 
-# --- the op table's meaning, as IR ------------------------------------------------------------
+# --- builders the op table's rows are made of ------------------------------------------
 
 
 def convert(b: ir.IRBuilder, v: ir.Value, ty: ir.Type) -> ir.Value:
@@ -37,38 +37,41 @@ def convert(b: ir.IRBuilder, v: ir.Value, ty: ir.Type) -> ir.Value:
     return b.fpext(v, ty) if ty == F64 else b.fptrunc(v, ty)
 
 
-def _unify(b: ir.IRBuilder, *vs: ir.Value) -> list[ir.Value]:
+def unify(b: ir.IRBuilder, *vs: ir.Value) -> list[ir.Value]:
     """Widen f32 operands meeting an f64 one (C's usual arithmetic conversions)."""
     ty = F64 if any(v.type == F64 for v in vs) else vs[0].type
     return [convert(b, v, ty) for v in vs]
 
 
-def _binary(name: str) -> Callable:
+def binary(name: str) -> Callable:
+    """The builder of an arithmetic op: the IR builder's instruction ``name`` (``fadd``, ...)."""
     def op(r: Emitter, compute: ir.Type, x: ir.Value, y: ir.Value) -> ir.Value:
-        x, y = _unify(r.b, x, y)
+        x, y = unify(r.b, x, y)
         return getattr(r.b, name)(x, y)
     return op
 
 
-def _compare(cmp: str, ordered: bool = True) -> Callable:
+def compare(cmp: str, ordered: bool = True) -> Callable:
+    """The builder of a comparison: 1 or 0 of the compute type (``ordered``: false at NaN)."""
     def op(r: Emitter, compute: ir.Type, x: ir.Value, y: ir.Value) -> ir.Value:
-        x, y = _unify(r.b, x, y)
+        x, y = unify(r.b, x, y)
         test = (r.b.fcmp_ordered if ordered else r.b.fcmp_unordered)(cmp, x, y)
         return r.b.select(test, ir.Constant(compute, 1.0), ir.Constant(compute, 0.0))
     return op
 
 
-def _extremum(cmp: str) -> Callable:
+def extremum(cmp: str) -> Callable:
     """max / min: ``x`` where ``x cmp y`` or ``x`` is NaN, else ``y`` (NaN propagates)."""
     def op(r: Emitter, compute: ir.Type, x: ir.Value, y: ir.Value) -> ir.Value:
         b = r.b
-        x, y = _unify(b, x, y)
+        x, y = unify(b, x, y)
         keep = b.or_(b.fcmp_ordered(cmp, x, y), b.fcmp_unordered("uno", x, x))
         return b.select(keep, x, y)
     return op
 
 
-def _call(name: str) -> Callable:
+def call(name: str) -> Callable:
+    """The builder of a unary op that calls ``name`` (an intrinsic or libm) at its type."""
     def op(r: Emitter, compute: ir.Type, x: ir.Value) -> ir.Value:
         return r.b.call(r.function(name, x.type), [x])
     return op
@@ -167,13 +170,13 @@ def _exp_wide(r: Emitter, xd: ir.Value) -> ir.Value:
     return b.fmul(poly, scale)
 
 
-def _exp(r: Emitter, compute: ir.Type, x: ir.Value) -> ir.Value:
+def exp(r: Emitter, compute: ir.Type, x: ir.Value) -> ir.Value:
     if x.type == F32:
         return _exp_f32(r, x)
     return r.b.call(r.function("llvm.exp", x.type), [x])
 
 
-def _tanh(r: Emitter, compute: ir.Type, x: ir.Value) -> ir.Value:
+def tanh(r: Emitter, compute: ir.Type, x: ir.Value) -> ir.Value:
     """f32: ``1 - 2 / (e^(2x) + 1)`` through the vectorizable exp, in f64 (``x`` itself where
     |x| < 2^-12, whose cube is below half an ulp; the sign kept for large |x|)."""
     if x.type != F32:
@@ -213,7 +216,7 @@ _ERF_LARGE = (
 )
 
 
-def _erf(r: Emitter, compute: ir.Type, x: ir.Value) -> ir.Value:
+def erf(r: Emitter, compute: ir.Type, x: ir.Value) -> ir.Value:
     if x.type != F32:
         return r.b.call(r.function("erf", x.type), [x])
     b = r.b
@@ -229,100 +232,6 @@ def _erf(r: Emitter, compute: ir.Type, x: ir.Value) -> ir.Value:
         ("llvm.copysign", F32),
         r.module.declare_intrinsic("llvm.copysign", [F32], ir.FunctionType(F32, [F32, F32])))
     return b.call(copysign, [value, x])
-
-
-def _pow(r: Emitter, compute: ir.Type, x: ir.Value, y: ir.Value) -> ir.Value:
-    x, y = _unify(r.b, x, y)
-    fn = r.functions.setdefault(("llvm.pow", x.type),
-                                r.module.declare_intrinsic("llvm.pow", [x.type]))
-    return r.b.call(fn, [x, y])
-
-
-def _relu(r: Emitter, compute: ir.Type, x: ir.Value) -> ir.Value:
-    zero = ir.Constant(x.type, 0.0)
-    return r.b.select(r.b.fcmp_ordered("<", x, zero), zero, x)
-
-
-def _sigmoid(r: Emitter, compute: ir.Type, x: ir.Value) -> ir.Value:
-    b = r.b
-    one = ir.Constant(x.type, 1.0)
-    e = _exp(r, compute, b.fneg(x))
-    return b.fdiv(one, b.fadd(one, e))
-
-
-def _isfinite(r: Emitter, compute: ir.Type, x: ir.Value) -> ir.Value:
-    b = r.b
-    magnitude = b.call(r.function("llvm.fabs", x.type), [x])
-    finite = b.fcmp_ordered("!=", magnitude, ir.Constant(x.type, math.inf))
-    return b.select(finite, ir.Constant(compute, 1.0), ir.Constant(compute, 0.0))
-
-
-def _where(r: Emitter, compute: ir.Type, c: ir.Value, x: ir.Value, y: ir.Value) -> ir.Value:
-    b = r.b
-    x, y = _unify(b, x, y)
-    return b.select(b.fcmp_unordered("!=", c, ir.Constant(c.type, 0.0)), x, y)
-
-
-# Integer hashing (see ``ops.HASH_BITS``): operands are read as integers, modulo 2**52.
-_MASK = (1 << HASH_BITS) - 1
-
-
-def _u(b: ir.IRBuilder, x: ir.Value) -> ir.Value:
-    """``x`` truncated to an unsigned integer; 0 for a negative, non-finite or >= 2**53 one."""
-    ok = b.and_(b.fcmp_ordered(">=", x, ir.Constant(x.type, 0.0)),
-                b.fcmp_ordered("<", x, ir.Constant(x.type, 9007199254740992.0)))
-    return b.select(ok, b.fptoui(x, I64), const_int(0))
-
-
-def _hash_add(r: Emitter, compute: ir.Type, s: ir.Value, v: ir.Value) -> ir.Value:
-    b = r.b
-    step = b.mul(b.add(_u(b, v), const_int(1)), const_int(HASH_G))
-    return b.uitofp(b.and_(b.add(_u(b, s), step), const_int(_MASK)), compute)
-
-
-def _hash_xsm(r: Emitter, compute: ir.Type, x: ir.Value, shift: ir.Value,
-              mult: ir.Value) -> ir.Value:
-    b = r.b
-    ux = _u(b, x)
-    mixed = b.xor(ux, b.lshr(ux, b.and_(_u(b, shift), const_int(63))))
-    return b.uitofp(b.and_(b.mul(mixed, _u(b, mult)), const_int(_MASK)), compute)
-
-
-def _hash_unit(r: Emitter, compute: ir.Type, x: ir.Value) -> ir.Value:
-    b = r.b
-    top = b.uitofp(b.lshr(_u(b, x), const_int(HASH_BITS - 24)), compute)
-    return b.fdiv(top, ir.Constant(compute, 16777216.0))
-
-
-IR_OPS: dict[str, Callable[..., ir.Value]] = {
-    "add": _binary("fadd"),
-    "sub": _binary("fsub"),
-    "mul": _binary("fmul"),
-    "div": _binary("fdiv"),
-    "pow": _pow,
-    "max": _extremum(">="),
-    "min": _extremum("<="),
-    "eq": _compare("=="),
-    "gt": _compare(">"),
-    "lt": _compare("<"),
-    "le": _compare("<="),
-    "ge": _compare(">="),
-    "ne": _compare("!=", ordered=False),
-    "neg": lambda r, compute, x: r.b.fneg(x),
-    "relu": _relu,
-    "exp": _exp,
-    "log": _call("llvm.log"),
-    "sqrt": _call("llvm.sqrt"),
-    "abs": _call("llvm.fabs"),
-    "tanh": _tanh,
-    "erf": _erf,
-    "sigmoid": _sigmoid,
-    "isfinite": _isfinite,
-    "where": _where,
-    "hash_add": _hash_add,
-    "hash_xsm": _hash_xsm,
-    "hash_unit": _hash_unit,
-}
 
 
 # --- 16-bit conversions ----------------------------------------------------------------------

@@ -1,0 +1,57 @@
+"""The expression language of the IR: reads, literals and op applications.
+
+It sits below the op table (``ops.py``), whose gradient rules build expressions, and above
+nothing of the IR: an application names its op by a string, and :func:`ocannl.ir.ops.apply`
+(re-exported by ``assignments``), the way applications are built, checks the name and the
+arity against the table. ``assignments`` builds assignments over these expressions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: tnode and assignments import the op table, above this
+    from ocannl.ir.assignments import Projection
+    from ocannl.ir.ops import Precision
+    from ocannl.ir.tnode import Tnode
+
+
+@dataclass(frozen=True, eq=False)
+class Get:
+    """Read ``node`` at the projection ``idx`` of the current product-space point; ``rounded``:
+    the value rounded to that (16-bit) precision as a store into a node of it would round it,
+    then widened back: a read of a virtual node through its source (``ocannl.ir.schedule``)."""
+
+    node: Tnode
+    idx: Projection
+    rounded: Precision | None = None
+
+
+@dataclass(frozen=True)
+class Const:
+    """A literal folded into the code."""
+
+    value: float
+
+
+@dataclass(frozen=True, eq=False)
+class Apply:
+    """An op from the op table applied to sub-expressions (build it with ``ops.apply``, which
+    checks the op's name and arity)."""
+
+    op: str
+    args: tuple[Expr, ...]
+
+
+Expr = Get | Const | Apply
+
+
+def reads(expr: Expr) -> Iterator[Get]:
+    """Every buffer read in an expression."""
+    if isinstance(expr, Get):
+        yield expr
+    elif isinstance(expr, Apply):
+        for a in expr.args:
+            yield from reads(a)

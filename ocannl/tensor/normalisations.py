@@ -1,0 +1,123 @@
+"""Normalisations over some axes of a tensor (``softmax``, ``log_softmax``, ``standardize``):
+each its own op with torch's gradient, its row statistics in nodes local to the routines
+computing them."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from ocannl.ir.assignments import Accum, Const, Fixed, Get, Index, apply
+from ocannl.ir.ops import Precision
+from ocannl.ir.tnode import MemoryMode, Tnode
+from ocannl.tensor.leaves import _all, _lift, _new, _read
+from ocannl.tensor.pointwise import exp, log, sub
+from ocannl.tensor.reductions import _axes, _kept_shape, _reduce_keep
+from ocannl.tensor.tensor import Tensor
+
+
+def _rows(x: Tensor, axes: None | str | int | Sequence[int]
+          ) -> tuple[tuple[int, ...], tuple[Index, ...], tuple[int, ...], int]:
+    """For an op over ``axes`` whose per-row results broadcast back against ``x``: every
+    cell's index, a row result's index (``Fixed(0)`` on the reduced axes), a row result
+    node's dims, and how many cells a row has."""
+    red = set(_axes(x, axes))
+    n = len(x.dims)
+    kept = tuple(Fixed(0) if k in red else k for k in range(n))
+    return _all(n), kept, _kept_shape(x, red).dims, math.prod(x.dims[k] for k in red)
+
+
+def _local(name: str, dims: tuple[int, ...], prec: Precision) -> Tnode:
+    """An op's intermediate node: local to the routines computing it."""
+    return Tnode(name, dims, prec, memory_mode=MemoryMode.local)
+
+
+def _cancelling_sum_prec(prec: Precision) -> Precision:
+    """Where an op's gradient subtracts a sum that nearly cancels its terms (softmax's and
+    a normalization's): f64 at f32 and f64 (products of f32 values are exact there, and the
+    difference is taken in f64), f32 for 16-bit data."""
+    return Precision.f32 if prec.is_narrow else Precision.f64
+
+
+def softmax(x: Tensor, axes: None | str | int | Sequence[int]) -> Tensor:
+    """``exp(x) / sum(exp(x))`` over ``axes`` (a row name, positions, or None for all),
+    computed stably: the maximum over the axes is subtracted first.
+
+    One op with its own gradient, torch's: ``(g - sum(g * y)) * y`` over the axes, one
+    reduction without divisions; the chain rule through the division by the sum would
+    reduce ``g * e / s^2`` and then pass the gradient through the exponential too. Its
+    intermediates (the maximum, the exponentials, the sum, the gradient's dot product) are
+    local to the routines computing them."""
+    x = _lift(x)
+    cells, kept, kept_dims, _ = _rows(x, axes)
+    top, e, total = _local("softmax_max", kept_dims, x.prec), \
+        _local("softmax_exp", x.dims, x.prec), _local("softmax_sum", kept_dims, x.prec)
+    out = _new("softmax", x.shape, x.prec, (x,))
+    y = Get(out.value, cells)
+    out.forward_code = (
+        Accum(top, kept, "max", _read(x, cells), x.dims, reset=True),
+        Accum(e, cells, "=", apply("exp", apply("sub", _read(x, cells), Get(top, kept))),
+              x.dims),
+        Accum(total, kept, "+", Get(e, cells), x.dims, reset=True),
+        Accum(out.value, cells, "=", apply("div", Get(e, cells), Get(total, kept)), x.dims),
+    )
+    if out.grad is not None and x.grad is not None:
+        g = Get(out.grad, cells)
+        dot = _local("softmax_dot", kept_dims, _cancelling_sum_prec(x.prec))
+        out.backprop_code = (
+            Accum(dot, kept, "+", apply("mul", g, y), x.dims, reset=True),
+            Accum(x.grad, cells, "+", apply("mul", apply("sub", g, Get(dot, kept)), y), x.dims),
+        )
+    return out
+
+
+def standardize(x: Tensor, axes: None | str | int | Sequence[int], eps: float = 1e-5) -> Tensor:
+    """``(x - mean) / sqrt(var + eps)`` over ``axes``, the variance biased: a layer norm
+    without its gain and bias (``nn_blocks.layer_norm``).
+
+    One op with torch's gradient, ``(g - mean(g) - y * mean(g * y)) / sqrt(var + eps)``: two
+    sums with no division in them and one pass, where the chain rule through the division,
+    the square root and both means took several passes, one of them dividing per element. The
+    two sums are taken, and subtracted, in f64 at f32 and f64 (they cancel). The forward
+    values are those of the composition. Its intermediates are local to the routines computing
+    them."""
+    x = _lift(x)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < math.inf:
+        raise ValueError(f"standardize: eps must be a finite number >= 0, got {eps!r}")
+    cells, kept, kept_dims, per_row = _rows(x, axes)
+    count = Const(float(per_row))
+    total, centered = _local("standardize_sum", kept_dims, x.prec), \
+        _local("standardize_centered", x.dims, x.prec)
+    squares, std = _local("standardize_squares", kept_dims, x.prec), \
+        _local("standardize_std", kept_dims, x.prec)
+    out = _new("standardize", x.shape, x.prec, (x,))
+    xc, deviation = Get(centered, cells), Get(std, kept)
+    out.forward_code = (
+        Accum(total, kept, "+", _read(x, cells), x.dims, reset=True),
+        Accum(centered, cells, "=",
+              apply("sub", _read(x, cells), apply("div", Get(total, kept), count)), x.dims),
+        Accum(squares, kept, "+", apply("mul", xc, xc), x.dims, reset=True),
+        Accum(std, _all(len(kept_dims)), "=", apply("sqrt", apply("add", apply(
+            "div", Get(squares, _all(len(kept_dims))), count), Const(float(eps)))), kept_dims),
+        Accum(out.value, cells, "=", apply("div", xc, deviation), x.dims),
+    )
+    if out.grad is not None and x.grad is not None:
+        g, y = Get(out.grad, cells), Get(out.value, cells)
+        wide = _cancelling_sum_prec(x.prec)
+        g_sum, gy_sum = _local("standardize_grad_sum", kept_dims, wide), \
+            _local("standardize_grad_dot", kept_dims, wide)
+        mean_g, mean_gy = (apply("div", Get(t, kept), count) for t in (g_sum, gy_sum))
+        out.backprop_code = (
+            Accum(g_sum, kept, "+", g, x.dims, reset=True),
+            Accum(gy_sum, kept, "+", apply("mul", g, y), x.dims, reset=True),
+            Accum(x.grad, cells, "+", apply("div", apply("sub", apply("sub", g, mean_g),
+                                                         apply("mul", y, mean_gy)), deviation),
+                  x.dims),
+        )
+    return out
+
+
+def log_softmax(x: Tensor, axes: None | str | int | Sequence[int]) -> Tensor:
+    """``x - log(sum(exp(x)))`` over ``axes``, computed stably (max-shifted)."""
+    z = sub(x, _reduce_keep("log_softmax_max", x, axes, "max", differentiable=False))
+    return sub(z, log(_reduce_keep("log_softmax_sum", exp(z), axes, "+")))
