@@ -57,8 +57,9 @@ class Routine:
         return f"Routine({self.label!r}, {len(self.nodes)} buffers)"
 
 
-# An Enum member read from its class costs about 0.2 us in Python 3.11: the host's every-step
-# paths (set_values, get_value) read this one instead.
+# An Enum member read through its class is a slow attribute lookup next to a module global
+# (benchmarks/OBSTACLES.md, "A small step's fixed costs"): the host's every-step paths
+# (set_values, get_value) read this one instead.
 _LOCAL = MemoryMode.local
 
 
@@ -325,7 +326,7 @@ class Context:
         shaped exactly as the node's dims, or flat with the node's size, or a scalar for a
         one-element node. Any other shape is refused, even one with the right element count: a
         transposed batch would otherwise scramble the data."""
-        if type(values) is np.ndarray:  # the every-step case: a batch, checked in ~0.3 us
+        if type(values) is np.ndarray:  # the every-step case, a batch: no np.asarray
             arr = values
         else:
             try:
