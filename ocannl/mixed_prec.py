@@ -287,7 +287,7 @@ class Loss_scaler:  # noqa: N801 - the OCaml module's name, as the port's conven
             raise ValueError(f"{name} must be {expected}, got {type(x).__name__}: "
                              f"{cls._shown(x)}")
         try:
-            return float(x)
+            return float(x)  # type: ignore[arg-type]
         except (OverflowError, ValueError, TypeError):
             raise ValueError(f"{name} must be {expected}, got {cls._shown(x)}, which is too "
                              f"large for a float") from None
@@ -416,7 +416,7 @@ class Loss_scaler:  # noqa: N801 - the OCaml module's name, as the port's conven
     def update(self, ctx: Context, *, grads_finite: bool) -> Context:
         """One step of the schedule: back off on non-finite gradients, grow after
         ``growth_interval`` consecutive good steps."""
-        if grads_finite is True:  # the host gate's every step: one count, no call
+        if grads_finite is True:  # the host gate's every step: the count alone
             good = self.good_steps + 1
             if good < self.growth_interval:
                 _set_good_steps(self, good)

@@ -706,6 +706,47 @@ def test_fused_with_interval_one_equals_host_recipe() -> None:
     assert len(set(scales)) > 2  # it both grew and backed off
 
 
+def test_recipes_go_through_context_run_and_the_scalers_public_schedule() -> None:
+    """Every routine of every step runs through Context.run, and the scale moves through
+    Loss_scaler.update / update_n: what a context or a scaler of one's own sees, the recipe
+    does (no direct Routine.call, no private schedule)."""
+    runs: list[str] = []
+    updates: list[tuple] = []
+
+    class SeenContext(Context):
+        def run(self, routine):  # noqa: ANN001, ANN202
+            runs.append(routine.label)
+            return super().run(routine)
+
+    class SeenScaler(Loss_scaler):
+        def update(self, ctx, *, grads_finite):  # noqa: ANN001, ANN202
+            updates.append(("update", grads_finite))
+            return super().update(ctx, grads_finite=grads_finite)
+
+        def update_n(self, ctx, *, grads_finite, steps):  # noqa: ANN001, ANN202
+            updates.append(("update_n", grads_finite, steps))
+            return super().update_n(ctx, grads_finite=grads_finite, steps=steps)
+
+    for build, steps in ((scaled_step, 5), (lambda *a: gated_step(*a, check_interval=2), 6)):
+        rig = make_rig()
+        ctx = SeenContext.cpu()
+        ctx = train.init_params(ctx, rig.loss)
+        ctx = ctx.set_values(rig.x, rig.points).set_values(rig.y, rig.targets)
+        runs.clear()
+        updates.clear()
+        recipe = build(SeenScaler.create(), rig.loss, sgd())
+        ctx = recipe.compile(ctx)
+        for _ in range(steps):
+            ctx = recipe.step(ctx)
+        assert recipe.skipped_steps == 0 and recipe.applied_steps == steps
+        if isinstance(recipe, ScaledStep):
+            assert runs == [recipe.grad_comp.label, recipe.update_comp.label] * steps
+            assert updates == [("update", True)] * steps
+        else:
+            assert runs == [recipe.comp.label] * steps
+            assert updates == [("update_n", True, 2)] * (steps // 2)
+
+
 def test_recipe_validation_and_state() -> None:
     rig = make_rig()
     sc = Loss_scaler.create()
