@@ -39,6 +39,8 @@ __all__ = ["Progress", "load", "node_names", "read_progress", "save", "training_
 
 _FORMAT = "ocannl.checkpoint/2"  # /2: SHA-256 of every tensor's bytes and of the header
 _FORMAT_1 = "ocannl.checkpoint/1"  # no digests: refused, its bytes cannot be verified
+_ANY_FORMAT = re.compile(r"ocannl\.checkpoint/[0-9]{1,6}", re.ASCII)  # any version, to name it
+_PROGRESS_KEYS = ("epoch", "extra", "step")
 _DIGEST_PREFIX = "sha256:"
 _HEADER_KEY = "header_sha256"
 # safetensors dtype names; f16 and bf16 are stored as themselves, exactly.
@@ -75,8 +77,13 @@ class Progress:
 
     @classmethod
     def from_json(cls, text: str) -> Progress:
+        """The progress :meth:`to_json` wrote: exactly the keys step, epoch and extra;
+        ``ocannl.Failure`` naming what differs otherwise (nothing else is read)."""
         try:
             d = json.loads(text)
+            if isinstance(d, dict) and sorted(d) != list(_PROGRESS_KEYS):
+                raise ValueError(f"its keys are {sorted(d)!r:.120}, expected exactly "
+                                 f"{list(_PROGRESS_KEYS)}")
             p = cls(d["step"], d["epoch"], d["extra"])
             p.check()
         except RecursionError:
@@ -317,6 +324,9 @@ def _read(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
         raise Failure(f"{where} has format {_FORMAT_1!r}, written by an older ocannl without "
                       f"integrity digests, so its bytes cannot be verified: this version loads "
                       f"{_FORMAT!r} only (resume with the ocannl that wrote it, or restart)")
+    if isinstance(fmt, str) and fmt != _FORMAT and _ANY_FORMAT.fullmatch(fmt):
+        raise Failure(f"{where} has format {fmt!r}, which this version does not read: it loads "
+                      f"{_FORMAT!r} only (resume with the ocannl that wrote it, or restart)")
     if fmt != _FORMAT:
         raise Failure(f"{str(path)!r} is not an ocannl checkpoint (format {fmt!r:.80}, expected "
                       f"{_FORMAT!r})")
@@ -369,10 +379,10 @@ def load(path: str | os.PathLike, ctx: Context,
 
     Every tensor's bytes and the header are checked against the SHA-256 digests :func:`save`
     recorded: a flipped bit anywhere raises ``ocannl.Failure`` naming the tensor (or the
-    header). A file of the first format (``ocannl.checkpoint/1``, without digests) is refused
-    with ``Failure`` saying so. The file must hold exactly these nodes' names (see
-    :func:`node_names`), each with the node's dims and precision; otherwise ``ocannl.Failure``
-    lists every mismatch. On any failure the context is left as it was.
+    header). A file of another format version (``ocannl.checkpoint/1``, without digests, or a
+    later one) is refused with ``Failure`` naming it. The file must hold exactly these nodes'
+    names (see :func:`node_names`), each with the node's dims and precision; otherwise
+    ``ocannl.Failure`` lists every mismatch. On any failure the context is left as it was.
 
     When no save of ``path`` is running (its lock is free), temporaries left by killed saves of
     ``path`` are removed first.

@@ -35,7 +35,8 @@ class Routine:
     ``compiled`` is the backend's code, shared by every routine of the same source;
     ``buffers`` are this routine's, in the order of ``nodes``. ``inputs`` are the nodes it
     reads before writing them whole: those a parameter's init or the host must provide are
-    checked before its first run. ``written``: what running it initializes.
+    checked before its first run. ``written``: what running it initializes. ``checked``: its
+    inputs were found initialized (they stay so), so :meth:`Context.run` just calls it.
     """
 
     def __init__(self, label: str, context: Context, nodes: tuple[Tnode, ...], compiled: Any,
@@ -49,13 +50,16 @@ class Routine:
         self.written = effects.written
         self.call = call  # runs the code on the bound buffers
         self.checked = False  # inputs found initialized once: they stay so
+        # ``context`` once checked, else None: Context.run's steady state is one comparison.
+        self._ready_in: Context | None = None
 
     def __repr__(self) -> str:
         return f"Routine({self.label!r}, {len(self.nodes)} buffers)"
 
 
-# An Enum member read from its class costs about 0.2 us in Python 3.11: the host's every-step
-# paths (set_values, get_value) read this one instead.
+# An Enum member read through its class is a slow attribute lookup next to a module global
+# (benchmarks/OBSTACLES.md, "A small step's fixed costs"): the host's every-step paths
+# (set_values, get_value) read this one instead.
 _LOCAL = MemoryMode.local
 
 
@@ -191,10 +195,19 @@ class Context:
 
     def run(self, routine: Routine) -> Context:
         """Run a routine compiled by this context. Its first run checks that every parameter
-        and data node it reads has been initialized, naming those that are not."""
-        if type(routine) is Routine and routine.context is self and routine.checked:
-            routine.call()  # the steady state, checked below once
-            return self
+        and data node it reads has been initialized, naming those that are not.
+
+        Every later run is one comparison and the call: a training step's host code (the
+        recipes' too) runs its routines through here, not around it."""
+        try:
+            if routine._ready_in is self:  # the steady state, checked once below
+                routine.call()
+                return self
+        except AttributeError:  # not a Routine: refused below
+            pass
+        return self._run_checked(routine)
+
+    def _run_checked(self, routine: Routine) -> Context:
         if not isinstance(routine, Routine):
             raise TypeError(f"run expects a Routine, got {type(routine).__name__}: {routine!r}")
         if routine.context is not self:
@@ -211,8 +224,9 @@ class Context:
             routine.call()
             self._initialized.update(n.id for n in routine.written)
             routine.checked = True
-            return self
-        routine.call()
+        else:
+            routine.call()
+        routine._ready_in = self
         return self
 
     # --- buffers ------------------------------------------------------------------------------
@@ -315,7 +329,7 @@ class Context:
         shaped exactly as the node's dims, or flat with the node's size, or a scalar for a
         one-element node. Any other shape is refused, even one with the right element count: a
         transposed batch would otherwise scramble the data."""
-        if type(values) is np.ndarray:  # the every-step case: a batch, checked in ~0.3 us
+        if type(values) is np.ndarray:  # the every-step case, a batch: no np.asarray
             arr = values
         else:
             try:

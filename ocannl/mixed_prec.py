@@ -207,8 +207,9 @@ _FIELDS = ("scale", "unscale", "scale_val", "good_steps", "growth_factor", "back
 _STATE_VERSION = "1"
 _HEX = r"-?0x[01]\.[0-9a-f]{1,13}p[+-][0-9]{1,4}"
 _INT = r"0|[1-9][0-9]{0,18}"
+_STATE_VERSION_RE = re.compile(r"ocannl\.Loss_scaler/([0-9]{1,6})(?: |$)", re.ASCII)
 _STATE_RE = re.compile(
-    r"ocannl\.Loss_scaler/(?P<version>[0-9]{1,6})"
+    rf"ocannl\.Loss_scaler/{_STATE_VERSION}"
     rf" scale=(?P<scale>{_HEX})"
     rf" good_steps=(?P<good_steps>{_INT})"
     rf" growth_factor=(?P<growth_factor>{_HEX})"
@@ -352,14 +353,14 @@ class Loss_scaler:  # noqa: N801 - the OCaml module's name, as the port's conven
         return self.scale_val
 
     def _write(self, ctx: Context, s: float) -> Context:
-        """Write scale ``s`` (already f32) and its reciprocal to the device, then to the host."""
-        scale = np.array([s], np.float32)
-        unscale = np.array([_reciprocal_f32(s)], np.float32)
-        ctx = ctx.set_values(self.scale, scale)
-        ctx = ctx.set_values(self.unscale, unscale)
-        # A context that allocates the buffers later starts from the current scale too.
-        self.scale.value.host_data = scale.reshape(())
-        self.unscale.value.host_data = unscale.reshape(())
+        """Write scale ``s`` (already f32) and its reciprocal to ``ctx``'s device tensors.
+
+        Only to ``ctx``: the tensors' host arrays keep the initial scale, so another context
+        that allocates them starts from ``init_scale`` and follows the schedule only through
+        this scaler's methods called on it (a recipe's ``compile`` calls :meth:`set_scale`).
+        """
+        ctx = ctx.set_values(self.scale, np.array([s], np.float32))
+        ctx = ctx.set_values(self.unscale, np.array([_reciprocal_f32(s)], np.float32))
         self._put(scale_val=s)
         return ctx
 
@@ -398,8 +399,8 @@ class Loss_scaler:  # noqa: N801 - the OCaml module's name, as the port's conven
         restarts, as torch's does) -- hence every later growth too.
         """
         good = self.good_steps + steps
-        if good < self.growth_interval:  # no growth: the host gate's every step
-            object.__setattr__(self, "good_steps", good)
+        if good < self.growth_interval:  # no growth
+            _set_good_steps(self, good)
             return ctx
         s = self.scale_val
         grows, good = divmod(good, self.growth_interval)
@@ -416,6 +417,12 @@ class Loss_scaler:  # noqa: N801 - the OCaml module's name, as the port's conven
     def update(self, ctx: Context, *, grads_finite: bool) -> Context:
         """One step of the schedule: back off on non-finite gradients, grow after
         ``growth_interval`` consecutive good steps."""
+        if grads_finite is True:  # the host gate's every step: the count alone
+            good = self.good_steps + 1
+            if good < self.growth_interval:
+                _set_good_steps(self, good)
+                return ctx
+            return self._grow(ctx, 1)
         if _check_bool("grads_finite", grads_finite):
             return self._grow(ctx, 1)
         return self._backoff(ctx)
@@ -455,14 +462,17 @@ class Loss_scaler:  # noqa: N801 - the OCaml module's name, as the port's conven
         if not isinstance(s, str):
             raise Failure(f"restore_state: expected a string from Loss_scaler.save_state, "
                           f"got {type(s).__name__}: {s!r:.80}")
+        expected = (f"'ocannl.Loss_scaler/{_STATE_VERSION} scale=<hex> good_steps=<int> "
+                    f"growth_factor=<hex> backoff_factor=<hex> growth_interval=<int>'")
+        version = _STATE_VERSION_RE.match(s)
+        if version is not None and version[1] != _STATE_VERSION:
+            raise Failure(f"restore_state: {s!r:.200} is a state of format "
+                          f"ocannl.Loss_scaler/{version[1]}, which this version does not read: "
+                          f"expected format version {_STATE_VERSION}, {expected}")
         m = _STATE_RE.fullmatch(s)
         if m is None:
             raise Failure(f"restore_state: {s!r:.200} is not a Loss_scaler state: expected "
-                          f"'ocannl.Loss_scaler/{_STATE_VERSION} scale=<hex> good_steps=<int> "
-                          f"growth_factor=<hex> backoff_factor=<hex> growth_interval=<int>'")
-        if m["version"] != _STATE_VERSION:
-            raise Failure(f"restore_state: state version {m['version']} is not supported: "
-                          f"expected version {_STATE_VERSION}")
+                          f"{expected}")
         vals: dict[str, float] = {}
         for key in ("scale", "growth_factor", "backoff_factor"):
             try:
@@ -492,6 +502,11 @@ class Loss_scaler:  # noqa: N801 - the OCaml module's name, as the port's conven
         ctx = self._write(ctx, scale)
         self._put(good_steps=good_steps)
         return ctx
+
+
+# The slot's own setter: the schedule's every-step write of the count, past the read-only
+# __setattr__ (the scaler's methods are the only writers).
+_set_good_steps = Loss_scaler.__dict__["good_steps"].__set__
 
 
 # --- the recipes ------------------------------------------------------------------------------
@@ -535,6 +550,7 @@ class GradReducer(Protocol):
 
 
 _COUNTERS = ("pending", "applied", "skipped", "windows", "skipped_windows")
+_RECIPE_STATE_VERSION = "2"  # /1 (GatedStep's first) held the position only: refused
 _NUM = r"(0|[1-9][0-9]{0,18})"
 
 
@@ -597,7 +613,8 @@ class Recipe:
     # --- the interface ----------------------------------------------------------------------
 
     def compile(self, ctx: Context) -> Context:
-        """Compile this recipe's routine(s) on ``ctx``; :meth:`step` then runs them there."""
+        """Compile this recipe's routine(s) on ``ctx`` and write the scaler's current scale
+        there (:meth:`Loss_scaler.set_scale`); :meth:`step` then runs them on ``ctx``."""
         raise NotImplementedError
 
     def step(self, ctx: Context) -> Context:
@@ -619,22 +636,29 @@ class Recipe:
         vals = (self.pending, self.applied_steps, self.skipped_steps, self.windows,
                 self.skipped_windows)
         fields = " ".join(f"{k}={v}" for k, v in zip(_COUNTERS, vals, strict=True))
-        return f"ocannl.{type(self).__name__}/2 {fields}"
+        return f"ocannl.{type(self).__name__}/{_RECIPE_STATE_VERSION} {fields}"
 
     def restore_state(self, s: str) -> None:
         """Restore what :meth:`save_state` wrote; raises ``ocannl.Failure`` (and changes
-        nothing) on anything else, or on a position past the window."""
+        nothing) on anything else, or on a position past the window. A state of another
+        format version (``ocannl.GatedStep/1``, a position without the counters) is refused,
+        naming its version and the one expected."""
         name = type(self).__name__
-        pattern = rf"ocannl\.{name}/2 " + " ".join(f"{k}={_NUM}" for k in _COUNTERS)
+        expected = f"'ocannl.{name}/{_RECIPE_STATE_VERSION} " + " ".join(
+            f"{k}=<int>" for k in _COUNTERS) + "'"
+        version = re.match(rf"ocannl\.{name}/([0-9]{{1,6}})(?: |$)", s, re.ASCII) \
+            if isinstance(s, str) else None
+        if version is not None and version[1] != _RECIPE_STATE_VERSION:
+            raise Failure(f"{name}.restore_state: {s!r:.200} is a state of format "
+                          f"ocannl.{name}/{version[1]}, which this version does not read: "
+                          f"expected format version {_RECIPE_STATE_VERSION}, {expected}")
+        pattern = rf"ocannl\.{name}/{_RECIPE_STATE_VERSION} " + " ".join(
+            f"{k}={_NUM}" for k in _COUNTERS)
         m = re.fullmatch(pattern, s, re.ASCII) if isinstance(s, str) else None
-        vals = None if m is None else [int(v) for v in m.groups()]
-        if vals is None:
-            vals = self._legacy_state(s)
-        if vals is None:
+        if m is None:
             raise Failure(f"{name}.restore_state: {s!r:.200} is not a {name} state: expected "
-                          f"'ocannl.{name}/2 " + " ".join(f"{k}=<int>" for k in _COUNTERS)
-                          + "'")
-        pending, applied, skipped, windows, skipped_windows = vals
+                          f"{expected}")
+        pending, applied, skipped, windows, skipped_windows = (int(v) for v in m.groups())
         if pending >= self.check_interval:
             raise Failure(f"{name}.restore_state: pending={pending} is not below "
                           f"check_interval={self.check_interval}")
@@ -644,13 +668,14 @@ class Recipe:
         self.pending, self.applied_steps, self.skipped_steps = pending, applied, skipped
         self.windows, self.skipped_windows = windows, skipped_windows
 
-    def _legacy_state(self, s: object) -> list[int] | None:
-        return None
-
     # --- shared plumbing --------------------------------------------------------------------
 
-    def _bind(self, ctx: Context) -> None:
+    def _bind(self, ctx: Context) -> Context:
+        """Make ``ctx`` the recipe's context, its device scale the scaler's current one (the
+        scaler may have moved on another context: nothing carries it here by itself)."""
+        ctx = self.scaler.set_scale(ctx, self.scaler.scale_value())
         self._ctx = ctx
+        return ctx
 
     def _check_ctx(self, ctx: Context) -> None:
         if self._ctx is None:
@@ -661,19 +686,20 @@ class Recipe:
 
     def _close_window(self, ctx: Context, steps: int, skipped: int) -> Context:
         """Account for a window of ``steps`` steps, ``skipped`` of them skipped, and update the
-        scaler; nothing is pending after it."""
-        # update_n's schedule; its argument checks are spared, every step of the host gate
+        scaler (:meth:`Loss_scaler.update_n`); nothing is pending after it."""
+        ctx = self.scaler.update_n(ctx, grads_finite=skipped == 0, steps=steps)
+        self._count_window(steps, skipped)
+        return ctx
+
+    def _count_window(self, steps: int, skipped: int) -> None:
         if skipped == 0:
-            ctx = self.scaler._grow(ctx, steps)
             self.applied_steps += steps
         else:
-            ctx = self.scaler._backoff(ctx)
             self.applied_steps += steps - skipped
             self.skipped_steps += skipped
             self.skipped_windows += 1
         self.windows += 1
         self.pending = 0
-        return ctx
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}({self.optimizer!r}, check_interval="
@@ -691,57 +717,32 @@ class ScaledStep(Recipe):
                  reducer: GradReducer | None = None) -> None:
         super().__init__(scaler, loss, optimizer, reducer=reducer)
         self.update_comp = optimizer.update(loss, grad_unscale=self.unscale)
-        self._routines: tuple[Routine, Routine] | None = None
+        self._grads: Routine | None = None
         self._check: Routine | None = None
+        self._update: Routine | None = None
         self._read_checksum: Callable[[], float] | None = None
-        # The gradient routine's call, the checksum's reader and the update's call, once
-        # Context.run has checked both routines' inputs (no reducer): ``step``'s fast path.
-        self._calls: tuple[Callable[[], None], Callable[[], float], Callable[[], None]] | None \
-            = None
 
     def compile(self, ctx: Context) -> Context:
-        ctx, grads = ctx.compile(self.grad_comp)
+        ctx, self._grads = ctx.compile(self.grad_comp)
         if self.check_comp is not None:
             ctx, self._check = ctx.compile(self.check_comp)
-        ctx, update = ctx.compile(self.update_comp)
-        self._routines = (grads, update)
+        ctx, self._update = ctx.compile(self.update_comp)
         self._read_checksum = ctx.reader(self.checksum)
-        self._calls = None
-        self._bind(ctx)
-        return ctx
+        return self._bind(ctx)
 
     def step(self, ctx: Context) -> Context:
         if ctx is not self._ctx:
             self._check_ctx(ctx)  # raises, saying why
-        calls = self._calls
-        if calls is None:
-            return self._step_checked(ctx)
-        grads, read, update = calls
-        grads()
-        finite = _isfinite(read())
-        if finite:
-            update()
-        ctx = self._close_window(ctx, 1, 0 if finite else 1)  # a window of one step
-        self.last_applied = finite
-        return ctx
-
-    def _step_checked(self, ctx: Context) -> Context:
-        """A step through ``Context.run``, until it has checked both routines' inputs (every
-        step with a reducer); then :meth:`step` calls them directly."""
-        assert self._routines is not None and self._read_checksum is not None
-        grads, update = self._routines
-        ctx = ctx.run(grads)
+        ctx = ctx.run(self._grads)
         if self.reducer is not None:
-            assert self._check is not None
             ctx = self.reducer.reduce(ctx, self.scaler)
             ctx = ctx.run(self._check)
         finite = _isfinite(self._read_checksum())
         if finite:
-            ctx = ctx.run(update)
-        ctx = self._close_window(ctx, 1, 0 if finite else 1)
+            ctx = ctx.run(self._update)
+        ctx = self.scaler.update(ctx, grads_finite=finite)  # a window of one step
+        self._count_window(1, 0 if finite else 1)
         self.last_applied = finite
-        if self.reducer is None and grads.checked and update.checked:
-            self._calls = (grads.call, self._read_checksum, update.call)
         return ctx
 
 
@@ -754,9 +755,6 @@ def scaled_step(scaler: Loss_scaler, loss: Tensor, optimizer: Optimizer, *,
                 reducer: GradReducer | None = None) -> ScaledStep:
     """Build the per-step, host-gated recipe (see :class:`ScaledStep`)."""
     return ScaledStep(scaler, loss, optimizer, reducer=reducer)
-
-
-_GATED_V1 = re.compile(rf"ocannl\.GatedStep/1 pending={_NUM}", re.ASCII)
 
 
 class GatedStep(Recipe):
@@ -796,33 +794,21 @@ class GatedStep(Recipe):
         self.nonfinite_seen = flag
         self._routine: Routine | None = None
         self._read_seen: Callable[[], float] | None = None
-        # The routine's call once Context.run has checked its inputs (no reducer).
-        self._call: Callable[[], None] | None = None
 
     def compile(self, ctx: Context) -> Context:
         if self.reducer is not None:
             ctx, self._grads = ctx.compile(self.grad_comp)
         ctx, self._routine = ctx.compile(self.comp)
         self._read_seen = ctx.reader(self.nonfinite_seen)
-        self._call = None
-        self._bind(ctx)
-        return ctx
+        return self._bind(ctx)
 
     def step(self, ctx: Context) -> Context:
         if ctx is not self._ctx:
             self._check_ctx(ctx)  # raises, saying why
-        call = self._call
-        if call is not None:
-            call()
-        else:
-            assert self._routine is not None
-            if self.reducer is not None:
-                assert self._grads is not None
-                ctx = ctx.run(self._grads)
-                ctx = self.reducer.reduce(ctx, self.scaler)
-            ctx = ctx.run(self._routine)
-            if self.reducer is None and self._routine.checked:
-                self._call = self._routine.call
+        if self.reducer is not None:
+            ctx = ctx.run(self._grads)
+            ctx = self.reducer.reduce(ctx, self.scaler)
+        ctx = ctx.run(self._routine)
         self.pending += 1
         if self.pending >= self.check_interval:
             ctx = self.flush(ctx)
@@ -843,10 +829,6 @@ class GatedStep(Recipe):
     def state_nodes(self) -> list[Tnode]:
         """The skipped-step counter: a checkpoint taken mid-window must hold it."""
         return [self.nonfinite_seen.value]
-
-    def _legacy_state(self, s: object) -> list[int] | None:
-        m = _GATED_V1.fullmatch(s) if isinstance(s, str) else None
-        return None if m is None else [int(m[1]), 0, 0, 0, 0]
 
 
 def gated_step(scaler: Loss_scaler, loss: Tensor, optimizer: Optimizer, *,

@@ -506,7 +506,8 @@ class DataParallel:
     def grad_unscale(self, scaler: Any = None) -> Tensor:
         """The tensor gradients are multiplied by before the optimizer math: ``1 / (scale *
         world)`` rounded once to f32 (``1 / world`` without a scaler). :meth:`reduce` keeps
-        it in step with the scaler."""
+        it in step with the scaler, in the context it is given: a context allocating the
+        tensor starts from ``1 / world`` (its host array is never written)."""
         return self._unscale
 
     def reduce(self, ctx: Context, scaler: Any = None) -> Context:
@@ -516,10 +517,8 @@ class DataParallel:
         if self.flat is None:
             raise ValueError(f"{self!r}: call setup(ctx) before compiling and stepping")
         want = self._unscale_value(scaler)
-        if self._synced.get(ctx) != want:
-            value = np.array(want, np.float32)
-            ctx = ctx.set_values(self._unscale, value)
-            self._unscale.value.host_data = value  # a context allocating it later starts here
+        if self._synced.get(ctx) != want:  # each context is brought in step on its own
+            ctx = ctx.set_values(self._unscale, np.array(want, np.float32))
             self._synced[ctx] = want
         self.comm.allreduce_sum(ctx.device_buffer(self.flat))
         self.reductions += 1

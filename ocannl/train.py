@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Callable
 
 from ocannl.context import Context, Routine
 from ocannl.ir.assignments import Accum, Comp, Const, Expr, Get, apply
@@ -24,7 +23,7 @@ from ocannl.tensor.tensor import Tensor, copy_into
 
 __all__ = [
     "Scalar", "forward", "grad_checksum", "grad_update", "init_params", "optimizer_state",
-    "scalar_expr", "sequential_loop", "sgd_update", "to_routine",
+    "scalar_expr", "sgd_update", "to_routine",
 ]
 
 
@@ -134,9 +133,3 @@ def init_params(ctx: Context, t: Tensor) -> Context:
 
 def to_routine(ctx: Context, comp: Comp, bindings: dict | None = None) -> tuple[Context, Routine]:
     return ctx.compile(comp, bindings)
-
-
-def sequential_loop(n: int, body: Callable[[int], object]) -> None:
-    """Run ``body(i)`` for ``i`` in ``0 .. n-1`` (OCANNL's loop over a static index)."""
-    for i in range(n):
-        body(i)

@@ -205,6 +205,24 @@ def test_a_checkpoint_of_the_first_format_is_refused_clearly(tmp_path: Path) -> 
     assert snapshot(ctx, nodes) == before
 
 
+@pytest.mark.parametrize("version", ["0", "3", "10"])
+def test_a_checkpoint_of_another_format_version_is_refused_naming_it(tmp_path: Path,
+                                                                     version: str) -> None:
+    path, _, _ = saved(tmp_path)
+    other = tmp_path / "other.safetensors"
+    other.write_bytes(reserialize(path.read_bytes(),
+                                  meta_edit=lambda m: m.update(
+                                      format=f"ocannl.checkpoint/{version}")))
+    ctx, nodes, before = fresh_target()
+    message = (rf"has format 'ocannl\.checkpoint/{version}', which this version does not read: "
+               rf"it loads 'ocannl\.checkpoint/2' only")
+    with pytest.raises(Failure, match=message):
+        checkpoint.load(other, ctx, nodes)
+    with pytest.raises(Failure, match=message):
+        checkpoint.read_progress(other)
+    assert snapshot(ctx, nodes) == before
+
+
 # --- crafted progress -------------------------------------------------------------------------
 
 
@@ -255,6 +273,21 @@ def test_a_deeply_nested_header_is_a_failure(tmp_path: Path) -> None:
 def test_malformed_progress_is_a_failure(tmp_path: Path, text: str) -> None:
     with pytest.raises(Failure, match="progress"):
         Progress.from_json(text)
+
+
+@pytest.mark.parametrize("text", ['{"step": 1, "epoch": 0, "extra": {}, "version": 1}',
+                                  '{"step": 1, "extra": {}}',
+                                  '{"step": 1, "epoch": 0, "extra": {}, "loss_scale": 8.0}'])
+def test_progress_of_another_layout_is_refused_naming_its_keys(tmp_path: Path,
+                                                               text: str) -> None:
+    keys = sorted(json.loads(text))
+    with pytest.raises(Failure, match=re.escape(f"its keys are {keys!r}, expected exactly "
+                                                f"['epoch', 'extra', 'step']")):
+        Progress.from_json(text)
+    ctx, nodes, before = fresh_target()
+    with pytest.raises(Failure, match="expected exactly"):
+        checkpoint.load(crafted(tmp_path, text), ctx, nodes)
+    assert snapshot(ctx, nodes) == before
 
 
 # --- temporaries of killed saves --------------------------------------------------------------

@@ -52,8 +52,8 @@ def device_state(ctx: Context, sc: Loss_scaler) -> tuple[float, float]:
 
 
 def host_state(sc: Loss_scaler) -> tuple:
-    return tuple(getattr(sc, f) for f in FIELDS) + (sc.scale.value.host_data.tobytes(),
-                                                     sc.unscale.value.host_data.tobytes())
+    """The scaler's fields (its tensors' host arrays are their initial values: never written)."""
+    return tuple(getattr(sc, f) for f in FIELDS)
 
 
 def fresh_ctx(sc: Loss_scaler) -> Context:
@@ -364,6 +364,49 @@ def test_restore_state_rejects(s: object) -> None:
     assert (host_state(sc), device_state(ctx, sc)) == before
 
 
+@pytest.mark.parametrize("version", ["0", "2", "17"])
+def test_restore_state_refuses_another_format_version_naming_it(version: str) -> None:
+    """A state line of another format version is refused by its version, whatever follows it
+    (an older layout of fields too), and nothing changes."""
+    good = Loss_scaler.create().save_state()
+    sc = Loss_scaler.create(init_scale=8.0)
+    ctx = fresh_ctx(sc)
+    before = host_state(sc), device_state(ctx, sc)
+    for s in (good.replace("Loss_scaler/1 ", f"Loss_scaler/{version} "),
+              f"ocannl.Loss_scaler/{version} scale=0x1.0000000000000p+16 good=0",
+              f"ocannl.Loss_scaler/{version}"):
+        with pytest.raises(Failure, match=rf"format ocannl\.Loss_scaler/{version}, which this "
+                                          rf"version does not read: expected format version 1"):
+            sc.restore_state(ctx, s)
+        assert (host_state(sc), device_state(ctx, sc)) == before
+
+
+def _reads_the_scale(sc: Loss_scaler) -> T.Tensor:
+    return T.term(np.ones(2), label="probe") * sc.scale * sc.unscale
+
+
+def test_a_scale_written_in_one_context_does_not_reach_another() -> None:
+    """The scaler writes its scale into the context it is given, and nowhere else: a context
+    that allocates the scale tensors later starts from their initial value (a recipe compiled
+    there then writes the scaler's current scale through set_scale)."""
+    sc = Loss_scaler.create(init_scale=1024.0)
+    first = fresh_ctx(sc)
+    first = sc.set_scale(first, 8.0)
+    first = sc.update(first, grads_finite=False)  # backs off to 4 in the first context
+    assert device_state(first, sc) == (4.0, 0.25) and sc.scale_value() == 4.0
+    second, probe = Context.cpu().compile(train.forward(_reads_the_scale(sc)))
+    assert device_state(second, sc) == (1024.0, 1 / 1024)  # not 4.0, the first's
+    assert float(sc.scale.value.host_data) == 1024.0
+    assert float(sc.unscale.value.host_data) == 1 / 1024
+    assert device_state(first, sc) == (4.0, 0.25)
+    rig = make_rig()
+    recipe = scaled_step(sc, rig.loss, sgd())
+    rig.ctx = recipe.compile(rig.ctx)  # the recipe's context follows the scaler: set_scale
+    assert device_state(rig.ctx, sc) == (4.0, 0.25)
+    third = fresh_ctx(sc)
+    assert device_state(third, sc) == (1024.0, 1 / 1024)
+
+
 @dataclass
 class _Shared:
     sc: Loss_scaler
@@ -664,6 +707,47 @@ def test_fused_with_interval_one_equals_host_recipe() -> None:
     assert len(set(scales)) > 2  # it both grew and backed off
 
 
+def test_recipes_go_through_context_run_and_the_scalers_public_schedule() -> None:
+    """Every routine of every step runs through Context.run, and the scale moves through
+    Loss_scaler.update / update_n: what a context or a scaler of one's own sees, the recipe
+    does (no direct Routine.call, no private schedule)."""
+    runs: list[str] = []
+    updates: list[tuple] = []
+
+    class SeenContext(Context):
+        def run(self, routine):  # noqa: ANN001, ANN202
+            runs.append(routine.label)
+            return super().run(routine)
+
+    class SeenScaler(Loss_scaler):
+        def update(self, ctx, *, grads_finite):  # noqa: ANN001, ANN202
+            updates.append(("update", grads_finite))
+            return super().update(ctx, grads_finite=grads_finite)
+
+        def update_n(self, ctx, *, grads_finite, steps):  # noqa: ANN001, ANN202
+            updates.append(("update_n", grads_finite, steps))
+            return super().update_n(ctx, grads_finite=grads_finite, steps=steps)
+
+    for build, steps in ((scaled_step, 5), (lambda *a: gated_step(*a, check_interval=2), 6)):
+        rig = make_rig()
+        ctx = SeenContext.cpu()
+        ctx = train.init_params(ctx, rig.loss)
+        ctx = ctx.set_values(rig.x, rig.points).set_values(rig.y, rig.targets)
+        runs.clear()
+        updates.clear()
+        recipe = build(SeenScaler.create(), rig.loss, sgd())
+        ctx = recipe.compile(ctx)
+        for _ in range(steps):
+            ctx = recipe.step(ctx)
+        assert recipe.skipped_steps == 0 and recipe.applied_steps == steps
+        if isinstance(recipe, ScaledStep):
+            assert runs == [recipe.grad_comp.label, recipe.update_comp.label] * steps
+            assert updates == [("update", True)] * steps
+        else:
+            assert runs == [recipe.comp.label] * steps
+            assert updates == [("update_n", True, 2)] * (steps // 2)
+
+
 def test_recipe_validation_and_state() -> None:
     rig = make_rig()
     sc = Loss_scaler.create()
@@ -688,9 +772,14 @@ def test_recipe_validation_and_state() -> None:
     gs.restore_state(s)
     assert (gs.pending, gs.applied_steps, gs.skipped_steps, gs.windows,
             gs.skipped_windows) == (3, 40, 5, 11, 2)
-    gs.restore_state("ocannl.GatedStep/1 pending=2")  # the first format: a position only
-    assert (gs.pending, gs.applied_steps, gs.windows) == (2, 0, 0)
-    gs.restore_state(s)
+    for old in ("ocannl.GatedStep/1 pending=2", "ocannl.GatedStep/1 pending=0",
+                "ocannl.GatedStep/3 pending=0 applied=0 skipped=0 windows=0 skipped_windows=0"):
+        version = old.split()[0].split("/")[1]
+        with pytest.raises(Failure, match=rf"format ocannl\.GatedStep/{version}, which this "
+                                          rf"version does not read: expected format version 2"):
+            gs.restore_state(old)  # the first format held a position only: superseded
+        assert (gs.pending, gs.applied_steps, gs.skipped_steps, gs.windows,
+                gs.skipped_windows) == (3, 40, 5, 11, 2)
     for bad_state in ("ocannl.GatedStep/1 pending=4", "pending=1", "", None,
                       s.replace("pending=3", "pending=4"),
                       s.replace("skipped_windows=2", "skipped_windows=12"),

@@ -357,6 +357,28 @@ def test_without_loss_scaling_the_mean_folds_into_grad_unscale() -> None:
         assert np.allclose(ctx.get_values(p), want, rtol=1e-6, atol=1e-7)
 
 
+def test_the_unscale_set_in_one_context_does_not_reach_another() -> None:
+    """reduce brings grad_unscale in step with the scaler in the context it is given only: a
+    context allocating the tensor later starts from 1 / world, and its own first reduce
+    brings it in step."""
+    x, y, loss = _model()
+    dp = parallel.DataParallel(parallel.SingleProcess(), loss, inputs=[x, y])
+    sc = mixed_prec.Loss_scaler.create(init_scale=1024.0)
+    recipe = mixed_prec.scaled_step(sc, loss, optim.SGD(0.1), reducer=dp)
+    first = recipe.compile(dp.setup(Context.cpu()))
+    first = train.init_params(first, loss)
+    rng = np.random.default_rng(0)
+    first = first.set_values(x, rng.normal(size=(16, 2)))
+    first = first.set_values(y, np.eye(2)[rng.integers(0, 2, 16)])
+    first = recipe.step(first)
+    assert first.get_value(dp.grad_unscale()) == 1 / 1024 and dp.reductions == 1
+    probe = T.term(np.ones(2), label="probe") * dp.grad_unscale()
+    second, _ = Context.cpu().compile(train.forward(probe))
+    assert second.get_value(dp.grad_unscale()) == 1.0  # not the first context's 1 / 1024
+    assert float(dp.grad_unscale().value.host_data) == 1.0
+    assert first.get_value(dp.grad_unscale()) == 1 / 1024
+
+
 # --- under mpiexec ------------------------------------------------------------------------------
 
 
