@@ -315,9 +315,9 @@ class _Machine:
         compute = _dtype(lhs.prec.compute)
         out = self.values[lhs.id].reshape(-1)
         ops = [self.node(v.node).reshape(-1).astype(compute) for v in (g.a, g.b)]
-        for off_out, off_a, off_b in _batch_offsets(g):
-            a = _matrix(ops[0], g.a, off_a)
-            b = _matrix(ops[1], g.b, off_b)
+        for off_out, off_a, off_b in gemm_offsets(g):
+            a = gemm_matrix(ops[0], g.a, off_a)
+            b = gemm_matrix(ops[1], g.b, off_b)
             cells = (off_out + np.arange(g.rows)[:, None] * g.out_ld
                      + np.arange(g.cols)[None, :])
             with np.errstate(all="ignore"):
@@ -393,14 +393,14 @@ class _Machine:
         return result
 
 
-def _matrix(flat: np.ndarray, v: MatrixView, offset: int) -> np.ndarray:
+def gemm_matrix(flat: np.ndarray, v: MatrixView, offset: int) -> np.ndarray:
     """The view's ``rows x cols`` matrix at ``offset`` in the node's flat values."""
     r = np.arange(v.rows)[:, None]
     c = np.arange(v.cols)[None, :]
     return flat[offset + (c * v.ld + r if v.transposed else r * v.ld + c)]
 
 
-def _batch_offsets(g: Gemm) -> list[tuple[int, int, int]]:
+def gemm_offsets(g: Gemm) -> list[tuple[int, int, int]]:
     """The (out, a, b) offsets of each product, batch points in order."""
     out = [(0, 0, 0)]
     for axis in g.batch:
