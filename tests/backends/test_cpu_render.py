@@ -1,6 +1,14 @@
-"""The 16-bit float conversions of the CPU backend's generated code (``cpu/codegen.py``).
+"""The CPU renderer (``backends/cpu/codegen.py``, ``scalar.py``): its code against the reference
+interpreter of lowered code (``ocannl.ir.interpret``), and its 16-bit conversions.
 
-Oracles: NumPy's float16 and ml_dtypes' bfloat16, compared bit for bit (NaN payloads and the
+- Every computation of the lowering tests (``tests/ir/corpus.py``) and one training step of each
+  benchmark workload in every variant, run on the backend and in the interpreter: every node
+  compared bit for bit (any NaN equal to any NaN). A BLAS product and the math functions have no
+  defined last bits: the step tests borrow those pieces from the backend (``tests/ir/shadow.py``)
+  and check each apart, the corpus shows that a difference comes only from a product.
+- Each op's CPU builder against ``ops.reference`` within ``interpret.ULP``.
+
+16-bit conversions. Oracles: NumPy's float16 and ml_dtypes' bfloat16, compared bit for bit (NaN payloads and the
 signs of zeros included) over all 65,536 patterns in both directions, over the exact halfway
 points between neighbouring 16-bit values (round-to-nearest-even), and over random f32 bit
 patterns. Every conversion runs in a generated ``cast`` routine; ``f16_soft`` is the
@@ -9,7 +17,9 @@ integer-only f16 code used where the CPU has no conversion instructions.
 
 from __future__ import annotations
 
+import sys
 import warnings
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -18,6 +28,16 @@ import pytest
 import ocannl.tensor as T
 from ocannl import Context
 from ocannl.backends.cpu import jit
+from ocannl.backends.cpu.backend import CpuBackend
+from ocannl.ir import interpret
+from ocannl.ir.assignments import Accum, Comp, Get, apply, reads
+from ocannl.ir.lowering import Gemm, nodes_of
+from ocannl.ir.ops import OPS, Precision, reference
+from ocannl.ir.tnode import Tnode
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "ir"))
+import corpus  # noqa: E402
+import shadow  # noqa: E402
 
 ALL_BITS = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
 DTYPES = {"f16": np.dtype(np.float16), "bf16": np.dtype(ml_dtypes.bfloat16)}
@@ -149,3 +169,149 @@ def test_f16_conversions_use_the_instructions_only_where_the_cpu_has_them(monkey
     monkeypatch.setattr(jit, "hardware_f16", lambda: False)
     soft = "".join(emit_ir(code, nodes_of(code))[0])
     assert "half" not in soft
+
+
+# --- the interpreter as the oracle ---------------------------------------------------------------
+
+
+def _on_cpu(code: list, values: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
+    """``code`` compiled and run by the CPU backend on fresh buffers holding ``values``."""
+    backend = CpuBackend()
+    nodes = nodes_of(code)
+    bufs = {n.id: backend.alloc(n) for n in nodes}
+    for n in nodes:
+        backend.write(n, bufs[n.id], values[n.id].reshape(-1))
+    compiled, _ = backend.compile("corpus", code, nodes)
+    backend.bind(compiled, tuple(bufs[n.id] for n in nodes))()
+    return {n.id: backend.read(n, bufs[n.id]).reshape(n.dims) for n in nodes}
+
+
+@pytest.mark.parametrize("name", sorted(corpus.BUILDERS))
+def test_the_lowering_corpus_runs_as_the_interpreter_runs_it(name, monkeypatch):
+    """Bit for bit with the interpreter's own products (the in-order sums: the loops and the
+    inline small products compute them); where that differs, the code holds a product and
+    borrowing that product from the backend's BLAS makes every node the same: only BLAS's
+    order may differ, never a loop's."""
+    c = corpus.BUILDERS[name]()
+    got = _on_cpu(c.code, c.values)
+    mine = {k: v.copy() for k, v in c.values.items()}
+    lender = shadow.Lender(shadow.Tally())
+    interpret.run(c.code, mine, ops=lender.ops())
+    nodes = nodes_of(c.code)
+    off = [n.name for n in nodes if not shadow.same(got[n.id], mine[n.id])]
+    if off:
+        assert any(isinstance(i, Gemm) for i in c.code), off
+        mine = {k: v.copy() for k, v in c.values.items()}
+        interpret.run(c.code, mine, gemm=lender.gemm, ops=lender.ops())
+        off = [n.name for n in nodes if not shadow.same(got[n.id], mine[n.id])]
+        assert not lender.tally.mismatches, lender.tally.mismatches
+    assert not off, off
+
+
+@pytest.mark.parametrize("name", sorted(corpus.BUILDERS))
+def test_the_corpus_inexact_ops_are_within_their_ulp_bound(name):
+    """The same corpus with the interpreter's own math functions (``ops.reference``): a node an
+    inexact op writes, from nodes no inexact op wrote, is within the op's bound (beyond it, the
+    error of an op depends on what follows it: a difference cancels, a product keeps it)."""
+    c = corpus.BUILDERS[name]()
+    got = _on_cpu(c.code, c.values)
+    mine = {k: v.copy() for k, v in c.values.items()}
+    lender = shadow.Lender(shadow.Tally())
+    has_blas_order = any(isinstance(i, Gemm) for i in c.code)
+    interpret.run(c.code, mine, gemm=lender.gemm if has_blas_order else "ordered")
+    tainted: set[int] = set()
+    for item in c.code:
+        for nest in getattr(item, "nests", ()):
+            n = nest.assign.lhs
+            ops = {e.op for e in _applies(nest.assign.expr)}
+            bound = max((interpret.ULP[op] for op in ops), default=0)
+            if any(g.node.id in tainted for g in reads(nest.assign.expr)):
+                tainted.add(n.id)
+                continue
+            if bound:
+                tainted.add(n.id)
+            d = interpret.ulp_distance(got[n.id], mine[n.id])
+            assert int(d.max()) <= bound, (n.name, sorted(ops), int(d.max()))
+
+
+def _applies(e):  # noqa: ANN001, ANN202
+    from ocannl.ir.assignments import Apply
+
+    if isinstance(e, Apply):
+        yield e
+        for a in e.args:
+            yield from _applies(a)
+
+
+WORKLOADS = ["mlp_small", "mlp_wide", "convnet", "gpt_mini"]
+VARIANTS = ["f32", "bf16", "f16", "f16-static", "f16-gated16"]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("workload", WORKLOADS)
+def test_a_benchmark_step_runs_as_the_interpreter_runs_it(workload, variant, monkeypatch):
+    """One training step of the workload's recipe (every routine it runs, its host gate
+    included): each routine run again by the interpreter from the values it started from,
+    every node it holds compared bit for bit. Borrowed from the CPU backend (as its alone, on
+    the interpreter's values): each BLAS product (checked against the f64 product within
+    ``2 n u sum|a||b|``, its order being BLAS's) and the math functions (``ULP``)."""
+    from benchmarks.fixtures import load
+    from benchmarks.runners import make_runner
+    from benchmarks.specs import WORKLOADS as SPECS
+
+    sh = shadow.Shadow(monkeypatch, lend=True)
+    runner = make_runner(load(SPECS[workload]), "ocannl", variant, "cpu")
+    runner.build()
+    runner.step(0)
+    t = sh.tally
+    assert t.routines >= 1 and t.compared > 0 and t.gemms > 0
+    assert not t.mismatches, t.mismatches[:10]
+    assert t.exact == t.compared
+    print(f"{workload} {variant}: {t.routines} routines, {t.compared} nodes, {t.exact} exact, "
+          f"{t.gemms} products borrowed (worst {t.worst_gemm:.2f} of the bound), ops "
+          f"{t.op_calls}")
+
+
+SWEEP = np.concatenate([
+    ALL_BITS.view(np.float16).astype(np.float32),
+    ALL_BITS.view(ml_dtypes.bfloat16).astype(np.float32),
+    np.random.default_rng(7).integers(0, 1 << 32, 1 << 18, dtype=np.uint64).astype(
+        np.uint32).view(np.float32),
+    (np.random.default_rng(8).normal(size=1 << 16) * 4).astype(np.float32)])
+
+
+def _run_op(op: str, prec: Precision, *args: np.ndarray) -> np.ndarray:
+    n = args[0].size
+    ins = [Tnode(f"a{k}", (n,), prec) for k in range(len(args))]
+    out = Tnode(f"out_{op}", (n,), prec)
+    ctx = Context.cpu()
+    for t, a in zip(ins, args, strict=True):
+        ctx.set_values(t, a)
+    ctx, r = ctx.compile(Comp((Accum(out, (0,), "=", apply(op, *(Get(t, (0,)) for t in ins)),
+                                     (n,)),)))
+    ctx.run(r)
+    return ctx.get_values(out)
+
+
+MEASURED: dict[tuple[str, str], int] = {}
+
+
+@pytest.mark.parametrize("prec", [Precision.f32, Precision.f64], ids=lambda p: p.value)
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_each_op_is_within_its_ulp_bound_of_the_reference(op, prec):
+    """Over every f16 and bf16 value (widened), 2**18 random f32 patterns and 2**16 normals
+    (the second and third operands: the same values shuffled); hash operands as integers."""
+    rng = np.random.default_rng(3)
+    x = SWEEP.astype(prec.numpy_dtype)
+    if op.startswith("hash"):
+        x = np.floor(np.abs(x[np.isfinite(x)]) % 2.0 ** 40).astype(prec.numpy_dtype)
+    args = [x] + [rng.permutation(x) for _ in range(OPS[op].arity - 1)]
+    if op == "hash_xsm":
+        args[1] = np.full_like(x, 23)
+    with np.errstate(all="ignore"):
+        want = reference(op, *args).astype(prec.numpy_dtype)
+    got = _run_op(op, prec, *args)
+    d = interpret.ulp_distance(got, want)
+    MEASURED[(op, prec.value)] = int(d.max())
+    print(f"{op} {prec.value}: max {int(d.max())} ulp, {int((d > 0).sum())} of {d.size} differ")
+    assert int(d.max()) <= interpret.ULP[op], (op, prec.value, int(d.max()))
