@@ -8,11 +8,11 @@ interpreter of lowered code (``ocannl.ir.interpret``), and its 16-bit conversion
   and check each apart, the corpus shows that a difference comes only from a product.
 - Each op's CPU builder against ``ops.reference`` within ``interpret.ULP``.
 
-16-bit conversions. Oracles: NumPy's float16 and ml_dtypes' bfloat16, compared bit for bit (NaN payloads and the
-signs of zeros included) over all 65,536 patterns in both directions, over the exact halfway
-points between neighbouring 16-bit values (round-to-nearest-even), and over random f32 bit
-patterns. Every conversion runs in a generated ``cast`` routine; ``f16_soft`` is the
-integer-only f16 code used where the CPU has no conversion instructions.
+16-bit conversions. Oracles: NumPy's float16 and ml_dtypes' bfloat16, compared bit for bit
+(NaN payloads and the signs of zeros included) over all 65,536 patterns in both directions,
+over the exact halfway points between neighbouring 16-bit values (round-to-nearest-even),
+and over random f32 bit patterns. Every conversion runs in a generated ``cast`` routine;
+``f16_soft`` is the integer-only f16 code used where the CPU has no conversion instructions.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """im2col (``lower(comp, im2col=True)``): convolutions, their kernel gradients and their input
-gradients as patches and GEMMs, compiled and run on the CPU backend against the direct loop
-nests and an f64 NumPy reference."""
+gradients as patches and GEMMs, run by the reference interpreter against the direct loop nests
+and an f64 NumPy reference."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import pytest
 import ocannl.tensor as T
 from ocannl import Context, Precision, train
 from ocannl.backends.cpu.backend import CpuBackend
-from ocannl.ir import lowering
+from ocannl.ir import interpret, lowering
 from ocannl.ir.assignments import Accum, Affine, Comp, Const, Get, apply
+from ocannl.ir.interpret import stored
 from ocannl.ir.lowering import Fill, Gemm, LoopGroup, lower, nests, nodes_of
 from ocannl.ir.tnode import MemoryMode, Tnode
 from ocannl.tensor.spatial import conv2d
@@ -85,19 +86,15 @@ class Conv:
 
 def _run(comp: Comp, values: dict[Tnode, np.ndarray], *, im2col: bool
          ) -> tuple[dict[int, np.ndarray], list]:
-    """Lower (im2col on or off), compile and run ``comp`` on fresh buffers holding ``values``;
-    the values of every node by id, and the lowered code."""
-    backend = CpuBackend()
+    """Lower (im2col on or off) and run ``comp`` in the interpreter on zeros holding
+    ``values``; the values of every node by id (as f64), and the lowered code."""
     code = lower(comp, im2col=im2col)
-    nodes = nodes_of(code)
-    bufs = {n.id: backend.alloc(n) for n in nodes}
+    state = {n.id: np.zeros(n.dims, n.prec.numpy_dtype) for n in nodes_of(code)}
     for n, v in values.items():
-        if n.id in bufs:
-            backend.write(n, bufs[n.id], np.asarray(v, np.float64).reshape(-1))
-    compiled, _ = backend.compile(comp.label, code, nodes)
-    backend.bind(compiled, tuple(bufs[n.id] for n in nodes))()
-    out = {n.id: backend.read(n, bufs[n.id]).astype(np.float64).reshape(n.dims) for n in nodes}
-    return out, code
+        if n.id in state:
+            state[n.id] = stored(np.asarray(v, np.float64).reshape(n.dims), n.prec)
+    interpret.run(code, state)
+    return {k: v.astype(np.float64) for k, v in state.items()}, code
 
 
 def _values(cv: Conv, seed: int = 0) -> dict[Tnode, np.ndarray]:

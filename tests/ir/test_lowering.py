@@ -1,5 +1,7 @@
-"""Lowering (``ocannl.ir.lowering``): assignments to loop nests and GEMMs, and the CPU code
-generated from them, against NumPy's einsum."""
+"""Lowering (``ocannl.ir.lowering``): assignments to loop nests and GEMMs, run by the reference
+interpreter (``ocannl.ir.interpret``), against hand values and NumPy's einsum. (The CPU
+renderer's code is compared with the interpreter on these computations in
+``tests/backends/test_cpu_render.py``.)"""
 
 from __future__ import annotations
 
@@ -14,10 +16,11 @@ from hypothesis import strategies as st
 import ocannl.tensor as T
 from ocannl import Context, Precision, train
 from ocannl.backends.cpu import small_product
-from ocannl.backends.cpu.backend import CpuBackend, emit_ir
+from ocannl.backends.cpu.backend import emit_ir
 from ocannl.backends.cpu.codegen import Target, signature
-from ocannl.ir import lowering
+from ocannl.ir import interpret, lowering
 from ocannl.ir.assignments import Accum, Comp, Const, Fixed, Get, apply
+from ocannl.ir.interpret import stored
 from ocannl.ir.lowering import (
     GEMM_MIN_FLOPS,
     Fill,
@@ -39,17 +42,15 @@ def _node(label: str, dims: tuple[int, ...], prec: Precision = F32) -> Tnode:
 
 def _run(comp: Comp, inputs: dict[Tnode, np.ndarray], *, gemm: bool,
          initial: dict[Tnode, np.ndarray] | None = None) -> dict[int, np.ndarray]:
-    """Lower, emit and run ``comp`` on fresh buffers; the values of every node by id."""
-    backend = CpuBackend()
-    code = lower(comp, gemm=gemm, batched=gemm and backend.has_batched_gemm)
-    nodes = nodes_of(code)
-    bufs = {n.id: backend.alloc(n) for n in nodes}
+    """Lower ``comp`` and run it in the interpreter on zeros (as a backend's fresh buffers)
+    holding ``initial`` and ``inputs``; the values of every node by id."""
+    code = lower(comp, gemm=gemm, batched=gemm)
+    values = {n.id: np.zeros(n.dims, n.prec.numpy_dtype) for n in nodes_of(code)}
     for n, v in {**(initial or {}), **inputs}.items():
-        if n.id in bufs:  # (initial values may be given for nodes the code does not touch)
-            backend.write(n, bufs[n.id], np.asarray(v, n.prec.numpy_dtype).reshape(-1))
-    compiled, _ = backend.compile(comp.label, code, nodes)
-    backend.bind(compiled, tuple(bufs[n.id] for n in nodes))()
-    return {n.id: backend.read(n, bufs[n.id]).reshape(n.dims) for n in nodes}
+        if n.id in values:  # (initial values may be given for nodes the code does not touch)
+            values[n.id] = stored(np.asarray(v, np.float64).reshape(n.dims), n.prec)
+    interpret.run(code, values)
+    return values
 
 
 def _matmul(m: int, k: int, n: int, *, reset: bool = True) -> tuple[Accum, Tnode, Tnode, Tnode]:
