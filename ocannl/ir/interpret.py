@@ -423,7 +423,8 @@ def ulp_distance(got: np.ndarray, want: np.ndarray) -> np.ndarray:
     def ordered(x: np.ndarray) -> np.ndarray:
         i = x.view(bits).astype(wide)
         top = np.array(1, wide) << (8 * x.dtype.itemsize - 1)
-        return np.where(i < 0, -(i + top), i)  # sign-magnitude to a monotone integer line
+        # sign-magnitude to a monotone integer line, -0 one step below +0
+        return np.where(i < 0, -(i + top) - 1, i)
 
     with np.errstate(invalid="ignore"):
         gn, wn = np.isnan(got.astype(np.float64)), np.isnan(want.astype(np.float64))
