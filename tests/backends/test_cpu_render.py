@@ -315,3 +315,177 @@ def test_each_op_is_within_its_ulp_bound_of_the_reference(op, prec):
     MEASURED[(op, prec.value)] = int(d.max())
     print(f"{op} {prec.value}: max {int(d.max())} ulp, {int((d > 0).sum())} of {d.size} differ")
     assert int(d.max()) <= interpret.ULP[op], (op, prec.value, int(d.max()))
+
+
+# --- moved from tests/ir: what the renderer makes of lowered code ---------------------------------
+
+from test_im2col import Conv, _values  # noqa: E402
+from test_lowering import _matmul  # noqa: E402
+
+from ocannl import train  # noqa: E402
+from ocannl.backends.cpu import small_product  # noqa: E402
+from ocannl.backends.cpu.backend import emit_ir  # noqa: E402
+from ocannl.backends.cpu.codegen import Target, signature  # noqa: E402
+from ocannl.ir import lowering  # noqa: E402
+from ocannl.ir.lowering import LoopGroup, lower  # noqa: E402
+
+
+@pytest.fixture
+def any_size(monkeypatch):
+    """im2col wherever a GEMM is recognised, however small."""
+    monkeypatch.setattr(lowering, "IM2COL_MIN_INNER", 1)
+    monkeypatch.setattr(lowering, "IM2COL_MIN_REUSE", 0)
+
+
+def test_products_call_blas_only_past_the_small_product_size(monkeypatch):
+    x = T.term(np.random.default_rng(0).normal(size=(64, 32)), label="x")
+    w1 = T.param("w1", output_dims=[48])
+    w2 = T.param("w2", output_dims=[16])
+    code = lower(train.grad_update(T.sum(w2 @ T.relu(w1 @ x))))
+    assert sum(isinstance(i, Gemm) for i in code) == 5
+    text = "".join(emit_ir(code, nodes_of(code))[0])
+    assert 'call void @"ocannl_sgemm"' not in text  # all five are small: inline loops
+    monkeypatch.setattr(small_product, "SMALL_WORK", 0)
+    text = "".join(emit_ir(code, nodes_of(code))[0])
+    assert text.count('call void @"ocannl_sgemm"') == 5
+
+
+def test_sources_name_buffers_by_position():
+    """The same code over other nodes of the same dims is the same IR (so it is reused)."""
+    acc1, *_ = _matmul(5, 6, 7)
+    acc2, *_ = _matmul(5, 6, 7)
+    code1, code2 = lower(Comp((acc1,))), lower(Comp((acc2,)))
+    assert emit_ir(code1, nodes_of(code1)) == emit_ir(code2, nodes_of(code2))
+    acc3, *_ = _matmul(5, 6, 8)
+    code3 = lower(Comp((acc3,)))
+    assert emit_ir(code3, nodes_of(code3))[0] != emit_ir(code1, nodes_of(code1))[0]
+    # the disk cache's key is made from the same things, without building the IR
+    sig = [signature(c, nodes_of(c), Target(True)) for c in (code1, code2, code3)]
+    assert sig[0] == sig[1] != sig[2]
+    assert signature(code1, nodes_of(code1), Target(False)) != sig[0]  # soft f16 conversions
+
+
+def _attention_step(version: str, monkeypatch, tmp_path, held: bool):  # noqa: ANN202
+    """One training step of a small attention block: its loss, parameters and context. ``held``
+    False lowers without registers (and compiles apart: another code version, cache dir)."""
+    from ocannl import nn_blocks, optim
+    from ocannl.backends.cpu import codegen
+
+    monkeypatch.setattr(codegen, "_VERSION", codegen._VERSION + version)
+    monkeypatch.setenv("OCANNL_CACHE_DIR", str(tmp_path))
+    if not held:
+        monkeypatch.setattr(lowering, "_in_registers", lambda code: code)
+    T.set_seed(2)
+    x = T.term(np.random.default_rng(2).normal(size=(3, 6, 8)).astype(np.float32), label="xa",
+               batch_dims=(3, 6), output_dims=(8,))
+    y, _ = nn_blocks.multi_head_attention(x, num_heads=2, d_k=4, causal=True)
+    loss = T.sum(y * y)
+    ctx = train.init_params(Context.cpu(), loss)
+    comp = train.grad_update(loss) + optim.Adam(1e-2).update(loss)
+    code = ctx.lower(comp)
+    ctx, step = ctx.compile(comp)
+    ctx.run(step)
+    monkeypatch.undo()
+    return loss, ctx, code
+
+
+def test_pointwise_chains_hand_values_over_in_registers_with_the_same_bits(monkeypatch,
+                                                                           tmp_path):
+    """The scores' gradient through attention's mask and scale is a chain of local pointwise
+    nodes in one group: only its last value is stored. The step's bits are those of storing
+    every node."""
+    loss, ctx, code = _attention_step("-held", monkeypatch, tmp_path, held=True)
+    held = {i for item in code if isinstance(item, LoopGroup) for i in item.registers}
+    names = {n.id: n.label for n in nodes_of(code)}
+    assert any(names[i].startswith("grad_where") for i in held), sorted(names[i] for i in held)
+    for item in code:
+        for i in getattr(item, "registers", ()):  # local, written and read in this group only
+            assert names[i] and all(
+                i not in {n.id for n in nodes_of([other])} for other in code if other is not item)
+    ref_loss, ref_ctx, ref_code = _attention_step("-stored", monkeypatch, tmp_path, held=False)
+    assert not any(getattr(item, "registers", ()) for item in ref_code)
+    assert ctx.get_values(loss).tobytes() == ref_ctx.get_values(ref_loss).tobytes()
+    for p, q in zip(loss.params, ref_loss.params, strict=True):
+        assert ctx.get_values(p).tobytes() == ref_ctx.get_values(q).tobytes(), p.label
+
+
+def _linear_step(version: str, monkeypatch, tmp_path, alias: bool):  # noqa: ANN202
+    """One SGD step of a two-layer MLP: its loss, the parameters, the context, the code.
+    ``alias`` False lowers without dropping copies (compiled apart)."""
+    from ocannl import nn_blocks
+    from ocannl.backends.cpu import codegen
+
+    monkeypatch.setattr(codegen, "_VERSION", codegen._VERSION + version)
+    monkeypatch.setenv("OCANNL_CACHE_DIR", str(tmp_path))
+    if not alias:
+        monkeypatch.setattr(lowering, "_alias_copies", lambda code: code)
+    T.set_seed(5)
+    x = T.term(np.random.default_rng(5).normal(size=(16, 12)).astype(np.float32), label="xl",
+               batch_dims=(16,), output_dims=(12,))
+    y, _ = nn_blocks.mlp(x, (20,), 4, label="al")
+    loss = T.sum(y * y)
+    ctx = train.init_params(Context.cpu(), loss)
+    comp = train.grad_update(loss) + train.sgd_update(loss, learning_rate=0.01)
+    code = ctx.lower(comp)
+    ctx, step = ctx.compile(comp)
+    ctx.run(step)
+    monkeypatch.undo()
+    return loss, ctx, code
+
+
+def test_a_gradient_copied_whole_is_read_where_it_is_with_the_same_bits(monkeypatch, tmp_path):
+    """A bias add hands its gradient to the product's unchanged: the copy is dropped and the
+    product's readers (its GEMMs) read the addition's gradient. The step's bits stay."""
+    loss, ctx, code = _linear_step("-alias", monkeypatch, tmp_path, alias=True)
+    ref_loss, ref_ctx, ref_code = _linear_step("-copy", monkeypatch, tmp_path, alias=False)
+
+    def copies(code: list) -> list[str]:
+        return [n.assign.lhs.label for item in code if isinstance(item, LoopGroup)
+                for n in item.nests if isinstance(n.assign.expr, Get)
+                and n.assign.lhs.label.startswith("grad_matmul")]
+
+    assert copies(ref_code) and not copies(code)
+    written = {n.id for item in code for n in nodes_of([item])}
+    assert not any(n.label.startswith("grad_matmul") for n in nodes_of(code)), written
+    assert ctx.get_values(loss).tobytes() == ref_ctx.get_values(ref_loss).tobytes()
+    for p, q in zip(loss.params, ref_loss.params, strict=True):
+        assert ctx.get_values(p).tobytes() == ref_ctx.get_values(q).tobytes(), p.label
+
+
+def test_f16_patches_convert_plainly_with_the_bits_of_exact_copies(any_size, monkeypatch,
+                                                                   tmp_path):
+    """Patches only a product reads convert 16-bit values with the plain instructions, not
+    the copy that keeps a signalling NaN's bits (``codegen._for_gemms``): the product quiets
+    a NaN either way, so the output has the same bits, signalling NaN in the image or not."""
+    from ocannl.backends.cpu import codegen
+
+    monkeypatch.setenv("OCANNL_CACHE_DIR", str(tmp_path))
+    cv = Conv(2, 6, 6, 3, 4, 3, 1, 1, Precision.f16)
+    comp = Comp((cv.forward(),))
+    code = lower(comp, im2col=True)
+    [patches] = [n for n in nodes_of(code) if n.name.startswith(f"{cv.x.name}_patches_")]
+    assert codegen._for_gemms(code) == {patches.id}
+
+    def run(plain: bool) -> bytes:
+        monkeypatch.setattr(codegen, "_VERSION", codegen._VERSION + ("-plain" if plain
+                                                                      else "-exact"))
+        if not plain:
+            monkeypatch.setattr(codegen, "_for_gemms", lambda code: frozenset())
+        backend = CpuBackend()
+        nodes = nodes_of(code)
+        bufs = {n.id: backend.alloc(n) for n in nodes}
+        for n, v in _values(cv, 4).items():
+            backend.write(n, bufs[n.id], np.asarray(v, np.float64).reshape(-1))
+        bits = bufs[cv.x.id].view(np.uint16)
+        bits[5], bits[40] = 0x7C01, 0xFE03  # a signalling NaN, a negative quiet one
+        compiled, _ = backend.compile(comp.label, code, nodes)
+        backend.bind(compiled, tuple(bufs[n.id] for n in nodes))()
+        monkeypatch.undo()
+        monkeypatch.setattr(lowering, "IM2COL_MIN_INNER", 1)
+        monkeypatch.setattr(lowering, "IM2COL_MIN_REUSE", 0)
+        monkeypatch.setenv("OCANNL_CACHE_DIR", str(tmp_path))
+        return bufs[cv.y.id].tobytes()
+
+    plain = run(True)
+    assert np.isnan(np.frombuffer(plain, np.float16)).any()
+    assert plain == run(False)
