@@ -319,6 +319,7 @@ def test_each_op_is_within_its_ulp_bound_of_the_reference(op, prec):
 
 # --- moved from tests/ir: what the renderer makes of lowered code ---------------------------------
 
+import test_ops as op_tests  # noqa: E402
 from test_im2col import Conv, _values  # noqa: E402
 from test_lowering import _matmul  # noqa: E402
 
@@ -489,3 +490,27 @@ def test_f16_patches_convert_plainly_with_the_bits_of_exact_copies(any_size, mon
     plain = run(True)
     assert np.isnan(np.frombuffer(plain, np.float16)).any()
     assert plain == run(False)
+
+
+def _run_ops_on_cpu(ops: list[str], prec: Precision, *args: np.ndarray) -> dict[str, np.ndarray]:
+    """``test_ops._run_ops`` on the CPU backend: every op in one generated routine."""
+    comp, ins, outs = op_tests._comp(ops, prec, args[0].size)
+    ctx = Context.cpu()
+    for t, a in zip(ins, args, strict=True):
+        ctx.set_values(t, a)
+    ctx, r = ctx.compile(comp)
+    ctx.run(r)
+    return {op: ctx.get_values(outs[op]) for op in ops}
+
+
+@pytest.mark.parametrize("check", ["test_unary_op_semantics[f32]", "test_unary_op_semantics[f64]",
+                                   "test_binary_op_semantics[f32]",
+                                   "test_binary_op_semantics[f64]", "test_where_is_a_select",
+                                   "test_nan_and_infinities_propagate_like_torch"])
+def test_the_op_semantics_checks_on_the_cpu_code(check, monkeypatch):
+    """The op table's checks (``tests/ir/test_ops.py``: NumPy on special values, ``where`` a
+    select, NaN and infinities as PyTorch's) with the ops run by the CPU backend's code."""
+    monkeypatch.setattr(op_tests, "_run_ops", _run_ops_on_cpu)
+    name, _, prec = check.partition("[")
+    args = [Precision(prec.rstrip("]"))] if prec else []
+    getattr(op_tests, name)(*args)
