@@ -148,5 +148,5 @@ def test_every_routine_matches_the_reference_interpreter(monkeypatch: pytest.Mon
     t = sh.tally
     assert t.routines >= 3 and t.compared > 0
     assert not t.mismatches, t.mismatches[:10]
-    print(f"{prec}: {t.routines} routines, {t.compared} nodes within the tolerance, {t.exact} "
-          f"of them")
+    print(f"{prec}: {t.routines} routines, {t.exact} of {t.compared} nodes within the "
+          f"tolerance, {t.bitwise} of them bit for bit")

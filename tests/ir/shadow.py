@@ -37,7 +37,8 @@ class Tally:
     ops, and the worst product error against its bound."""
 
     compared: int = 0
-    exact: int = 0
+    exact: int = 0  # passed the check
+    bitwise: int = 0  # of those, the same bits (any NaN equal to any NaN)
     routines: int = 0
     gemms: int = 0
     op_calls: dict[str, int] = field(default_factory=dict)
@@ -194,6 +195,7 @@ class Shadow:
                 self.tally.compared += 1
                 if self.check(label, n, got, mine[n.id]):
                     self.tally.exact += 1
+                    self.tally.bitwise += same(got, mine[n.id])
                 else:
                     d = interpret.ulp_distance(got, mine[n.id])
                     self.tally.mismatches.append(
