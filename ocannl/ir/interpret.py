@@ -369,6 +369,9 @@ class _Machine:
                 raise ValueError(f"{e.node.name} is read before anything wrote it")
             idx, ok = self._index(e.node, e.idx, iters)
             value = np.asarray(arr[tuple(idx)]).astype(_dtype(e.node.prec))
+            rounded = getattr(e, "rounded", None)  # a read rounded as a store into it rounds
+            if rounded is not None:
+                value = stored(value, rounded).astype(_dtype(rounded))
             if ok is not True:
                 value = np.where(ok, value, np.zeros((), value.dtype))
             return value

@@ -52,10 +52,11 @@ class Lender:
     def __init__(self, tally: Tally) -> None:
         self.ctx = Context.cpu()
         self.tally = tally
-        self._items: dict[int, tuple] = {}
-        self._ops: dict[tuple, tuple] = {}
+        self._items: dict[int, tuple] = {}  # id(item) -> its routine, buffers, nodes
+        self._ops: dict[tuple, tuple] = {}  # (op, dtypes, size) -> its code and nodes
+        self._op_routines: dict[tuple, tuple] = {}  # the same key -> as ``_items``
 
-    def _run(self, code: list[Lowered], key: int, table: dict, inputs: dict[int, np.ndarray],
+    def _run(self, code: list[Lowered], key: object, table: dict, inputs: dict[int, np.ndarray],
              outputs: list[Tnode]) -> list[np.ndarray]:
         if key not in table:
             _, routine = self.ctx.compile_lowered("borrowed", code, local_check=False)
@@ -100,7 +101,7 @@ class Lender:
             code, ins, out = self._ops[key]
             flat = {t.id: np.resize(a.reshape(-1), n).astype(a.dtype)
                     for t, a in zip(ins, arrays, strict=True)}
-            [got] = self._run(code, hash(key), self._items, flat, [out])
+            [got] = self._run(code, key, self._op_routines, flat, [out])
             self.tally.op_calls[name] = self.tally.op_calls.get(name, 0) + 1
             return got[:size].reshape(shape)
 
