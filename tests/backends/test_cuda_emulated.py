@@ -107,3 +107,46 @@ def test_grid_and_block_stride_loops_going_round(monkeypatch: pytest.MonkeyPatch
                        cuda_cases.long_map_cases(n=50_000)):
         ctx, routine = C.check_comp(Context.cuda, comp, outs)
         assert any(k.grid == 64 for k in routine.compiled.plan.kernels)
+
+
+# --- against the reference interpreter of lowered code --------------------------------------------
+
+_GPU_RTOL = {"f64": 1e-10, "f32": 1e-4, "f16": 4e-3, "bf16": 3e-2}
+
+
+def _gpu_close(label: str, node, got, want) -> bool:  # noqa: ANN001 - a Shadow check
+    """Within a GPU's rounding of the interpreter's value: its sums run in other orders (block
+    reductions, cuBLAS), its multiply-adds may fuse and its math functions are not libm's, so
+    cells are compared relative to the node's magnitude (one error of the precision's size,
+    times a summation factor), NaN only where the interpreter has NaN."""
+    import numpy as np
+
+    g, w = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    if not np.array_equal(np.isnan(g), np.isnan(w)):
+        return False
+    ok = ~np.isnan(w)
+    rtol = _GPU_RTOL[node.prec.value]
+    scale = float(np.abs(w[ok]).max()) if ok.any() else 0.0
+    return bool(np.all(np.abs(g[ok] - w[ok]) <= rtol * np.abs(w[ok]) + rtol * scale))
+
+
+@pytest.mark.parametrize("prec", ["f32", "f16", "bf16"])
+def test_every_routine_matches_the_reference_interpreter(monkeypatch: pytest.MonkeyPatch,
+                                                         prec: str) -> None:
+    """Each run of the fused gated step (gradients, checksum, gated SGD with momentum: block
+    reductions, cuBLAS products, casts) on the emulated GPU, run again by the interpreter from
+    the values it started from (``tests/ir/shadow.py``): every node it holds within a GPU-style
+    tolerance of the interpreter's (``_gpu_close``)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "ir"))
+    import shadow
+
+    sh = shadow.Shadow(monkeypatch, lend=False, check=_gpu_close)
+    M.run_steps(Context.cuda(), M.build(prec, dims=(2, 64, 64, 2), batch=64), 3, "gated")
+    t = sh.tally
+    assert t.routines >= 3 and t.compared > 0
+    assert not t.mismatches, t.mismatches[:10]
+    print(f"{prec}: {t.routines} routines, {t.exact} of {t.compared} nodes within the "
+          f"tolerance, {t.bitwise} of them bit for bit")

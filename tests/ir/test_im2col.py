@@ -1,8 +1,10 @@
-"""im2col (``lower(comp, im2col=True)``): convolutions, their kernel gradients and their input
-gradients as patches and GEMMs, compiled and run on the CPU backend against the direct loop
-nests and an f64 NumPy reference."""
+"""im2col (``Target.im2col``): convolutions, their kernel gradients and their input
+gradients as patches and GEMMs, run by the reference interpreter against the direct loop nests
+and an f64 NumPy reference."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -10,9 +12,11 @@ import pytest
 import ocannl.tensor as T
 from ocannl import Context, Precision, train
 from ocannl.backends.cpu.backend import CpuBackend
-from ocannl.ir import lowering
+from ocannl.ir import interpret, lowering
 from ocannl.ir.assignments import Accum, Affine, Comp, Const, Get, apply
+from ocannl.ir.interpret import stored
 from ocannl.ir.lowering import Fill, Gemm, LoopGroup, lower, nests, nodes_of
+from ocannl.ir.target import PRODUCTS, Target
 from ocannl.ir.tnode import MemoryMode, Tnode
 from ocannl.tensor.spatial import conv2d
 
@@ -85,19 +89,15 @@ class Conv:
 
 def _run(comp: Comp, values: dict[Tnode, np.ndarray], *, im2col: bool
          ) -> tuple[dict[int, np.ndarray], list]:
-    """Lower (im2col on or off), compile and run ``comp`` on fresh buffers holding ``values``;
-    the values of every node by id, and the lowered code."""
-    backend = CpuBackend()
-    code = lower(comp, im2col=im2col)
-    nodes = nodes_of(code)
-    bufs = {n.id: backend.alloc(n) for n in nodes}
+    """Lower (im2col on or off) and run ``comp`` in the interpreter on zeros holding
+    ``values``; the values of every node by id (as f64), and the lowered code."""
+    code = lower(comp, Target(batched_gemm=False, im2col=im2col))
+    state = {n.id: np.zeros(n.dims, n.prec.numpy_dtype) for n in nodes_of(code)}
     for n, v in values.items():
-        if n.id in bufs:
-            backend.write(n, bufs[n.id], np.asarray(v, np.float64).reshape(-1))
-    compiled, _ = backend.compile(comp.label, code, nodes)
-    backend.bind(compiled, tuple(bufs[n.id] for n in nodes))()
-    out = {n.id: backend.read(n, bufs[n.id]).astype(np.float64).reshape(n.dims) for n in nodes}
-    return out, code
+        if n.id in state:
+            state[n.id] = stored(np.asarray(v, np.float64).reshape(n.dims), n.prec)
+    interpret.run(code, state)
+    return {k: v.astype(np.float64) for k, v in state.items()}, code
 
 
 def _values(cv: Conv, seed: int = 0) -> dict[Tnode, np.ndarray]:
@@ -155,7 +155,7 @@ def test_im2col_matches_the_direct_loops_and_the_reference(any_size, case, which
 
 def test_the_patches_are_a_node_of_their_own_read_through_plain_iterators(any_size):
     cv = Conv(2, 6, 6, 3, 4, 3, 1, 1)
-    code = lower(Comp((cv.forward(),)), im2col=True)
+    code = lower(Comp((cv.forward(),)), Target(batched_gemm=False))
     [gather_group, gemm] = code
     assert isinstance(gather_group, LoopGroup) and isinstance(gemm, Gemm)
     [gather] = gather_group.nests
@@ -167,7 +167,7 @@ def test_the_patches_are_a_node_of_their_own_read_through_plain_iterators(any_si
     assert gemm.a.node is patches and gemm.b.node is cv.w
     assert (gemm.rows, gemm.inner, gemm.cols) == (72, 27, 4)
     # Lowered again, the same computation finds the same node (one buffer per context).
-    again = lower(Comp((cv.forward(),)), im2col=True)
+    again = lower(Comp((cv.forward(),)), Target(batched_gemm=False))
     assert nests(again)[0].assign.lhs is patches
     assert patches in nodes_of(code)
 
@@ -175,7 +175,7 @@ def test_the_patches_are_a_node_of_their_own_read_through_plain_iterators(any_si
 def test_a_convolution_and_its_kernel_gradient_share_one_gather(any_size):
     cv = Conv(2, 6, 6, 3, 4, 3, 1, 1)
     comp = Comp((cv.forward(), cv.kernel_grad()))
-    code = lower(comp, im2col=True)
+    code = lower(comp, Target(batched_gemm=False))
     gathers = [n for n in nests(code) if n.assign.lhs.label.endswith("_patches")]
     assert len(gathers) == 1 and len(_gemms(code)) == 2
     assert _gemms(code)[1].b.node is gathers[0].assign.lhs
@@ -192,7 +192,7 @@ def test_a_gather_is_redone_after_its_source_changes(any_size):
     cv = Conv(2, 6, 6, 3, 4, 3, 1, 1)
     bump = Accum(cv.x, (0, 1, 2, 3), "+", Const(1.0), cv.x.dims)
     comp = Comp((cv.forward(), bump, cv.kernel_grad()))
-    code = lower(comp, im2col=True)
+    code = lower(comp, Target(batched_gemm=False))
     gathers = [n for n in nests(code) if n.assign.lhs.label.endswith("_patches")]
     assert len(gathers) == 2
     vals = _values(cv)
@@ -207,7 +207,7 @@ def test_the_input_gradient_is_a_gemm_then_col2im(any_size, stride):
     """Stride 1: each cell sums the patch-gradient cells landing on it (a reduction over the
     window); stride 2: those are scattered (a gather would read mostly outside)."""
     cv = Conv(2, 8, 8, 3, 4, 3, stride, 1)
-    code = lower(Comp((cv.input_grad(),)), im2col=True)
+    code = lower(Comp((cv.input_grad(),)), Target(batched_gemm=False))
     [gemm, back] = code
     grad = gemm.assign.lhs
     assert isinstance(gemm, Gemm) and gemm.assign.reset and grad.prec is F32
@@ -223,7 +223,7 @@ def test_a_zeroed_input_gradient_is_reset_not_filled_then_added(any_size, stride
     cv = Conv(2, 7, 7, 3, 4, 3, stride, 1)
     zero = Accum(cv.x, (0, 1, 2, 3), "=", Const(0.0), cv.x.dims)
     comp = Comp((zero, cv.input_grad()))
-    code = lower(comp, im2col=True)
+    code = lower(comp, Target(batched_gemm=False))
     fills = [i for i in code if isinstance(i, Fill)]
     if stride == 1:  # the col2im covers x: it resets it instead
         assert not fills and nests(code)[-1].assign.reset
@@ -251,7 +251,7 @@ def test_a_fill_read_before_the_col2im_stays(any_size):
     s = Tnode("s", (2, 6, 6, 3), F32)
     zero = Accum(cv.x, (0, 1, 2, 3), "=", Const(0.0), cv.x.dims)
     copy = Accum(s, (0, 1, 2, 3), "=", Get(cv.x, (0, 1, 2, 3)), cv.x.dims)
-    code = lower(Comp((zero, copy, cv.input_grad())), im2col=True)
+    code = lower(Comp((zero, copy, cv.input_grad())), Target(batched_gemm=False))
     assert any(isinstance(i, Fill) and i.node is cv.x for i in code)
     assert not nests(code)[-1].assign.reset
 
@@ -281,7 +281,7 @@ def test_the_size_rule():
     patch cell read twice) stay direct; their gradients and a wider convolution do not. The
     input gradient (a scatter) goes through a GEMM whenever one is recognised."""
     def on(cv: Conv, which: str) -> bool:
-        return bool(_gemms(lower(Comp((getattr(cv, which)(),)), im2col=True)))
+        return bool(_gemms(lower(Comp((getattr(cv, which)(),)), Target(batched_gemm=False))))
 
     first = Conv(64, 8, 8, 1, 8, 3, 1, 1)  # the benchmark's first convolution
     assert not on(first, "forward") and on(first, "kernel_grad") and on(first, "input_grad")
@@ -297,16 +297,16 @@ def test_the_size_rule():
 def test_off_by_default_and_other_sums_are_unchanged(any_size):
     cv = Conv(2, 6, 6, 3, 4, 3, 1, 1)
     comp = Comp((cv.forward(), cv.kernel_grad(), cv.input_grad()))
-    assert not _gemms(lower(comp))
+    assert not _gemms(lower(comp, PRODUCTS))
     # A max over a window (pooling), a product not accumulated by +, a matmul: as before.
     m = Tnode("m", (2, 3, 3, 3), F32)
     pool = Accum(m, (0, 1, 2, 6), "max", Get(cv.x, (0, Affine(((2, 1), (1, 4))),
                                                      Affine(((2, 2), (1, 5))), 6)),
                  (2, 3, 3, 1, 2, 2, 3), reset=True)
-    assert lower(Comp((pool,)), im2col=True) == lower(Comp((pool,)))
+    assert lower(Comp((pool,)), Target(batched_gemm=False)) == lower(Comp((pool,)), PRODUCTS)
     a, b, c = (Tnode(n, (32, 32), F32) for n in "abc")
     mm = Accum(c, (0, 1), "+", apply("mul", Get(a, (0, 2)), Get(b, (2, 1))), (32, 32, 32), True)
-    assert lower(Comp((mm,)), im2col=True) == lower(Comp((mm,)))
+    assert lower(Comp((mm,)), Target(batched_gemm=False)) == lower(Comp((mm,)), PRODUCTS)
 
 
 def _convnet(prec: Precision = F32):
@@ -322,7 +322,9 @@ def _convnet(prec: Precision = F32):
 class _DirectCpu(CpuBackend):
     """The CPU backend with im2col off: the direct loops, for comparison."""
 
-    im2col = False
+    @property
+    def target(self) -> Target:
+        return replace(super().target, im2col=False)
 
 
 def test_a_context_compiles_runs_and_keeps_the_patches_local():
@@ -373,40 +375,3 @@ def test_an_image_without_batch_axes(any_size):
         _close(got[a.lhs.id], direct[a.lhs.id], 42 * 27, np.finfo(np.float32).eps)
 
 
-def test_f16_patches_convert_plainly_with_the_bits_of_exact_copies(any_size, monkeypatch,
-                                                                   tmp_path):
-    """Patches only a product reads convert 16-bit values with the plain instructions, not
-    the copy that keeps a signalling NaN's bits (``codegen._for_gemms``): the product quiets
-    a NaN either way, so the output has the same bits, signalling NaN in the image or not."""
-    from ocannl.backends.cpu import codegen
-
-    monkeypatch.setenv("OCANNL_CACHE_DIR", str(tmp_path))
-    cv = Conv(2, 6, 6, 3, 4, 3, 1, 1, Precision.f16)
-    comp = Comp((cv.forward(),))
-    code = lower(comp, im2col=True)
-    [patches] = [n for n in nodes_of(code) if n.name.startswith(f"{cv.x.name}_patches_")]
-    assert codegen._for_gemms(code) == {patches.id}
-
-    def run(plain: bool) -> bytes:
-        monkeypatch.setattr(codegen, "_VERSION", codegen._VERSION + ("-plain" if plain
-                                                                      else "-exact"))
-        if not plain:
-            monkeypatch.setattr(codegen, "_for_gemms", lambda code: frozenset())
-        backend = CpuBackend()
-        nodes = nodes_of(code)
-        bufs = {n.id: backend.alloc(n) for n in nodes}
-        for n, v in _values(cv, 4).items():
-            backend.write(n, bufs[n.id], np.asarray(v, np.float64).reshape(-1))
-        bits = bufs[cv.x.id].view(np.uint16)
-        bits[5], bits[40] = 0x7C01, 0xFE03  # a signalling NaN, a negative quiet one
-        compiled, _ = backend.compile(comp.label, code, nodes)
-        backend.bind(compiled, tuple(bufs[n.id] for n in nodes))()
-        monkeypatch.undo()
-        monkeypatch.setattr(lowering, "IM2COL_MIN_INNER", 1)
-        monkeypatch.setattr(lowering, "IM2COL_MIN_REUSE", 0)
-        monkeypatch.setenv("OCANNL_CACHE_DIR", str(tmp_path))
-        return bufs[cv.y.id].tobytes()
-
-    plain = run(True)
-    assert np.isnan(np.frombuffer(plain, np.float16)).any()
-    assert plain == run(False)

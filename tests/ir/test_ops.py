@@ -1,9 +1,10 @@
-"""The op table (``ocannl.ir.ops``): precisions, promotion, every row complete and consistent,
-and the scalar meaning of every op as the generated CPU code computes it, against its NumPy
-reference within its row's ulps (over every 16-bit pattern, a sweep of f32 patterns and random
-f64 ones) and on ordinary and special values (zeros, infinities, NaN: NaN and infinities must
-propagate as in PyTorch); the rows' lane and representability flags against what the code
-does."""
+"""The op table (``ocannl.ir.ops``): precisions, promotion, every row complete and consistent;
+the scalar meaning of every op as the reference interpreter computes it, against NumPy on
+ordinary and special values (zeros, infinities, NaN: NaN and infinities must propagate as in
+PyTorch; ``test_cpu_render.py`` runs the same checks on the CPU backend's code); each row's LLVM
+builder against its NumPy reference within its row's ulps (over every 16-bit pattern, a sweep
+of f32 patterns and random f64 ones); the rows' lane and representability flags against what
+the code does."""
 
 from __future__ import annotations
 
@@ -18,8 +19,11 @@ import torch
 import ocannl.tensor as T
 from ocannl import Context, Precision
 from ocannl.backends.cpu.backend import storage_dtype
+from ocannl.ir import interpret
 from ocannl.ir.assignments import Accum, Apply, Comp, Const, Get, apply
+from ocannl.ir.lowering import lower
 from ocannl.ir.ops import ACCUMS, OPS, precision_of, promote, reference
+from ocannl.ir.target import PRODUCTS
 from ocannl.ir.tnode import Tnode
 
 SPECIAL = [0.0, -0.0, 1.0, -1.0, 0.5, -2.5, 3.0, 1e-3, 60.0, -60.0, 1e30, np.inf, -np.inf,
@@ -152,21 +156,24 @@ def test_ir_rejects_malformed_assignments():
         Accum(x, (0,), "=", Get(y, (0,)), (3,))
 
 
-def _run_ops(ops: list[str], prec: Precision, *args: np.ndarray) -> dict[str, np.ndarray]:
-    """Evaluate each op elementwise over equally long 1-D operands, all in one generated
-    routine (one assignment per op, each into its own output)."""
-    n = args[0].size
-    ins = [Tnode(f"a{k}", (n,), prec) for k in range(len(args))]
+def _comp(ops: list[str], prec: Precision, n: int
+          ) -> tuple[Comp, list[Tnode], dict[str, Tnode]]:
+    """One assignment per op, each into its own output, over ``n`` operands of ``prec``."""
+    ins = [Tnode(f"a{k}", (n,), prec) for k in range(max(OPS[op].arity for op in ops))]
     outs = {op: Tnode(f"out_{op}", (n,), prec) for op in ops}
     comp = Comp(tuple(
-        Accum(outs[op], (0,), "=", apply(op, *(Get(t, (0,)) for t in ins)), (n,)) for op in ops
-    ), "ops")
-    ctx = Context.cpu()
-    for t, a in zip(ins, args, strict=True):
-        ctx.set_values(t, a)
-    ctx, r = ctx.compile(comp)
-    ctx.run(r)
-    return {op: ctx.get_values(outs[op]) for op in ops}
+        Accum(outs[op], (0,), "=", apply(op, *(Get(t, (0,)) for t in ins[:OPS[op].arity])),
+              (n,)) for op in ops), "ops")
+    return comp, ins, outs
+
+
+def _run_ops(ops: list[str], prec: Precision, *args: np.ndarray) -> dict[str, np.ndarray]:
+    """Evaluate each op elementwise over equally long 1-D operands in the reference
+    interpreter (the CPU renderer's tests run these tests on the backend)."""
+    comp, ins, outs = _comp(ops, prec, args[0].size)
+    values = {t.id: np.asarray(a, prec.numpy_dtype) for t, a in zip(ins, args, strict=True)}
+    interpret.run(lower(comp, PRODUCTS), values)
+    return {op: values[outs[op].id] for op in ops}
 
 
 def _check(op: str, got: np.ndarray, want: np.ndarray, prec: Precision) -> None:
