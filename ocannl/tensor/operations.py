@@ -17,7 +17,7 @@ from ocannl.ir.assignments import Accum, Const, Expr, Fixed, Get, Index, apply, 
 from ocannl.ir.ops import Precision, precision_of, promote
 from ocannl.ir.tnode import MemoryMode, Tnode
 from ocannl.tensor import tensor as _t
-from ocannl.tensor.shape import ROWS, Shape, broadcast, broadcast_projection
+from ocannl.tensor.shape import ROWS, Shape, broadcast, broadcast_projection, int_dims
 from ocannl.tensor.tensor import INIT_KINDS, Init, Tensor
 
 Operand = Tensor | float | int
@@ -28,7 +28,7 @@ Operand = Tensor | float | int
 def _dims_row(name: str, dims: Sequence[int] | None) -> tuple[int, ...] | None:
     if dims is None:
         return None
-    out = tuple(int(d) for d in dims)
+    out = int_dims(f"{name}_dims", dims)
     if any(d < 1 for d in out):
         raise ValueError(f"{name} dims must be positive, got {tuple(dims)}")
     return out
