@@ -253,8 +253,10 @@ class Context:
         Call it before compiling any routine over these nodes: routines bind the views, so one
         operation on the flat buffer (a data-parallel allreduce of every gradient) reaches them
         all. Each part starts at a multiple of ``align`` elements; the padding between parts
-        stays zero. Every node must be materialized, of known dims, not yet allocated in this
-        context, and of one precision; ``ValueError`` names the first that is not.
+        stays zero, and a node whose values come from no one outside (a gradient) counts as
+        initialized at those zeros. Every node must be materialized, of known dims, not yet
+        allocated in this context, and of one precision; ``ValueError`` names the first that
+        is not.
         """
         ns = [_as_node(n) for n in nodes]
         if not ns:
@@ -289,7 +291,9 @@ class Context:
                 self._backend.write(n, view, self._checked(n, n.host_data))
             self._buffers[n.id] = (n, view)
             self._views.add(n.id)
-            if n.host_data is not None or n.zero_start:
+            # The flat buffer is zero-filled: a view of a node whose values come from no one
+            # outside (a gradient) starts at those zeros, as optimizer state does.
+            if n.host_data is not None or n.zero_start or not n.needs_init:
                 self._initialized.add(n.id)
         return flat
 
