@@ -740,7 +740,9 @@ class ScaledStep(Recipe):
         ctx = self._close_window(ctx, 1, 0 if finite else 1)
         self.last_applied = finite
         if self.reducer is None and grads.checked and update.checked:
-            self._calls = (grads.call, self._read_checksum, update.call)
+            # The checksum has been written now: its reader made now is the backend's own,
+            # with no check left (the one made at compile checks until the first run).
+            self._calls = (grads.call, ctx.reader(self.checksum), update.call)
         return ctx
 
 
