@@ -6,7 +6,7 @@ backprop is seeded with a dynamic loss scale and overflowing steps are skipped o
 (the fused gate), the host sampling every ``--check-interval`` steps. The digits ship inside
 scikit-learn (no download); 20% are held out, and the accuracy on them is printed at the end.
 
-    python examples/digits_convnet.py                         # f16 twins, seconds
+    python examples/digits_convnet.py                         # f16 twins, 700 steps
     python examples/digits_convnet.py --prec bf16
     python examples/digits_convnet.py --checkpoint digits.safetensors   # kill it, then
     python examples/digits_convnet.py --checkpoint digits.safetensors --resume
