@@ -1,6 +1,8 @@
-"""What several examples share: the backend choice, the per-epoch batch order, and a flag
-parser whose every mistake is one line (``ExampleParser`` with the checked ``integer`` /
-``real`` types and ``output_path``).
+"""What the examples share, so they refuse the same things the same way: the backend choice,
+the per-epoch batch order, a flag parser whose every mistake is one line (``ExampleParser``
+with the checked ``integer`` / ``real`` types and ``output_path``), the checkpoint's record of
+the program and settings that wrote it and the checks a resume makes of them
+(``resume_problem``), and the refusal to run as several copies under an MPI launcher.
 
 An example run as a script (``python examples/NAME.py``) has this folder on ``sys.path``, so
 ``from common import make_context, batch_indices`` works there; tests load the examples the
@@ -24,7 +26,9 @@ import numpy as np
 from ocannl import Context
 
 __all__ = ["BACKENDS", "F32_MAX", "DefaultsFormatter", "ExampleParser", "batch_indices",
-           "integer", "make_context", "output_path", "real", "recipe_extra", "restore_recipe"]
+           "canonical", "differences", "foreign_problem", "integer", "launched_ranks",
+           "make_context", "output_path", "real", "recipe_extra", "refuse_mpi_launch",
+           "restore_recipe", "resume_problem", "saved_config", "steps_problem"]
 
 BACKENDS = ("auto", "cpu", "cuda")
 
@@ -181,11 +185,135 @@ def output_path(path: Path | str | None, flag: str) -> str | None:
     return None
 
 
-def recipe_extra(config: dict, scaler: object, recipe: object) -> dict[str, str]:
-    """What a mixed-precision run's checkpoint records beside its tensors: its settings, the
-    loss scaler's state and the recipe's counters (``restore_recipe`` reads them back)."""
-    return {"config": json.dumps(config, sort_keys=True), "loss_scaler": scaler.save_state(),
-            "recipe": recipe.save_state()}
+def recipe_extra(program: str, config: dict[str, str], scaler: object,
+                 recipe: object) -> dict[str, str]:
+    """What a mixed-precision run's checkpoint records beside its tensors: the program that
+    wrote it, its settings (:func:`canonical` strings), the loss scaler's state and the
+    recipe's counters (``restore_recipe`` reads them back)."""
+    return {"program": program, "config": json.dumps(config, sort_keys=True),
+            "loss_scaler": scaler.save_state(), "recipe": recipe.save_state()}
+
+
+# --- checkpoints: whose they are, and the settings they were trained under ----------------------
+
+
+def canonical(config: dict[str, object]) -> dict[str, str]:
+    """Settings as a checkpoint records and compares them: floats by ``repr`` (exact), anything
+    else by ``str``, so ``64`` and ``"64"`` are the same setting and ``0.1`` is never
+    ``0.1000001``."""
+    return {k: repr(float(v)) if isinstance(v, float) else str(v) for k, v in config.items()}
+
+
+def saved_config(progress: object) -> dict[str, str] | None:
+    """The settings a checkpoint's progress records (a JSON map of strings), or None."""
+    text = progress.extra.get("config")
+    if text is None:
+        return None
+    try:
+        config = json.loads(text)
+    except ValueError:
+        return None
+    ok = isinstance(config, dict) and all(isinstance(v, str) for v in config.values())
+    return config if ok else None
+
+
+def foreign_problem(progress: object, program: str, keys: tuple[str, ...]) -> str | None:
+    """Why a checkpoint is not one this program can resume (None: it may be): another
+    program's (by the name it records, or, in a file that records none, by settings this
+    program does not have: ``keys`` are every setting it may record), or one that records no
+    settings at all."""
+    writer = progress.extra.get("program")
+    if writer is not None and writer != program:
+        return (f"it was written by {writer}, not by {program}: give another --checkpoint, or "
+                f"resume it with {writer}")
+    saved = saved_config(progress)
+    if saved is None:
+        return ("it does not record the settings it was trained with (written by another "
+                "program, or by an older version of this one), so a resume cannot check them: "
+                "start afresh or give another --checkpoint")
+    strange = sorted(set(saved) - set(keys))
+    if writer is None and strange:
+        return (f"it records settings this program does not have ({', '.join(strange)}): it "
+                f"was written by another program; give another --checkpoint")
+    return None
+
+
+def differences(saved: dict[str, str], mine: dict[str, str], keys: tuple[str, ...],
+                names: dict[str, str] | None = None) -> list[str]:
+    """The settings (of ``keys``, in that order) whose recorded values differ, each as
+    ``--name OLD in the checkpoint, NEW now`` (``names``: how to say a setting that is no
+    flag); equal values are never listed, nor a setting absent on one side and empty on the
+    other."""
+    def shown(v: str | None) -> str:
+        return "(none)" if v in (None, "") else v
+
+    said = names or {}
+    return [f"{said.get(k, '--' + k)} {shown(saved.get(k))} in the checkpoint, "
+            f"{shown(mine.get(k))} now" for k in keys
+            if shown(saved.get(k)) != shown(mine.get(k))]
+
+
+def steps_problem(step: int, steps: int) -> str | None:
+    """Why a checkpoint at ``step`` cannot continue to ``--steps`` (None: it can)."""
+    if step > steps:
+        return f"it is at step {step}, past --steps {steps} (give --steps {step} or more)"
+    return None
+
+
+def resume_problem(path: Path, program: str, config: dict[str, str],
+                   keys: tuple[str, ...], steps: int,
+                   names: dict[str, str] | None = None) -> str | None:
+    """Why this run cannot resume from the checkpoint at ``path`` (None: it can), checked from
+    its header before any work or any tensor is touched: unreadable, another program's,
+    trained under other settings (naming each that differs), or past ``--steps``."""
+    from ocannl import Failure, checkpoint
+
+    try:
+        progress = checkpoint.read_progress(path)
+    except Failure as err:
+        return str(err)
+    problem = foreign_problem(progress, program, keys)
+    if problem is not None:
+        return problem
+    diffs = differences(saved_config(progress) or {}, config, keys, names)
+    if diffs:
+        return "it was trained with other settings: " + "; ".join(diffs)
+    return steps_problem(progress.step, steps)
+
+
+# --- launchers ----------------------------------------------------------------------------------
+
+# The world size each MPI launcher gives its processes: Open MPI, MPICH / Intel MPI (Hydra's
+# PMI), MVAPICH.
+_LAUNCHER_SIZES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")
+
+
+def launched_ranks(environ: dict[str, str] | None = None) -> tuple[int, str] | None:
+    """The number of processes an MPI launcher started this one among, and the variable that
+    says so, when more than one; None otherwise."""
+    env = os.environ if environ is None else environ
+    for var in _LAUNCHER_SIZES:
+        try:
+            n = int(env.get(var, ""))
+        except ValueError:
+            continue
+        if n > 1:
+            return n, var
+    return None
+
+
+def refuse_mpi_launch(program: str, *, data_parallel: bool = False) -> None:
+    """Exit (status 1, one line) when an MPI launcher started this process among several:
+    each would train the same run alone and write the same files. With ``data_parallel``
+    (the program has the flag) the message says to use it."""
+    launched = launched_ranks()
+    if launched is None:
+        return
+    n, var = launched
+    fix = ("add --data-parallel to train one run on them all" if data_parallel
+           else "this program trains on one process: run it without the launcher")
+    sys.exit(f"error: {program} was started as one of {n} MPI processes ({var}={n}): each "
+             f"would train the same run alone and write the same files; {fix}")
 
 
 def restore_recipe(ctx: Context, progress: object, scaler: object, recipe: object) -> Context:

@@ -6,7 +6,7 @@ backprop is seeded with a dynamic loss scale and overflowing steps are skipped o
 (the fused gate), the host sampling every ``--check-interval`` steps. The digits ship inside
 scikit-learn (no download); 20% are held out, and the accuracy on them is printed at the end.
 
-    python examples/digits_convnet.py                         # f16 twins, about a minute
+    python examples/digits_convnet.py                         # f16 twins, 700 steps
     python examples/digits_convnet.py --prec bf16
     python examples/digits_convnet.py --checkpoint digits.safetensors   # kill it, then
     python examples/digits_convnet.py --checkpoint digits.safetensors --resume
@@ -15,8 +15,6 @@ scikit-learn (no download); 20% are held out, and the accuracy on them is printe
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -25,55 +23,72 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import batch_indices, make_context, recipe_extra, restore_recipe  # noqa: E402
+from common import (  # noqa: E402
+    BACKENDS,
+    F32_MAX,
+    ExampleParser,
+    batch_indices,
+    canonical,
+    integer,
+    make_context,
+    output_path,
+    real,
+    recipe_extra,
+    refuse_mpi_launch,
+    restore_recipe,
+    resume_problem,
+)
 
 import ocannl.tensor as T  # noqa: E402
 from ocannl import Failure, checkpoint, mixed_prec, nn_blocks, optim, train  # noqa: E402
 
+PROGRAM = "digits_convnet.py"
 CLASSES = 10
-# The settings a checkpoint was trained under: a resume must use the same.
-CONFIG_KEYS = ("prec", "batch", "lr", "seed", "check_interval", "init_scale")
+# The settings a checkpoint was trained under (flag names): a resume must use the same. The
+# step budget is not one: a resume may always run further.
+CONFIG_KEYS = ("prec", "batch", "lr", "seed", "check-interval", "init-scale")
 
 
-def _positive_int(text: str) -> int:
-    v = int(text)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text}")
-    return v
-
-
-def _positive_float(text: str) -> float:
-    v = float(text)
-    if not math.isfinite(v) or v <= 0:
-        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text}")
-    return v
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+def build_parser() -> ExampleParser:
+    ap = ExampleParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prec", choices=["f16", "bf16", "f32"], default="f16",
                     help="precision of the weights' cast twins (f32: no twins)")
-    ap.add_argument("--steps", type=_positive_int, default=700, help="training steps")
-    ap.add_argument("--batch", type=_positive_int, default=64, help="batch size")
-    ap.add_argument("--lr", type=_positive_float, default=3e-3, help="Adam's learning rate")
-    ap.add_argument("--check-interval", type=_positive_int, default=16,
+    ap.add_argument("--steps", type=integer(1, 10**9), default=700, help="training steps")
+    ap.add_argument("--batch", type=integer(1, 4096), default=64, help="batch size")
+    ap.add_argument("--lr", type=real(0, F32_MAX, lo_open=True, f32=True), default=3e-3,
+                    help="Adam's learning rate")
+    ap.add_argument("--check-interval", type=integer(1, 2**24), default=16,
                     help="steps between two host reads of the skipped-step count")
-    ap.add_argument("--init-scale", type=_positive_float, default=1024.0,
-                    help="initial loss scale")
-    ap.add_argument("--seed", type=int, default=0, help="data split, order and init seed")
+    ap.add_argument("--init-scale", type=real(0, F32_MAX, lo_open=True, f32=True),
+                    default=1024.0, help="initial loss scale")
+    ap.add_argument("--seed", type=integer(0, 2**63 - 1), default=0,
+                    help="data split, order and init seed")
     ap.add_argument("--checkpoint", type=Path, help="save the training state to this file")
-    ap.add_argument("--checkpoint-every", type=_positive_int, default=100,
+    ap.add_argument("--checkpoint-every", type=integer(1), default=100,
                     help="steps between checkpoints")
     ap.add_argument("--resume", action="store_true",
                     help="continue from --checkpoint when it exists")
-    ap.add_argument("--backend", choices=["auto", "cpu", "cuda"], default="auto",
+    ap.add_argument("--backend", choices=list(BACKENDS), default="auto",
                     help="auto: the GPU when CuPy sees one, else the CPU")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return ap
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, every one checked: a mistake exits with status 2 and one line on stderr,
+    before anything is computed or written."""
+    ap = build_parser()
     args = ap.parse_args(argv)
     if args.resume and args.checkpoint is None:
         ap.error("--resume needs --checkpoint PATH")
+    problem = output_path(args.checkpoint, "--checkpoint")
+    if problem is not None:
+        ap.error(problem)
     return args
+
+
+def run_config(args: argparse.Namespace) -> dict[str, str]:
+    return canonical({k: getattr(args, k.replace("-", "_")) for k in CONFIG_KEYS})
 
 
 def load_digits(seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -92,6 +107,13 @@ def load_digits(seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarr
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    refuse_mpi_launch(PROGRAM)
+    config = run_config(args)
+    resuming = args.resume and args.checkpoint.exists()
+    if resuming:  # the checkpoint's settings first: another run's refuses before any work
+        problem = resume_problem(args.checkpoint, PROGRAM, config, CONFIG_KEYS, args.steps)
+        if problem is not None:
+            sys.exit(f"error: cannot resume from {args.checkpoint}: {problem}")
     x_train, y_train, x_test, y_test = load_digits(args.seed)
     if args.batch > len(x_train):
         sys.exit(f"error: --batch {args.batch} is larger than the {len(x_train)} training images")
@@ -121,36 +143,33 @@ def main(argv: list[str] | None = None) -> int:
     ctx, forward = ctx.compile(train.forward(logits))
     compile_s = time.perf_counter() - t0
     state = checkpoint.training_state(loss, adam) + recipe.state_nodes()
-    config = {k: getattr(args, k) for k in CONFIG_KEYS}
 
     start = 0
-    if args.resume and args.checkpoint.exists():
+    if resuming:
         try:
-            ctx, progress = resume(args.checkpoint, ctx, state, config)
+            ctx, progress = checkpoint.load(args.checkpoint, ctx, state)
             ctx = restore_recipe(ctx, progress, scaler, recipe)
-        except Failure as err:
-            sys.exit(f"error: cannot resume from {args.checkpoint}: {err}")
+        except (Failure, KeyError) as err:
+            sys.exit(f"error: cannot resume from {args.checkpoint}: "
+                     f"{type(err).__name__ + ' ' if isinstance(err, KeyError) else ''}{err}")
         start = progress.step
         print(f"resumed from {args.checkpoint} at step {start}", flush=True)
 
     def save(step: int) -> None:
         checkpoint.save(args.checkpoint, ctx, state, checkpoint.Progress(
-            step=step, extra=recipe_extra(config, scaler, recipe)))
+            step=step, extra=recipe_extra(PROGRAM, config, scaler, recipe)))
 
     bar = None
     if not args.no_progress:
         from tqdm import tqdm
 
         bar = tqdm(total=args.steps, initial=start, unit="step", dynamic_ncols=True)
-    last_loss = None
     for step in range(start, args.steps):
         idx = batch_indices(step, len(x_train), args.batch, args.seed)
         ctx = ctx.set_values(x, x_train[idx]).set_values(y, eye[y_train[idx]])
         ctx = recipe.step(ctx)
-        if recipe.pending == 0:  # sampled at this window's end: the loss costs no extra sync
-            last_loss = ctx.get_value(loss)
-            if bar is not None:
-                bar.set_postfix(loss=f"{last_loss:.4f}", scale=f"{scaler.scale_value():g}")
+        if recipe.pending == 0 and bar is not None:  # a window's end: no extra sync
+            bar.set_postfix(loss=f"{ctx.get_value(loss):.4f}", scale=f"{scaler.scale_value():g}")
         if bar is not None:
             bar.update(1)
         if args.checkpoint is not None and (step + 1) % args.checkpoint_every == 0:
@@ -159,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     if bar is not None:
         bar.close()
     ctx = recipe.flush(ctx)
+    # The last step's loss, whether or not a window (or a checkpoint) ended there.
+    final_loss = ctx.get_value(loss) if start < args.steps else None
     if args.checkpoint is not None and start < args.steps:
         save(args.steps)
 
@@ -171,27 +192,13 @@ def main(argv: list[str] | None = None) -> int:
         pred = np.argmax(ctx.get_values(logits), axis=-1)[:len(chunk)]
         correct += int(np.sum(pred == y_test[k:k + len(chunk)]))
     print(f"backend {ctx.backend_name()}, {args.prec} twins, compile {compile_s:.1f} s")
-    if last_loss is not None:
-        ran = recipe.applied_steps + recipe.skipped_steps
-        print(f"last sampled loss {last_loss:.4f}, loss scale {scaler.scale_value():g}, "
-              f"skipped steps {recipe.skipped_steps} of {ran}")
+    ran = recipe.applied_steps + recipe.skipped_steps
+    said = "" if final_loss is None else f"final loss {final_loss:.4f}, "
+    print(f"{said}loss scale {scaler.scale_value():g}, skipped steps {recipe.skipped_steps} of "
+          f"{ran}")
     print(f"accuracy: {100.0 * correct / len(x_test):.2f}% on {len(x_test)} held-out digits",
           flush=True)
     return 0
-
-
-def resume(path: Path, ctx, state, config: dict):  # noqa: ANN001, ANN201
-    """Load ``path`` after checking that it was trained under ``config`` (naming each setting
-    that differs, before any tensor is touched)."""
-    saved_text = checkpoint.read_progress(path).extra.get("config")
-    if saved_text is None:
-        raise Failure("it records no run configuration")
-    saved = json.loads(saved_text)
-    diffs = [f"--{k.replace('_', '-')} {saved.get(k)!r} (now {config[k]!r})"
-             for k in CONFIG_KEYS if saved.get(k) != config[k]]
-    if diffs:
-        raise Failure("it was trained with other settings: " + ", ".join(diffs))
-    return checkpoint.load(path, ctx, state)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,6 @@ the checkpoint, which a run on another number of ranks (same --batch) may resume
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import re
@@ -51,12 +50,16 @@ from common import (
     F32_MAX,
     ExampleParser,
     batch_indices,
+    foreign_problem,
     integer,
     make_context,
     output_path,
     real,
     recipe_extra,
+    refuse_mpi_launch,
     restore_recipe,
+    saved_config,
+    steps_problem,
 )
 
 import ocannl.tensor as T
@@ -72,6 +75,7 @@ from ocannl import (
     train,
 )
 
+PROGRAM = "moons_mixed_precision.py"
 TRAIN_POINTS, TEST_POINTS = 512, 512
 
 
@@ -197,13 +201,11 @@ def run_config(args: argparse.Namespace) -> dict[str, str]:
     return config
 
 
-def config_problem(saved: dict[str, str] | None, mine: dict[str, str],
+def config_problem(saved: dict[str, str], mine: dict[str, str],
                    override: list[str]) -> tuple[str | None, list[str]]:
     """Compare the checkpoint's settings with this run's: (why the resume must stop, or None;
-    a note per overridden setting that differs)."""
-    if saved is None:
-        return ("it does not record the settings it was trained with (written by an older "
-                "version of this example), so a resume cannot check them: start afresh", [])
+    a note per overridden setting that differs). ``saved`` is this program's (see
+    ``common.foreign_problem``)."""
 
     def shown(v: str | None) -> str:
         return "(none)" if v in (None, "") else v
@@ -244,27 +246,17 @@ def config_problem(saved: dict[str, str] | None, mine: dict[str, str],
 def resume_problem(args: argparse.Namespace, progress: checkpoint.Progress,
                    config: dict[str, str]) -> tuple[str | None, list[str]]:
     """Why this run cannot resume from ``progress`` (None: it can), and the notes to print."""
-    problem, notes = config_problem(saved_config(progress), config, args.override)
-    if problem is None and progress.step > args.steps:
-        problem = (f"it is at step {progress.step}, past --steps {args.steps} (give --steps "
-                   f"{progress.step} or more)")
+    problem = foreign_problem(progress, PROGRAM, CONFIG_KEYS)
+    if problem is not None:
+        return problem, []
+    problem, notes = config_problem(saved_config(progress) or {}, config, args.override)
+    if problem is None:
+        problem = steps_problem(progress.step, args.steps)
     return problem, notes
 
 
 def _config_order(k: str) -> int:
     return CONFIG_KEYS.index(k) if k in CONFIG_KEYS else len(CONFIG_KEYS)
-
-
-def saved_config(progress: checkpoint.Progress) -> dict[str, str] | None:
-    text = progress.extra.get("config")
-    if text is None:
-        return None
-    try:
-        config = json.loads(text)
-    except ValueError:
-        return None
-    ok = isinstance(config, dict) and all(isinstance(v, str) for v in config.values())
-    return config if ok else None
 
 
 def peek_progress(path: Path) -> checkpoint.Progress | None:
@@ -292,6 +284,8 @@ def data_parallel_world(ctx: Context) -> tuple[parallel.Communicator, Context]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if not args.data_parallel:
+        refuse_mpi_launch(PROGRAM, data_parallel=True)
     config = run_config(args)
     resuming = args.resume and os.path.exists(args.checkpoint)
     if resuming:  # the settings first: a checkpoint of another run refuses before any work
@@ -377,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def save(step: int) -> None:
         # Before the window is flushed: the resumed run samples it where this one would.
-        extra = {**recipe_extra(config, scaler, recipe), "loss": global_loss().hex()}
+        extra = {**recipe_extra(PROGRAM, config, scaler, recipe), "loss": global_loss().hex()}
         progress = checkpoint.Progress(step=step, epoch=step // (TRAIN_POINTS // args.batch),
                                        extra=extra)
         if dp is None:

@@ -129,15 +129,25 @@ def _as_nodes(nodes: Iterable[Tnode | Tensor]) -> list[Tnode]:
 
 
 def node_names(nodes: Sequence[Tnode]) -> list[str]:
-    """The name each node has in a checkpoint: its label, with ``#2``, ``#3``... appended to
-    repeated labels in list order. Labels, not ids: ids depend on how many nodes a process
-    created before, labels only on the program."""
-    seen: dict[str, int] = {}
-    names = []
-    for n in nodes:
-        k = seen.get(n.label, 0) + 1
-        seen[n.label] = k
-        names.append(n.label if k == 1 else f"{n.label}#{k}")
+    """The name each node has in a checkpoint: its label. Labels, not ids: ids depend on how
+    many nodes a process created before, labels only on the program. Two nodes of one label
+    are refused (``ValueError`` naming the label and the nodes): numbered in list order, a
+    program that builds its blocks in another order would load their tensors swapped, silently.
+    Give each block its own ``label=`` (``nn_blocks.mlp(x, ..., label="encoder")``)."""
+    names = [n.label for n in nodes]
+    counts: dict[str, int] = {}
+    for name in names:
+        counts[name] = counts.get(name, 0) + 1
+    repeated = [name for name, k in counts.items() if k > 1]
+    if repeated:
+        listed = "; ".join(
+            f"{name!r}: " + ", ".join(f"{n.name} {n.dims}" for n in nodes if n.label == name)
+            for name in repeated[:5])
+        raise ValueError(
+            f"checkpoint: {len(repeated)} label(s) name more than one node ({listed}): a load "
+            f"could not tell them apart and a program building them in another order would get "
+            f"them swapped; give each block its own label= (e.g. nn_blocks.mlp(x, ..., "
+            f"label='encoder'))")
     return names
 
 
@@ -263,6 +273,9 @@ def save(path: str | os.PathLike, ctx: Context, nodes: Iterable[Tnode | Tensor],
     del specs  # the arrays it points into were alive until here
     path = Path(path)
     folder = path.parent if str(path.parent) else Path(".")
+    if not folder.is_dir():
+        raise FileNotFoundError(f"checkpoint.save {str(path)!r}: the folder {str(folder)!r} "
+                                f"does not exist{' (it is a file)' if folder.exists() else ''}")
     lock = _acquire(path, wait=True)
     try:
         if lock is not None:
@@ -281,6 +294,9 @@ def _write_atomically(path: Path, folder: Path, data: bytes) -> None:
             break
         except FileExistsError:
             continue
+        except OSError as err:  # named by the path given, not by the temporary's
+            raise type(err)(err.errno, f"checkpoint.save {str(path)!r}: cannot create a file "
+                                       f"in {str(folder)!r}: {err.strerror}") from None
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
@@ -381,13 +397,15 @@ def load(path: str | os.PathLike, ctx: Context,
     recorded: a flipped bit anywhere raises ``ocannl.Failure`` naming the tensor (or the
     header). A file of another format version (``ocannl.checkpoint/1``, without digests, or a
     later one) is refused with ``Failure`` naming it. The file must hold exactly these nodes'
-    names (see :func:`node_names`), each with the node's dims and precision; otherwise
-    ``ocannl.Failure`` lists every mismatch. On any failure the context is left as it was.
+    names (see :func:`node_names`: nodes of a repeated label are refused, ``ValueError``), each
+    with the node's dims and precision; otherwise ``ocannl.Failure`` lists every mismatch. On
+    any failure the context is left as it was.
 
     When no save of ``path`` is running (its lock is free), temporaries left by killed saves of
     ``path`` are removed first.
     """
     nodes = _as_nodes(nodes)
+    names = node_names(nodes)  # a repeated label is refused before the file is looked at
     path = Path(path)
     lock = _acquire(path, wait=False)
     if lock is not None:
@@ -397,7 +415,6 @@ def load(path: str | os.PathLike, ctx: Context,
             _release(path, lock)
     arrays, meta = _read(path)
     progress = Progress.from_json(meta.get("progress", ""))
-    names = node_names(nodes)
     problems = []
     missing = [n for n in names if n not in arrays]
     extra = sorted(set(arrays) - set(names))

@@ -235,7 +235,7 @@ class Context:
         self._refuse_local(node)
         entry = self._buffers.get(node.id)
         if entry is None:
-            buf = self._backend.alloc(node)
+            buf = self._alloc(node)
             if node.host_data is not None:
                 self._backend.write(node, buf, self._checked(node, node.host_data))
             self._buffers[node.id] = (node, buf)
@@ -243,6 +243,18 @@ class Context:
                 self._initialized.add(node.id)
             return buf
         return entry[1]
+
+    def _alloc(self, node: Tnode) -> Buffer:
+        """The backend's buffer for ``node``; ``MemoryError`` naming the node, its dims and
+        bytes when there is no memory for it (the backend's own error names only a size)."""
+        try:
+            return self._backend.alloc(node)
+        except Exception as err:  # CuPy's OutOfMemoryError is no MemoryError
+            if not isinstance(err, MemoryError) and "OutOfMemory" not in type(err).__name__:
+                raise
+            raise MemoryError(f"cannot allocate {node.size * node.prec.itemsize} bytes for node "
+                              f"{node.name} (dims {node.dims}, {node.prec.value}) on the "
+                              f"{self.backend_name()} backend: {err}") from None
 
     def share_flat(self, nodes: Sequence[Any], *, label: str = "flat", align: int = 64) -> Tnode:
         """Allocate one flat, zero-filled buffer holding ``nodes`` back to back, and make each
@@ -252,8 +264,10 @@ class Context:
         Call it before compiling any routine over these nodes: routines bind the views, so one
         operation on the flat buffer (a data-parallel allreduce of every gradient) reaches them
         all. Each part starts at a multiple of ``align`` elements; the padding between parts
-        stays zero. Every node must be materialized, of known dims, not yet allocated in this
-        context, and of one precision; ``ValueError`` names the first that is not.
+        stays zero, and a node whose values come from no one outside (a gradient) counts as
+        initialized at those zeros. Every node must be materialized, of known dims, not yet
+        allocated in this context, and of one precision; ``ValueError`` names the first that
+        is not.
         """
         ns = [_as_node(n) for n in nodes]
         if not ns:
@@ -288,7 +302,9 @@ class Context:
                 self._backend.write(n, view, self._checked(n, n.host_data))
             self._buffers[n.id] = (n, view)
             self._views.add(n.id)
-            if n.host_data is not None or n.zero_start:
+            # The flat buffer is zero-filled: a view of a node whose values come from no one
+            # outside (a gradient) starts at those zeros, as optimizer state does.
+            if n.host_data is not None or n.zero_start or not n.needs_init:
                 self._initialized.add(n.id)
         return flat
 
@@ -370,15 +386,27 @@ class Context:
         return self
 
     def get_values(self, t: Any) -> np.ndarray:
-        """The node's values as a host array shaped by its dims."""
+        """The node's values as a host array shaped by its dims. ``ValueError`` when nothing
+        has written them (a parameter before ``train.init_params``, a result before the first
+        run of a routine computing it): the buffer would only hold its allocation's zeros."""
         node = _as_node(t)
-        return self._backend.read(node, self._buffer(node)).reshape(node.dims)
+        buf = self._buffer(node)
+        if node.id not in self._initialized:
+            raise ValueError(self._unwritten(node, "get_values"))
+        return self._backend.read(node, buf).reshape(node.dims)
+
+    @staticmethod
+    def _unwritten(node: Tnode, what: str) -> str:
+        """The refusal of a read of ``node`` that nothing initialized, in ``run``'s words."""
+        return (f"{what} reads {node.name}, which nothing has initialized in this context: call "
+                f"train.init_params(ctx, loss) for parameters, ctx.set_values for data, or run "
+                f"a routine that computes it first")
 
     def set_value(self, t: Any, value: float, idx: tuple[int, ...] | None = None) -> Context:
         """Write one element; ``idx`` may be omitted for a one-element node."""
         node = _as_node(t)
         pos = self._flat_index(node, idx)
-        host = self.get_values(node).reshape(-1) if self.is_allocated(node) else np.zeros(
+        host = self.get_values(node).reshape(-1) if self.is_initialized(node) else np.zeros(
             node.size, node.prec.numpy_dtype)
         host[pos] = value
         return self.set_values(node, host)
@@ -389,9 +417,24 @@ class Context:
 
     def reader(self, t: Any, idx: tuple[int, ...] | None = None) -> Callable[[], float]:
         """A callable returning one element's current value, as :meth:`get_value` would: the
-        checks and the lookups done once, for a read every step (the host gate's)."""
+        checks and the lookups done once, for a read every step (the host gate's).
+
+        A read of a value nothing has written yet is refused as :meth:`get_values` refuses it.
+        A node initialized already gets the backend's reader itself (no check left per call);
+        one that is not (a routine's result, before its first run) gets a reader that checks
+        one set membership per call and raises until something has written the node."""
         node = _as_node(t)
-        return self._backend.reader(node, self._buffer(node), self._flat_index(node, idx))
+        read = self._backend.reader(node, self._buffer(node), self._flat_index(node, idx))
+        if node.id in self._initialized:
+            return read
+        initialized, nid = self._initialized, node.id  # the same set for the context's life
+
+        def read_once_written() -> float:
+            if nid in initialized:
+                return read()
+            raise ValueError(self._unwritten(node, "get_value"))
+
+        return read_once_written
 
     @staticmethod
     def _flat_index(node: Tnode, idx: tuple[int, ...] | None) -> int:

@@ -37,7 +37,21 @@ def circles(n: int, *, noise: float = 0.05, factor: float = 0.5,
 
 
 def one_hot(labels: np.ndarray, classes: int) -> np.ndarray:
-    return np.eye(classes, dtype=np.float32)[labels]
+    """f32 one-hot rows, ``(*labels.shape, classes)``. Labels must be integers in
+    ``[0, classes)``: ``ValueError`` names the first that is not (NumPy's indexing would make
+    ``-1`` the last class)."""
+    if isinstance(classes, bool) or not isinstance(classes, (int, np.integer)) or classes < 1:
+        raise ValueError(f"one_hot: classes must be an integer >= 1, got {classes!r}")
+    arr = np.asarray(labels)
+    if arr.dtype.kind not in "iu" and not (arr.size == 0 and arr.dtype.kind == "f"):
+        raise ValueError(f"one_hot: labels must be integers, got dtype {arr.dtype}: "
+                         f"{arr.reshape(-1)[:5].tolist()}")
+    bad = (arr < 0) | (arr >= classes)
+    if bad.any():
+        pos = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(f"one_hot: label {arr[pos].item()} at {pos} is not a class: expected "
+                         f"an integer in [0, {classes})")
+    return np.eye(classes, dtype=np.float32)[arr.astype(np.int64)]
 
 
 def gaussian_classes(

@@ -721,6 +721,7 @@ class ScaledStep(Recipe):
         self._check: Routine | None = None
         self._update: Routine | None = None
         self._read_checksum: Callable[[], float] | None = None
+        self._reader_fresh = False
 
     def compile(self, ctx: Context) -> Context:
         ctx, self._grads = ctx.compile(self.grad_comp)
@@ -728,6 +729,7 @@ class ScaledStep(Recipe):
             ctx, self._check = ctx.compile(self.check_comp)
         ctx, self._update = ctx.compile(self.update_comp)
         self._read_checksum = ctx.reader(self.checksum)
+        self._reader_fresh = False
         return self._bind(ctx)
 
     def step(self, ctx: Context) -> Context:
@@ -743,6 +745,11 @@ class ScaledStep(Recipe):
         ctx = self.scaler.update(ctx, grads_finite=finite)  # a window of one step
         self._count_window(1, 0 if finite else 1)
         self.last_applied = finite
+        if not self._reader_fresh:
+            # The checksum has been written now: its reader made now is the backend's own,
+            # with no check left (the one made at compile checks until the first run).
+            self._read_checksum = ctx.reader(self.checksum)
+            self._reader_fresh = True
         return ctx
 
 

@@ -13,7 +13,7 @@ import ocannl.tensor as T
 from ocannl.ir.assignments import Accum, Const, Fixed, Get, apply
 from ocannl.ir.ops import Precision, precision_of
 from ocannl.ir.tnode import MemoryMode, Tnode, ids_issued
-from ocannl.tensor.shape import Shape
+from ocannl.tensor.shape import Shape, int_dims, int_value
 from ocannl.tensor.tensor import Tensor
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -66,9 +66,13 @@ def mlp(
     Returns the logits and the (weight, bias) pair of every layer, first layer first. Weights
     are laid out (out, in), as torch.nn.Linear's, and start kaiming-uniform like torch's.
     """
+    dims = [*int_dims(f"mlp {label}: hidden", hidden), int_value(f"mlp {label}: out_dim", out_dim)]
+    bad = [d for d in dims if d < 1]
+    if bad:
+        raise ValueError(f"mlp {label}: layer widths must be >= 1, got hidden {list(hidden)} and "
+                         f"out_dim {out_dim}")
     h = x
     layers = []
-    dims = [*hidden, out_dim]
     for k, d in enumerate(dims):
         w = T.param(f"{label}_w{k}", output_dims=[d], prec=prec)
         b = T.param(f"{label}_b{k}", output_dims=[d], input_dims=(), init="zeros", prec=prec)
@@ -82,7 +86,19 @@ def mlp(
 @block
 def softmax_cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
     """Mean over the batch of ``-sum(targets * log_softmax(logits))`` (targets one-hot or
-    probabilities over the output axes), computed stably via the max-shifted log-sum-exp."""
+    probabilities over the output axes), computed stably via the max-shifted log-sum-exp.
+
+    ``targets`` must have ``logits``' shape exactly, as torch requires: a label column
+    ``(N, 1)`` or a batch of one would otherwise broadcast over every class or row and train
+    on another objective (use :func:`cross_entropy` for integer class ids)."""
+    if not isinstance(targets, Tensor) or not isinstance(logits, Tensor):
+        raise TypeError(f"softmax_cross_entropy: logits and targets must be Tensors, got "
+                        f"{type(logits).__name__} and {type(targets).__name__}")
+    if targets.shape != logits.shape:
+        raise ValueError(f"softmax_cross_entropy: targets {targets.label} {targets.shape} do "
+                         f"not match logits {logits.label} {logits.shape}: expected the same "
+                         f"shape (one-hot rows or probabilities per class; integer labels go "
+                         f"to nn_blocks.cross_entropy with T.class_ids)")
     z = logits - T.max(logits, "output")
     log_norm = T.log(T.sum(T.exp(z), "output"))
     return T.mean(T.sum(targets * (log_norm - z), "output"))
@@ -105,17 +121,20 @@ def conv2d(
     """A 2-D convolution plus bias; returns ``(y, kernel, bias)``, ``kernel`` of dims
     ``(out_channels, kernel_size, kernel_size, in_channels)`` (torch's weight, channels last).
 
-    ``padding="same"`` pads ``(kernel_size - 1) // 2`` zeros each side (the output keeps the
-    image size at stride 1; torch's ``padding=kernel_size // 2`` for odd sizes), ``"valid"``
-    none."""
+    ``padding="same"`` keeps the image size at stride 1 as torch's ``padding="same"`` does:
+    ``kernel_size - 1`` zeros in all, ``(kernel_size - 1) // 2`` before and the rest after (an
+    even kernel gets one more after); ``"valid"`` none."""
     from ocannl.tensor import spatial
 
     if padding not in ("same", "valid"):
         raise ValueError(f"conv2d {label}: padding must be 'same' or 'valid', got {padding!r}")
-    if not isinstance(kernel_size, int) or kernel_size < 1:
+    kernel_size = int_value(f"conv2d {label}: kernel_size", kernel_size)
+    out_channels = int_value(f"conv2d {label}: out_channels", out_channels)
+    stride = int_value(f"conv2d {label}: stride", stride)
+    if kernel_size < 1:
         raise ValueError(f"conv2d {label}: kernel_size must be an integer >= 1, "
                          f"got {kernel_size!r}")
-    if not isinstance(out_channels, int) or out_channels < 1:
+    if out_channels < 1:
         raise ValueError(f"conv2d {label}: out_channels must be an integer >= 1, "
                          f"got {out_channels!r}")
     _, _, c = spatial._image_rows(x, f"conv2d {label}")
@@ -123,7 +142,8 @@ def conv2d(
                      input_dims=(kernel_size, kernel_size, c), prec=prec)
     bias = T.param(f"{label}_bias", output_dims=[out_channels], input_dims=(), init="zeros",
                    prec=prec)
-    pad = (kernel_size - 1) // 2 if padding == "same" else 0
+    before = (kernel_size - 1) // 2
+    pad = (before, kernel_size - 1 - before) if padding == "same" else 0
     return spatial.conv2d(x, kernel, stride=stride, padding=pad) + bias, kernel, bias
 
 

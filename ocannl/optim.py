@@ -50,6 +50,15 @@ def scalar_expr(x: Scalar, what: str) -> Expr:
     raise TypeError(f"{what} must be a float or a one-element Tensor, got {type(x).__name__}")
 
 
+def require_scalar_loss(loss: Tensor, what: str) -> None:
+    """``ValueError`` naming the shape unless ``loss`` is one cell: seeding a wider tensor's
+    gradient with ones would silently optimize the sum of its cells (torch: "grad can be
+    implicitly created only for scalar outputs")."""
+    if math.prod(loss.dims) != 1:
+        raise ValueError(f"{what}: loss {loss.label} {loss.shape} has {math.prod(loss.dims)} "
+                         f"cells, expected one (a scalar): reduce it first, e.g. T.mean(...)")
+
+
 def gated_store(node: Tnode, idx: tuple[int, ...], new: Expr, gate: Expr | None) -> Accum:
     """``node[idx] = new`` over the node's extent; with a ``gate``, a select: where the gate is
     0 the cell keeps its old bits (never a multiply by a 0/1 flag: ``inf * 0`` is NaN)."""
@@ -153,6 +162,7 @@ class Optimizer:
             raise TypeError(f"update expects the loss Tensor, got {type(loss).__name__}")
         if loss.grad is None:
             raise ValueError(f"loss {loss.label} depends on no parameter: nothing to update")
+        require_scalar_loss(loss, f"{self.label}.update")
         lr = scalar_expr(self.learning_rate, "learning_rate")
         unscale = None if grad_unscale is None else scalar_expr(grad_unscale, "grad_unscale")
         code = self._prologue(lr, gate)

@@ -17,7 +17,7 @@ from ocannl.context import Context, Routine
 from ocannl.ir.assignments import Accum, Comp, Const, Expr, Get, apply
 from ocannl.ir.ops import Precision
 from ocannl.ir.tnode import Tnode
-from ocannl.optim import SGD, Scalar, scalar_expr
+from ocannl.optim import SGD, Scalar, require_scalar_loss, scalar_expr
 from ocannl.tensor.shape import Shape
 from ocannl.tensor.tensor import Tensor, copy_into
 
@@ -36,6 +36,7 @@ def grad_update(loss: Tensor, *, loss_scale: Tensor | None = None) -> Comp:
     """Forward, zero the gradients, seed the loss gradient (1, or the loss scale), backprop."""
     if loss.grad is None:
         raise ValueError(f"loss {loss.label} depends on no parameter: nothing to differentiate")
+    require_scalar_loss(loss, "grad_update")
     seed = Const(1.0) if loss_scale is None else scalar_expr(loss_scale, "loss_scale")
     seed_comp = Comp((copy_into(loss.grad, seed),), "seed")
     return Comp.seq(

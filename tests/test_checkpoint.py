@@ -134,15 +134,51 @@ def test_save_validates_progress_and_nodes(tmp_path: Path) -> None:
     assert not path.exists() and os.listdir(tmp_path) == []
 
 
-def test_repeated_labels_get_distinct_names(tmp_path: Path) -> None:
+def test_repeated_labels_are_refused_at_save_and_load_naming_them(tmp_path: Path) -> None:
+    """Numbered in list order (``w``, ``w#2``), a program building them the other way round
+    would load them swapped without a word (issue 28)."""
     ctx = Context.cpu()
     a, b = Tnode("w", (2,), Precision.f32), Tnode("w", (2,), Precision.f32)
     ctx = ctx.set_values(a, [1, 2]).set_values(b, [3, 4])
-    assert checkpoint.node_names([a, b]) == ["w", "w#2"]
-    checkpoint.save(tmp_path / "c", ctx, [a, b], Progress())
-    ctx = ctx.set_values(a, [0, 0]).set_values(b, [0, 0])
-    ctx, _ = checkpoint.load(tmp_path / "c", ctx, [a, b])
+    for call in (lambda: checkpoint.save(tmp_path / "c", ctx, [a, b], Progress()),
+                 lambda: checkpoint.load(tmp_path / "c", ctx, [a, b]),
+                 lambda: checkpoint.node_names([a, b])):
+        with pytest.raises(ValueError, match="name more than one node") as err:
+            call()
+        assert f"'w': {a.name} (2,), {b.name} (2,)" in str(err.value)
+        assert "label=" in str(err.value)
+    assert os.listdir(tmp_path) == []  # nothing written
     assert ctx.get_values(a).tolist() == [1, 2] and ctx.get_values(b).tolist() == [3, 4]
+
+
+def test_two_blocks_of_the_default_label_cannot_be_saved(tmp_path: Path) -> None:
+    x = T.term(np.ones((4, 3)), label="x")
+    h, _ = nn_blocks.mlp(x, [4], 3)
+    out, _ = nn_blocks.mlp(h, [4], 2)  # the same default label "mlp"
+    y = T.term(np.eye(2)[[0, 1, 0, 1]], label="y")
+    loss = nn_blocks.softmax_cross_entropy(out, y)
+    from ocannl import train
+
+    ctx = train.init_params(Context.cpu(), loss)
+    state = checkpoint.training_state(loss, optim.Adam(0.01))
+    with pytest.raises(ValueError, match="'mlp_w0'") as err:
+        checkpoint.save(tmp_path / "c", ctx, state, Progress())
+    assert "'mlp_b1'" in str(err.value) and not (tmp_path / "c").exists()
+
+
+def test_save_into_a_missing_folder_names_the_path_given(tmp_path: Path) -> None:
+    ctx, nodes = make_nodes(Context.cpu())
+    path = tmp_path / "no_such_folder" / "ck.safetensors"
+    with pytest.raises(FileNotFoundError) as err:
+        checkpoint.save(path, ctx, nodes, Progress())
+    text = str(err.value)
+    assert str(path) in text and "does not exist" in text and ".tmp" not in text
+    file_as_folder = tmp_path / "plain"
+    file_as_folder.write_bytes(b"x")
+    with pytest.raises(FileNotFoundError, match="it is a file") as err:
+        checkpoint.save(file_as_folder / "ck", ctx, nodes, Progress())
+    assert ".tmp" not in str(err.value)
+    assert os.listdir(tmp_path) == ["plain"]
 
 
 @pytest.mark.parametrize("fail_at", ["fsync", "replace", "write"])

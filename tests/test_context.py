@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -446,12 +447,11 @@ def test_compile_allocates_but_does_not_initialize_parameters():
 def test_running_before_init_params_names_the_uninitialized_parameters():
     loss = _tiny_model(4)
     ctx, r = Context.cpu().compile(train.grad_update(loss))
-    before = {p.label: ctx.get_values(p).copy() for p in loss.params}
     with pytest.raises(ValueError, match="nothing has initialized") as err:
         ctx.run(r)
     for p in loss.params:
         assert p.value.name in str(err.value)
-        np.testing.assert_array_equal(ctx.get_values(p), before[p.label])
+        assert not ctx.is_initialized(p)  # the refused run wrote nothing
     ctx = train.init_params(ctx, loss)
     ctx = ctx.run(r)  # now it runs
     assert np.isfinite(float(ctx.get_values(loss)))
@@ -565,3 +565,63 @@ def test_local_nodes_share_memory_and_compute_the_same_bits():
         else:
             assert ctx._local_bytes >= total
     assert grads[0] == grads[1]
+
+
+# --- reads of values nothing wrote are refused as a run refuses them (issue 28) ---------------
+
+
+def test_get_values_of_a_parameter_before_init_params_is_refused_by_name():
+    loss = _tiny_model(5)
+    ctx, _ = Context.cpu().compile(train.forward(loss))
+    p = loss.params[0]
+    with pytest.raises(ValueError, match=rf"get_values reads {p.value.name}, which nothing has "
+                                         rf"initialized in this context: call "
+                                         rf"train.init_params"):
+        ctx.get_values(p)
+    with pytest.raises(ValueError, match="nothing has initialized"):
+        ctx.get_value(p, (0,) * len(p.dims))
+    assert not ctx.is_initialized(p)
+    ctx = train.init_params(ctx, loss)
+    assert ctx.get_values(p).shape == p.dims
+
+
+def test_get_value_of_a_result_after_compile_before_any_run_is_refused():
+    loss = _tiny_model(6)
+    ctx = train.init_params(Context.cpu(), loss)
+    ctx, r = ctx.compile(train.forward(loss))
+    with pytest.raises(ValueError, match=rf"get_value reads {loss.value.name}, which nothing"):
+        ctx.get_value(loss)
+    with pytest.raises(ValueError, match="get_values reads"):
+        ctx.get_values(loss)
+    read = ctx.reader(loss)  # made before the run: it checks until something wrote the loss
+    with pytest.raises(ValueError, match="nothing has initialized"):
+        read()
+    ctx = ctx.run(r)
+    assert read() == ctx.get_value(loss) == float(ctx.get_values(loss))
+    assert np.isfinite(read())
+
+
+def test_a_reader_of_an_initialized_node_is_the_backends_own():
+    """No check left on the every-step path once the node has values."""
+    x = T.term(np.array([1.5], np.float32), label="x")
+    ctx = Context.cpu()
+    ctx, _ = ctx.compile(train.forward(T.exp(x)))
+    read = ctx.reader(x)
+    assert type(read) is functools.partial and read() == 1.5
+
+
+def test_set_value_on_a_node_with_no_values_yet_starts_from_zeros():
+    x = T.term(None, label="batch", output_dims=(3,))
+    ctx, _ = Context.cpu().compile(train.forward(T.exp(x)))
+    ctx = ctx.set_value(x, 2.0, (1,))
+    assert ctx.get_values(x).tolist() == [0.0, 2.0, 0.0]
+
+
+def test_an_allocation_too_large_names_its_node():
+    x = T.term(None, label="huge_batch", output_dims=(1 << 20, 1 << 20, 1 << 12))
+    y = T.exp(x)
+    ctx = Context.cpu()
+    with pytest.raises(MemoryError, match=r"bytes for node (huge_batch|exp)_\d+ \(dims "
+                                          r"\(1048576, 1048576, 4096\), f32\) on the cpu "
+                                          r"backend"):
+        ctx.compile(train.forward(y))

@@ -53,3 +53,21 @@ def test_one_hot_and_gaussian_classes():
     x2, y2 = datasets.gaussian_classes(500, 6, 4, seed=1)
     np.testing.assert_array_equal(x, x2)
     np.testing.assert_array_equal(y, y2)
+
+
+@pytest.mark.parametrize("labels,shown", [([0, -1], "label -1 at (1,)"),
+                                          ([2, 0], "label 2 at (0,)"),
+                                          ([[0], [5]], "label 5 at (1, 0)")])
+def test_one_hot_refuses_labels_that_are_not_classes(labels, shown):
+    """NumPy's indexing would make -1 the last class (and 2 an IndexError naming nothing)."""
+    with pytest.raises(ValueError, match=r"expected an integer in \[0, 2\)") as err:
+        datasets.one_hot(labels, 2)
+    assert shown in str(err.value)
+
+
+def test_one_hot_refuses_non_integer_labels_and_class_counts():
+    with pytest.raises(ValueError, match="labels must be integers, got dtype float64"):
+        datasets.one_hot(np.array([0.0, 1.5]), 2)
+    with pytest.raises(ValueError, match="classes must be an integer >= 1, got 2.0"):
+        datasets.one_hot([0, 1], 2.0)
+    assert datasets.one_hot(np.array([[1], [0]], np.uint8), 2).tolist() == [[[0, 1]], [[1, 0]]]

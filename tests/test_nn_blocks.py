@@ -102,3 +102,58 @@ def test_a_blocks_internal_tensors_are_local_and_compute_the_same_bits():
     assert ctx.get_values(loss).tobytes() == ref_ctx.get_values(ref_loss).tobytes()
     for p, q in zip(loss.params, ref_loss.params, strict=True):
         assert ctx.get_values(p).tobytes() == ref_ctx.get_values(q).tobytes(), p.label
+
+
+# --- refusals of what would otherwise be silently wrong (issue 28) ---------------------------
+
+
+@pytest.mark.parametrize("targets_shape", [(64, 1), (1, 2), (2,)])
+def test_softmax_cross_entropy_refuses_targets_that_would_broadcast(targets_shape):
+    logits = T.term(np.zeros((64, 2)), label="logits")
+    y = T.term(np.zeros(targets_shape), label="y")
+    with pytest.raises(ValueError, match=r"targets y .* do not match logits logits") as err:
+        nn_blocks.softmax_cross_entropy(logits, y)
+    assert str(y.shape) in str(err.value) and str(logits.shape) in str(err.value)
+
+
+@pytest.mark.parametrize("hidden,out_dim,bad", [([16.9], 2, "16.9"), ([16], 2.0, "2.0"),
+                                                (16, 2, "16")])
+def test_mlp_refuses_fractional_or_misplaced_widths(hidden, out_dim, bad):
+    x = T.term(np.zeros((4, 3)), label="x")
+    with pytest.raises(TypeError, match=r"mlp net: (hidden|out_dim)") as err:
+        nn_blocks.mlp(x, hidden, out_dim, label="net")
+    assert bad in str(err.value)
+
+
+def test_conv2d_refuses_a_float_size_or_stride():
+    x = T.term(np.zeros((2, 8, 8, 1)), label="x", batch_dims=(2,), output_dims=(8, 8, 1))
+    for kw, name in ((dict(kernel_size=3.0), "kernel_size"), (dict(stride=1.5), "stride"),
+                     (dict(out_channels=2.5), "out_channels")):
+        args = dict(out_channels=2, **kw) if "out_channels" not in kw else kw
+        with pytest.raises(TypeError, match=f"conv2d c: {name} must be an integer"):
+            nn_blocks.conv2d(x, label="c", **args)
+    for pool in (nn_blocks.max_pool2d, nn_blocks.avg_pool2d):
+        for kw in (dict(window=2.0), dict(stride=1.5)):
+            with pytest.raises(TypeError, match=f"{next(iter(kw))} must be an integer"):
+                pool(x, **kw)
+
+
+@pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel")
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 5])
+def test_conv2d_same_padding_keeps_the_size_as_torch_does(k):
+    """Even kernels too: torch's padding="same" puts (k-1)//2 zeros before, the rest after."""
+    import torch
+
+    rng = np.random.default_rng(k)
+    xv = rng.normal(size=(2, 8, 8, 3))
+    x = T.term(xv, label="x", batch_dims=(2,), output_dims=(8, 8, 3), prec="f64")
+    y, kernel, bias = nn_blocks.conv2d(x, out_channels=4, kernel_size=k, label="c", prec="f64")
+    assert y.shape.output == (8, 8, 4)
+    kv, bv = rng.normal(size=kernel.dims), rng.normal(size=bias.dims)
+    ctx = Context.cpu().set_values(kernel, kv).set_values(bias, bv)
+    ctx, r = ctx.compile(train.forward(y))
+    got = ctx.run(r).get_values(y)
+    want = torch.nn.functional.conv2d(
+        torch.from_numpy(xv).permute(0, 3, 1, 2), torch.from_numpy(kv).permute(0, 3, 1, 2),
+        torch.from_numpy(bv), padding="same").permute(0, 2, 3, 1).numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)

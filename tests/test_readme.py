@@ -35,7 +35,28 @@ def python_blocks(text: str) -> list[tuple[str, str]]:
     return blocks
 
 
+def printed_outputs(text: str) -> list[str | None]:
+    """For each ```python block, in order, the ```text block that follows it (what the README
+    says it prints), when only one paragraph of prose lies between them; else None."""
+    fence = re.compile(r"^```(\w*)[ \t]*\n(.*?)^```[ \t]*$", re.S | re.M)
+    fences = list(fence.finditer(text))
+    out: list[str | None] = []
+    for k, m in enumerate(fences):
+        if m.group(1) != "python":
+            continue
+        nxt = fences[k + 1] if k + 1 < len(fences) else None
+        between = text[m.end():nxt.start()].strip() if nxt is not None else ""
+        if nxt is not None and nxt.group(1) == "text" and "\n\n" not in between \
+                and not between.startswith("#"):
+            out.append(textwrap.dedent(nxt.group(2)))
+        else:
+            out.append(None)
+    return out
+
+
 BLOCKS = python_blocks(README.read_text(encoding="utf-8"))
+PRINTED = dict(zip([name for name, _ in BLOCKS], printed_outputs(README.read_text("utf-8")),
+                   strict=True))
 
 
 def test_the_readme_has_python_snippets() -> None:
@@ -49,9 +70,21 @@ def test_extraction_finds_blocks_and_their_sections() -> None:
                                    ("Two #1", "b = 2\n\n# not a heading\nc = 3\n")]
 
 
+def test_extraction_pairs_each_snippet_with_what_it_prints() -> None:
+    text = "```python\nprint(1)\n```\n\nIt prints:\n\n```text\n1\n```\n\n```python\nx = 1\n" \
+           "```\n\nSome prose.\n\nMore prose.\n\n```text\nnot its output\n```\n"
+    assert printed_outputs(text) == ["1\n", None]
+
+
+def test_every_snippet_says_what_it_prints() -> None:
+    missing = [name for name, printed in PRINTED.items() if printed is None]
+    assert not missing, f"README snippets with no ```text block of their output: {missing}"
+
+
 @pytest.mark.parametrize(("name", "code"), BLOCKS, ids=[name for name, _ in BLOCKS])
 def test_readme_snippet_runs(name: str, code: str, tmp_path: Path) -> None:
-    """Each snippet alone, as a newcomer would paste it into a fresh ``python``."""
+    """Each snippet alone, as a newcomer would paste it into a fresh ``python``, printing what
+    the README says it prints."""
     script = tmp_path / "snippet.py"
     script.write_text(code, encoding="utf-8")
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
@@ -64,6 +97,10 @@ def test_readme_snippet_runs(name: str, code: str, tmp_path: Path) -> None:
     assert proc.returncode == 0, (
         f"README snippet {name!r} failed (exit {proc.returncode}):\n{code}\n--- stderr ---\n"
         f"{proc.stderr[-4000:]}")
+    if PRINTED[name] is not None:
+        assert proc.stdout == PRINTED[name], (
+            f"README snippet {name!r} printed\n{proc.stdout}\nbut the README says it prints\n"
+            f"{PRINTED[name]}")
 
 
 # --- a machine without a GPU ------------------------------------------------------------------

@@ -158,6 +158,11 @@ def einsum(spec: str, a: Tensor, b: Tensor | None = None) -> Tensor:
                 raise ValueError(f"einsum {spec!r}: result axis {lab!r} appears in no operand")
         res_rows[row] = labels  # type: ignore[assignment]
     res_labels = res_rows["batch"] + res_rows["output"] + res_rows["input"]
+    repeated = sorted({lab for lab in res_labels if res_labels.count(lab) > 1})
+    if repeated:
+        raise ValueError(f"einsum {spec!r}: result label {repeated[0]!r} appears more than once "
+                         f"in the result {res!r}: each result axis needs its own label (a "
+                         f"repeated output label has no meaning here, as in NumPy and PyTorch)")
     order = list(dict.fromkeys(res_labels))
     for rows in rows_of:
         for row in ("batch", "output", "input"):

@@ -11,7 +11,7 @@ from ocannl.ir.assignments import Const, Expr, Get, Index
 from ocannl.ir.ops import Precision, precision_of, promote
 from ocannl.ir.tnode import MemoryMode, Tnode
 from ocannl.tensor import tensor as _t
-from ocannl.tensor.shape import Shape
+from ocannl.tensor.shape import Shape, int_dims
 from ocannl.tensor.tensor import INIT_KINDS, Init, Tensor
 
 Operand = Tensor | float | int
@@ -20,7 +20,7 @@ Operand = Tensor | float | int
 def _dims_row(name: str, dims: Sequence[int] | None) -> tuple[int, ...] | None:
     if dims is None:
         return None
-    out = tuple(int(d) for d in dims)
+    out = int_dims(f"{name}_dims", dims)
     if any(d < 1 for d in out):
         raise ValueError(f"{name} dims must be positive, got {tuple(dims)}")
     return out

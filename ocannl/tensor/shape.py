@@ -7,7 +7,10 @@ broadcast batch row, b's input row and a's output row, as function composition d
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from ocannl.ir.assignments import Fixed, Index
 
@@ -78,3 +81,29 @@ def broadcast_projection(operand: Shape, result: Shape) -> tuple[Index, ...]:
             j = res_off[name] + len(rr) - len(r) + k
             idx.append(Fixed(0) if d == 1 and rr[len(rr) - len(r) + k] != 1 else j)
     return tuple(idx)
+
+
+def int_value(arg_name: str, value: object) -> int:
+    """``value`` as an int, or ``TypeError`` naming ``arg_name`` and the value: a size, a stride
+    or a window is a whole number, and a float (2.7, even 3.0) is refused rather than truncated
+    (as torch refuses a float in a size)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{arg_name} must be an integer, got {value!r:.60} "
+                        f"({type(value).__name__})")
+    return int(value)
+
+
+def int_dims(arg_name: str, value: object) -> tuple[int, ...]:
+    """``value`` (a sequence of integers) as a tuple of ints, or ``TypeError`` naming
+    ``arg_name`` and the value: an int where a list is expected (``output_dims=3``), a string,
+    or any element that is not an integer (``[2.7]``, never truncated to 2)."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, np.ndarray)):
+        raise TypeError(f"{arg_name} must be a sequence of integers (e.g. [3]), got {value!r:.60} "
+                        f"({type(value).__name__})")
+    out = []
+    for d in value:
+        if isinstance(d, bool) or not isinstance(d, (int, np.integer)):
+            raise TypeError(f"{arg_name} must be a sequence of integers, got {value!r:.60}: "
+                            f"{d!r:.30} ({type(d).__name__}) is not an integer")
+        out.append(int(d))
+    return tuple(out)

@@ -12,7 +12,7 @@ from ocannl.ir.assignments import Affine, Index
 from ocannl.tensor.leaves import _lift
 from ocannl.tensor.pointwise import div
 from ocannl.tensor.reductions import _contract, _reduce_with
-from ocannl.tensor.shape import Shape, broadcast_projection
+from ocannl.tensor.shape import Shape, broadcast_projection, int_value
 from ocannl.tensor.tensor import Tensor
 
 
@@ -24,16 +24,34 @@ def _image_rows(x: Tensor, what: str) -> tuple[int, int, int]:
     return h, w, c
 
 
-def _out_size(size: int, window: int, stride: int, pad: int, what: str, axis: str) -> int:
+def _padding(padding: int | tuple[int, int], what: str) -> tuple[int, int]:
+    """``(before, after)``: the zeros added at the top and the bottom of the height (the left
+    and the right of the width) from an int (both sides) or a pair."""
+    if isinstance(padding, tuple) and len(padding) == 2:
+        lo, hi = (int_value(f"{what}: padding", p) for p in padding)
+    elif isinstance(padding, tuple):
+        raise TypeError(f"{what}: padding must be an integer or a pair (before, after), got "
+                        f"{padding!r:.60}")
+    else:
+        lo = hi = int_value(f"{what}: padding", padding)
+    if lo < 0 or hi < 0:
+        raise ValueError(f"{what}: padding must be >= 0, got {padding!r}")
+    return lo, hi
+
+
+def _out_size(size: int, window: int, stride: int, pad: tuple[int, int], what: str,
+              axis: str) -> int:
     if stride < 1:
         raise ValueError(f"{what}: stride must be >= 1, got {stride}")
-    if window < 1 or window > size + 2 * pad:
+    if window < 1 or window > size + sum(pad):
+        side = f"{pad[0]} each side" if pad[0] == pad[1] else f"{pad[0]} before, {pad[1]} after"
         raise ValueError(f"{what}: window {window} does not fit the image {axis} {size} "
-                         f"(padding {pad} each side)")
-    return (size + 2 * pad - window) // stride + 1
+                         f"(padding {side})")
+    return (size + sum(pad) - window) // stride + 1
 
 
-def _window_space(x: Tensor, window: int, stride: int, pad: int, extra: tuple[int, ...],
+def _window_space(x: Tensor, window: int, stride: int, pad: tuple[int, int],
+                  extra: tuple[int, ...],
                   what: str) -> tuple[Shape, tuple[int, ...], tuple[Index, ...], int]:
     """The product space ``batch..., oh, ow, <extra>..., kh, kw, c`` and x's projection.
 
@@ -49,15 +67,20 @@ def _window_space(x: Tensor, window: int, stride: int, pad: int, extra: tuple[in
     i_kh = nb + 2 + len(extra)
     space = (*x.shape.batch, oh, ow, *extra, window, window)
     proj = (*broadcast_projection(Shape(batch=x.shape.batch), Shape(batch=x.shape.batch)),
-            Affine(((stride, i_oh), (1, i_kh)), -pad),
-            Affine(((stride, i_ow), (1, i_kh + 1)), -pad))
+            Affine(((stride, i_oh), (1, i_kh)), -pad[0]),
+            Affine(((stride, i_ow), (1, i_kh + 1)), -pad[0]))
     return shape, space, proj, i_kh
 
 
-def conv2d(x: Tensor, kernel: Tensor, *, stride: int = 1, padding: int = 0) -> Tensor:
+def conv2d(x: Tensor, kernel: Tensor, *, stride: int = 1,
+           padding: int | tuple[int, int] = 0) -> Tensor:
     """``y[b, oh, ow, o] = sum_{kh, kw, c} x[b, stride*oh + kh - padding, stride*ow + kw -
     padding, c] * kernel[o, kh, kw, c]``; ``kernel``'s output row is ``(out_channels,)`` and its
-    input row ``(k, k, in_channels)`` (torch's weight, channels last)."""
+    input row ``(k, k, in_channels)`` (torch's weight, channels last). ``padding``: zeros on
+    each side, or ``(before, after)`` (the same for height and width), as an even kernel's
+    "same" padding needs."""
+    stride = int_value("conv2d: stride", stride)
+    pad = _padding(padding, "conv2d")
     x, kernel = _lift(x), _lift(kernel)
     _, _, c = _image_rows(x, "conv2d")
     k_in = kernel.shape.input
@@ -67,7 +90,7 @@ def conv2d(x: Tensor, kernel: Tensor, *, stride: int = 1, padding: int = 0) -> T
                          f"{x.label} {x.shape}: expected output row (out_channels,) and input "
                          f"row (k, k, {c})")
     (o,), k = kernel.shape.output, k_in[0]
-    shape, space, xproj, i_kh = _window_space(x, k, stride, padding, (o,), "conv2d")
+    shape, space, xproj, i_kh = _window_space(x, k, stride, pad, (o,), "conv2d")
     i_o, i_c = i_kh - 1, i_kh + 2
     space = (*space, c)
     return _contract("conv2d", x, kernel, (*xproj, i_c), (i_o, i_kh, i_kh + 1, i_c), shape,
@@ -75,9 +98,11 @@ def conv2d(x: Tensor, kernel: Tensor, *, stride: int = 1, padding: int = 0) -> T
 
 
 def _pool(name: str, x: Tensor, window: int, stride: int, accum: str) -> Tensor:
+    window = int_value(f"{name}: window", window)
+    stride = int_value(f"{name}: stride", stride)
     x = _lift(x)
     _, _, c = _image_rows(x, name)
-    shape, space, xproj, i_kh = _window_space(x, window, stride, 0, (), name)
+    shape, space, xproj, i_kh = _window_space(x, window, stride, (0, 0), (), name)
     i_c = i_kh + 2
     nb = len(x.shape.batch)
     res = (*range(nb), nb, nb + 1, i_c)

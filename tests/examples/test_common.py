@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -69,3 +70,55 @@ def test_output_path(tmp_path: Path) -> None:
     assert "is a folder" in common.output_path(tmp_path, "--x")
     assert "not a file name" in common.output_path("a\0b", "--x")
     assert "does not exist" in common.output_path("/" + "x" * 5000 + "/a", "--x")
+
+
+# --- the checkpoint's record of who wrote it and under which settings ---------------------------
+
+
+def _progress(step: int = 10, **extra: str):
+    from ocannl import checkpoint
+
+    return checkpoint.Progress(step=step, extra=dict(extra))
+
+
+def test_canonical_settings_compare_equal_values_as_equal() -> None:
+    mine = common.canonical({"batch": 64, "lr": 0.003, "prec": "f16"})
+    assert mine == {"batch": "64", "lr": "0.003", "prec": "f16"}
+    keys = ("batch", "lr", "prec")
+    assert common.differences({"batch": "64", "lr": "0.003", "prec": "f16"}, mine, keys) == []
+    assert common.differences({"batch": "64", "lr": "0.01", "prec": "f16"}, mine, keys) == [
+        "--lr 0.01 in the checkpoint, 0.003 now"]
+    assert common.differences({}, {"seed": ""}, ("seed",)) == []
+    assert common.differences({"c": "ab"}, {"c": "cd"}, ("c",), {"c": "the corpus"}) == [
+        "the corpus ab in the checkpoint, cd now"]
+
+
+def test_another_programs_checkpoint_is_named_as_such() -> None:
+    config = json.dumps({"gate": "fused", "batch": "64"})
+    tagged = _progress(program="moons_mixed_precision.py", config=config)
+    said = common.foreign_problem(tagged, "digits_convnet.py", ("batch", "lr"))
+    assert "written by moons_mixed_precision.py, not by digits_convnet.py" in said
+    untagged = _progress(config=config)
+    said = common.foreign_problem(untagged, "digits_convnet.py", ("batch", "lr"))
+    assert "settings this program does not have (gate)" in said and "batch" not in said
+    assert "does not record the settings" in common.foreign_problem(
+        _progress(), "digits_convnet.py", ("batch",))
+    ints = _progress(config=json.dumps({"batch": 64}))  # not strings: not this format's
+    assert "does not record the settings" in common.foreign_problem(ints, "x.py", ("batch",))
+    mine = _progress(program="x.py", config=json.dumps({"batch": "64"}))
+    assert common.foreign_problem(mine, "x.py", ("batch",)) is None
+
+
+def test_steps_problem() -> None:
+    assert common.steps_problem(10, 10) is None and common.steps_problem(5, 10) is None
+    assert common.steps_problem(20, 10) == ("it is at step 20, past --steps 10 (give --steps 20 "
+                                            "or more)")
+
+
+@pytest.mark.parametrize(("env", "want"), [
+    ({}, None), ({"PMI_SIZE": "1"}, None), ({"PMI_SIZE": "2"}, (2, "PMI_SIZE")),
+    ({"OMPI_COMM_WORLD_SIZE": "4"}, (4, "OMPI_COMM_WORLD_SIZE")),
+    ({"MV2_COMM_WORLD_SIZE": "3"}, (3, "MV2_COMM_WORLD_SIZE")), ({"PMI_SIZE": "x"}, None),
+])
+def test_launched_ranks(env: dict[str, str], want) -> None:
+    assert common.launched_ranks(env) == want

@@ -435,3 +435,64 @@ def test_killed_and_resumed_run_reports_what_the_uninterrupted_one_does(tmp_path
     assert again.returncode == 0, again.stderr
     assert "at step 300" in again.stdout
     assert summary(again.stdout) == want
+
+
+# --- another program's checkpoint, and MPI launchers (issue 28) -------------------------------
+
+
+def test_resume_from_another_programs_checkpoint_names_that_program(tmp_path: Path) -> None:
+    """Not "written by an older version": the digits example wrote it."""
+    import numpy as np
+
+    import ocannl.tensor as T
+    from ocannl import Context, checkpoint
+
+    path = tmp_path / "digits.safetensors"
+    t = T.term(np.zeros(3, np.float32), label="w")
+    ctx = Context.cpu().set_values(t, np.zeros(3))
+    config = json.dumps({"prec": "f16", "batch": "64", "lr": "0.003", "seed": "0"})
+    checkpoint.save(path, ctx, [t.value], checkpoint.Progress(
+        step=10, extra={"program": "digits_convnet.py", "config": config}))
+    done = resume(path)
+    assert done.returncode == 1 and done.stderr.count("\n") == 1, done.stderr
+    assert "written by digits_convnet.py, not by moons_mixed_precision.py" in done.stderr
+    assert "older version" not in done.stderr
+    untagged = tmp_path / "untagged.safetensors"
+    checkpoint.save(untagged, ctx, [t.value],
+                    checkpoint.Progress(step=10, extra={"config": config}))
+    done = resume(untagged)
+    assert done.returncode == 1, done.stderr
+    assert "settings this program does not have (prec)" in done.stderr
+
+
+def test_several_mpi_processes_without_data_parallel_are_refused(tmp_path: Path) -> None:
+    """Under mpiexec -n 2 without --data-parallel, two identical runs wrote the same files."""
+    ckpt = tmp_path / "run.safetensors"
+    done = subprocess.run([sys.executable, str(EXAMPLE), "--backend", "cpu", "--no-plot",
+                           "--no-progress", "--checkpoint", str(ckpt)], capture_output=True,
+                          text=True, timeout=TIMEOUT_S, cwd=ROOT,
+                          env={**os.environ, "PMI_SIZE": "2", "PMI_RANK": "0"})
+    assert done.returncode == 1 and done.stderr.count("\n") == 1, done.stderr
+    assert "one of 2 MPI processes (PMI_SIZE=2)" in done.stderr
+    assert "add --data-parallel" in done.stderr and not ckpt.exists()
+
+
+def test_checkpoint_records_the_program(saved: Path) -> None:
+    from ocannl import checkpoint
+
+    assert checkpoint.read_progress(saved).extra["program"] == "moons_mixed_precision.py"
+
+
+def test_under_a_real_mpiexec_without_data_parallel_every_rank_refuses(tmp_path: Path) -> None:
+    mpiexec = Path(sys.executable).parent / "mpiexec"
+    if not mpiexec.exists():
+        pytest.skip("no mpiexec in this environment (pip install mpich)")
+    ckpt = tmp_path / "run.safetensors"
+    done = subprocess.run([str(mpiexec), "-n", "2", sys.executable, str(EXAMPLE), "--backend",
+                           "cpu", "--no-plot", "--no-progress", "--checkpoint", str(ckpt)],
+                          capture_output=True, text=True, timeout=TIMEOUT_S, cwd=ROOT,
+                          start_new_session=True)
+    assert done.returncode != 0, done.stdout
+    assert done.stderr.count("was started as one of 2 MPI processes (PMI_SIZE=2)") == 2, \
+        done.stderr
+    assert "accuracy" not in done.stdout and not ckpt.exists()

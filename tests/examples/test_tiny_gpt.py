@@ -4,6 +4,7 @@ as the uninterrupted one, and a resume under other settings is refused naming th
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -43,6 +44,15 @@ def test_tiny_gpt_runs_resumes_and_refuses_other_settings(tmp_path):
     refused = _run("--steps", "12", "--checkpoint", str(ckpt), "--resume", "--lr", "0.01",
                    "--d-model", "24", check=False)
     assert refused.returncode != 0
-    assert "--lr 0.003 (now 0.01)" in refused.stderr
-    assert "--d-model 16 (now 24)" in refused.stderr
+    assert "--lr 0.003 in the checkpoint, 0.01 now" in refused.stderr
+    assert "--d-model 16 in the checkpoint, 24 now" in refused.stderr
     assert "--heads" not in refused.stderr
+
+
+def test_several_processes_of_an_mpi_launcher_are_refused():
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--backend", "cpu", "--no-progress"],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PMI_SIZE": "2"})
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "one of 2 MPI processes (PMI_SIZE=2)" in proc.stderr
+    assert "run it without the launcher" in proc.stderr and "corpus" not in proc.stdout

@@ -69,3 +69,20 @@ def test_spec_errors_name_the_problem():
         T.einsum("b|oh+kh,ow+kw,c;kh,kw,c->o=>b|oh,ow,o", img, k)
     with pytest.raises(ValueError, match="cannot tell the extent"):
         T.einsum("b|oh+kh,ow,c=>b|oh", img)
+
+
+@pytest.mark.parametrize("spec,operands,label", [
+    ("b|h;h->o=>b|oo", 2, "o"),  # the issue's: neither a sum over h nor a diagonal
+    ("b|i=>b|ii", 1, "i"),
+    ("b|i=>bb|i", 1, "b"),
+    ("b|i=>b|i->i", 1, "i"),  # across rows
+])
+def test_a_repeated_result_label_is_refused_naming_spec_and_label(spec: str, operands: int,
+                                                                  label: str):
+    a = T.term(np.arange(3.0).reshape(1, 3), label="a")
+    b = T.term(np.ones((5, 3)), label="B", batch_dims=(), output_dims=(5,), input_dims=(3,))
+    args = (a, b) if operands == 2 else (a,)
+    with pytest.raises(ValueError, match=f"result label '{label}' appears more than once") \
+            as err:
+        T.einsum(spec, *args)
+    assert repr(spec) in str(err.value)
