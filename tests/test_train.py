@@ -12,7 +12,7 @@ import torch
 
 import ocannl.tensor as T
 from ocannl import Context, Precision, datasets, nn_blocks, train
-from ocannl.ir.lowering import Gemm, lower
+from ocannl.ir.lowering import Gemm, lower_items
 from ocannl.ir.target import PRODUCTS
 
 TOL = {Precision.f32: 1e-5, Precision.f64: 1e-10}
@@ -282,7 +282,7 @@ def test_16_bit_param_gradients_are_the_rounded_f32_gradients(prec):
             stored = ctx.get_values(p).astype(np.float32)  # the 16-bit values, widened
             torch_params.append(torch.tensor(stored, requires_grad=True))
     step = train.grad_update(loss)
-    gemms = [g for g in lower(step, PRODUCTS) if isinstance(g, Gemm)]
+    gemms = [g for g in lower_items(step, PRODUCTS) if isinstance(g, Gemm)]
     assert any(v.node.prec.is_narrow for g in gemms for v in (g.a, g.b))
     assert any(g.assign.lhs.prec.is_narrow for g in gemms)  # a weight gradient
     ctx, r = ctx.compile(step)
