@@ -15,18 +15,15 @@ reassociated or contracted, so results are bitwise those of the plain loops.
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 from llvmlite import ir
 
-from ocannl.backends.cpu import pool, small_product
-from ocannl.backends.cpu import scalar as scalar_module
+from ocannl.backends.cpu import pool, small_product, version
 from ocannl.backends.cpu.scalar import (
     F16,
     F32,
@@ -1277,11 +1274,9 @@ def _derived(code: list[Lowered]) -> dict[int, Tnode]:
 
 
 
-# The code generator's own version: its source, its scalar code's and the op table's (the hash
-# constants). A cached routine compiled by other code is not reused.
-_VERSION = hashlib.sha256(b"".join(Path(f).read_bytes() for f in (
-    __file__, scalar_module.__file__, small_product.__file__, ops_module.__file__))
-).hexdigest()[:16]
+# The version of all the code whose output reaches a cached object (``version.py``): a cached
+# routine compiled by other code is not reused.
+_VERSION = version.VERSION
 
 
 def signature(code: list[Lowered], nodes: list[Tnode], target: Target) -> str:
