@@ -12,7 +12,9 @@ cells in the same order: the losses are compared bit for bit. Every workload's s
 (``--variants``, f32 by default) is built once; then per round each side runs ``--steps``
 steps, timed one by one after one untimed step, the side going first alternating by round.
 Printed per workload and variant: each side's p50 step, the p50 of the rounds' ratios (gomp /
-pool: under 1 means libgomp wins) and its spread (p10-p90).
+pool: under 1 means libgomp wins) and its spread (p10-p90). ``--gomp-spincount`` sets
+libgomp's ``GOMP_SPINCOUNT`` (how long its idle threads spin before sleeping; the pool spins
+about 40 us).
 """
 
 from __future__ import annotations
@@ -166,8 +168,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--variants", nargs="*", default=["f32"])
     ap.add_argument("--workloads", nargs="*", default=list(WORKLOADS))
+    ap.add_argument("--gomp-spincount", help="GOMP_SPINCOUNT for libgomp's idle threads "
+                    "(default: libgomp's own)")
     args = ap.parse_args(argv)
     os.environ["OCANNL_THREADS"] = str(args.threads)
+    if args.gomp_spincount is not None:  # read by libgomp when it is loaded
+        os.environ["GOMP_SPINCOUNT"] = args.gomp_spincount
     flag = install_both()
 
     from benchmarks.fixtures import load
@@ -175,7 +181,8 @@ def main(argv: list[str] | None = None) -> None:
     from benchmarks.specs import WORKLOADS as SPECS
     from ocannl.backends.cpu import jit
 
-    print(f"threads {jit.target().threads}, libgomp {ctypes.util.find_library('gomp')}, "
+    print(f"threads {jit.target().threads}, libgomp {ctypes.util.find_library('gomp')} "
+          f"(GOMP_SPINCOUNT {os.environ.get('GOMP_SPINCOUNT', 'unset')}), "
           f"{args.rounds} rounds x {args.steps} steps a side", flush=True)
     for workload in args.workloads:
         for variant in args.variants:
