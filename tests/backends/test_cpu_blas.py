@@ -262,6 +262,22 @@ def test_openblas_names_and_integer_width_are_read_from_the_library():
     assert 32 in widths.values() and 64 in widths.values(), widths
 
 
+def test_no_openblas_in_numpy_falls_back_to_scipy_and_says_so(monkeypatch):
+    """NumPy linked to no OpenBLAS (the wheel's absence, through the module's own seam): the
+    default warns once, naming why and SciPy's BLAS; asked for, NumPy's is refused, named."""
+    why = "NumPy loaded no OpenBLAS (threadpoolctl lists no OpenBLAS in this process)"
+    monkeypatch.setattr(blas, "numpy_openblas", lambda: why)
+    monkeypatch.setattr(blas, "intel_cpu", lambda: False)
+    monkeypatch.setattr(blas, "_warned", set())
+    with pytest.warns(RuntimeWarning) as said:
+        assert blas._choose("").name == "scipy"
+    assert [str(w.message) for w in said] == [
+        f"ocannl: {why}; the products call SciPy's BLAS instead, whose thread count cannot be "
+        "set (its own threads share each product)"]
+    with pytest.raises(ValueError, match=r"OCANNL_BLAS='numpy': NumPy loaded no OpenBLAS"):
+        blas._choose("numpy")
+
+
 def test_a_library_that_is_no_openblas_is_refused_with_its_name():
     import ctypes.util
 

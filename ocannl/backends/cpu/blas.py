@@ -61,7 +61,7 @@ def _choose(choice: str) -> Blas:
     if choice not in ("", *CHOICES):
         raise ValueError(f"OCANNL_BLAS={choice!r}: expected 'mkl' (Intel's MKL, from the "
                          "mkl wheel), 'numpy' (NumPy's OpenBLAS) or 'scipy'")
-    refused = None  # why the default's MKL was not taken
+    refused = None  # why the default's first choices were not taken
     if choice == "mkl" or (not choice and intel_cpu()):
         found = mkl()
         if isinstance(found, Blas):
@@ -81,7 +81,7 @@ def _choose(choice: str) -> Blas:
         refused = f"{refused}, and {openblas}" if refused else openblas
     if refused:
         _fell_back(f"{refused}; the products call SciPy's BLAS instead, whose thread count "
-                   "cannot be set (a routine's products then run on its threads)")
+                   "cannot be set (its own threads share each product)")
     return Blas("scipy", _scipy("sgemm"), _scipy("dgemm"), 32, None)
 
 
