@@ -134,11 +134,13 @@ def _files(folder: Path, sizes_and_ages: list[tuple[int, int]]) -> list[Path]:
 
 def test_trimming_removes_the_least_recently_used_files_first(tmp_path):
     files = _files(tmp_path, [(400, 50), (300, 10), (200, 40), (100, 30)])
+    os.utime(files[3], ns=(1_700_000_000 * 10**9, os.stat(files[3]).st_mtime_ns))  # used last
     other = tmp_path / "notes.txt"  # not a cache file: never counted nor removed
     other.write_bytes(b"y" * 5000)
     removed = jit.trim_cache(tmp_path, 450, keep=files[0])
-    # oldest first: f0 (kept: the file just written), then f2, f3 (700 bytes left), f1 (400)
-    assert removed == [files[2], files[3], files[1]]
+    # oldest use first: f0 (kept: the file just written), then f2, f1 (500 bytes left), f3
+    # (used last, although written before f1)
+    assert removed == [files[2], files[1], files[3]]
     assert sorted(tmp_path.iterdir()) == sorted([files[0], other])
     files = _files(tmp_path / "b", [(100, 5), (100, 4), (100, 3)])
     assert jit.trim_cache(tmp_path / "b", 300, keep=files[2]) == []
@@ -157,8 +159,8 @@ def _fresh_process(monkeypatch) -> None:
 
 def test_the_cache_is_bounded_by_its_environment_variable(monkeypatch, tmp_path):
     """Real routines' files and old files beside them: a compile over the bound removes the
-    least recently used (a file loaded from disk counts as used, its time renewed), and keeps
-    the one it wrote."""
+    least recently used (a file loaded from disk counts as used: its access time is set, its
+    modification time kept), and keeps the one it wrote."""
     monkeypatch.setenv("OCANNL_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("OCANNL_CACHE_MAX_MB", "1")
     folder = tmp_path / "llvm"
@@ -167,8 +169,11 @@ def test_the_cache_is_bounded_by_its_environment_variable(monkeypatch, tmp_path)
     (first,) = folder.glob("*.objects")
     old, older = _files(folder, [(500_000, 100), (500_000, 200)])
     _fresh_process(monkeypatch)
-    _, r = Context.cpu().compile(_routine(7))  # loaded: its file is now the newest
-    assert r.compiled.loaded_from_disk and first.stat().st_mtime > old.stat().st_mtime
+    written = first.stat().st_mtime_ns
+    _, r = Context.cpu().compile(_routine(7))  # loaded: its file is now the last used
+    assert r.compiled.loaded_from_disk and first.stat().st_mtime_ns == written  # not rewritten
+    assert first.stat().st_atime_ns > old.stat().st_atime_ns
+    os.utime(first, ns=(first.stat().st_atime_ns, 1))  # written long ago, used just now
     _fresh_process(monkeypatch)
     Context.cpu().compile(_routine(9))  # written: 1 MB exceeded, the oldest file goes
     left = set(folder.glob("*.objects"))

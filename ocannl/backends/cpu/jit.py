@@ -11,8 +11,8 @@ optimizes anything. The generated code calls libm (f64 math, ``log``) and the BL
 (``blas.py``); both are resolved by symbol name when an object is loaded, so cached objects
 hold no process-specific address.
 
-The cache is bounded: after each write, the files least recently used (written or loaded:
-a load touches its file) are removed until the whole is at most ``OCANNL_CACHE_MAX_MB``
+The cache is bounded: after each write, the files least recently used (written, or loaded:
+a load sets its file's access time) are removed until the whole is at most ``OCANNL_CACHE_MAX_MB``
 megabytes (default ``CACHE_MAX_MB``, 1024), the file just written always kept.
 """
 
@@ -28,6 +28,7 @@ import select
 import signal
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import llvmlite
@@ -59,16 +60,17 @@ def cache_max_bytes() -> int:
 
 
 def trim_cache(folder: Path, limit: int, keep: Path) -> list[Path]:
-    """Remove the cache files of ``folder`` least recently used (oldest modification time
-    first) until the rest take at most ``limit`` bytes; ``keep`` is never removed. The files
-    removed. A file another process removes meanwhile is passed over."""
+    """Remove the cache files of ``folder`` least recently used (the later of their access
+    and modification times, oldest first) until the rest take at most ``limit`` bytes;
+    ``keep`` is never removed. The files removed. A file another process removes meanwhile
+    is passed over."""
     files = []
     for path in folder.glob("*.objects"):
         try:
             stat = path.stat()
         except FileNotFoundError:
             continue
-        files.append((stat.st_mtime_ns, path.name, stat.st_size, path))
+        files.append((max(stat.st_atime_ns, stat.st_mtime_ns), path.name, stat.st_size, path))
     files.sort()
     total = sum(size for _, _, size, _ in files)
     removed = []
@@ -331,8 +333,9 @@ def load(key: str) -> tuple[int, Scratch, Tables, bool] | None:
             scratch, tables, objects = _unpack(path.read_bytes())
         except (OSError, ValueError, KeyError, TypeError):
             return None  # absent or damaged: compiled again, and replaced
-        try:
-            os.utime(path)  # used now: the last a bounded cache removes
+        try:  # used now, the last a bounded cache removes: its access time says so (its
+            # modification time stays that of its writing)
+            os.utime(path, ns=(time.time_ns(), path.stat().st_mtime_ns))
         except OSError:
             pass  # removed meanwhile, or a read-only cache: the objects are loaded still
         return _add(key, objects, scratch, tables, True)
