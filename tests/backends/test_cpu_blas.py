@@ -8,6 +8,7 @@ import os
 import platform
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -143,5 +144,143 @@ def test_a_blas_asked_for_that_is_not_there_is_refused(monkeypatch, tmp_path):
                                          f"libmkl_sequential and libmkl_core under "
                                          f"{tmp_path / 'lib'}"):
         blas._choose("mkl")
-    monkeypatch.setattr(blas, "intel_cpu", lambda: True)  # the default falls back
-    assert blas._choose("").name == "numpy"
+    monkeypatch.setattr(blas, "intel_cpu", lambda: True)  # the default falls back, and says so
+    monkeypatch.setattr(blas, "_warned", set())
+    with pytest.warns(RuntimeWarning) as said:
+        assert blas._choose("").name == "numpy"
+    assert len(said) == 1
+    assert str(said[0].message) == (
+        f"ocannl: MKL refused on this Intel CPU (no usable libmkl_intel_lp64, "
+        f"libmkl_sequential and libmkl_core under {tmp_path / 'lib'} (pip install mkl)); the "
+        f"products call NumPy's OpenBLAS ({blas.numpy_openblas().path}) instead")
+
+
+def test_the_default_says_nothing_where_it_does_not_fall_back(monkeypatch):
+    """Not an Intel CPU: NumPy's OpenBLAS is the choice itself, not a fallback."""
+    import warnings
+
+    monkeypatch.setattr(blas, "intel_cpu", lambda: False)
+    monkeypatch.setattr(blas, "_warned", set())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert blas._choose("").name == "numpy"
+
+
+def test_a_fallback_is_said_once_per_process(monkeypatch, tmp_path):
+    monkeypatch.setattr(sys, "prefix", str(tmp_path))
+    monkeypatch.setattr(blas, "intel_cpu", lambda: True)
+    monkeypatch.setattr(blas, "_warned", set())
+    with pytest.warns(RuntimeWarning, match="MKL refused"):
+        blas._choose("")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert blas._choose("").name == "numpy"
+
+
+@pytest.mark.skipif(not MKL_WHEEL, reason="the mkl wheel is built for x86-64 Linux only")
+def test_mkl_refused_by_the_loader_is_said_and_named(monkeypatch):
+    """The loader refusing the group (as it does a ``memfd`` that may not be mapped
+    executable): the real loader, given a stub that is not a shared object, refuses it; the
+    default says why and serves NumPy's OpenBLAS, and ``OCANNL_BLAS=mkl`` raises with it."""
+    from ocannl.backends.cpu import link_group
+
+    monkeypatch.setattr(link_group, "needing", lambda needed, soname: b"not an ELF object")
+    monkeypatch.setattr(blas, "intel_cpu", lambda: True)
+    monkeypatch.setattr(blas, "_warned", set())
+    with pytest.warns(RuntimeWarning, match=r"MKL refused on this Intel CPU \(the loader "
+                                            r"refused .*'s MKL libraries as a group: .*\); "
+                                            r"the products call NumPy's OpenBLAS"):
+        assert blas._choose("").name == "numpy"
+    with pytest.raises(ValueError, match="OCANNL_BLAS='mkl': the loader refused"):
+        blas._choose("mkl")
+
+
+def test_mkl_where_no_private_group_can_be_loaded_is_said(monkeypatch):
+    from ocannl.backends.cpu import link_group
+
+    monkeypatch.setattr(link_group, "supported", lambda: False)
+    monkeypatch.setattr(blas, "intel_cpu", lambda: True)
+    monkeypatch.setattr(blas, "_warned", set())
+    with pytest.warns(RuntimeWarning, match="loading MKL as a private group needs Linux on "
+                                            "x86-64 with memfd_create"):
+        assert blas._choose("").name == "numpy"
+
+
+@pytest.mark.skipif(not MKL_WHEEL, reason="the mkl wheel is built for x86-64 Linux only")
+def test_mkl_refused_where_another_mkl_is_global_is_said():
+    """In a process where another MKL is global (loaded as ``libmkl_rt`` loads it), the
+    default on an Intel CPU warns once, naming the reason and NumPy's OpenBLAS."""
+    code = ISOLATION.replace('"default": blas._choose("").name', '"default": default') \
+        .replace("try:\n    chosen", "import warnings\nblas.intel_cpu = lambda: True\n"
+                 "with warnings.catch_warnings(record=True) as said:\n"
+                 "    warnings.simplefilter('always')\n    default = blas._choose('').name\n"
+                 "print(json.dumps([str(w.message) for w in said]))\ntry:\n    chosen")
+    done = subprocess.run([sys.executable, "-c", code, "another"], capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    said, got = (json.loads(line) for line in done.stdout.strip().splitlines()[-2:])
+    assert got["default"] == "numpy"
+    assert len(said) == 1 and said[0].startswith(
+        "ocannl: MKL refused on this Intel CPU (another MKL's symbols are global in this "
+        "process); the products call NumPy's OpenBLAS (")
+
+
+def test_openblas_names_and_integer_width_are_read_from_the_library():
+    """The process's OpenBLAS builds as ``threadpoolctl`` lists them: NumPy's (ILP64,
+    ``scipy_sgemm_64_``) and SciPy's own (LP64, ``scipy_sgemm_``), each found under its
+    build's names, its width from its configuration, and each computing a product through
+    the addresses found, with integers of that width."""
+    import ctypes
+
+    import numpy as np
+    import scipy.linalg  # noqa: F401 - loads SciPy's own OpenBLAS
+    from threadpoolctl import threadpool_info
+
+    paths = [i["filepath"] for i in threadpool_info() if i["internal_api"] == "openblas"]
+    widths = {}
+    for path in paths:
+        found = blas.openblas(path)
+        assert isinstance(found, blas.Blas), found
+        widths[Path(path).name] = found.int_bits
+        n = ctypes.c_int64 if found.int_bits == 64 else ctypes.c_int32
+        a = np.arange(6, dtype=np.float32).reshape(2, 3)
+        b = np.arange(12, dtype=np.float32).reshape(3, 4)
+        c = np.zeros((2, 4), np.float32)
+        sgemm = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * 13)(found.sgemm)
+        one, zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
+        trans = ctypes.c_char(b"N")
+        m, k, cols = n(4), n(3), n(2)  # column-major: C^T = B^T A^T
+        ref = ctypes.byref
+        sgemm(ref(trans), ref(trans), ref(m), ref(cols), ref(k), ref(one),
+              b.ctypes.data, ref(m), a.ctypes.data, ref(k), ref(zero), c.ctypes.data, ref(m))
+        np.testing.assert_array_equal(c, a @ b)
+    assert blas.numpy_openblas().int_bits == 64
+    assert sorted(widths.values()) == sorted(
+        64 if "openblas64" in name else 32 for name in widths), widths
+    assert 32 in widths.values() and 64 in widths.values(), widths
+
+
+def test_no_openblas_in_numpy_falls_back_to_scipy_and_says_so(monkeypatch):
+    """NumPy linked to no OpenBLAS (the wheel's absence, through the module's own seam): the
+    default warns once, naming why and SciPy's BLAS; asked for, NumPy's is refused, named."""
+    why = "NumPy loaded no OpenBLAS (threadpoolctl lists no OpenBLAS in this process)"
+    monkeypatch.setattr(blas, "numpy_openblas", lambda: why)
+    monkeypatch.setattr(blas, "intel_cpu", lambda: False)
+    monkeypatch.setattr(blas, "_warned", set())
+    with pytest.warns(RuntimeWarning) as said:
+        assert blas._choose("").name == "scipy"
+    assert [str(w.message) for w in said] == [
+        f"ocannl: {why}; the products call SciPy's BLAS instead, whose thread count cannot be "
+        "set (its own threads share each product)"]
+    with pytest.raises(ValueError, match=r"OCANNL_BLAS='numpy': NumPy loaded no OpenBLAS"):
+        blas._choose("numpy")
+
+
+def test_a_library_that_is_no_openblas_is_refused_with_its_name():
+    import ctypes.util
+
+    libm = ctypes.util.find_library("m")
+    found = blas.openblas(libm)
+    assert isinstance(found, str) and found.startswith(f"the OpenBLAS at {libm} has no sgemm_")

@@ -7,18 +7,22 @@ The choice, ``OCANNL_BLAS`` (``mkl``, ``numpy`` or ``scipy``), or by default:
   Sapphire Rapids the step's five large products, each split over two threads as a routine
   splits them, took 0.83x of OpenBLAS's time (10.2 against 12.3 ms). Not chosen by default
   on other vendors' CPUs, where MKL's kernels are not its own vendor's;
-- NumPy's own OpenBLAS where its wheel bundles one (the library NumPy's ``@`` uses);
+- the OpenBLAS NumPy loaded (the library NumPy's ``@`` uses), found among the process's
+  libraries by ``threadpoolctl`` (a manylinux wheel's bundled one, NumPy 1.x's or 2.x's, or a
+  conda or system ``libopenblas``), its symbol names and integer width read from the library;
 - SciPy's, whose thread count cannot be set.
-A product of two threads can differ in its last bits from one thread's in either library, for
-some shapes: its kernels are chosen by the size of each call.
+A default that falls back (MKL refused on an Intel CPU, no OpenBLAS) says so in one
+``RuntimeWarning`` naming why and what is used instead; a library asked for that is not there
+is refused. A product of two threads can differ in its last bits from one thread's in either
+library, for some shapes: its kernels are chosen by the size of each call.
 """
-
 from __future__ import annotations
 
 import ctypes
 import os
 import platform
 import sys
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,13 +36,15 @@ CHOICES = ("mkl", "numpy", "scipy")
 class Blas:
     """``name``, one of ``CHOICES``; ``sgemm`` and ``dgemm``, addresses; ``int_bits``, 32
     (LP64) or 64 (ILP64); ``threads``, the addresses of ``int get(void)`` and ``void
-    set(int)`` for its thread count, None where it cannot be set."""
+    set(int)`` for its thread count, None where it cannot be set; ``path``, the library's
+    file where one is known."""
 
     name: str
     sgemm: int
     dgemm: int
     int_bits: int
     threads: tuple[int, int] | None
+    path: str = ""
 
 
 _chosen: list[Blas] = []
@@ -54,25 +60,39 @@ def chosen() -> Blas:
 def _choose(choice: str) -> Blas:
     if choice not in ("", *CHOICES):
         raise ValueError(f"OCANNL_BLAS={choice!r}: expected 'mkl' (Intel's MKL, from the "
-                         "mkl wheel), 'numpy' (NumPy's bundled OpenBLAS) or 'scipy'")
+                         "mkl wheel), 'numpy' (NumPy's OpenBLAS) or 'scipy'")
+    refused = None  # why the default's first choices were not taken
     if choice == "mkl" or (not choice and intel_cpu()):
         found = mkl()
-        if found is not None:
+        if isinstance(found, Blas):
             return found
         if choice == "mkl":
-            raise ValueError("OCANNL_BLAS='mkl': no usable libmkl_intel_lp64, "
-                             "libmkl_sequential and libmkl_core under "
-                             f"{Path(sys.prefix) / 'lib'} (pip install mkl), or another "
-                             "MKL's symbols are global in this process; unset it to use "
-                             "NumPy's OpenBLAS")
+            raise ValueError(f"OCANNL_BLAS='mkl': {found}; unset it to use NumPy's OpenBLAS")
+        refused = f"MKL refused on this Intel CPU ({found})"
     if choice in ("", "numpy"):
-        found = numpy_openblas()
-        if found is not None:
-            return found
+        openblas = numpy_openblas()
+        if isinstance(openblas, Blas):
+            if refused:
+                _fell_back(f"{refused}; the products call NumPy's OpenBLAS "
+                           f"({openblas.path}) instead")
+            return openblas
         if choice == "numpy":
-            raise ValueError("OCANNL_BLAS='numpy': this NumPy bundles no OpenBLAS with the "
-                             "routines needed (scipy_sgemm_64_); unset it to use SciPy's BLAS")
+            raise ValueError(f"OCANNL_BLAS='numpy': {openblas}; unset it to use SciPy's BLAS")
+        refused = f"{refused}, and {openblas}" if refused else openblas
+    if refused:
+        _fell_back(f"{refused}; the products call SciPy's BLAS instead, whose thread count "
+                   "cannot be set (its own threads share each product)")
     return Blas("scipy", _scipy("sgemm"), _scipy("dgemm"), 32, None)
+
+
+_warned: set[str] = set()
+
+
+def _fell_back(message: str) -> None:
+    """One ``RuntimeWarning`` per process and message: the default BLAS was not available."""
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(f"ocannl: {message}", RuntimeWarning, stacklevel=4)
 
 
 def intel_cpu() -> bool:
@@ -89,25 +109,31 @@ def intel_cpu() -> bool:
     return False
 
 
-def mkl() -> Blas | None:
+def mkl() -> Blas | str:
     """MKL from this environment's ``lib`` folder (the ``mkl`` wheel): its LP64 interface,
     sequential layer and core loaded as one group private to this project
-    (``link_group.py``: PyTorch's own MKL would otherwise bind to ours). None where any is
-    missing, or where another MKL's symbols are already global in this process (ours would
-    bind to its internals)."""
+    (``link_group.py``: PyTorch's own MKL would otherwise bind to ours). Where it cannot be,
+    why, as a phrase: a part missing, another MKL's symbols already global in this process
+    (ours would bind to its internals), or the loader refusing the group (a ``memfd`` that
+    may not be mapped executable, say)."""
     if not link_group.supported():
-        return None
-    paths = _mkl_libraries(Path(sys.prefix) / "lib")
-    if paths is None or _global_symbol("mkl_serv_get_max_threads"):
-        return None
+        return (f"loading MKL as a private group needs Linux on x86-64 with memfd_create, not "
+                f"{platform.system()} on {platform.machine()}")
+    folder = Path(sys.prefix) / "lib"
+    paths = _mkl_libraries(folder)
+    if paths is None:
+        return (f"no usable libmkl_intel_lp64, libmkl_sequential and libmkl_core under "
+                f"{folder} (pip install mkl)")
+    if _global_symbol("mkl_serv_get_max_threads"):
+        return "another MKL's symbols are global in this process"
     try:
         lib = link_group.load(paths, "ocannl_mkl")
         found = lib.sgemm_, lib.dgemm_, lib.MKL_Get_Max_Threads, lib.MKL_Set_Num_Threads
-    except (OSError, AttributeError):
-        return None
+    except (OSError, AttributeError) as err:
+        return f"the loader refused {paths[0].parent}'s MKL libraries as a group: {err}"
     _first_call(found[0])
     s, d, get, set_ = (ctypes.cast(f, ctypes.c_void_p).value for f in found)
-    return Blas("mkl", s, d, 32, (get, set_))  # type: ignore[arg-type]
+    return Blas("mkl", s, d, 32, (get, set_), str(paths[-1]))  # type: ignore[arg-type]
 
 
 _MKL_PARTS = ("libmkl_intel_lp64", "libmkl_sequential", "libmkl_core")
@@ -145,25 +171,55 @@ def _first_call(sgemm: Callable[..., object]) -> None:
         raise RuntimeError(f"MKL's sgemm computed 1 x 1 as {out.value}: its library is broken")
 
 
-def numpy_openblas() -> Blas | None:
-    """The OpenBLAS NumPy's wheel bundles (ILP64, ``scipy_``-prefixed symbols)."""
-    import numpy
+# How OpenBLAS builds name their symbols: ``{prefix}sgemm_{suffix}`` (NumPy 2's wheel:
+# ``scipy_sgemm_64_``; NumPy 1's: ``sgemm_64_``; conda's and distributions': ``sgemm_``).
+_PREFIXES, _SUFFIXES = ("scipy_", ""), ("64_", "_64", "")
 
-    folder = Path(numpy.__file__).resolve().parent.parent / "numpy.libs"
-    for path in sorted(folder.glob("libscipy_openblas64_*.so*")):
-        try:
-            lib = ctypes.CDLL(str(path))  # loaded with NumPy already: the same library
-            found = lib.scipy_sgemm_64_, lib.scipy_dgemm_64_
-        except (OSError, AttributeError):
-            continue
-        s, d = (ctypes.cast(f, ctypes.c_void_p).value for f in found)
-        try:
-            control = (ctypes.cast(lib.scipy_openblas_get_num_threads64_, ctypes.c_void_p).value,
-                       ctypes.cast(lib.scipy_openblas_set_num_threads64_, ctypes.c_void_p).value)
-        except AttributeError:
-            control = None
-        return Blas("numpy", s, d, 64, control)  # type: ignore[arg-type]
-    return None
+
+def numpy_openblas() -> Blas | str:
+    """The OpenBLAS NumPy loaded, as ``threadpoolctl`` lists the process's libraries: one in
+    NumPy's own folders first (a wheel's bundled copy), else the first listed (conda's or a
+    distribution's shared ``libopenblas``). Where there is none, why, as a phrase."""
+    import numpy
+    from threadpoolctl import ThreadpoolController
+
+    found = [c for c in ThreadpoolController().lib_controllers if c.internal_api == "openblas"]
+    if not found:
+        return "NumPy loaded no OpenBLAS (threadpoolctl lists no OpenBLAS in this process)"
+    home = Path(numpy.__file__).resolve().parent
+    mine = (home, home.parent / "numpy.libs")
+
+    def numpys(path: str) -> bool:
+        return any(Path(path).resolve().is_relative_to(folder) for folder in mine)
+
+    found.sort(key=lambda c: not numpys(c.filepath))  # a stable sort: otherwise as listed
+    return openblas(found[0].filepath)
+
+
+def openblas(path: str) -> Blas | str:
+    """The OpenBLAS at ``path``: its ``sgemm`` and ``dgemm`` under the build's symbol names,
+    its integer width from its build configuration (``USE64BITINT``: ILP64), its thread
+    controls. Where they are not found, why, as a phrase."""
+    try:
+        lib = ctypes.CDLL(path)  # already loaded (threadpoolctl found it): the same library
+    except OSError as err:
+        return f"the OpenBLAS at {path} does not load: {err}"
+    for prefix in _PREFIXES:
+        for suffix in _SUFFIXES:
+            names = [f"{prefix}{name}{suffix}" for name in (
+                "sgemm_", "dgemm_", "openblas_get_config", "openblas_get_num_threads",
+                "openblas_set_num_threads")]
+            try:
+                s, d, config, get, set_ = (getattr(lib, n) for n in names)
+            except AttributeError:
+                continue
+            config.restype = ctypes.c_char_p
+            bits = 64 if b"USE64BITINT" in (config() or b"").split() else 32
+            s, d, get, set_ = (ctypes.cast(f, ctypes.c_void_p).value for f in (s, d, get, set_))
+            return Blas("numpy", s, d, bits, (get, set_), path)  # type: ignore[arg-type]
+    return (f"the OpenBLAS at {path} has no sgemm_, dgemm_, openblas_get_config and thread "
+            f"controls under the names of known builds (prefixes {_PREFIXES}, suffixes "
+            f"{_SUFFIXES})")
 
 
 def _scipy(name: str) -> int:

@@ -19,17 +19,14 @@ reassociated or contracted, so results are bitwise those of the plain loops.
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 import numpy as np
 from llvmlite import ir
 
-from ocannl.backends.cpu import pool, small_product
-from ocannl.backends.cpu import scalar as scalar_module
+from ocannl.backends.cpu import pool, small_product, version
 from ocannl.backends.cpu.scalar import (
     F16,
     F32,
@@ -48,7 +45,6 @@ from ocannl.backends.cpu.scalar import (
     f32_to_f16_soft,
     like,
 )
-from ocannl.ir import ops as ops_module
 from ocannl.ir.assignments import Affine, Apply, Const, Expr, Fixed, Get, Projection, reads
 from ocannl.ir.lowered import (
     Fill,
@@ -928,11 +924,9 @@ def _zero_or_nan(e: Expr) -> bool:
         isinstance(x, Const) and x.value == 0.0 for x in e.args)
 
 
-# The code generator's own version: its source, its scalar code's and the op table's (the hash
-# constants). A cached routine compiled by other code is not reused.
-_VERSION = hashlib.sha256(b"".join(Path(f).read_bytes() for f in (
-    __file__, scalar_module.__file__, small_product.__file__, ops_module.__file__))
-).hexdigest()[:16]
+# The code generator's version: a hash of every file whose code can end up in a compiled
+# object (``version.py``); a cached routine compiled by other code is not reused.
+_VERSION = version.VERSION
 
 
 def signature(code: list[Lowered], nodes: list[Tnode], target: Target) -> str:

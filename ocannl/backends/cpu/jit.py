@@ -4,11 +4,16 @@ on disk, and load it into the process.
 One MCJIT engine serves the process. A large routine comes in parts that compile in parallel
 (in forked processes: llvmlite runs one LLVM call at a time per process), one object each. A
 routine's objects are cached in one file under a key made of what its IR is made from (the
-lowered code and the code generator's version: ``codegen.signature``) and of everything else
-the machine code depends on (the CPU and its features, LLVM's version), so a warm process
-neither builds the IR nor optimizes anything. The generated code calls libm (f64 math, ``log``)
-and the BLAS (``blas.py``); both are resolved by symbol name when an object is loaded, so
-cached objects hold no process-specific address.
+lowered code and the version of every module whose code reaches the object: ``version.py``,
+through ``codegen.signature``) and of everything else the machine code depends on (the CPU and
+its features, LLVM's version, the options), so a warm process neither builds the IR nor
+optimizes anything. The generated code calls libm (f64 math, ``log``) and the BLAS
+(``blas.py``); both are resolved by symbol name when an object is loaded, so cached objects
+hold no process-specific address.
+
+The cache is bounded: after each write, the files least recently used (written, or loaded:
+a load sets its file's access time) are removed until the whole is at most ``OCANNL_CACHE_MAX_MB``
+megabytes (default ``CACHE_MAX_MB``, 1024), the file just written always kept.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import select
 import signal
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import llvmlite
@@ -39,6 +45,47 @@ def cache_dir() -> Path:
     """Where compiled objects live (``OCANNL_CACHE_DIR``, default ``~/.cache/ocannl``)."""
     root = os.environ.get("OCANNL_CACHE_DIR") or Path.home() / ".cache" / "ocannl"
     return Path(root) / "llvm"
+
+
+# The cache's default bound, in megabytes (10**6 bytes): a routine's file takes tens to some
+# hundreds of kilobytes, so this holds thousands.
+CACHE_MAX_MB = 1024
+
+
+def cache_max_bytes() -> int:
+    """The cache's bound in bytes: ``OCANNL_CACHE_MAX_MB`` megabytes (a whole number of at
+    least 1), else ``CACHE_MAX_MB``; ``ValueError`` naming the variable and its value."""
+    given = _env_count("OCANNL_CACHE_MAX_MB")
+    return (given if given is not None else CACHE_MAX_MB) * 10**6
+
+
+def trim_cache(folder: Path, limit: int, keep: Path) -> list[Path]:
+    """Remove the cache files of ``folder`` least recently used (the later of their access
+    and modification times, oldest first) until the rest take at most ``limit`` bytes;
+    ``keep`` is never removed. The files removed. A file another process removes meanwhile
+    is passed over."""
+    files = []
+    for path in folder.glob("*.objects"):
+        try:
+            stat = path.stat()
+        except FileNotFoundError:
+            continue
+        files.append((max(stat.st_atime_ns, stat.st_mtime_ns), path.name, stat.st_size, path))
+    files.sort()
+    total = sum(size for _, _, size, _ in files)
+    removed = []
+    for _, _, size, path in files:
+        if total <= limit:
+            break
+        if path == keep:
+            continue
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
+        total -= size
+        removed.append(path)
+    return removed
 
 
 def hardware_f16() -> bool:
@@ -196,8 +243,9 @@ def _setup() -> tuple[llvm.ExecutionEngine, str]:
             llvm.add_symbol(pool.RUN_SYMBOL, engine.get_function_address(pool.RUN_SYMBOL))
             _state["pool_size"] = ctypes.CFUNCTYPE(None, ctypes.c_int32)(
                 engine.get_function_address(pool.SIZE_SYMBOL))
+        llvm_version = ".".join(map(str, llvm.llvm_version_info))
         stamp = (f"{llvm.get_process_triple()} {llvm.get_host_cpu_name()} "
-                 f"{features()} llvmlite {llvmlite.__version__} "
+                 f"{features()} llvmlite {llvmlite.__version__} LLVM {llvm_version} "
                  f"O{_LEVEL} {' '.join(_LLVM_OPTIONS)}")
         _state.update(engine=engine, stamp=stamp)
     return _state["engine"], _state["stamp"]  # type: ignore[return-value]
@@ -286,10 +334,16 @@ def load(key: str) -> tuple[int, Scratch, Tables, bool] | None:
         loaded = _state.setdefault("loaded", {})
         if key in loaded:  # type: ignore[operator]
             return loaded[key]  # type: ignore[index]
+        path = cache_dir() / f"{key}.objects"
         try:
-            scratch, tables, objects = _unpack((cache_dir() / f"{key}.objects").read_bytes())
+            scratch, tables, objects = _unpack(path.read_bytes())
         except (OSError, ValueError, KeyError, TypeError):
             return None  # absent or damaged: compiled again, and replaced
+        try:  # used now, the last a bounded cache removes: its access time says so (its
+            # modification time stays that of its writing)
+            os.utime(path, ns=(time.time_ns(), path.stat().st_mtime_ns))
+        except OSError:
+            pass  # removed meanwhile, or a read-only cache: the objects are loaded still
         return _add(key, objects, scratch, tables, True)
 
 
@@ -300,6 +354,7 @@ def compile_ir(key: str, texts: list[str], scratch: Scratch, tables: Tables,
     ``single_blas``: the routine runs BLAS single-threaded, on the pool's threads, restoring
     the thread count it found (OpenBLAS's own workers spin for about 0.1 s after each
     product they share, taking a core from the pool's)."""
+    limit = cache_max_bytes()  # a bad bound is refused before anything is compiled
     with _lock:
         names = [f"p{k}_{key}" for k in range(len(texts))]
         modules = [t.replace('@"part"', f'@"{name}"', 1) for t, name in zip(texts, names,
@@ -314,7 +369,9 @@ def compile_ir(key: str, texts: list[str], scratch: Scratch, tables: Tables,
                      + "  call void @ocannl_blas_set_threads(i32 %old)\n")
         modules.append(f'{decls}define void @"r_{key}"(i64* %t) {{\n{calls}  ret void\n}}\n')
         objects = _objects(modules)
-        _write(cache_dir() / f"{key}.objects", _pack(scratch, tables, objects))
+        path = cache_dir() / f"{key}.objects"
+        _write(path, _pack(scratch, tables, objects))
+        trim_cache(path.parent, limit, path)
         return _add(key, objects, scratch, tables, False)[0]
 
 
