@@ -196,3 +196,24 @@ def test_the_default_bound_is_documented(monkeypatch):
     monkeypatch.delenv("OCANNL_CACHE_MAX_MB", raising=False)
     assert jit.cache_max_bytes() == jit.CACHE_MAX_MB * 10**6
     assert f"default ``CACHE_MAX_MB``, {jit.CACHE_MAX_MB})" in jit.__doc__
+
+
+def test_a_cache_file_of_the_former_layout_is_compiled_again(monkeypatch, tmp_path):
+    """A file written before routines lost their scratch arrays (its header lists them, and
+    has no format) is never loaded: it is compiled again and replaced by the current layout."""
+    import hashlib
+    import json
+
+    monkeypatch.setenv("OCANNL_CACHE_DIR", str(tmp_path))
+    folder = tmp_path / "llvm"
+    folder.mkdir(parents=True)
+    body = b"\x7fELF not really"
+    old = json.dumps({"scratch": [[4, "f32", 0, 1]], "tables": [0], "sizes": [len(body)],
+                      "sha256": hashlib.sha256(body).hexdigest()}).encode() + b"\n" + body
+    (folder / "k.objects").write_bytes(old)
+    assert jit.load("k") is None
+    with pytest.raises(KeyError):
+        jit._unpack(old)
+    packed = jit._pack([body])
+    assert jit._unpack(packed) == [body]
+    assert json.loads(packed.partition(b"\n")[0])["format"] == jit.CACHE_FORMAT

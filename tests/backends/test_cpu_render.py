@@ -166,10 +166,10 @@ def test_f16_conversions_use_the_instructions_only_where_the_cpu_has_them(monkey
     y = T.cast(T.cast(x, "f32") * 2.0, "f16")
     code = lower(y.forward_comp(), PRODUCTS)
     has_instructions = jit.hardware_f16()
-    hw = "".join(emit_ir(code, nodes_of(code))[0])
+    hw = "".join(emit_ir(code, nodes_of(code)))
     assert ("to half" in hw) == has_instructions
     monkeypatch.setattr(jit, "hardware_f16", lambda: False)
-    soft = "".join(emit_ir(code, nodes_of(code))[0])
+    soft = "".join(emit_ir(code, nodes_of(code)))
     assert "half" not in soft
 
 
@@ -346,12 +346,12 @@ def test_products_call_blas_only_past_the_small_product_size(monkeypatch):
     w2 = T.param("w2", output_dims=[16])
     code = lower(train.grad_update(T.sum(w2 @ T.relu(w1 @ x))), PRODUCTS)
     assert sum(isinstance(i, Gemm) for i in code) == 5
-    text = "".join(emit_ir(code, nodes_of(code))[0])
+    text = "".join(emit_ir(code, nodes_of(code)))
     assert 'call void @"ocannl_sgemm"' not in text  # all five are small: inline loops
     code = lower(train.grad_update(T.sum(w2 @ T.relu(w1 @ x))),
                  replace(PRODUCTS, inline_product_work=0))
     assert all(i.kernel == "blas" for i in code if isinstance(i, Gemm))
-    text = "".join(emit_ir(code, nodes_of(code))[0])
+    text = "".join(emit_ir(code, nodes_of(code)))
     assert text.count('call void @"ocannl_sgemm"') == 5
 
 

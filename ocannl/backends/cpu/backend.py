@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from ocannl.backends.arena import ALIGN_BYTES, views
+from ocannl.backends.arena import ALIGN_BYTES
 from ocannl.backends.cpu import entry, jit
 from ocannl.backends.cpu.codegen import routine_ir, shares_products, signature
 from ocannl.backends.rounding import to_precision
@@ -44,11 +44,9 @@ def aligned(size: int, dtype: np.dtype, zero: bool = True) -> np.ndarray:
     return raw[start:start + size * dtype.itemsize].view(dtype)
 
 
-def emit_ir(code: list[Lowered], nodes: list[Tnode]
-            ) -> tuple[list[str], list[tuple[int, str, int, int]], list[int]]:
+def emit_ir(code: list[Lowered], nodes: list[Tnode]) -> list[str]:
     """The LLVM IR of a routine over ``nodes``, one text per part (buffers named by position,
-    so the same code over other nodes is the same text), its scratch arrays (size, "f32" |
-    "f64", the first and last item using it) and the rest of its table (``routine_ir``)."""
+    so the same code over other nodes is the same text)."""
     return routine_ir(code, nodes, jit.target())
 
 
@@ -99,50 +97,27 @@ class CpuBackend:
             return compiled, False
         hit = jit.load(key)
         if hit is None:
-            texts, scratch, tables = routine_ir(code, nodes, target)
-            address = jit.compile_ir(key, texts, scratch, tables,
-                                     single_blas=shares_products(code))
-            hit = (address, scratch, tables, False)
+            texts = routine_ir(code, nodes, target)
+            hit = (jit.compile_ir(key, texts, single_blas=shares_products(code)), False)
         compiled = self._compiled[key] = CompiledRoutine(*hit)
         return compiled, True
 
 
 class CompiledRoutine:
     """Machine code shared by every routine with the same IR, bound to buffers once: a table
-    of their addresses, then, for each item call that uses scratch arrays of the routine's
-    own, theirs (``tables``: their numbers)."""
+    of their addresses, in the order of the routine's nodes."""
 
-    def __init__(self, address: int, scratch: list[tuple[int, str, int, int]],
-                 tables: list[int], from_disk: bool) -> None:
+    def __init__(self, address: int, from_disk: bool) -> None:
         self.address = address
         self.loaded_from_disk = from_disk  # the on-disk cache supplied the machine code
-        self.scratch = scratch
-        self.tables = tables
 
-    def table(self, buffers: Sequence[np.ndarray]) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
-        """The routine's table over ``buffers``, with new scratch arrays of its own, and every
-        array it points into (valid while they live)."""
-        scratch = scratch_arrays(self.scratch)
-        table = np.array([a.ctypes.data for a in buffers] +
-                         [scratch[k].ctypes.data for k in self.tables], dtype=np.int64)
-        return table, (*buffers, *scratch)
+    @staticmethod
+    def table(buffers: Sequence[np.ndarray]) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
+        """The routine's table over ``buffers``, and every array it points into (valid while
+        they live)."""
+        return np.array([a.ctypes.data for a in buffers], dtype=np.int64), tuple(buffers)
 
     def bind(self, buffers: tuple[np.ndarray, ...]) -> Callable[[], None]:
         table, arrays = self.table(buffers)
         # The addresses stay valid while the builtin lives: it holds the arrays.
         return entry.builtin(jit.trampoline(), self.address, table, arrays)
-
-
-def scratch_arrays(scratch: list[tuple[int, str, int, int]]) -> list[np.ndarray]:
-    """A routine's scratch arrays (size, "f32" | "f64", first and last item using it) as
-    views of one arena per kind, shared where their items do not overlap (nothing in scratch
-    outlives a run)."""
-    out: list[np.ndarray] = [np.empty(0)] * len(scratch)
-    for kind, dtype in (("f32", np.float32), ("f64", np.float64)):
-        ks = [k for k, s in enumerate(scratch) if s[1] == kind]
-        placed = views([(scratch[k][0], scratch[k][2], scratch[k][3]) for k in ks],
-                       lambda n, dtype=dtype: aligned(n, dtype, zero=False),
-                       np.dtype(dtype).itemsize)
-        for k, view in zip(ks, placed, strict=True):
-            out[k] = view
-    return out

@@ -868,13 +868,12 @@ def _part_bounds(code: list[Lowered], workers: int) -> list[int]:
     count = max(1, min(workers, nests // PART_NESTS, len(code)))
     return [len(code) * k // count for k in range(count + 1)]
 
-def routine_ir(code: list[Lowered], nodes: list[Tnode], target: Target
-               ) -> tuple[list[str], list[tuple[int, str, int, int]], list[int]]:
+def routine_ir(code: list[Lowered], nodes: list[Tnode], target: Target) -> list[str]:
     """The modules of a routine over ``nodes``, as LLVM IR text, each defining
-    ``part(table)``: the routine runs them in order. (Also the routine's scratch arrays and
-    the rest of its table, both empty: every array a routine uses is a node of its code, its
-    memory planned by the context with its other nodes.) At most ``target.workers`` parts,
-    each of at least ``PART_NESTS`` nests (``_part_bounds``)."""
+    ``part(table)``: the routine runs them in order. Every array a routine uses is a node of
+    its code (lowering's f32 copies too), its memory planned by the context with the others'.
+    At most ``target.workers`` parts, each of at least ``PART_NESTS`` nests
+    (``_part_bounds``)."""
     bounds = _part_bounds(code, target.workers)
     for_gemms = _for_gemms(code)
     texts: list[str] = []
@@ -892,7 +891,7 @@ def routine_ir(code: list[Lowered], nodes: list[Tnode], target: Target
                 with r.item(_used(item), item.split, item.chunks):
                     r.group(item)
         texts.append(r.finish())
-    return texts, [], []
+    return texts
 
 
 def _used(item: Lowered) -> list[Tnode]:

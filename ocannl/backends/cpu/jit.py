@@ -41,6 +41,10 @@ _lock = threading.Lock()
 _state: dict[str, object] = {}
 
 
+# A cache file's layout: its header's fields. Files of another layout are compiled again.
+CACHE_FORMAT = "ocannl.llvm-objects/2"
+
+
 def cache_dir() -> Path:
     """Where compiled objects live (``OCANNL_CACHE_DIR``, default ``~/.cache/ocannl``)."""
     root = os.environ.get("OCANNL_CACHE_DIR") or Path.home() / ".cache" / "ocannl"
@@ -282,40 +286,28 @@ def key_of(signature: str) -> str:
     return hashlib.sha256(f"{stamp}\n{signature}".encode()).hexdigest()[:24]
 
 
-Scratch = list[tuple[int, str, int, int]]  # size, "f32" | "f64", first and last item using it
-# The routine's table past its nodes: scratch array numbers, a block per item call using any
-Tables = list[int]
+def _digest(body: bytes) -> str:
+    """The SHA-256 of a cache file's machine code: it is never loaded unverified."""
+    return hashlib.sha256(body).hexdigest()
 
 
-def _digest(scratch: Scratch, tables: Tables, body: bytes) -> str:
-    """The SHA-256 of what a cache file's machine code relies on: the objects, and the scratch
-    arrays and table blocks it reads its addresses from (a changed size or block would send it
-    outside its arrays)."""
-    layout = json.dumps({"scratch": scratch, "tables": tables}).encode()
-    return hashlib.sha256(layout + b"\n" + body).hexdigest()
-
-
-def _pack(scratch: Scratch, tables: Tables, objects: list[bytes]) -> bytes:
-    """A cache file: a JSON header line (the scratch arrays, the table's blocks, the objects'
-    sizes, the digest of them all), the objects."""
+def _pack(objects: list[bytes]) -> bytes:
+    """A cache file: a JSON header line (the objects' sizes, their digest), the objects."""
     body = b"".join(objects)
-    header = json.dumps({"scratch": scratch, "tables": tables,
-                         "sizes": [len(o) for o in objects],
-                         "sha256": _digest(scratch, tables, body)})
+    header = json.dumps({"format": CACHE_FORMAT, "sizes": [len(o) for o in objects],
+                         "sha256": _digest(body)})
     return b"".join([header.encode(), b"\n", body])
 
 
-def _unpack(data: bytes) -> tuple[Scratch, Tables, list[bytes]]:
-    """A cache file's scratch arrays, table blocks and objects; ``ValueError`` when it is not
-    one whole (truncated, or any byte of the objects, the scratch arrays or the table blocks
-    changed: machine code is never loaded unverified), and ``KeyError`` when its header lacks
-    a field (another version's file)."""
+def _unpack(data: bytes) -> list[bytes]:
+    """A cache file's objects; ``ValueError`` when it is not one whole (truncated, or any byte
+    of the objects changed) or of another format, ``KeyError`` when its header lacks a field
+    (another version's file)."""
     head, _, body = data.partition(b"\n")
     header = json.loads(head)
-    scratch = [(int(n), str(kind), int(first), int(last))
-               for n, kind, first, last in header["scratch"]]
-    tables = [int(k) for k in header["tables"]]
-    if _digest(scratch, tables, body) != header["sha256"]:
+    if header["format"] != CACHE_FORMAT:
+        raise ValueError(f"cache format {header['format']!r}, not {CACHE_FORMAT!r}")
+    if _digest(body) != header["sha256"]:
         raise ValueError("the digest does not match")
     out, at = [], 0
     for size in header["sizes"]:
@@ -323,12 +315,12 @@ def _unpack(data: bytes) -> tuple[Scratch, Tables, list[bytes]]:
         at += size
     if at != len(body):
         raise ValueError("truncated")
-    return scratch, tables, out
+    return out
 
 
-def load(key: str) -> tuple[int, Scratch, Tables, bool] | None:
-    """The routine under ``key`` if this process or the disk cache has it: its address, its
-    scratch arrays and table blocks, whether it came from disk."""
+def load(key: str) -> tuple[int, bool] | None:
+    """The routine under ``key`` if this process or the disk cache has it: its address, and
+    whether it came from disk."""
     with _lock:
         engine, _ = _setup()
         loaded = _state.setdefault("loaded", {})
@@ -336,19 +328,18 @@ def load(key: str) -> tuple[int, Scratch, Tables, bool] | None:
             return loaded[key]  # type: ignore[index]
         path = cache_dir() / f"{key}.objects"
         try:
-            scratch, tables, objects = _unpack(path.read_bytes())
+            objects = _unpack(path.read_bytes())
         except (OSError, ValueError, KeyError, TypeError):
-            return None  # absent or damaged: compiled again, and replaced
+            return None  # absent, damaged or another format's: compiled again, and replaced
         try:  # used now, the last a bounded cache removes: its access time says so (its
             # modification time stays that of its writing)
             os.utime(path, ns=(time.time_ns(), path.stat().st_mtime_ns))
         except OSError:
             pass  # removed meanwhile, or a read-only cache: the objects are loaded still
-        return _add(key, objects, scratch, tables, True)
+        return _add(key, objects, True)
 
 
-def compile_ir(key: str, texts: list[str], scratch: Scratch, tables: Tables,
-               single_blas: bool = False) -> int:
+def compile_ir(key: str, texts: list[str], single_blas: bool = False) -> int:
     """Compile the routine whose parts are ``texts`` (each defining ``part(table)``, run in
     order; the parts in parallel), cache it on disk under ``key`` and load it: its address.
     ``single_blas``: the routine runs BLAS single-threaded, on the pool's threads, restoring
@@ -370,13 +361,12 @@ def compile_ir(key: str, texts: list[str], scratch: Scratch, tables: Tables,
         modules.append(f'{decls}define void @"r_{key}"(i64* %t) {{\n{calls}  ret void\n}}\n')
         objects = _objects(modules)
         path = cache_dir() / f"{key}.objects"
-        _write(path, _pack(scratch, tables, objects))
+        _write(path, _pack(objects))
         trim_cache(path.parent, limit, path)
-        return _add(key, objects, scratch, tables, False)[0]
+        return _add(key, objects, False)[0]
 
 
-def _add(key: str, objects: list[bytes], scratch: Scratch, tables: Tables, from_disk: bool
-         ) -> tuple[int, Scratch, Tables, bool]:
+def _add(key: str, objects: list[bytes], from_disk: bool) -> tuple[int, bool]:
     engine, _ = _setup()
     for obj in objects:
         engine.add_object_file(llvm.ObjectFileRef.from_data(obj))
@@ -384,7 +374,7 @@ def _add(key: str, objects: list[bytes], scratch: Scratch, tables: Tables, from_
     address = engine.get_function_address(f"r_{key}")
     if not address:
         raise RuntimeError(f"the JIT did not load r_{key}")
-    entry = _state["loaded"][key] = (address, scratch, tables, from_disk)  # type: ignore[index]
+    entry = _state["loaded"][key] = (address, from_disk)  # type: ignore[index]
     return entry
 
 
