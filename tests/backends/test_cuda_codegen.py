@@ -105,7 +105,7 @@ def test_every_model_kernel_compiles_for_compute_70_and_90() -> None:
              for s in sources}
     # The models reach these kernel kinds (the split reductions, partial and final, come from
     # the reduction cases below); precisions all appear.
-    assert kinds >= {"map", "serial", "reduce", "convert"}, kinds
+    assert kinds >= {"map", "serial", "reduce"}, kinds  # (conversions are lowering's maps)
     assert any("__half" in s for s in sources) and any("__nv_bfloat16" in s for s in sources)
     failures = _compile_all(sources)
     assert not failures, f"{len(failures)} of {2 * len(sources)} compiles failed:\n" + \
@@ -116,7 +116,7 @@ def test_every_op_reduction_and_gemm_case_compiles() -> None:
     sources = _case_sources()
     kinds = {re.search(r"void __launch_bounds__\(\d+\) ocannl_(\w+)", s).group(1)
              for s in sources}
-    assert kinds >= {"fill", "map", "serial", "reduce", "partial", "final", "convert"}, kinds
+    assert kinds >= {"fill", "map", "serial", "reduce", "partial", "final"}, kinds
     assert any("double" in s for s in sources)
     failures = _compile_all(sources)
     assert not failures, "\n\n".join(failures[:5])

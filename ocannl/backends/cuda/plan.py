@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -158,7 +158,7 @@ class Kernel:
     """One kernel launch: its source (function ``name``), launch shape, and its pointer
     parameters: the nodes' buffers, then the scratch buffers."""
 
-    kind: str  # fill, map, serial, reduce, partial, final, convert
+    kind: str  # fill, map, serial, reduce, partial, final
     name: str
     source: str
     grid: int
@@ -234,6 +234,16 @@ def _signature(name: str, nodes: Sequence[Tnode], scratch: Sequence[Scratch], bl
     head = "".join(f"#include <{h}>\n" for h in includes)
     return (f"{head}extern \"C\" __global__ void __launch_bounds__({block}) "
             f"{name}({', '.join(params)}) {{")
+
+
+def _with_includes(src: str) -> str:
+    """``src`` with the header of each 16-bit type its text uses and its signature does not
+    include already: a read rounded to f16 or bf16 (``Get.rounded``) uses the type's
+    conversions with no node of that precision among the kernel's parameters."""
+    head = "".join(f"#include <{_INCLUDE[p]}>\n" for p in (Precision.f16, Precision.bf16)
+                   if f"#include <{_INCLUDE[p]}>" not in src
+                   and (_WIDEN[p] in src or _NARROW[p] in src))
+    return head + src
 
 
 def _indent(lines: list[str], depth: int) -> list[str]:
@@ -463,7 +473,9 @@ def plan_routine(code: Sequence[Lowered]) -> Plan:
             p.gemm(item)
         else:
             p.group(item)
-    return Plan(tuple(p.steps), tuple(p.scratch))
+    steps = tuple(replace(s, source=_with_includes(s.source)) if isinstance(s, Kernel) else s
+                  for s in p.steps)
+    return Plan(steps, tuple(p.scratch))
 
 
 def cuda_sources(comp: Comp | Sequence[Lowered], *, use_cublas: bool = True) -> list[str]:
