@@ -1,8 +1,9 @@
 """Buffers that share memory because they are never in use at the same time.
 
-A routine's scratch arrays (CPU) and its local nodes (``MemoryMode.local``) live only while
-its items run; each is in use from the first item that touches it to the last. Buffers whose
-spans of items overlap get disjoint places in one arena; the others may share.
+A routine's local nodes (``MemoryMode.local``: block internals, intermediate gradients,
+lowering's own f32 copies and patches) live only while its items run; each is in use from the
+first item that touches it to the last. Buffers whose spans of items overlap get disjoint
+places in one arena; the others may share.
 """
 
 from __future__ import annotations

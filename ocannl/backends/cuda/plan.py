@@ -169,14 +169,10 @@ class Kernel:
 
 @dataclass(frozen=True)
 class GemmCall:
-    """``out (+)= op(a) @ op(b)`` through cuBLAS in the compute precision. ``a_slot`` /
-    ``b_slot``: scratch holding the operand converted to that precision (None: its own buffer);
-    ``out_slot``: scratch the product lands in before a kernel narrows it into the lhs."""
+    """``out (+)= op(a) @ op(b)`` through cuBLAS, over the product's own nodes (in its
+    precision: lowering gave 16-bit ones f32 copies)."""
 
     gemm: Gemm
-    a_slot: int | None
-    b_slot: int | None
-    out_slot: int | None
     beta: float
 
 
@@ -310,7 +306,7 @@ class _Planner:
                              f"16-bit {', '.join(bad)}: lowering must give the product copies "
                              f"in its precision (Target.native_products is empty here)")
         beta = 0.0 if g.assign.reset else 1.0
-        self.steps.append(GemmCall(g, None, None, None, beta))
+        self.steps.append(GemmCall(g, beta))
 
     # -- loop nests --
 

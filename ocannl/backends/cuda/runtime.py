@@ -177,7 +177,7 @@ def _gemm_key(s: GemmCall) -> tuple:
 class CompiledPlan:
     """A routine's plan with its kernels loaded on the device: what ``compile`` returns and
     ``bind`` binds. Shared by every routine of the same code; each binding gets its own
-    scratch buffers."""
+    scratch buffers (split reductions' partial results)."""
 
     def __init__(self, backend: CupyCudaBackend, plan: Plan, nodes: Sequence[Tnode],
                  functions: dict[str, Any], names: dict[str, str]) -> None:
@@ -206,14 +206,9 @@ class CompiledPlan:
                                         (step.block,), args))
                 continue
             g = step.gemm
-
-            def operand(v: MatrixView, slot: int | None) -> Any:
-                return buffers[pos[v.node.id]] if slot is None else scratch[slot]
-
-            a, ta = _matrix(operand(g.a, step.a_slot), g.a)
-            b, tb = _matrix(operand(g.b, step.b_slot), g.b)
-            out = (buffers[pos[g.assign.lhs.id]] if step.out_slot is None
-                   else scratch[step.out_slot]).reshape((g.rows, g.cols))
+            a, ta = _matrix(buffers[pos[g.a.node.id]], g.a)
+            b, tb = _matrix(buffers[pos[g.b.node.id]], g.b)
+            out = buffers[pos[g.assign.lhs.id]].reshape((g.rows, g.cols))
             launches.append(partial(be.cublas.gemm, ta, tb, a, b, out=out, beta=step.beta))
         steps = tuple(launches)
         device = be.device
