@@ -64,7 +64,9 @@ class LoopGroup:
     thread), in ``chunks`` chunks per thread; ``jam``, how many cells of a lone reduction are
     computed at once (0: one); ``lanes``, those cells as one vector, the reads at positions
     ``packed`` (in :func:`~ocannl.ir.assignments.reads` order) packed into stack arrays
-    first."""
+    first; ``conversion``, the group is a copy of scheduling's own between precisions (an f32
+    copy, a rounding back): no user cast, so a signalling NaN's payload need not survive it
+    and the plain conversion instructions serve."""
 
     nests: tuple[LoopNest, ...]
     registers: frozenset[int] = frozenset()
@@ -73,6 +75,7 @@ class LoopGroup:
     jam: int = 0
     lanes: bool = False
     packed: tuple[int, ...] = ()
+    conversion: bool = False
 
     @property
     def lead(self) -> LoopNest:

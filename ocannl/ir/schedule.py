@@ -251,7 +251,7 @@ def copy_group(dst: Tnode, src: Tnode, source: Tnode | None = None) -> LoopGroup
     ``source`` rounded to its precision)."""
     idx = tuple(range(len(src.dims)))
     read = Get(src, idx) if source is None else Get(source, idx, rounded=src.prec)
-    return LoopGroup((loop_nest(Accum(dst, idx, "=", read, src.dims)),))
+    return LoopGroup((loop_nest(Accum(dst, idx, "=", read, src.dims)),), conversion=True)
 
 
 def _with_copies(code: list[Lowered], target: Target, virtual: dict[int, Tnode]

@@ -97,6 +97,9 @@ class RoutineIR:
         # Whether the nest being emitted writes a node only products read (``for_gemms``):
         # a rounded read there (``Get.rounded``) takes the plain conversions.
         self.plain_rounding = False
+        # Whether the group being emitted is a conversion of scheduling's own
+        # (``LoopGroup.conversion``): its copies take the plain instructions too.
+        self.conversion = False
         # The group's nodes kept in registers, and their values at the point being emitted.
         self.registers: frozenset[int] = frozenset()
         self.held: dict[int, ir.Value] = {}
@@ -457,6 +460,7 @@ class RoutineIR:
     def _par_body(self, g: LoopGroup, space: tuple[int, ...], iters: dict[int, ir.Value]) -> None:
         for nest in g.nests:
             self.plain_rounding = nest.assign.lhs.id in self.for_gemms
+            self.conversion = g.conversion
             if not nest.red:
                 self._point(nest, space, iters)
             elif nest.scatter:
@@ -474,7 +478,8 @@ class RoutineIR:
         a = nest.assign
         compute = _FLOAT[a.lhs.prec.compute]
         overwrite = a.accum == "=" or a.reset
-        self.copying = overwrite and isinstance(a.expr, Get) and a.lhs.id not in self.for_gemms
+        self.copying = (overwrite and isinstance(a.expr, Get) and a.lhs.id not in self.for_gemms
+                        and not self.conversion)
         value = self.expr(a.expr, compute, space, iters)
         off = self.offset(a.lhs, a.lhs_idx, iters)
         if not overwrite:
@@ -968,7 +973,8 @@ def signature(code: list[Lowered], nodes: list[Tnode], target: Target) -> str:
                              f"{slot[a.lhs.id]}{a.lhs_idx!r} {a.accum} {a.reset} {a.space} "
                              f"{expr(a.expr)}")
             lines.append(f"end {sorted(slot[i] for i in item.registers)} {item.split} "
-                         f"{item.chunks} {item.jam} {item.lanes} {item.packed}")
+                         f"{item.chunks} {item.jam} {item.lanes} {item.packed} "
+                         f"{item.conversion}")
     return "\n".join(lines)
 
 
