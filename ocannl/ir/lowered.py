@@ -66,7 +66,9 @@ class LoopGroup:
     ``packed`` (in :func:`~ocannl.ir.assignments.reads` order) packed into stack arrays
     first; ``conversion``, the group is a copy of scheduling's own between precisions (an f32
     copy, a rounding back): no user cast, so a signalling NaN's payload need not survive it
-    and the plain conversion instructions serve."""
+    and the plain conversion instructions serve; ``flat``, every nest is pointwise and reads
+    and writes each node at the point's own cell: one loop over the cells in row-major order
+    (``split`` then counts cells), which vectorizes whatever the axes' extents."""
 
     nests: tuple[LoopNest, ...]
     registers: frozenset[int] = frozenset()
@@ -76,6 +78,7 @@ class LoopGroup:
     lanes: bool = False
     packed: tuple[int, ...] = ()
     conversion: bool = False
+    flat: bool = False
 
     @property
     def lead(self) -> LoopNest:

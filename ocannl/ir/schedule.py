@@ -17,7 +17,8 @@ items:
   made by a pointwise nest before the product; a 16-bit target is computed in an f32 node and
   rounded into it by a nest after the product (or read rounded by its readers: virtual).
 - **Widened copies.** A reduction reading a 16-bit node many times over reads an f32 copy; a
-  scatter into a 16-bit node accumulates in an f32 copy rounded once at the end. A copy is
+  scatter into a 16-bit node accumulates in an f32 copy rounded once at the end (a copy
+  zeroed itself where the target was just zeroed: the rounding overwrites the target). A copy is
   reused by later items until its source is written (a large one only by the next item).
 - **Threads and vectors.** Which loops and products are shared over threads, by which extent
   and in how many chunks; which reductions run several cells at once (``jam``) and as vectors
@@ -355,7 +356,11 @@ def _widened_reads(item: LoopGroup, copies: _Copies, out: list[Lowered]) -> None
     wide = None
     if scatter:
         wide = Tnode(f"{lhs.label}_f32", lhs.dims, Precision.f32, memory_mode=MemoryMode.local)
-        out.append(copy_group(wide, lhs))
+        zeroed = _last_zero_fill(lhs, out)
+        if zeroed is None:
+            out.append(copy_group(wide, lhs))
+        else:  # the target's zeros, which the rounding after overwrites: zero the copy instead
+            out.append(Fill(wide, out.pop(zeroed).value))
     if wide is not None:
         renamed[lhs.id] = wide
     if renamed:
@@ -369,6 +374,19 @@ def _widened_reads(item: LoopGroup, copies: _Copies, out: list[Lowered]) -> None
     out.append(item)
     if wide is not None:
         out.append(copy_group(lhs, wide))
+
+
+def _last_zero_fill(node: Tnode, out: list[Lowered]) -> int | None:
+    """The position in ``out`` of a fill of ``node`` with zeros that no later item of ``out``
+    reads or writes ``node`` after, or None."""
+    for k in range(len(out) - 1, -1, -1):
+        item = out[k]
+        if isinstance(item, Fill) and item.node.id == node.id:
+            return k if item.value == 0.0 else None
+        read, wrote = accesses(item)
+        if node.id in read or node.id in wrote:
+            return None
+    return None
 
 
 def reused_narrow(nest: LoopNest) -> list[Tnode]:
@@ -429,6 +447,10 @@ def inline_fits(g: Gemm, compute: Precision, target: Target) -> bool:
 PARALLEL_POINTS = 1 << 14
 # A shared loop is cut into this many chunks per thread, which the threads claim in turn.
 CHUNKS_PER_THREAD = 4
+# A flat group of vector arithmetic only (its ops run in lanes: no libm call) streams memory
+# at a few cells per nanosecond: shared over threads from this many cells on, where each
+# thread's share outweighs handing it out.
+FLAT_PARALLEL_CELLS = 1 << 17
 # A row walk with no other parallel iterator (a bias's gradient, a checksum's partial sums) is
 # shared over threads by blocks of this many cells of its row, when it has at least
 # ROW_BLOCKS_MIN of them (benchmarks/OBSTACLES.md).
@@ -443,11 +465,41 @@ PACK_LANES = 1 << 12
 def _threaded(item: Lowered, target: Target) -> Lowered:
     if not isinstance(item, LoopGroup):
         return item
+    if walks_cells(item):
+        size = math.prod(item.lead.space)
+        cheap = all(OPS[e.op].lanes for n in item.nests for e in applies(n.assign.expr))
+        least = FLAT_PARALLEL_CELLS if cheap else PARALLEL_POINTS
+        split = size if target.threads > 1 and size * len(item.nests) >= least else None
+        return replace(item, flat=True, split=split, chunks=CHUNKS_PER_THREAD if split else 0)
     split = group_split(item, target) if target.threads > 1 else None
     width = jam(item)
     packed: tuple[int, ...] | None = lanes(item.lead, width, target) if width else None
     return replace(item, split=split, chunks=CHUNKS_PER_THREAD if split else 0, jam=width,
                    lanes=packed is not None, packed=packed or ())
+
+
+def applies(e: Expr) -> list[Apply]:
+    """Every op application in ``e``."""
+    if not isinstance(e, Apply):
+        return []
+    return [e, *(a for x in e.args for a in applies(x))]
+
+
+def walks_cells(item: LoopGroup) -> bool:
+    """Whether every nest of the group is pointwise over the same space and reads and writes
+    every node at the point's own cell (the identity projection over a node of the space's
+    dims): the group is then one loop over the cells. Nested loops of short extents (a 16-cell
+    row) are unrolled by LLVM before its loop vectorizer sees them, leaving scalar code; one
+    loop over the cells vectorizes."""
+    space = item.lead.space
+    ident = tuple(range(len(space)))
+
+    def own_cell(node: Tnode, idx: tuple) -> bool:
+        return node.dims == space and tuple(idx) == ident
+
+    return len(space) > 1 and all(
+        not n.red and n.space == space and own_cell(n.assign.lhs, n.assign.lhs_idx)
+        and all(own_cell(g.node, g.idx) for g in reads(n.assign.expr)) for n in item.nests)
 
 
 def group_split(item: LoopGroup, target: Target) -> int | None:

@@ -17,6 +17,7 @@ and over random f32 bit patterns. Every conversion runs in a generated ``cast`` 
 
 from __future__ import annotations
 
+import math
 import sys
 import warnings
 from dataclasses import replace
@@ -31,8 +32,9 @@ from ocannl import Context
 from ocannl.backends.cpu import jit
 from ocannl.backends.cpu.backend import CpuBackend
 from ocannl.ir import interpret
-from ocannl.ir.assignments import Accum, Comp, Get, apply, reads
-from ocannl.ir.lowering import Gemm, nodes_of
+from ocannl.ir.assignments import Accum, Affine, Comp, Const, Get, apply, reads
+from ocannl.ir.interpret import stored
+from ocannl.ir.lowering import Fill, Gemm, nodes_of
 from ocannl.ir.ops import OPS, Precision, reference
 from ocannl.ir.target import PRODUCTS, Target
 from ocannl.ir.tnode import Tnode
@@ -520,3 +522,82 @@ def test_the_op_semantics_checks_on_the_cpu_code(check, monkeypatch):
     name, _, prec = check.partition("[")
     args = [Precision(prec.rstrip("]"))] if prec else []
     getattr(op_tests, name)(*args)
+
+
+# --- loop shapes scheduling chose --------------------------------------------------------------
+
+
+def _special_values(n: int, prec: Precision, seed: int) -> np.ndarray:
+    """``n`` values of ``prec`` with infinities, NaN, signed zeros and subnormals among them."""
+    rng = np.random.default_rng(seed)
+    v = rng.normal(size=n) * 3.0
+    specials = [np.inf, -np.inf, np.nan, 0.0, -0.0, 6e-8, -3e-5, 65504.0]
+    v[:min(n, len(specials))] = specials[:n]
+    return stored(v, prec)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_group_of_same_cell_nests_is_one_loop_over_the_cells(threads, monkeypatch):
+    """Pointwise nests that read and write every node at the point's own cell walk the cells
+    in one loop (``LoopGroup.flat``; shared over threads by ranges of cells), with the bits of
+    the interpreter's point by point run, on short odd extents and on special values; a group
+    reading another cell (a transposed read) keeps its nested loops."""
+    from ocannl.ir import schedule
+
+    monkeypatch.setattr(schedule, "FLAT_PARALLEL_CELLS", 64)  # 255 cells: cut into ranges
+    dims = (3, 5, 17)
+    a, b = Tnode("fa", dims, Precision.f16), Tnode("fb", dims, Precision.f32)
+    c, d = Tnode("fc", dims, Precision.bf16), Tnode("fd", (17, 5, 3), Precision.f32)
+    same = tuple(range(3))
+    comp = Comp((
+        Accum(c, same, "=", apply("add", apply("relu", apply("mul", Get(a, same), Get(b, same))),
+                                  Get(a, same)), dims),
+        Accum(b, same, "=", apply("sub", Get(c, same), Get(a, same)), dims),
+        Accum(d, (2, 1, 0), "=", Get(a, same), dims),
+    ))
+    target = replace(CpuBackend().target, threads=threads)
+    code = lower(comp, target)
+    groups = [i for i in code if isinstance(i, LoopGroup)]
+    flat = [g for g in groups if g.flat]
+    assert flat and all(not g.flat for g in groups if g.lead.assign.lhs is d), code
+    if threads > 1:
+        assert all(g.split == math.prod(dims) for g in flat), flat
+    values = {n.id: _special_values(n.size, n.prec, k).reshape(n.dims)
+              for k, n in enumerate(nodes_of(code))}
+    got = _on_cpu(code, values)
+    mine = {k: v.copy() for k, v in values.items()}
+    interpret.run(code, mine)
+    off = [n.name for n in nodes_of(code) if not shadow.same(got[n.id], mine[n.id])]
+    assert not off, off
+
+
+def test_a_scatter_into_zeroed_16_bit_storage_zeroes_its_f32_copy_instead():
+    """A scatter into a 16-bit node accumulates in an f32 copy; where the node was just
+    zeroed, the copy is zeroed itself (no widening pass) and the node's own fill is dropped, as
+    the rounding after the scatter writes every cell of it: the interpreter's bits. A node read
+    between its fill and the scatter keeps both."""
+    x, g = Tnode("sx", (12,), Precision.f16), Tnode("sg", (10,), Precision.f32)
+    w, r = Tnode("sw", (3,), Precision.f32), Tnode("sr", (12,), Precision.f32)
+    scatter = Accum(x, (Affine(((1, 0), (1, 1))),), "+",
+                    apply("mul", Get(g, (0,)), Get(w, (1,))), (10, 3))
+
+    def run(between: tuple) -> list:
+        comp = Comp((Accum(x, (0,), "=", Const(0.0), (12,)), *between, scatter))
+        code = lower(comp, CpuBackend().target)
+        values = {n.id: _special_values(n.size, n.prec, 3).reshape(n.dims)
+                  for n in nodes_of(code)}
+        values[g.id] = np.random.default_rng(1).normal(size=10).astype(np.float32)
+        got = _on_cpu(code, values)
+        mine = {k: v.copy() for k, v in values.items()}
+        with np.errstate(invalid="ignore"):  # the weights hold infinities and NaN
+            interpret.run(code, mine)
+        assert not [n.name for n in nodes_of(code) if not shadow.same(got[n.id], mine[n.id])]
+        return code
+
+    code = run(())
+    fills = [i for i in code if isinstance(i, Fill)]
+    assert [f.node.prec for f in fills] == [Precision.f32], code
+    assert not any(isinstance(i, LoopGroup) and i.conversion and i.lead.assign.lhs is not x
+                   for i in code), code
+    code = run((Accum(r, (0,), "=", Get(x, (0,)), (12,)),))
+    assert any(isinstance(i, Fill) and i.node is x for i in code), code

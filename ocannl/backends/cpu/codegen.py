@@ -103,6 +103,7 @@ class RoutineIR:
         # The group's nodes kept in registers, and their values at the point being emitted.
         self.registers: frozenset[int] = frozenset()
         self.held: dict[int, ir.Value] = {}
+        self.cell: ir.Value | None = None  # the flat cell of a ``flat`` group
         # A jammed reduction's reads packed as vectors of its cells, by id.
         self.packed: dict[int, tuple[ir.Value, list[int], int]] = {}
         # Each item function's text (its name left out) -> the function: an item whose text an
@@ -299,7 +300,9 @@ class RoutineIR:
     # --- loads, stores, expressions ----------------------------------------------------------
 
     def offset(self, node: Tnode, idx: Projection, iters: dict[int, ir.Value]) -> ir.Value:
-        """The flat row-major offset of ``node[idx]``."""
+        """The flat row-major offset of ``node[idx]`` (in a ``flat`` group: the cell's)."""
+        if self.cell is not None:
+            return self.cell
         b = self.b
         terms: list[ir.Value] = []
         const = 0
@@ -421,9 +424,10 @@ class RoutineIR:
 
     def group(self, g: LoopGroup) -> None:
         """One loop over the lead nest's parallel iterators running every nest's body, shaped
-        as scheduling decided: a row walk (``walk_rows``), ``jam`` cells of a reduction at once
-        (as one vector of them where ``lanes``, its ``packed`` reads packed first), or point by
-        point with ``registers`` handed over in registers."""
+        as scheduling decided: one loop over the cells (``flat``), a row walk
+        (``walk_rows``), ``jam`` cells of a reduction at once (as one vector of them where
+        ``lanes``, its ``packed`` reads packed first), or point by point with ``registers``
+        handed over in registers."""
         lead = g.lead
         space = lead.space
         if 0 in space:
@@ -439,6 +443,13 @@ class RoutineIR:
             self._loops(list(lead.par[:-1]), space, iters,
                         lambda: self._jammed(lead, g.jam, space, iters, g.lanes), outer=True)
             self.packed = {}
+        elif g.flat:  # every access is the point's own cell: its flat offset
+            self.registers = g.registers
+            with self.loop(*(self.range or (const_int(0), const_int(math.prod(space))))) as i:
+                self.cell = i
+                self._par_body(g, space, iters)
+            self.cell = None
+            self.registers, self.held = frozenset(), {}
         else:
             self.registers = g.registers
             self._loops(list(lead.par), space, iters, lambda: self._par_body(g, space, iters),
@@ -974,7 +985,7 @@ def signature(code: list[Lowered], nodes: list[Tnode], target: Target) -> str:
                              f"{expr(a.expr)}")
             lines.append(f"end {sorted(slot[i] for i in item.registers)} {item.split} "
                          f"{item.chunks} {item.jam} {item.lanes} {item.packed} "
-                         f"{item.conversion}")
+                         f"{item.conversion} {item.flat}")
     return "\n".join(lines)
 
 
