@@ -68,7 +68,11 @@ class LoopGroup:
     copy, a rounding back): no user cast, so a signalling NaN's payload need not survive it
     and the plain conversion instructions serve; ``flat``, every nest is pointwise and reads
     and writes each node at the point's own cell: one loop over the cells in row-major order
-    (``split`` then counts cells), which vectorizes whatever the axes' extents."""
+    (``split`` then counts cells), which vectorizes whatever the axes' extents. On a GPU
+    (``Target.gpu_block``), ``mapping``: ``"map"`` (a thread per cell, nothing to reduce),
+    ``"serial"`` (a thread per cell, reducing in a loop: in order) or ``"reduce"`` (a block of
+    threads per cell, each cell's terms cut into ``reduce_splits`` chunks of ``reduce_chunk``
+    terms, whose partial results a second pass combines in chunk order)."""
 
     nests: tuple[LoopNest, ...]
     registers: frozenset[int] = frozenset()
@@ -79,6 +83,9 @@ class LoopGroup:
     packed: tuple[int, ...] = ()
     conversion: bool = False
     flat: bool = False
+    mapping: str = ""
+    reduce_splits: int = 0
+    reduce_chunk: int = 0
 
     @property
     def lead(self) -> LoopNest:

@@ -21,8 +21,10 @@ items:
   zeroed itself where the target was just zeroed: the rounding overwrites the target). A copy is
   reused by later items until its source is written (a large one only by the next item).
 - **Threads and vectors.** Which loops and products are shared over threads, by which extent
-  and in how many chunks; which reductions run several cells at once (``jam``) and as vectors
-  of their cells (``lanes``), with which reads packed first.
+  and in how many chunks (on a GPU: which groups run a thread per cell, which a block per
+  cell, and how a long reduction is cut over blocks); which reductions run several cells at
+  once (``jam``) and as vectors of their cells (``lanes``), with which reads packed first;
+  which pointwise groups walk their cells in one loop (``flat``).
 
 Every copy is a plain assignment over a node of its own, so the arena planner is the only
 memory planner, and a backend renders a copy as it renders any other nest.
@@ -465,6 +467,8 @@ PACK_LANES = 1 << 12
 def _threaded(item: Lowered, target: Target) -> Lowered:
     if not isinstance(item, LoopGroup):
         return item
+    if target.gpu_block:
+        return gpu_threads(item, target.gpu_block)
     if walks_cells(item):
         size = math.prod(item.lead.space)
         cheap = all(OPS[e.op].lanes for n in item.nests for e in applies(n.assign.expr))
@@ -600,3 +604,54 @@ def lanes(nest: LoopNest, width: int, target: Target) -> tuple[int, ...] | None:
     if gathered and a.accum not in ("max", "min"):
         return None
     return tuple(packs)
+
+
+# --- a GPU's threads --------------------------------------------------------------------------
+
+SERIAL_RED_MAX = 32  # a reduction this short runs serially in its thread
+SERIAL_PAR_MIN = 1024  # ... as does one up to SERIAL_RED_WIDE long when this many cells
+SERIAL_RED_WIDE = 256  # keep enough threads busy
+PER_THREAD = 8  # a split reduction gives each thread at least this many terms
+MAX_REDUCE_BLOCKS = 1024  # splitting stops once cells x splits reaches this many blocks
+
+
+def gpu_threads(item: LoopGroup, block: int) -> LoopGroup:
+    """``item`` mapped onto a GPU's threads (``LoopGroup.mapping``). A scatter moves its target
+    cell within a thread's reduction loop: serial, never split."""
+    lead = item.lead
+    if lead.scatter:
+        return replace(item, mapping="serial")
+    mapping = gpu_mapping(lead.par_size, lead.red_size, lead.assign.accum, bool(lead.red))
+    if mapping != "reduce":
+        return replace(item, mapping=mapping)
+    splits, chunk = reduce_splits(lead.par_size, lead.red_size, block)
+    return replace(item, mapping=mapping, reduce_splits=splits, reduce_chunk=chunk)
+
+
+def gpu_mapping(par_size: int, red_size: int, accum: str, has_reduction: bool) -> str:
+    """How a loop nest maps to a GPU's threads: ``"map"`` (one thread per written cell, no
+    reduction), ``"serial"`` (one thread per cell, reducing in a loop) or ``"reduce"`` (a block
+    per cell reducing in parallel).
+
+    A serial reduction is the trap OCANNL's benchmarks fell into: one thread summing a whole
+    gradient. It is used only where it is short, or moderate with many cells to spread over.
+    ``=`` with a reduction keeps the serial order's last-write-wins meaning.
+    """
+    if not has_reduction:
+        return "map"
+    if accum == "=" or red_size <= SERIAL_RED_MAX:
+        return "serial"
+    if par_size >= SERIAL_PAR_MIN and red_size <= SERIAL_RED_WIDE:
+        return "serial"
+    return "reduce"
+
+
+def reduce_splits(par_size: int, red_size: int, block: int) -> tuple[int, int]:
+    """``(splits, chunk)``: into how many blocks of ``block`` threads each cell's reduction is
+    cut, and how many terms each covers. One split means a single pass; more, a partial pass
+    over ``par_size * splits`` blocks and a final pass combining the partials in order."""
+    want = math.ceil(red_size / (block * PER_THREAD))
+    room = max(1, MAX_REDUCE_BLOCKS // max(par_size, 1))
+    splits = max(1, min(want, room))
+    chunk = math.ceil(red_size / splits)
+    return math.ceil(red_size / chunk), chunk

@@ -38,6 +38,9 @@ class Target:
     many parts a large routine is cut into for the compiler; ``avx``, clear the vector
     registers' upper halves at each item's start; ``blas_int``, the bits of the BLAS's integer
     arguments (32, or 64 for an ILP64 build).
+
+    A GPU: ``gpu_block``, its kernels' threads per block (0: not a GPU); every loop group is
+    then mapped onto threads and blocks (``LoopGroup.mapping``).
     """
 
     name: str = "cpu"
@@ -56,6 +59,7 @@ class Target:
     workers: int = 1
     avx: bool = False
     blas_int: int = 32
+    gpu_block: int = 0
 
 
 # Reference targets, for lowering without a backend (tests, tools): loops only, no library

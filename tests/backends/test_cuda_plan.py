@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from ocannl import Context
 from ocannl.backends.cuda import plan as cc
 from ocannl.backends.cuda import runtime as rt
+from ocannl.ir import schedule
 from ocannl.ir.lowering import lower
 from ocannl.ir.ops import Precision
 
@@ -26,32 +27,32 @@ from ocannl.ir.ops import Precision
 
 
 def test_strategy_table() -> None:
-    assert cc.nest_strategy(10**6, 1, "=", False) == "map"
-    assert cc.nest_strategy(256, 10, "max", True) == "serial"  # softmax max over classes
-    assert cc.nest_strategy(1, 32, "+", True) == "serial"
-    assert cc.nest_strategy(4, 10**5, "=", True) == "serial"  # last write wins, in order
-    assert cc.nest_strategy(1, 33, "+", True) == "reduce"  # a loss mean over a batch
-    assert cc.nest_strategy(1, 2**20, "+", True) == "reduce"  # a whole-gradient checksum
-    assert cc.nest_strategy(8, 4096, "+", True) == "reduce"  # a bias gradient, large batch
-    assert cc.nest_strategy(1024, 256, "+", True) == "serial"  # many cells, short sums
-    assert cc.nest_strategy(1023, 256, "+", True) == "reduce"
-    assert cc.nest_strategy(4096, 257, "max", True) == "reduce"
+    assert schedule.gpu_mapping(10**6, 1, "=", False) == "map"
+    assert schedule.gpu_mapping(256, 10, "max", True) == "serial"  # softmax max over classes
+    assert schedule.gpu_mapping(1, 32, "+", True) == "serial"
+    assert schedule.gpu_mapping(4, 10**5, "=", True) == "serial"  # last write wins, in order
+    assert schedule.gpu_mapping(1, 33, "+", True) == "reduce"  # a loss mean over a batch
+    assert schedule.gpu_mapping(1, 2**20, "+", True) == "reduce"  # a whole-gradient checksum
+    assert schedule.gpu_mapping(8, 4096, "+", True) == "reduce"  # a bias gradient, large batch
+    assert schedule.gpu_mapping(1024, 256, "+", True) == "serial"  # many cells, short sums
+    assert schedule.gpu_mapping(1023, 256, "+", True) == "reduce"
+    assert schedule.gpu_mapping(4096, 257, "max", True) == "reduce"
 
 
 @given(st.integers(1, 10**6), st.integers(1, 10**8))
 def test_reduce_splits_cover_every_element_once(par: int, red: int) -> None:
-    splits, chunk = cc.reduce_splits(par, red)
+    splits, chunk = schedule.reduce_splits(par, red, cc.BLOCK)
     assert splits >= 1 and chunk >= 1
     assert splits * chunk >= red and (splits - 1) * chunk < red  # no empty split
-    assert par * splits <= max(cc.MAX_REDUCE_BLOCKS, par)
+    assert par * splits <= max(schedule.MAX_REDUCE_BLOCKS, par)
     if splits > 1:  # each thread of a split block gets a fair share of work
-        assert chunk > cc.BLOCK * cc.PER_THREAD // 2
+        assert chunk > cc.BLOCK * schedule.PER_THREAD // 2
 
 
 def test_reduce_splits_examples() -> None:
-    assert cc.reduce_splits(1, 2**20) == (512, 2048)  # 1024x1024 gradient checksum
-    assert cc.reduce_splits(1, 256) == (1, 256)
-    assert cc.reduce_splits(2000, 10**5) == (1, 10**5)
+    assert schedule.reduce_splits(1, 2**20, cc.BLOCK) == (512, 2048)  # 1024x1024 gradient checksum
+    assert schedule.reduce_splits(1, 256, cc.BLOCK) == (1, 256)
+    assert schedule.reduce_splits(2000, 10**5, cc.BLOCK) == (1, 10**5)
 
 
 @given(st.integers(1, 10**10))
@@ -68,6 +69,28 @@ def test_map_launch_examples() -> None:
     assert cc.map_launch(100) == (1, 128)
     assert cc.map_launch(10**6) == (3907, 256)
     assert cc.map_launch(10**9) == (cc.MAX_GRID, 256)
+
+
+def test_the_mapping_onto_threads_is_lowerings_and_the_plan_renders_it() -> None:
+    """Lowering for CUDA writes each group's mapping and a long reduction's cut into the
+    items; the plan launches what they say (a split reduction's two passes cover its chunks),
+    and refuses code lowered for a target with no GPU threads, naming the node."""
+    from ocannl.ir.assignments import Accum, Comp, Get
+    from ocannl.ir.lowering import LoopGroup
+    from ocannl.ir.target import PRODUCTS
+    from ocannl.ir.tnode import Tnode
+
+    x, total = Tnode("mx", (1 << 20,), Precision.f32), Tnode("mtotal", (), Precision.f32)
+    comp = Comp((Accum(total, (), "+", Get(x, (0,)), (1 << 20,), reset=True),))
+    (group,) = [i for i in lower(comp, cc.cuda_target()) if isinstance(i, LoopGroup)]
+    assert (group.mapping, group.reduce_splits, group.reduce_chunk) == ("reduce", 512, 2048)
+    plan = cc.plan_routine([group])
+    assert [k.kind for k in plan.kernels] == ["partial", "final"]
+    assert "q / 512" in plan.kernels[0].source and "2048" in plan.kernels[0].source
+    (cpu_group,) = [i for i in lower(comp, PRODUCTS) if isinstance(i, LoopGroup)]
+    assert cpu_group.mapping == ""
+    with pytest.raises(ValueError, match="mtotal.*cuda_target"):
+        cc.plan_routine([cpu_group])
 
 
 # --- plans of the models ----------------------------------------------------------------------
@@ -92,7 +115,7 @@ def test_wide_mlp_checksum_and_loss_are_block_reductions() -> None:
     # No kernel reduces serially over more than SERIAL_RED_WIDE elements.
     for k in ks:
         for bound in map(int, _loop_bounds(k.source)):
-            assert k.kind != "serial" or bound <= cc.SERIAL_RED_WIDE, k.source
+            assert k.kind != "serial" or bound <= schedule.SERIAL_RED_WIDE, k.source
     # The loss mean over the batch is a block reduction.
     assert any(k.kind == "reduce" and k.nodes[0] is p.loss.children[0].value for k in ks)
     assert {s.kind if isinstance(s, cc.Kernel) else "gemm" for s in plan.steps} >= {

@@ -4,11 +4,11 @@ Every lowered item becomes a launch plan (:func:`plan_routine`) built without a 
 nest is one kernel (two for a long reduction split across blocks), each GEMM a cuBLAS call
 through CuPy (a 16-bit operand or target is a node of lowering's own in f32, made and
 rounded by nests: ``ocannl.ir.schedule``). Kernel bodies come from
-:mod:`ocannl.backends.emit` with a C flavour; the wrapping is this module's: threads over the
-written cells (grid-stride), a reduction serial within a thread only when it is short,
-otherwise a block reduction (warp shuffles, then shared memory; split over several blocks with
-a deterministic second pass when it is long). There are no
-atomics, so a routine computes the same bits on every run.
+:mod:`ocannl.backends.emit` with a C flavour; the wrapping is this module's, as scheduling
+mapped each group (``LoopGroup.mapping``): threads over the written cells (grid-stride), a
+reduction serial within a thread, or a block reduction (warp shuffles, then shared memory;
+cut over several blocks with a deterministic second pass where scheduling cut it). There are
+no atomics, so a routine computes the same bits on every run.
 
 Buffers are flat CuPy arrays: f64 / f32 / f16 as such, bf16 as uint16 bit patterns (the kernels
 read both 16-bit kinds through ``__half`` / ``__nv_bfloat16`` pointers; arithmetic is f32).
@@ -32,51 +32,18 @@ from ocannl.ir.ops import Precision
 from ocannl.ir.target import Target
 from ocannl.ir.tnode import Tnode
 
-# --- launch-configuration policy (pure; unit-tested on the CPU) --------------------------------
+# --- launch geometry (pure; unit-tested on the CPU): which threads run what is lowering's
+# choice (``LoopGroup.mapping``, ``ocannl.ir.schedule``) ----------------------------------------
 
 BLOCK = 256  # threads per block of every kernel but tiny maps
 WARP = 32
 MAX_GRID = 65535  # grid-stride loops cover anything larger
-SERIAL_RED_MAX = 32  # a reduction this short runs serially in its thread
-SERIAL_PAR_MIN = 1024  # ... as does one up to SERIAL_RED_WIDE long when this many cells
-SERIAL_RED_WIDE = 256  # keep enough threads busy
-PER_THREAD = 8  # a split reduction gives each thread at least this many elements
-MAX_REDUCE_BLOCKS = 1024  # splitting stops once cells x splits reaches this many blocks
 
 _CTYPE = {Precision.f64: "double", Precision.f32: "float", Precision.f16: "__half",
           Precision.bf16: "__nv_bfloat16"}
 _WIDEN = {Precision.f16: "__half2float", Precision.bf16: "__bfloat162float"}
 _NARROW = {Precision.f16: "__float2half_rn", Precision.bf16: "__float2bfloat16_rn"}
 _INCLUDE = {Precision.f16: "cuda_fp16.h", Precision.bf16: "cuda_bf16.h"}
-
-
-def nest_strategy(par_size: int, red_size: int, accum: str, has_reduction: bool) -> str:
-    """How a loop nest maps to threads: ``"map"`` (one thread per written cell, no
-    reduction), ``"serial"`` (one thread per cell, reducing in a loop) or ``"reduce"`` (a block
-    per cell reducing in parallel).
-
-    A serial reduction is the trap OCANNL's benchmarks fell into: one thread summing a whole
-    gradient. It is used only where it is short, or moderate with many cells to spread over.
-    ``=`` with a reduction keeps the serial order's last-write-wins meaning.
-    """
-    if not has_reduction:
-        return "map"
-    if accum == "=" or red_size <= SERIAL_RED_MAX:
-        return "serial"
-    if par_size >= SERIAL_PAR_MIN and red_size <= SERIAL_RED_WIDE:
-        return "serial"
-    return "reduce"
-
-
-def reduce_splits(par_size: int, red_size: int) -> tuple[int, int]:
-    """``(splits, chunk)``: into how many blocks each cell's reduction is cut, and how many
-    elements each covers. One split means a single pass; more, a partial pass over
-    ``par_size * splits`` blocks and a final pass combining the partials in a fixed order."""
-    want = math.ceil(red_size / (BLOCK * PER_THREAD))
-    room = max(1, MAX_REDUCE_BLOCKS // max(par_size, 1))
-    splits = max(1, min(want, room))
-    chunk = math.ceil(red_size / splits)
-    return math.ceil(red_size / chunk), chunk
 
 
 def map_launch(n: int) -> tuple[int, int]:
@@ -317,9 +284,11 @@ class _Planner:
         lead = group.lead
         a = lead.assign
         par, red = list(lead.par), list(lead.red)
-        # A scatter moves its target cell within a thread's reduction loop: serial, never split.
-        strategy = "serial" if lead.scatter else nest_strategy(lead.par_size, lead.red_size,
-                                                                a.accum, bool(red))
+        strategy = group.mapping
+        if not strategy:
+            raise ValueError(f"a loop group writing {a.lhs.name} was lowered for a target "
+                             f"without a GPU's threads (no LoopGroup.mapping): lower it for "
+                             f"cuda_target()")
         # Nodes handed over in registers (lowering's choice) are locals of the point's loop
         # body, with no buffer.
         held = {n.id: n for m in group.nests for n in m.assign.nodes if n.id in group.registers}
@@ -331,7 +300,8 @@ class _Planner:
                   for m in group.nests]
         if strategy == "reduce":
             (body,) = bodies
-            self.reduce(a, nodes, CudaFlavour(nodes, a.lhs.prec.compute), names, par, red, body)
+            self.reduce(a, nodes, CudaFlavour(nodes, a.lhs.prec.compute), names, par, red, body,
+                        (group.reduce_splits, group.reduce_chunk))
             return
         if len(bodies) > 1:  # each fused body in its own scope: their locals share names
             declared = [f"{_CTYPE[n.prec.compute]} {regs[i]};" for i, n in held.items()]
@@ -363,12 +333,12 @@ class _Planner:
         self.steps.append(Kernel(strategy, name, src + "\n", grid, block, tuple(nodes)))
 
     def reduce(self, a: Accum, nodes: list[Tnode], f: CudaFlavour, names: dict[int, str],
-               par: list[int], red: list[int], body: NestBody) -> None:
+               par: list[int], red: list[int], body: NestBody, split: tuple[int, int]) -> None:
         par_size = math.prod(a.space[i] for i in par)
         red_size = math.prod(a.space[i] for i in red)
         compute = a.lhs.prec.compute
         acc_type = _CTYPE[compute]
-        splits, chunk = reduce_splits(par_size, red_size)
+        splits, chunk = split
         ity = _index_type(math.prod(a.space), par_size * splits, *(n.size for n in nodes))
         w = BodyWriter(f, compute, names, a.space)
         combine = _block_reduce(w, a.accum, acc_type, BLOCK)
@@ -454,7 +424,7 @@ def cuda_target(cublas: bool = True) -> Target:
     no thread pool (threads are the kernels' own), f16 conversions in hardware."""
     return Target(name="cuda", gemm=cublas, batched_gemm=False, im2col=False,
                   inline_product_work=0, threads=1, products_shared=False,
-                  parallel_scatters=False, hardware_f16=True)
+                  parallel_scatters=False, hardware_f16=True, gpu_block=BLOCK)
 
 
 def plan_routine(code: Sequence[Lowered]) -> Plan:
