@@ -33,6 +33,7 @@ memory planner, and a backend renders a copy as it renders any other nest.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import replace
 
 from ocannl.ir.assignments import Accum, Affine, Apply, Expr, Get, reads
@@ -123,13 +124,23 @@ def _substitute(code: list[Lowered], virtual: dict[int, Tnode]) -> list[Lowered]
     return out
 
 
-def _rounded_reads(e: Expr, virtual: dict[int, Tnode]) -> Expr:
+def _with_reads(e: Expr, read: Callable[[Get], Get]) -> Expr:
+    """``e`` with every read ``g`` replaced by ``read(g)``: the one rewriter of expressions."""
     if isinstance(e, Get):
-        src = virtual.get(e.node.id)
-        return e if src is None else Get(src, e.idx, rounded=e.node.prec)
+        return read(e)
     if isinstance(e, Apply):
-        return Apply(e.op, tuple(_rounded_reads(x, virtual) for x in e.args))
+        return Apply(e.op, tuple(_with_reads(x, read) for x in e.args))
     return e
+
+
+def _rounded_reads(e: Expr, sources: dict[int, Tnode]) -> Expr:
+    """``e`` reading ``sources[i]`` rounded to the precision of the node of id ``i`` wherever
+    it read that node (a virtual node's source, a forwarded product's f32 result)."""
+    def read(g: Get) -> Get:
+        src = sources.get(g.node.id)
+        return g if src is None else Get(src, g.idx, rounded=g.node.prec)
+
+    return _with_reads(e, read)
 
 
 def forwarded(code: list[Lowered]) -> set[int]:
@@ -282,15 +293,8 @@ def _with_copies(code: list[Lowered], target: Target, virtual: dict[int, Tnode]
 
 def _read_rounded(item: LoopGroup, results: dict[int, Tnode]) -> LoopGroup:
     """``item`` reading each forwarded target's f32 result, rounded to the target's precision."""
-    def expr(e: Expr) -> Expr:
-        if isinstance(e, Get) and e.node.id in results:
-            return Get(results[e.node.id], e.idx, rounded=e.node.prec)
-        if isinstance(e, Apply):
-            return Apply(e.op, tuple(expr(x) for x in e.args))
-        return e
-
-    return replace(item, nests=tuple(replace(n, assign=replace(n.assign, expr=expr(
-        n.assign.expr))) for n in item.nests))
+    return replace(item, nests=tuple(replace(n, assign=replace(n.assign, expr=_rounded_reads(
+        n.assign.expr, results))) for n in item.nests))
 
 
 def _product(g: Gemm, target: Target, copies: _Copies, direct: set[int], out: list[Lowered]
@@ -338,11 +342,8 @@ def _product(g: Gemm, target: Target, copies: _Copies, direct: set[int], out: li
 
 def _renamed(e: Expr, nodes: dict[int, Tnode]) -> Expr:
     """``e`` reading ``nodes[i]`` wherever it read the node of id ``i``."""
-    if isinstance(e, Get):
-        return Get(nodes[e.node.id], e.idx, e.rounded) if e.node.id in nodes else e
-    if isinstance(e, Apply):
-        return Apply(e.op, tuple(_renamed(x, nodes) for x in e.args))
-    return e
+    return _with_reads(e, lambda g: Get(nodes[g.node.id], g.idx, g.rounded)
+                       if g.node.id in nodes else g)
 
 
 def _widened_reads(item: LoopGroup, copies: _Copies, out: list[Lowered]) -> None:
