@@ -502,7 +502,7 @@ def walks_cells(item: LoopGroup) -> bool:
     def own_cell(node: Tnode, idx: tuple) -> bool:
         return node.dims == space and tuple(idx) == ident
 
-    return len(space) > 1 and all(
+    return all(
         not n.red and n.space == space and own_cell(n.assign.lhs, n.assign.lhs_idx)
         and all(own_cell(g.node, g.idx) for g in reads(n.assign.expr)) for n in item.nests)
 
