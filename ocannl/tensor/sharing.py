@@ -92,26 +92,20 @@ active_scope: ContextVar[ParamScope | None] = ContextVar("active_param_scope", d
 # The blocks (``nn_blocks``' decorated functions) being built, outermost first.
 current_blocks: ContextVar[tuple[str, ...]] = ContextVar("current_blocks", default=())
 
-# Parameter (its value node's id) -> the blocks that were being built when it was created.
-_BLOCK_PATHS: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
-_PATHS: dict[int, tuple[str, ...]] = {}
+# Parameter value node -> the blocks that were being built when it was created.
+_BLOCK_PATHS: weakref.WeakKeyDictionary[Any, tuple[str, ...]] = weakref.WeakKeyDictionary()
 
 
 def record_block_path(t: Tensor) -> None:
     path = current_blocks.get()
     if path:
-        _PATHS[t.value.id] = path
-        _BLOCK_PATHS[t.value.id] = t.value
-        if len(_PATHS) > 4 * len(_BLOCK_PATHS) + 1024:  # forget the nodes gone
-            for k in [k for k in _PATHS if k not in _BLOCK_PATHS]:
-                del _PATHS[k]
+        _BLOCK_PATHS[t.value] = path
 
 
 def block_path(t: Tensor) -> tuple[str, ...]:
     """The blocks, outermost first, that were being built when parameter ``t`` was created
     (empty for one created outside any block)."""
-    node = _BLOCK_PATHS.get(t.value.id)
-    return _PATHS.get(t.value.id, ()) if node is t.value else ()
+    return _BLOCK_PATHS.get(t.value, ())
 
 
 def shared_state(label: str, make: Callable[[], Tensor], *, dims: tuple[int, ...],
