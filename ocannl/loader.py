@@ -12,7 +12,10 @@ sees the same batches in the same order.
 
 A step gathers the batch's rows into staging arrays allocated once (in the inputs' storage
 dtype, the data converted once at construction) and writes each with ``Context.set_values``:
-one copy into the buffer the routines are bound to, no allocation of the loader's own.
+one copy into the buffer the routines are bound to, no allocation of the loader's own. For f32
+and f64 inputs the whole step allocates nothing (a new epoch draws its permutation);
+``set_values`` itself still validates class ids, and copies 16-bit values once more as it
+rounds them, in temporaries of its own.
 
 In a data-parallel run every rank draws the same permutation; rank ``r`` of ``w`` writes rows
 ``[r * b / w, (r + 1) * b / w)`` of each global batch of ``b`` rows (``b`` divisible by ``w``),

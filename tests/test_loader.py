@@ -178,3 +178,13 @@ def test_sixteen_bit_inputs_are_rounded_once_as_set_values_rounds_them():
     rows = np.random.default_rng([2, 0]).permutation(N)[:B]
     direct = Context.cpu().set_values(x16, data[rows])
     np.testing.assert_array_equal(ctx.get_values(x16), direct.get_values(x16))
+
+
+def test_without_shuffling_every_epoch_walks_the_rows_in_order():
+    x = T.term(np.zeros((B, 3)), label="x")
+    loader = Loader([DATA], [x], batch=B, shuffle=False)
+    ctx = Context.cpu()
+    for k in range(6):  # 4 batches an epoch, then the first two again
+        ctx = loader.next(ctx)
+        start = (k % 4) * B
+        np.testing.assert_array_equal(ctx.get_values(x), DATA[start:start + B])
