@@ -38,7 +38,10 @@ def block(fn: F) -> F:
     them (``MemoryMode.local``). No one outside the block holds them, so neither the host nor
     another routine can want their values; each routine then keeps them in memory shared with
     its other local nodes whose uses do not overlap, as an eager framework frees activations
-    once backprop used them. Cast twins stay as they are (``mixed_prec`` places them)."""
+    once backprop used them. Cast twins stay as they are (``mixed_prec`` places them).
+
+    Every parameter created while a block runs records the blocks being built, by label
+    (``ocannl.tensor.sharing.block_path``), so ``ocannl.summary`` can list it by block."""
     default_label = inspect.signature(fn).parameters.get("label")
     default = fn.__name__ if default_label is None else default_label.default
 
