@@ -117,8 +117,11 @@ def test_held_out_accuracy_in_one_call_equals_the_padded_evaluation():
         ctx = run.recipe.step(run.loader.next(ctx))
     run.ctx = run.recipe.flush(ctx)
     assert run.recipe.applied_steps > 0
+    before = {n.name: run.ctx.get_values(n).tobytes() for n in run.state}
     ctx, (one_call,) = run.evaluation.run(run.ctx, {run.x_eval: run.x_test})
     accuracy = run.accuracy()
+    # every bit of the training state (masters, Adam, the gate's counters) as it was
+    assert {n.name: ctx.get_values(n).tobytes() for n in run.state} == before
     ctx, forward = ctx.compile(train.forward(run.logits))
     batch = run.x.dims[0]
     padded_logits = []
