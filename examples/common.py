@@ -60,8 +60,9 @@ def batch_indices(step: int, n: int, batch: int, seed: int) -> np.ndarray:
     """The indices (into ``n`` training points) of the minibatch of ``step``: each epoch of
     ``n // batch`` steps walks a fresh permutation drawn from ``(seed, epoch)``, leaving out the
     ``n % batch`` points that do not fill a batch. A function of the step alone, so a resumed run
-    sees the batches the uninterrupted one would have. ``ValueError`` unless
-    ``1 <= batch <= n`` and ``step >= 0``."""
+    sees the batches the uninterrupted one would have. The examples' own loops take their
+    batches from ``ocannl.loader.Loader``, which hands out these rows; the PyTorch twins use
+    this function. ``ValueError`` unless ``1 <= batch <= n`` and ``step >= 0``."""
     for name, v in (("step", step), ("n", n), ("batch", batch), ("seed", seed)):
         if not isinstance(v, (int, np.integer)) or isinstance(v, bool):
             raise ValueError(f"batch_indices: {name} must be an integer, got {v!r}")

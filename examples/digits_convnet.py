@@ -4,7 +4,10 @@ The model (``nn_blocks.lenet``: two 3x3 conv / relu / 2x2 max-pool stages, then 
 reads f16 (or bf16) cast twins of its f32 master weights; Adam updates the masters. The
 backprop is seeded with a dynamic loss scale and overflowing steps are skipped on the device
 (the fused gate), the host sampling every ``--check-interval`` steps. The digits ship inside
-scikit-learn (no download); 20% are held out, and the accuracy on them is printed at the end.
+scikit-learn (no download); 20% are held out, and the accuracy on them is printed at the end,
+computed by an evaluation routine over all 360 at once (the same model built again over a
+batch of 360: ``ocannl.model``). Training batches come from ``ocannl.loader.Loader``, whose
+position travels in the checkpoint.
 
     python examples/digits_convnet.py                         # f16 twins, 700 steps
     python examples/digits_convnet.py --prec bf16
@@ -27,7 +30,6 @@ from common import (  # noqa: E402
     BACKENDS,
     F32_MAX,
     ExampleParser,
-    batch_indices,
     canonical,
     integer,
     make_context,
@@ -41,6 +43,8 @@ from common import (  # noqa: E402
 
 import ocannl.tensor as T  # noqa: E402
 from ocannl import Failure, checkpoint, mixed_prec, nn_blocks, optim, train  # noqa: E402
+from ocannl.loader import Loader  # noqa: E402
+from ocannl.model import Model, compile_eval  # noqa: E402
 
 PROGRAM = "digits_convnet.py"
 CLASSES = 10
@@ -105,6 +109,56 @@ def load_digits(seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarr
     return images[tr], d.target[tr], images[te], d.target[te]
 
 
+class Run:
+    """The model, its training step, its loader and its held-out evaluation, compiled on one
+    context: the evaluation graph is the same model built again over all 360 held-out images
+    at once (``ocannl.model``), reading the training graph's parameter buffers."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.x_train, self.y_train, self.x_test, self.y_test = load_digits(args.seed)
+        if args.batch > len(self.x_train):
+            sys.exit(f"error: --batch {args.batch} is larger than the {len(self.x_train)} "
+                     f"training images")
+        ctx = make_context(args.backend)
+        eye = np.eye(CLASSES, dtype=np.float32)
+        T.set_seed(args.seed)
+        self.x = T.term(np.zeros((args.batch, 8, 8, 1)), label="x", batch_dims=(args.batch,),
+                        output_dims=(8, 8, 1))
+        self.y = T.term(np.zeros((args.batch, CLASSES)), label="y")
+
+        def build(x: T.Tensor, *, train: bool) -> T.Tensor:
+            def net():  # noqa: ANN202
+                return nn_blocks.lenet(x, num_classes=CLASSES)
+
+            if args.prec == "f32":
+                return net()[0]
+            return T.cast(mixed_prec.with_master_weights(prec=args.prec, f=net)[0], "f32")
+
+        self.model = Model(build, name="lenet")
+        self.logits = self.model(self.x, train=True)
+        self.loss = nn_blocks.softmax_cross_entropy(self.logits, self.y)
+        self.adam = optim.Adam(args.lr)
+        self.scaler = mixed_prec.Loss_scaler.create(init_scale=args.init_scale)
+        self.recipe = mixed_prec.gated_step(self.scaler, self.loss, self.adam,
+                                            check_interval=args.check_interval)
+        self.loader = Loader([self.x_train, eye[self.y_train]], [self.x, self.y],
+                             batch=args.batch, seed=args.seed)
+        ctx = train.init_params(ctx, self.loss)
+        t0 = time.perf_counter()
+        ctx = self.recipe.compile(ctx)
+        self.x_eval = T.term(np.zeros((len(self.x_test), 8, 8, 1)), label="x_eval",
+                             batch_dims=(len(self.x_test),), output_dims=(8, 8, 1))
+        ctx, self.evaluation = compile_eval(ctx, self.model(self.x_eval, train=False))
+        self.compile_s = time.perf_counter() - t0
+        self.ctx = ctx
+        self.state = checkpoint.training_state(self.loss, self.adam) + self.recipe.state_nodes()
+
+    def accuracy(self) -> float:
+        """The share of held-out digits classified right, all 360 in one call."""
+        self.ctx, (logits,) = self.evaluation.run(self.ctx, {self.x_eval: self.x_test})
+        return float(np.mean(np.argmax(logits, axis=-1) == self.y_test))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     refuse_mpi_launch(PROGRAM)
@@ -114,41 +168,15 @@ def main(argv: list[str] | None = None) -> int:
         problem = resume_problem(args.checkpoint, PROGRAM, config, CONFIG_KEYS, args.steps)
         if problem is not None:
             sys.exit(f"error: cannot resume from {args.checkpoint}: {problem}")
-    x_train, y_train, x_test, y_test = load_digits(args.seed)
-    if args.batch > len(x_train):
-        sys.exit(f"error: --batch {args.batch} is larger than the {len(x_train)} training images")
-    ctx = make_context(args.backend)
-    eye = np.eye(CLASSES, dtype=np.float32)
-
-    T.set_seed(args.seed)
-    x = T.term(np.zeros((args.batch, 8, 8, 1)), label="x", batch_dims=(args.batch,),
-               output_dims=(8, 8, 1))
-    y = T.term(np.zeros((args.batch, CLASSES)), label="y")
-
-    def build():  # noqa: ANN202
-        return nn_blocks.lenet(x, num_classes=CLASSES)
-
-    if args.prec == "f32":
-        logits, _ = build()
-    else:
-        logits, _ = mixed_prec.with_master_weights(prec=args.prec, f=build)
-        logits = T.cast(logits, "f32")
-    loss = nn_blocks.softmax_cross_entropy(logits, y)
-    adam = optim.Adam(args.lr)
-    scaler = mixed_prec.Loss_scaler.create(init_scale=args.init_scale)
-    recipe = mixed_prec.gated_step(scaler, loss, adam, check_interval=args.check_interval)
-    ctx = train.init_params(ctx, loss)
-    t0 = time.perf_counter()
-    ctx = recipe.compile(ctx)
-    ctx, forward = ctx.compile(train.forward(logits))
-    compile_s = time.perf_counter() - t0
-    state = checkpoint.training_state(loss, adam) + recipe.state_nodes()
+    run = Run(args)
+    recipe, scaler, loader, loss = run.recipe, run.scaler, run.loader, run.loss
 
     start = 0
     if resuming:
         try:
-            ctx, progress = checkpoint.load(args.checkpoint, ctx, state)
-            ctx = restore_recipe(ctx, progress, scaler, recipe)
+            run.ctx, progress = checkpoint.load(args.checkpoint, run.ctx, run.state)
+            run.ctx = restore_recipe(run.ctx, progress, scaler, recipe)
+            loader.restore_state(progress.extra["loader"])
         except (Failure, KeyError) as err:
             sys.exit(f"error: cannot resume from {args.checkpoint}: "
                      f"{type(err).__name__ + ' ' if isinstance(err, KeyError) else ''}{err}")
@@ -156,48 +184,40 @@ def main(argv: list[str] | None = None) -> int:
         print(f"resumed from {args.checkpoint} at step {start}", flush=True)
 
     def save(step: int) -> None:
-        checkpoint.save(args.checkpoint, ctx, state, checkpoint.Progress(
-            step=step, extra=recipe_extra(PROGRAM, config, scaler, recipe)))
+        extra = {**recipe_extra(PROGRAM, config, scaler, recipe), "loader": loader.save_state()}
+        checkpoint.save(args.checkpoint, run.ctx, run.state,
+                        checkpoint.Progress(step=step, epoch=loader.epoch, extra=extra))
 
     bar = None
     if not args.no_progress:
         from tqdm import tqdm
 
         bar = tqdm(total=args.steps, initial=start, unit="step", dynamic_ncols=True)
+    ctx = run.ctx
     for step in range(start, args.steps):
-        idx = batch_indices(step, len(x_train), args.batch, args.seed)
-        ctx = ctx.set_values(x, x_train[idx]).set_values(y, eye[y_train[idx]])
-        ctx = recipe.step(ctx)
+        ctx = recipe.step(loader.next(ctx))
         if recipe.pending == 0 and bar is not None:  # a window's end: no extra sync
             bar.set_postfix(loss=f"{ctx.get_value(loss):.4f}", scale=f"{scaler.scale_value():g}")
         if bar is not None:
             bar.update(1)
         if args.checkpoint is not None and (step + 1) % args.checkpoint_every == 0:
-            ctx = recipe.flush(ctx)
+            run.ctx = ctx = recipe.flush(ctx)
             save(step + 1)
     if bar is not None:
         bar.close()
-    ctx = recipe.flush(ctx)
+    run.ctx = ctx = recipe.flush(ctx)
     # The last step's loss, whether or not a window (or a checkpoint) ended there.
     final_loss = ctx.get_value(loss) if start < args.steps else None
     if args.checkpoint is not None and start < args.steps:
         save(args.steps)
 
-    correct = 0
-    for k in range(0, len(x_test), args.batch):
-        chunk = x_test[k:k + args.batch]
-        padded = np.zeros((args.batch, 8, 8, 1), np.float32)
-        padded[:len(chunk)] = chunk  # the last chunk is padded; its padding is not counted
-        ctx = ctx.set_values(x, padded).run(forward)
-        pred = np.argmax(ctx.get_values(logits), axis=-1)[:len(chunk)]
-        correct += int(np.sum(pred == y_test[k:k + len(chunk)]))
-    print(f"backend {ctx.backend_name()}, {args.prec} twins, compile {compile_s:.1f} s")
+    accuracy = run.accuracy()
+    print(f"backend {run.ctx.backend_name()}, {args.prec} twins, compile {run.compile_s:.1f} s")
     ran = recipe.applied_steps + recipe.skipped_steps
     said = "" if final_loss is None else f"final loss {final_loss:.4f}, "
     print(f"{said}loss scale {scaler.scale_value():g}, skipped steps {recipe.skipped_steps} of "
           f"{ran}")
-    print(f"accuracy: {100.0 * correct / len(x_test):.2f}% on {len(x_test)} held-out digits",
-          flush=True)
+    print(f"accuracy: {100.0 * accuracy:.2f}% on {len(run.x_test)} held-out digits", flush=True)
     return 0
 
 

@@ -1,9 +1,10 @@
 """Train an f32 MLP on half-moons with plain SGD on the default (CPU) backend.
 
-One routine holds the whole step (forward, backprop, SGD); each step writes a fresh minibatch
-into the input tensors with ``set_values`` and runs it. Writes a decision-boundary PNG when
-matplotlib is installed. Every flag is checked before any work: a mistake is one line on
-stderr and exit status 2.
+One routine holds the whole step (forward, backprop, SGD); each step has ``ocannl.loader``
+write a fresh minibatch into the input tensors (``set_values``) and runs it. The points are
+classified in one call of an evaluation routine (``ocannl.model``). Writes a
+decision-boundary PNG when matplotlib is installed. Every flag is checked before any work: a
+mistake is one line on stderr and exit status 2.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from tqdm import tqdm
 
 import ocannl.tensor as T
 from ocannl import Context, datasets, nn_blocks, train
+from ocannl.loader import Loader
+from ocannl.model import Evaluation, Model, compile_eval
 
 MAX_POINTS = 1_000_000
 
@@ -61,42 +64,44 @@ def main(argv: list[str] | None = None) -> float:
     targets = datasets.one_hot(labels, 2)
     x = T.term(label="x", batch_dims=[args.batch], output_dims=[2])
     y = T.term(label="y", batch_dims=[args.batch], output_dims=[2])
-    logits, _ = nn_blocks.mlp(x, [16, 16], 2)
+    # The model as a function of its input: built again (over the same parameters) to
+    # classify any number of points in one call.
+    model = Model(lambda inputs, *, train: nn_blocks.mlp(inputs, [16, 16], 2)[0],
+                  name="moons mlp")
+    logits = model(x, train=True)
     loss = nn_blocks.softmax_cross_entropy(logits, y)
     lr = T.term(np.float32(args.lr), label="learning_rate")
+    loader = Loader([points, targets], [x, y], batch=args.batch, seed=args.seed)
 
     ctx = train.init_params(Context.cpu(), loss)
     step = train.grad_update(loss) + train.sgd_update(loss, learning_rate=lr, momentum=0.9)
     ctx, step_routine = ctx.compile(step)
-    ctx, predict = ctx.compile(train.forward(logits))
 
-    rng = np.random.default_rng(args.seed)
-    batches = args.points // args.batch
+    batches = loader.steps_per_epoch
     halve_at = (3 * args.epochs // 4) * batches  # 0 with fewer than 2 epochs: never halved
     bar = tqdm(range(args.epochs * batches), desc="moons f32", file=sys.stdout)
     running = None
     for i in bar:
-        if i % batches == 0:
-            order = rng.permutation(args.points)
-            # Halve the learning rate for the last quarter of training: no recompilation.
-            if i == halve_at and halve_at > 0:
-                ctx = ctx.set_values(lr, [args.lr / 2])
-        sel = order[(i % batches) * args.batch:(i % batches + 1) * args.batch]
-        ctx = ctx.set_values(x, points[sel]).set_values(y, targets[sel])
-        ctx = ctx.run(step_routine)
+        # Halve the learning rate for the last quarter of training: no recompilation.
+        if i == halve_at and halve_at > 0:
+            ctx = ctx.set_values(lr, [args.lr / 2])
+        ctx = loader.next(ctx).run(step_routine)
         value = float(ctx.get_values(loss))
         running = value if running is None else 0.9 * running + 0.1 * value
         bar.set_postfix(loss=f"{running:.4f}")
 
+    evaluations: dict[int, tuple[T.Tensor, Evaluation]] = {}
+
     def classify(pts: np.ndarray) -> np.ndarray:
-        out = []
-        for start in range(0, len(pts), args.batch):
-            chunk = pts[start:start + args.batch]
-            padded = np.zeros((args.batch, 2), np.float32)
-            padded[: len(chunk)] = chunk
-            ctx.set_values(x, padded).run(predict)
-            out.append(ctx.get_values(logits)[: len(chunk)].argmax(axis=1))
-        return np.concatenate(out)
+        """The class of each point, all in one call (an evaluation routine per count)."""
+        nonlocal ctx
+        if len(pts) not in evaluations:
+            xs = T.term(label=f"x_{len(pts)}", batch_dims=[len(pts)], output_dims=[2])
+            ctx, ev = compile_eval(ctx, model(xs, train=False))
+            evaluations[len(pts)] = (xs, ev)
+        xs, ev = evaluations[len(pts)]
+        ctx, (out,) = ev.run(ctx, {xs: pts})
+        return out.argmax(axis=1)
 
     accuracy = float((classify(points) == labels).mean())
     print(f"training accuracy: {accuracy:.2%} after {args.epochs} epochs")

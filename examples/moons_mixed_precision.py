@@ -21,6 +21,8 @@ the settings that change the training; a resume with other values stops, naming 
 ``--override-config lr,momentum`` (say) lets those continue with their new values (--gate,
 --optimizer, --batch, --seed, --init-scale and --growth-interval can never change). The step
 budget may always grow. A PNG of the loss and the scale is written when matplotlib is there.
+Batches come from ``ocannl.loader.Loader`` (its position travels in the checkpoint); the
+held-out points are classified in one call of an evaluation routine (``ocannl.model``).
 Every flag is checked before any work: a mistake is one line on stderr and exit status 2.
 
 ``--data-parallel`` trains on every process of an MPI job, each on its shard of the global
@@ -49,7 +51,6 @@ from common import (
     BACKENDS,
     F32_MAX,
     ExampleParser,
-    batch_indices,
     foreign_problem,
     integer,
     make_context,
@@ -74,6 +75,8 @@ from ocannl import (
     parallel,
     train,
 )
+from ocannl.loader import Loader
+from ocannl.model import Model, compile_eval
 
 PROGRAM = "moons_mixed_precision.py"
 TRAIN_POINTS, TEST_POINTS = 512, 512
@@ -313,9 +316,17 @@ def main(argv: list[str] | None = None) -> int:
     T.set_seed(args.seed)
     x = T.term(np.zeros((local, 2)), label="x", prec="f16")
     y = T.term(np.zeros((local, 2)), label="y")
-    logits, _ = mixed_prec.with_master_weights(
-        prec="f16", f=lambda: nn_blocks.mlp(x, [16, 16], 2))
+
+    def build(inputs: T.Tensor, *, train: bool) -> T.Tensor:
+        return mixed_prec.with_master_weights(
+            prec="f16", f=lambda: nn_blocks.mlp(inputs, [16, 16], 2))[0]
+
+    model = Model(build, name="moons mlp")
+    logits = model(x, train=True)
     loss = nn_blocks.softmax_cross_entropy(T.cast(logits, "f32"), y)
+    # Each rank reads its shard of every global batch of one seeded permutation per epoch.
+    loader = Loader([points, targets], [x, y], batch=args.batch, seed=args.seed,
+                    rank=comm.rank, world=comm.size)
     dp = None
     if args.data_parallel:  # the gradients become views of one flat buffer, before compiling
         dp = parallel.DataParallel(comm, loss, inputs=[x, y])
@@ -345,7 +356,10 @@ def main(argv: list[str] | None = None) -> int:
     state = checkpoint.training_state(loss, opt) + recipe.state_nodes()
     if dp is not None:
         ctx = dp.broadcast(ctx, state)  # every rank starts from rank 0's parameters
-    ctx, forward_routine = ctx.compile(train.forward(logits))
+    # The held-out points in one call: the model built again over all of them (its parameters
+    # shared with the training graph's).
+    x_test = T.term(np.zeros((TEST_POINTS, 2)), label="x_test", prec="f16")
+    ctx, evaluation = compile_eval(ctx, model(x_test, train=False))
     compile_s = time.perf_counter() - t0
 
     start = 0
@@ -358,6 +372,7 @@ def main(argv: list[str] | None = None) -> int:
             if problem is not None:
                 raise Failure(problem)
             ctx = restore_recipe(ctx, progress, scaler, recipe)
+            loader.restore_state(progress.extra["loader"])
             saved_loss = float.fromhex(progress.extra["loss"])
         except (Failure, KeyError, ValueError) as err:
             sys.exit(f"error: cannot resume from {args.checkpoint}: "
@@ -371,9 +386,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def save(step: int) -> None:
         # Before the window is flushed: the resumed run samples it where this one would.
-        extra = {**recipe_extra(PROGRAM, config, scaler, recipe), "loss": global_loss().hex()}
-        progress = checkpoint.Progress(step=step, epoch=step // (TRAIN_POINTS // args.batch),
-                                       extra=extra)
+        extra = {**recipe_extra(PROGRAM, config, scaler, recipe), "loss": global_loss().hex(),
+                 "loader": loader.save_state()}
+        progress = checkpoint.Progress(step=step, epoch=loader.epoch, extra=extra)
         if dp is None:
             checkpoint.save(args.checkpoint, ctx, state, progress)
         else:  # rank 0 writes, the others wait for it
@@ -389,13 +404,9 @@ def main(argv: list[str] | None = None) -> int:
     # step, so it reads the loss only where it reads the overflow flag anyway: at window ends.
     history: list[tuple[int, float, float]] = []
     for step in range(start, args.steps):
-        idx = batch_indices(step, TRAIN_POINTS, args.batch, args.seed)
-        idx = parallel.shard(idx, comm.rank, comm.size)  # this rank's rows
-        xb = points[idx].copy()
+        ctx = loader.next(ctx)
         if step in args.inject and lead:  # the global batch's first row
-            xb[0, 0] = np.inf
-        ctx = ctx.set_values(x, xb)
-        ctx = ctx.set_values(y, targets[idx])
+            ctx = ctx.set_value(x, np.inf, (0, 0))
         scale = scaler.scale_value()
         ctx = recipe.step(ctx)
         if recipe.pending == 0:  # the host sampled this step: reading the loss costs no sync
@@ -421,13 +432,9 @@ def main(argv: list[str] | None = None) -> int:
     if ran and pending:
         history.append((args.steps - 1, final_loss, scaler.scale_value()))
 
-    correct = 0
-    for k in range(0, TEST_POINTS - local + 1, local):
-        ctx = ctx.set_values(x, test_points[k:k + local])
-        ctx = ctx.run(forward_routine)
-        pred = np.argmax(ctx.get_values(logits).astype(np.float32), axis=-1)
-        correct += int(np.sum(pred == test_labels[k:k + local]))
-    evaluated = (TEST_POINTS // local) * local
+    ctx, (test_logits,) = evaluation.run(ctx, {x_test: test_points})
+    correct = int(np.sum(np.argmax(test_logits.astype(np.float32), axis=-1) == test_labels))
+    evaluated = TEST_POINTS
     print(f"backend {ctx.backend_name()}, gate {args.gate}, compile {compile_s:.1f} s")
     # Counts of the whole run (the recipe's counters travel in the checkpoint); the host gate's
     # windows are single steps.

@@ -12,9 +12,12 @@ The text is what every Python installation has: the ``.py`` files at the top of
 characters; the last 10% is held out for validation. Characters are printable ASCII plus the
 newline; any other character is one "unknown" token. The training windows of one epoch are a
 fixed-size, non-overlapping tiling of the training text, in an order drawn from ``--seed``.
-Train and validation losses are the mean over fixed windows of each part. At the end, text is
-sampled from a prompt on the host from the logits of a one-sequence forward routine (greedy
-with ``--temperature 0``).
+Batches come from ``ocannl.loader.Loader``, whose position travels in the checkpoint. Train
+and validation losses are the mean over fixed windows of each part, each set's logits computed
+in one call of an evaluation routine: the model built again over those windows, sharing the
+training graph's parameters (``ocannl.model``). At the end, text is sampled from a prompt on
+the host from the logits of the model built over one sequence (greedy with
+``--temperature 0``).
 
     python examples/tiny_gpt.py                      # f16 twins, 2000 steps
     python examples/tiny_gpt.py --prec bf16 --compare-torch
@@ -60,6 +63,8 @@ from common import (  # noqa: E402
 
 import ocannl.tensor as T  # noqa: E402
 from ocannl import Context, Failure, checkpoint, mixed_prec, nn_blocks, optim, train  # noqa: E402
+from ocannl.loader import Loader  # noqa: E402
+from ocannl.model import Evaluation, Model, compile_eval  # noqa: E402
 
 # The vocabulary: 0 stands for any character not listed, then the newline and printable ASCII.
 CHARS = "\n" + "".join(chr(c) for c in range(32, 127))
@@ -196,19 +201,24 @@ def run_config(args: argparse.Namespace, corpus: str) -> dict[str, str]:
     return config
 
 
-def build_model(args: argparse.Namespace, ids: T.ClassIds, label: str):  # noqa: ANN201
-    """``gpt`` over ``ids`` reading ``--prec`` twins of f32 masters; the f32 logits and the
-    masters by name."""
-    def build():  # noqa: ANN202
-        return nn_blocks.gpt(ids, vocab=VOCAB, context=args.context, d_model=args.d_model,
-                             heads=args.heads, layers=args.layers, d_ff=args.d_ff, label=label)
+def gpt_model(args: argparse.Namespace) -> Model:
+    """``gpt`` reading ``--prec`` twins of f32 masters, as a :class:`~ocannl.model.Model`:
+    built over any batch of ids, every build shares the first one's parameters. A build
+    returns the f32 logits and the masters by name."""
+    def build(ids: T.ClassIds, *, train: bool):  # noqa: ANN202
+        def net():  # noqa: ANN202
+            return nn_blocks.gpt(ids, vocab=VOCAB, context=args.context, d_model=args.d_model,
+                                 heads=args.heads, layers=args.layers, d_ff=args.d_ff,
+                                 train=train, label="gpt")
 
-    if args.prec == "f32":
-        logits, params = build()
-    else:
-        logits, params = mixed_prec.with_master_weights(prec=args.prec, f=build)
-        logits = T.cast(logits, "f32")
-    return logits, {name: mixed_prec.master_of(p) for name, p in params.items()}
+        if args.prec == "f32":
+            logits, params = net()
+        else:
+            logits, params = mixed_prec.with_master_weights(prec=args.prec, f=net)
+            logits = T.cast(logits, "f32")
+        return logits, {name: mixed_prec.master_of(p) for name, p in params.items()}
+
+    return Model(build, name="tiny gpt")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -251,7 +261,9 @@ def run(args: argparse.Namespace) -> int:
     ids = T.class_ids(batch_dims=(args.batch, args.context), num_classes=VOCAB, label="ids")
     targets = T.class_ids(batch_dims=(args.batch, args.context), num_classes=VOCAB,
                           label="targets")
-    logits, masters = build_model(args, ids, "gpt")
+    model = gpt_model(args)
+    logits, masters = model(ids, train=True)
+    loader = Loader([x_train, y_train], [ids, targets], batch=args.batch, seed=args.seed)
     loss = nn_blocks.cross_entropy(logits, targets)
     adam = optim.Adam(args.lr)
     scaler = mixed_prec.Loss_scaler.create(init_scale=args.init_scale)
@@ -259,10 +271,9 @@ def run(args: argparse.Namespace) -> int:
     ctx = train.init_params(ctx, loss)
     initial = {name: ctx.get_values(p) for name, p in masters.items()}  # for --compare-torch
     t0 = time.perf_counter()
-    ctx = ids.set(ctx, x_train[:args.batch])
-    ctx = targets.set(ctx, y_train[:args.batch])
     ctx = recipe.compile(ctx)
-    ctx, one = OneSequence.compile(args, ctx)
+    sizes = [xs.shape[0] * xs.shape[1] for xs, _ in (train_eval, val_eval)]  # windows
+    ctx, evals = Evaluations.compile(args, model, ctx, sizes)
     compile_s = time.perf_counter() - t0
     state = checkpoint.training_state(loss, adam) + recipe.state_nodes()
 
@@ -271,6 +282,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             ctx, progress = checkpoint.load(args.checkpoint, ctx, state)
             ctx = restore_recipe(ctx, progress, scaler, recipe)
+            loader.restore_state(progress.extra["loader"])
         except (Failure, KeyError) as err:
             sys.exit(f"error: cannot resume from {args.checkpoint}: "
                      f"{type(err).__name__ + ' ' if isinstance(err, KeyError) else ''}{err}")
@@ -278,13 +290,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"resumed from {args.checkpoint} at step {start}", flush=True)
 
     def save(step: int) -> None:
-        checkpoint.save(args.checkpoint, ctx, state, checkpoint.Progress(
-            step=step, extra=recipe_extra(PROGRAM, config, scaler, recipe)))
+        extra = {**recipe_extra(PROGRAM, config, scaler, recipe), "loader": loader.save_state()}
+        checkpoint.save(args.checkpoint, ctx, state,
+                        checkpoint.Progress(step=step, epoch=loader.epoch, extra=extra))
 
     def mean_loss(sets: tuple[np.ndarray, np.ndarray]) -> float:
         nonlocal ctx
-        ctx = one.load(ctx, {n: ctx.get_values(p) for n, p in masters.items()})
-        ctx, value = one.mean_loss(ctx, *sets)
+        ctx, value = evals.mean_loss(ctx, *sets)
         return value
 
     bar = None
@@ -295,9 +307,7 @@ def run(args: argparse.Namespace) -> int:
     say = print if bar is None else bar.write
     t1 = time.perf_counter()
     for step in range(start, args.steps):
-        idx = batch_indices(step, len(x_train), args.batch, args.seed)
-        ctx = targets.set(ids.set(ctx, x_train[idx]), y_train[idx])
-        ctx = recipe.step(ctx)
+        ctx = recipe.step(loader.next(ctx))
         if bar is not None:
             if recipe.pending == 0:  # sampled at this window's end: no extra sync
                 bar.set_postfix(loss=f"{ctx.get_value(loss):.4f}",
@@ -331,51 +341,49 @@ def run(args: argparse.Namespace) -> int:
         print(f"validation loss: ocannl {val_loss:.4f} ({precision}), PyTorch "
               f"{torch_val:.4f} (f32), relative difference {100 * rel:.2f}%", flush=True)
     if args.sample_chars:
-        ctx, text = one.sample(ctx, args.prompt, args.sample_chars, args.temperature,
+        ctx, text = evals.sample(ctx, args.prompt, args.sample_chars, args.temperature,
                                np.random.default_rng([args.seed, 2]))
         print(f"sample (temperature {args.temperature:g}):\n{text}", flush=True)
     return 0
 
 
-class OneSequence:
-    """The model over one sequence (a batch of one), its forward routine compiled once: the
-    evaluations copy the trained weights into it and compute the losses on the host from its
-    logits, and sampling draws from them."""
+class Evaluations:
+    """The model built again (``ocannl.model``: the training graph's parameters, no copy) over
+    the evaluation sets, each evaluated in one call, and over one sequence, for sampling. The
+    losses are computed on the host in f64 from the logits, as the PyTorch twin's are."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.context = args.context
-        self.ids = T.class_ids(batch_dims=(1, args.context), num_classes=VOCAB, label="one_ids")
-        self.logits, self.masters = build_model(args, self.ids, "one")
+    def __init__(self, context: int) -> None:
+        self.context = context
+        self.by_rows: dict[int, tuple[T.ClassIds, Evaluation]] = {}
 
     @classmethod
-    def compile(cls, args: argparse.Namespace, ctx: Context) -> tuple[Context, OneSequence]:
-        one = cls(args)
-        ctx = train.init_params(ctx, one.logits)
-        ctx = one.ids.set(ctx, np.zeros((1, args.context), np.int64))
-        ctx, one.routine = ctx.compile(train.forward(one.logits))
-        return ctx, one
+    def compile(cls, args: argparse.Namespace, model: Model, ctx: Context,
+                sizes: list[int]) -> tuple[Context, Evaluations]:
+        ev = cls(args.context)
+        for rows in dict.fromkeys([*sizes, 1]):
+            ids = T.class_ids(batch_dims=(rows, args.context), num_classes=VOCAB,
+                              label=f"eval_ids_{rows}")
+            logits, _ = model(ids, train=False)
+            ctx, routine = compile_eval(ctx, logits, label=f"evaluate_{rows}")
+            ev.by_rows[rows] = (ids, routine)
+        return ctx, ev
 
-    def load(self, ctx: Context, weights: dict[str, np.ndarray]) -> Context:
-        for name, p in self.masters.items():
-            ctx = ctx.set_values(p, weights[name])
-        return ctx
-
-    def run(self, ctx: Context, row: np.ndarray) -> tuple[Context, np.ndarray]:
-        """The logits ``(context, VOCAB)`` (f64) of one sequence of ``context`` codes."""
-        ctx = self.ids.set(ctx, row.reshape(1, self.context)).run(self.routine)
-        return ctx, ctx.get_values(self.logits).reshape(self.context, VOCAB).astype(np.float64)
+    def logits(self, ctx: Context, xs: np.ndarray) -> tuple[Context, np.ndarray]:
+        """The logits ``(n, context, VOCAB)`` (f64) of ``n`` sequences, in one call."""
+        xs = xs.reshape(-1, self.context)
+        ids, routine = self.by_rows[len(xs)]
+        ctx, (z,) = routine.run(ctx, {ids: xs})
+        return ctx, z.reshape(len(xs), self.context, VOCAB).astype(np.float64)
 
     def mean_loss(self, ctx: Context, xs: np.ndarray, ys: np.ndarray) -> tuple[Context, float]:
         """The cross-entropy of the targets ``ys`` given the inputs ``xs``, averaged over every
-        position of every window (the mean of the batch means: the batches are equal)."""
-        total = 0.0
-        xs, ys = xs.reshape(-1, self.context), ys.reshape(-1, self.context)
-        for x, y in zip(xs, ys, strict=True):
-            ctx, z = self.run(ctx, x)
-            z = z - z.max(axis=1, keepdims=True)
-            log_p = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
-            total -= log_p[np.arange(self.context), y].sum()
-        return ctx, total / ys.size
+        position of every window."""
+        ctx, z = self.logits(ctx, xs)
+        ys = ys.reshape(-1, self.context)
+        z = z - z.max(axis=2, keepdims=True)
+        log_p = z - np.log(np.exp(z).sum(axis=2, keepdims=True))
+        picked = np.take_along_axis(log_p, ys[:, :, None], axis=2)
+        return ctx, float(-picked.sum() / ys.size)
 
     def sample(self, ctx: Context, prompt: str, n: int, temperature: float,
                rng: np.random.Generator) -> tuple[Context, str]:
@@ -388,8 +396,8 @@ class OneSequence:
             window = codes[-self.context:]
             row = np.zeros(self.context, np.int64)
             row[:len(window)] = window
-            ctx, z = self.run(ctx, row)
-            z = z[len(window) - 1]
+            ctx, z = self.logits(ctx, row)
+            z = z[0, len(window) - 1]
             if temperature == 0:
                 codes.append(int(np.argmax(z)))
             else:

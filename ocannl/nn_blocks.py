@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple, TypeVar
@@ -14,6 +15,7 @@ from ocannl.ir.assignments import Accum, Const, Fixed, Get, apply
 from ocannl.ir.ops import Precision, precision_of
 from ocannl.ir.tnode import MemoryMode, Tnode, ids_issued
 from ocannl.tensor.shape import Shape, int_dims, int_value
+from ocannl.tensor.sharing import current_blocks, shared_state
 from ocannl.tensor.tensor import Tensor
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -36,11 +38,22 @@ def block(fn: F) -> F:
     them (``MemoryMode.local``). No one outside the block holds them, so neither the host nor
     another routine can want their values; each routine then keeps them in memory shared with
     its other local nodes whose uses do not overlap, as an eager framework frees activations
-    once backprop used them. Cast twins stay as they are (``mixed_prec`` places them)."""
+    once backprop used them. Cast twins stay as they are (``mixed_prec`` places them).
+
+    Every parameter created while a block runs records the blocks being built, by label
+    (``ocannl.tensor.sharing.block_path``), so ``ocannl.summary`` can list it by block."""
+    default_label = inspect.signature(fn).parameters.get("label")
+    default = fn.__name__ if default_label is None else default_label.default
+
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         first = ids_issued()
-        result = fn(*args, **kwargs)
+        # Which block a parameter belongs to, for ``ocannl.summary``.
+        token = current_blocks.set((*current_blocks.get(), str(kwargs.get("label", default))))
+        try:
+            result = fn(*args, **kwargs)
+        finally:
+            current_blocks.reset(token)
         returned = list(_tensors(result))
         kept = {id(t) for t in returned}
         for out in returned:
@@ -267,14 +280,24 @@ def batch_norm(
     if not 0.0 <= momentum <= 1.0:
         raise ValueError(f"batch_norm {label}: momentum must be in [0, 1], got {momentum!r}")
     if params is None:
-        rm = Tnode(f"{label}_running_mean", (c,), x.prec, zero_start=True)
-        rv = Tnode(f"{label}_running_var", (c,), x.prec, host_data=np.ones(c, x.prec.numpy_dtype))
         stat_shape = Shape((), (c,), ())
+
+        def running_mean() -> Tensor:
+            rm = Tnode(f"{label}_running_mean", (c,), x.prec, zero_start=True)
+            return Tensor(rm, stat_shape, kind="term", differentiable=False)
+
+        def running_var() -> Tensor:
+            rv = Tnode(f"{label}_running_var", (c,), x.prec,
+                       host_data=np.ones(c, x.prec.numpy_dtype))
+            return Tensor(rv, stat_shape, kind="term", differentiable=False)
+
+        # Under an ``ocannl.model.Model``, a later build (the evaluation graph) gets the same
+        # statistics back, as it gets the same gamma and beta.
         params = BatchNormParams(
             _vector_param(f"{label}_gamma", c, 1.0, x.prec),
             _vector_param(f"{label}_beta", c, 0.0, x.prec),
-            Tensor(rm, stat_shape, kind="term", differentiable=False),
-            Tensor(rv, stat_shape, kind="term", differentiable=False))
+            shared_state(f"{label}_running_mean", running_mean, dims=(c,), prec=x.prec),
+            shared_state(f"{label}_running_var", running_var, dims=(c,), prec=x.prec))
     gamma, beta, running_mean, running_var = params
     if not train:
         y = (x - running_mean) / T.sqrt(running_var + eps) * gamma + beta

@@ -10,6 +10,7 @@ import numpy as np
 from ocannl.ir.assignments import Const, Expr, Get, Index
 from ocannl.ir.ops import Precision, precision_of, promote
 from ocannl.ir.tnode import MemoryMode, Tnode
+from ocannl.tensor import sharing
 from ocannl.tensor import tensor as _t
 from ocannl.tensor.shape import Shape, int_dims
 from ocannl.tensor.tensor import INIT_KINDS, Init, Tensor
@@ -43,13 +44,28 @@ def param(
     prec = precision_of(prec)
     shape = Shape(_dims_row("batch", batch_dims), _dims_row("output", output_dims),
                   _dims_row("input", input_dims))
-    node = Tnode(label, shape.dims if shape.input is not None else None, prec, needs_init=True)
-    seed = (_t._seed["base"], next(_t._param_counter))
 
-    def draw(dims: tuple[int, ...], fan_in: int, _rng: object = None) -> np.ndarray:
-        return init.draw(dims, fan_in, np.random.default_rng(list(seed)))
+    def make() -> Tensor:
+        node = Tnode(label, shape.dims if shape.input is not None else None, prec,
+                     needs_init=True)
+        seed = (_t._seed["base"], next(_t._param_counter))
 
-    t = Tensor(node, shape, kind="param", differentiable=True, init=draw)
+        def draw(dims: tuple[int, ...], fan_in: int, _rng: object = None) -> np.ndarray:
+            return init.draw(dims, fan_in, np.random.default_rng(list(seed)))
+
+        t = Tensor(node, shape, kind="param", differentiable=True, init=draw)
+        sharing.record_block_path(t)
+        return t
+
+    scope = sharing.active_scope.get()
+    if scope is None:
+        t = make()
+    else:  # a model built again over other inputs gets its first build's parameter back
+        spec = (shape.batch, shape.output, shape.input, prec, init)
+        shown = (f"batch {shape.batch}, output {shape.output}, input "
+                 f"{'inferred' if shape.input is None else shape.input}, {prec.value}, "
+                 f"init {init.kind}")
+        t = scope.param(label, spec, shown, make)
     return _t.param_postprocess(t)
 
 

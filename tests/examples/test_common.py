@@ -30,6 +30,24 @@ def test_batch_indices_walk_one_permutation_per_epoch() -> None:
     assert len(common.batch_indices(4, n, n, 0)) == n  # one batch: the whole set
 
 
+def test_the_loader_hands_out_the_batches_of_batch_indices() -> None:
+    """The examples train from ocannl.loader; their PyTorch twins (tiny_gpt --compare-torch)
+    take batch_indices: the same rows, step by step, over epochs."""
+    import ocannl.tensor as T
+    from ocannl import Context
+    from ocannl.loader import Loader
+
+    n, batch = 50, 8
+    rows = np.arange(n, dtype=np.float32)[:, None]
+    x = T.term(np.zeros((batch, 1)), label="x")
+    loader = Loader([rows], [x], batch=batch, seed=9)
+    ctx = Context.cpu()
+    for step in range(20):
+        ctx = loader.next(ctx)
+        got = ctx.get_values(x)[:, 0].astype(np.int64)
+        assert np.array_equal(got, common.batch_indices(step, n, batch, seed=9)), step
+
+
 @pytest.mark.parametrize(("step", "n", "batch", "seed"), [
     (0, 512, 1000, 0), (0, 512, 0, 0), (-1, 512, 64, 0), (0, 512, 64, -1), (0, 512, 1.5, 0),
     (True, 512, 64, 0),

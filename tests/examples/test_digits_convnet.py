@@ -100,3 +100,39 @@ def test_several_processes_of_an_mpi_launcher_are_refused():
     done = _run(check=False, env={"OMPI_COMM_WORLD_SIZE": "2"})
     assert done.returncode == 1 and done.stderr.count("\n") == 1, done.stderr
     assert "one of 2 MPI processes (OMPI_COMM_WORLD_SIZE=2)" in done.stderr
+
+
+def test_held_out_accuracy_in_one_call_equals_the_padded_evaluation():
+    """The evaluation routine (all 360 held-out digits in one batch) classifies as the training
+    graph's forward did over the same weights, in batches of 64 with the last one padded."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    import digits_convnet
+
+    from ocannl import train
+
+    run = digits_convnet.Run(digits_convnet.parse_args(
+        ["--backend", "cpu", "--no-progress", "--steps", "60", "--prec", "f16"]))
+    ctx = run.ctx
+    for _ in range(60):
+        ctx = run.recipe.step(run.loader.next(ctx))
+    run.ctx = run.recipe.flush(ctx)
+    assert run.recipe.applied_steps > 0
+    before = {n.name: run.ctx.get_values(n).tobytes() for n in run.state}
+    ctx, (one_call,) = run.evaluation.run(run.ctx, {run.x_eval: run.x_test})
+    accuracy = run.accuracy()
+    # every bit of the training state (masters, Adam, the gate's counters) as it was
+    assert {n.name: ctx.get_values(n).tobytes() for n in run.state} == before
+    ctx, forward = ctx.compile(train.forward(run.logits))
+    batch = run.x.dims[0]
+    padded_logits = []
+    for k in range(0, len(run.x_test), batch):
+        chunk = run.x_test[k:k + batch]
+        padded = np.zeros((batch, 8, 8, 1), np.float32)
+        padded[:len(chunk)] = chunk
+        ctx = ctx.set_values(run.x, padded).run(forward)
+        padded_logits.append(ctx.get_values(run.logits)[:len(chunk)])
+    padded_logits = np.concatenate(padded_logits)
+    padded_accuracy = float(np.mean(padded_logits.argmax(-1) == run.y_test))
+    assert one_call.shape == (360, 10) and run.x_eval.dims[0] == 360
+    assert accuracy == padded_accuracy > 0.5, (accuracy, padded_accuracy)
+    np.testing.assert_allclose(one_call, padded_logits, rtol=1e-3, atol=1e-3)
