@@ -30,8 +30,8 @@ boundary per step and nothing recompiles; the counter is part of the optimizer's
 
 The counter is an f32 integer: exact up to ``2**24`` (16,777,216) iterations. Every step count
 a schedule takes (``total_iters``, ``T_max``, ``step_size``, milestones) is refused above that;
-a run longer than ``2**24`` iterations stops advancing the counter there (``2**24 + 1`` rounds
-back to ``2**24``) and keeps the rate of step ``2**24``.
+a run longer than that stops advancing the counter at ``2**24`` (``2**24 + 1`` rounds back to
+``2**24``) and keeps the rate of step ``2**24 - 1`` from then on.
 """
 
 from __future__ import annotations
