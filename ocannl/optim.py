@@ -145,7 +145,7 @@ class Optimizer:
             try:
                 scalar_expr(learning_rate, "learning_rate")  # type and finiteness
             except TypeError:
-                raise TypeError(f"learning_rate must be a float, a one-element Tensor or a "
+                raise TypeError(f"learning_rate must be a float or a one-element Tensor, or a "
                                 f"schedule (ocannl.schedules), got "
                                 f"{type(learning_rate).__name__}: {learning_rate!r:.80}") \
                     from None

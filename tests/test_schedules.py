@@ -436,7 +436,7 @@ def test_lr_is_an_alias_of_learning_rate(cls: type[optim.Optimizer]) -> None:
         cls(learning_rate=0.1, lr=sched)
     with pytest.raises(ValueError, match=r"learning_rate must be >= 0, got -0\.5"):
         cls(lr=-0.5)
-    with pytest.raises(TypeError, match="a float, a one-element Tensor or a schedule"):
+    with pytest.raises(TypeError, match="a float or a one-element Tensor, or a schedule"):
         cls(lr="0.1")
 
 
