@@ -122,7 +122,11 @@ OPTIMIZERS = {
     "adam": (lambda lr: optim.Adam(lr), lambda ps, b: torch.optim.Adam(ps, lr=b), 0.02),
     "sgd": (lambda lr: optim.SGD(lr=lr, momentum=0.9),
             lambda ps, b: torch.optim.SGD(ps, lr=b, momentum=0.9), 0.1),
+    # decoupled decay reads the rate too: 1 - lr * weight_decay, computed in f64 as torch's
+    "adamw": (lambda lr: optim.AdamW(lr, weight_decay=0.5),
+              lambda ps, b: torch.optim.AdamW(ps, lr=b, weight_decay=0.5), 0.02),
 }
+PARITY = [(o, s) for o in ("adam", "sgd") for s in TRAIN_SCHEDULES] + [("adamw", "warmup_cosine")]
 
 
 def make_torch_opt(opt_name: str, params: list[torch.Tensor],
@@ -132,8 +136,7 @@ def make_torch_opt(opt_name: str, params: list[torch.Tensor],
     return t_opt, table[sched_name][1](t_opt)
 
 
-@pytest.mark.parametrize("sched_name", list(TRAIN_SCHEDULES))
-@pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
+@pytest.mark.parametrize(("opt_name", "sched_name"), PARITY, ids=[f"{o}-{s}" for o, s in PARITY])
 def test_thirty_scheduled_steps_match_torch(opt_name: str, sched_name: str) -> None:
     """30 steps of an f32 MLP (fresh shapes: 40 points of 8 features, 3 classes, hidden 12 and
     20) under each schedule: every loss and the final parameters within 1e-5 relative of
@@ -158,6 +161,7 @@ def test_thirty_scheduled_steps_match_torch(opt_name: str, sched_name: str) -> N
         theirs.append(t_loss.item())
         assert ctx.get_value(opt.lr_node) == float(np.float32(rates[-1]))
     err = float(np.max(np.abs(np.array(ours) - theirs) / np.abs(theirs)))
+    print(f"{opt_name} {sched_name}: worst relative loss error {err:.2e}")
     assert err <= 1e-5, f"worst relative loss error {err:.3g}\n{ours}\n{theirs}"
     assert theirs[0] - theirs[-1] > 0.1  # it trained
     assert max(rates) > 1.5 * min(rates)  # under a rate that really moved
@@ -197,7 +201,7 @@ def build_recipe(kind: str, sc: Loss_scaler, loss: T.Tensor, opt: optim.Optimize
     return mixed_prec.gated_step(sc, loss, opt, check_interval=check_interval)
 
 
-@pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
+@pytest.mark.parametrize("opt_name", ["adam", "sgd"])
 @pytest.mark.parametrize("recipe_kind", ["host", "fused"])
 def test_f16_twins_scaled_and_scheduled_match_torch_f32(recipe_kind: str, opt_name: str) -> None:
     """f16 cast twins of f32 masters (``with_master_weights``), dynamic loss scaling, warm-up
@@ -218,6 +222,7 @@ def test_f16_twins_scaled_and_scheduled_match_torch_f32(recipe_kind: str, opt_na
     assert (recipe.applied_steps, recipe.skipped_steps) == (30, 0)
     assert sc.scale_val > 2.0**12  # the scale grew: gradients really were scaled
     err = float(np.max(np.abs(np.array(got) - expected) / np.abs(expected)))
+    print(f"f16 {recipe_kind} {opt_name}: worst relative loss error {err:.2e}")
     assert err <= 2e-3, f"worst relative loss error {err:.3g}\n{got}\n{expected}"
     assert expected[0] - expected[-1] > 0.05
 
@@ -330,6 +335,7 @@ def test_skips_count_as_torch_counts_them_with_grad_scaler(recipe_kind: str) -> 
     ctx = recipe.flush(ctx)
     assert recipe.skipped_steps == 2 and sc.scale_value() == t_scaler.get_scale()
     err = float(np.max(np.abs(np.array(ours) - theirs) / np.abs(theirs)))
+    print(f"GradScaler {recipe_kind}: worst relative loss error {err:.2e}")
     assert err <= 1e-5, f"worst relative loss error {err:.3g}\n{ours}\n{theirs}"
     for p, tp in zip(pb.params(), pb.torch_params(), strict=True):
         _assert_close(ctx.get_values(p), tp.detach().double().numpy(), 1e-5, f"final {p.label}")
