@@ -711,12 +711,18 @@ class ScaledStep(Recipe):
     """The per-step host gate: the gradient routine (:func:`scaled_grad_update`), a host read
     of the checksum, the optimizer routine only when it is finite, then ``Loss_scaler.update``.
     Every step is a window of one; the read waits for the device every step, which the fused
-    :class:`GatedStep` avoids. Build one with :func:`scaled_step`."""
+    :class:`GatedStep` avoids. Build one with :func:`scaled_step`.
+
+    A skipped step runs the optimizer's ``schedule_tick()`` (when its learning rate is a
+    schedule) instead of the update: the schedule counts every iteration, as under the fused
+    gate, while Adam's step counter and every other state keep their bits."""
 
     def __init__(self, scaler: Loss_scaler, loss: Tensor, optimizer: Optimizer, *,
                  reducer: GradReducer | None = None) -> None:
         super().__init__(scaler, loss, optimizer, reducer=reducer)
         self.update_comp = optimizer.update(loss, grad_unscale=self.unscale)
+        self.tick_comp = optimizer.schedule_tick()  # None without a learning-rate schedule
+        self._tick: Routine | None = None
         self._grads: Routine | None = None
         self._check: Routine | None = None
         self._update: Routine | None = None
@@ -728,6 +734,8 @@ class ScaledStep(Recipe):
         if self.check_comp is not None:
             ctx, self._check = ctx.compile(self.check_comp)
         ctx, self._update = ctx.compile(self.update_comp)
+        if self.tick_comp is not None:
+            ctx, self._tick = ctx.compile(self.tick_comp)
         self._read_checksum = ctx.reader(self.checksum)
         self._reader_fresh = False
         return self._bind(ctx)
@@ -742,6 +750,8 @@ class ScaledStep(Recipe):
         finite = _isfinite(self._read_checksum())
         if finite:
             ctx = ctx.run(self._update)
+        elif self._tick is not None:
+            ctx = ctx.run(self._tick)  # the schedule counts skipped iterations too
         ctx = self.scaler.update(ctx, grads_finite=finite)  # a window of one step
         self._count_window(1, 0 if finite else 1)
         self.last_applied = finite
@@ -770,7 +780,8 @@ class GatedStep(Recipe):
     The routine (:attr:`comp`) computes the scaled gradients and their checksum and runs the
     optimizer's update gated on the device: where the checksum is non-finite every parameter,
     optimizer buffer and step counter keeps its old bits (a select, not a multiply by a 0/1
-    flag: ``inf * 0`` is NaN). A device counter, :attr:`nonfinite_seen`, counts the skipped
+    flag: ``inf * 0`` is NaN), but for a learning-rate schedule's counter, which counts every
+    iteration. A device counter, :attr:`nonfinite_seen`, counts the skipped
     steps of the window (non-zero: some step was skipped). :meth:`step` runs the routine and,
     every ``check_interval`` steps, reads the counter, feeds the window to
     :meth:`Loss_scaler.update_n` and clears it. Build one with :func:`gated_step`.

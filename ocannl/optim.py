@@ -11,6 +11,11 @@ same kind, advanced *inside* the update computation, so a checkpoint holding
 parameter of a loss; sequence it after ``train.grad_update`` and compile the whole step once.
 The arithmetic follows ``torch.optim`` (single-tensor implementations) operation for operation.
 
+The learning rate is a float (folded into the code), a one-element tensor (the host sets it)
+or a :mod:`ocannl.schedules` schedule, computed on the device from the optimizer's own step
+counter (:attr:`Optimizer.schedule_counter`, the loop's iterations, skipped ones included). It
+is given as ``learning_rate=`` or, as PyTorch names it, ``lr=``.
+
 A new optimizer is one subclass of :class:`Optimizer`: it names its per-parameter buffers
 (``buffer_names``) and writes :meth:`Optimizer._param_update` (and, for optimizer-wide device
 scalars, :meth:`Optimizer._prologue`).
@@ -27,11 +32,14 @@ import numpy as np
 from ocannl.ir.assignments import Accum, Comp, Const, Expr, Fixed, Get, apply
 from ocannl.ir.ops import Precision
 from ocannl.ir.tnode import Tnode
+from ocannl.schedules import Schedule
 from ocannl.tensor.tensor import Tensor
 
-__all__ = ["SGD", "Adam", "AdamW", "Optimizer", "Scalar", "gated_store", "scalar_expr"]
+__all__ = ["SGD", "Adam", "AdamW", "LearningRate", "Optimizer", "Scalar", "gated_store",
+           "scalar_expr"]
 
 Scalar = float | Tensor
+LearningRate = float | Tensor | Schedule
 
 
 def scalar_expr(x: Scalar, what: str) -> Expr:
@@ -76,6 +84,22 @@ def _real(name: str, x: object) -> float:
     return x
 
 
+def _learning_rate_argument(owner: str, learning_rate: LearningRate | None,
+                            lr: LearningRate | None,
+                            default: LearningRate | None) -> LearningRate:
+    """The learning rate given as ``learning_rate=`` or as ``lr=`` (PyTorch's name): both is
+    ambiguous and refused, naming both; neither is ``default`` (refused where there is none)."""
+    if learning_rate is not None and lr is not None:
+        raise ValueError(f"{owner}: learning_rate={learning_rate!r:.60} and lr={lr!r:.60} both "
+                         f"given: pass one of them (lr= is PyTorch's name for learning_rate=)")
+    given = learning_rate if learning_rate is not None else lr
+    if given is None:
+        if default is None:
+            raise TypeError(f"{owner} needs a learning rate: pass learning_rate= or lr=")
+        return default
+    return given
+
+
 def _flag(name: str, x: object) -> bool:
     if not isinstance(x, (bool, np.bool_)):
         raise ValueError(f"{name} must be a bool, got {type(x).__name__}: {x!r}")
@@ -86,20 +110,47 @@ class Optimizer:
     """What every optimizer shares: the learning rate, the per-parameter buffers (a dict keyed
     by parameter, created on first use), and :meth:`update`'s walk over a loss's parameters.
 
-    ``learning_rate``: a float (folded into the code) or a one-element tensor (read from its
-    buffer at every step, so the host can schedule it without recompiling). ``buffers``: the
-    per-parameter buffer table to use instead of a fresh one, for optimizers that must share
-    their buffers (``train.sgd_update`` passes one, so repeated calls on one model share its
-    momentum, as OCANNL's functional ``sgd_update`` does).
+    ``learning_rate``: a float (folded into the code), a one-element tensor (read from its
+    buffer at every step, so the host can change it without recompiling) or a schedule
+    (:mod:`ocannl.schedules`). ``buffers``: the per-parameter buffer table to use instead of a
+    fresh one, for optimizers that must share their buffers (``train.sgd_update`` passes one,
+    so repeated calls on one model share its momentum, as OCANNL's functional ``sgd_update``
+    does).
+
+    With a schedule, the optimizer owns :attr:`schedule_counter`, a one-element f32 device node
+    (zero-started, exact up to 2**24) counting the loop's iterations, applied and skipped, as a
+    torch loop calling ``scheduler.step()`` every iteration does. Each update first advances it
+    (never gated: a step skipped by the fused gate still counts) and computes the step's rate
+    from its previous value in f64 (:attr:`lr_f64`), rounded once to the f32 node
+    :attr:`lr_node` that the parameter loops read and the host may read (the rate of the last
+    iteration). A recipe that skips the update on the host runs :meth:`schedule_tick` instead.
+    The counter is the last of :meth:`state_nodes`, so checkpoints hold it.
     """
 
     label = "optimizer"  # prefix of the update computation's label and of optimizer-wide nodes
 
-    def __init__(self, learning_rate: Scalar, *,
+    def __init__(self, learning_rate: LearningRate, *,
                  buffers: MutableMapping[Tensor, dict[str, Tnode]] | None = None) -> None:
-        scalar_expr(learning_rate, "learning_rate")  # type and finiteness
-        if not isinstance(learning_rate, Tensor) and learning_rate < 0:
-            raise ValueError(f"learning_rate must be >= 0, got {learning_rate!r}")
+        self.schedule: Schedule | None = None
+        self.schedule_counter: Tnode | None = None
+        self.lr_f64: Tnode | None = None
+        self.lr_node: Tnode | None = None
+        if isinstance(learning_rate, Schedule):
+            self.schedule = learning_rate
+            self.schedule_counter = Tnode(f"{self.label}_lr_step", (), Precision.f32,
+                                          zero_start=True)
+            self.lr_f64 = Tnode(f"{self.label}_lr_f64", (), Precision.f64)
+            self.lr_node = Tnode(f"{self.label}_lr", (), Precision.f32)
+        else:
+            try:
+                scalar_expr(learning_rate, "learning_rate")  # type and finiteness
+            except TypeError:
+                raise TypeError(f"learning_rate must be a float or a one-element Tensor, or a "
+                                f"schedule (ocannl.schedules), got "
+                                f"{type(learning_rate).__name__}: {learning_rate!r:.80}") \
+                    from None
+            if not isinstance(learning_rate, Tensor) and learning_rate < 0:
+                raise ValueError(f"learning_rate must be >= 0, got {learning_rate!r}")
         self.learning_rate = learning_rate
         self._state: MutableMapping[Tensor, dict[str, Tnode]] = {} if buffers is None \
             else buffers
@@ -115,7 +166,10 @@ class Optimizer:
         return []
 
     def _prologue(self, lr: Expr, gate: Expr | None) -> list[Accum]:
-        """Assignments run once per update, before the parameters' (the step counter)."""
+        """Assignments run once per update, before the parameters' (the step counter). ``lr``
+        is the rate at its widest: with a schedule, a read of the f64 node :attr:`lr_f64`
+        (scalars derived from it are best computed in f64 and rounded once, as torch does on
+        the host); the parameter loops get the f32 :attr:`lr_node`."""
         return []
 
     def _param_update(self, p: Tensor, idx: tuple[int, ...], g: Expr, lr: Expr,
@@ -144,7 +198,38 @@ class Optimizer:
         for p in sorted(self._state, key=lambda t: t.value.id):
             state = self._state[p]
             nodes.extend(state[name] for name in names if name in state)
-        return nodes + self.scalar_nodes()
+        schedule = [] if self.schedule_counter is None else [self.schedule_counter]
+        return nodes + self.scalar_nodes() + schedule
+
+    # --- the learning rate ----------------------------------------------------------------------
+
+    def _learning_rate(self) -> tuple[list[Accum], Expr, Expr]:
+        """The code computing this step's learning rate (none for a float or a tensor) and
+        the rate as read by the prologue (widest) and by the parameter loops (f32)."""
+        if self.schedule is None:
+            lr = scalar_expr(self.learning_rate, "learning_rate")
+            return [], lr, lr
+        return self._schedule_code(), Get(self.lr_f64, ()), Get(self.lr_node, ())
+
+    def _schedule_code(self) -> list[Accum]:
+        """Advance the counter, then the rate of the step it counted, from its previous value
+        (``counter - 1``: nothing writes the counter after the rate is computed)."""
+        assert self.schedule is not None and self.schedule_counter is not None
+        assert self.lr_f64 is not None and self.lr_node is not None
+        t = Get(self.schedule_counter, ())
+        return [Accum(self.schedule_counter, (), "=", apply("add", t, Const(1.0)), ()),
+                Accum(self.lr_f64, (), "=",
+                      self.schedule.lr_expr(apply("sub", t, Const(1.0))), ()),
+                Accum(self.lr_node, (), "=", Get(self.lr_f64, ()), ())]
+
+    def schedule_tick(self) -> Comp | None:
+        """What an iteration whose update does not run must still do (None without a
+        schedule): advance the schedule's counter (and compute the skipped iteration's rate
+        into :attr:`lr_node`). ``mixed_prec.ScaledStep`` runs it on a skipped step, so both
+        gates count the same iterations."""
+        if self.schedule is None:
+            return None
+        return Comp(tuple(self._schedule_code()), f"{self.label}_schedule_tick")
 
     # --- the update -----------------------------------------------------------------------------
 
@@ -156,16 +241,17 @@ class Optimizer:
         ``grad_unscale`` multiplies each gradient before any optimizer math, so momentum and
         moments see true magnitudes under loss scaling. ``gate``: an expression; where it is 0,
         every store of this computation (parameters, buffers, the step counter) keeps its old
-        bits -- a skipped step changes no training state.
+        bits -- a skipped step changes no training state -- but for a schedule's counter, which
+        counts every iteration.
         """
         if not isinstance(loss, Tensor):
             raise TypeError(f"update expects the loss Tensor, got {type(loss).__name__}")
         if loss.grad is None:
             raise ValueError(f"loss {loss.label} depends on no parameter: nothing to update")
         require_scalar_loss(loss, f"{self.label}.update")
-        lr = scalar_expr(self.learning_rate, "learning_rate")
+        lr_code, lr_wide, lr = self._learning_rate()  # with a schedule: advances its counter
         unscale = None if grad_unscale is None else scalar_expr(grad_unscale, "grad_unscale")
-        code = self._prologue(lr, gate)
+        code = lr_code + self._prologue(lr_wide, gate)
         for p in loss.params:
             assert p.grad is not None
             idx = tuple(range(len(p.dims)))
@@ -182,10 +268,12 @@ class SGD(Optimizer):
 
     label = "sgd"
 
-    def __init__(self, learning_rate: Scalar, *, momentum: float = 0.0,
+    def __init__(self, learning_rate: LearningRate | None = None, *,
+                 lr: LearningRate | None = None, momentum: float = 0.0,
                  weight_decay: float = 0.0, nesterov: bool = False,
                  buffers: MutableMapping[Tensor, dict[str, Tnode]] | None = None) -> None:
-        super().__init__(learning_rate, buffers=buffers)
+        super().__init__(_learning_rate_argument("SGD", learning_rate, lr, None),
+                         buffers=buffers)
         for name, x in (("momentum", momentum), ("weight_decay", weight_decay)):
             if not isinstance(x, numbers.Real) or isinstance(x, (bool, np.bool_)):
                 raise ValueError(f"{name} must be a real number, got {type(x).__name__}: {x!r}")
@@ -237,10 +325,11 @@ class Adam(Optimizer):
     label = "adam"
     decoupled = False  # AdamW: weight decay applied to the parameter, not added to the gradient
 
-    def __init__(self, learning_rate: Scalar = 1e-3, *,
+    def __init__(self, learning_rate: LearningRate | None = None, *,
+                 lr: LearningRate | None = None,
                  betas: Sequence[float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, amsgrad: bool = False) -> None:
-        super().__init__(learning_rate)
+        super().__init__(_learning_rate_argument(type(self).__name__, learning_rate, lr, 1e-3))
         if not isinstance(betas, Sequence) or isinstance(betas, str) or len(betas) != 2:
             raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
         b1, b2 = _real("betas[0]", betas[0]), _real("betas[1]", betas[1])
@@ -339,8 +428,9 @@ class AdamW(Adam):
     label = "adamw"
     decoupled = True
 
-    def __init__(self, learning_rate: Scalar = 1e-3, *,
+    def __init__(self, learning_rate: LearningRate | None = None, *,
+                 lr: LearningRate | None = None,
                  betas: Sequence[float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, amsgrad: bool = False) -> None:
-        super().__init__(learning_rate, betas=betas, eps=eps, weight_decay=weight_decay,
+        super().__init__(learning_rate, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                          amsgrad=amsgrad)

@@ -420,6 +420,14 @@ OPS: dict[str, Op] = {
            np.minimum, _extremum_grad("lt"), lanes=True, selects=(0, 1)),
         Op("abs", 1, "fabs({0})", scalar.call("llvm.fabs"), np.abs, _abs_grad, selects=(0,)),
         Op("erf", 1, "erf({0})", scalar.erf, _erf, _erf_grad, ulps=1),
+        # trigonometry (a cosine learning-rate schedule) and floor (a step decay's exponent):
+        # libm's on the CPU, CUDA's on the GPU; floor's gradient is zero, as torch's
+        Op("cos", 1, "cos({0})", scalar.call("llvm.cos"), np.cos,
+           lambda x, v, g: (apply("mul", g, apply("neg", apply("sin", x[0]))),), ulps=1),
+        Op("sin", 1, "sin({0})", scalar.call("llvm.sin"), np.sin,
+           lambda x, v, g: (apply("mul", g, apply("cos", x[0])),), ulps=1),
+        Op("floor", 1, "floor({0})", scalar.call("llvm.floor"), np.floor,
+           lambda x, v, g: (Const(0.0),)),
         # integer hashing for counter-based random draws: see the comment above ``HASH_BITS``
         Op("hash_add", 2, _HASH_ROWS["hash_add"], _hash_add_ir,
            lambda s, v: _hash_np("hash_add", s, v).astype(s.dtype)),

@@ -172,6 +172,19 @@ def erf(a: Operand) -> Tensor:
     return _op("erf", [a])
 
 
+def cos(a: Operand) -> Tensor:
+    return _op("cos", [a])
+
+
+def sin(a: Operand) -> Tensor:
+    return _op("sin", [a])
+
+
+def floor(a: Operand) -> Tensor:
+    """The largest integer not above ``a``; its gradient is zero (as torch's)."""
+    return _op("floor", [a])
+
+
 def gelu(a: Operand, *, approximate: str = "none") -> Tensor:
     """GELU, as ``torch.nn.functional.gelu``: ``approximate="none"`` is the exact
     ``x * Phi(x) = x / 2 * (1 + erf(x / sqrt 2))``, ``"tanh"`` the tanh approximation

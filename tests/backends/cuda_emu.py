@@ -97,7 +97,8 @@ inline __nv_bfloat16 __float2bfloat16_rn(float v) {
 inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
 inline double __longlong_as_double(long long i) { double d; std::memcpy(&d, &i, 8); return d; }
 using std::exp; using std::isfinite; using std::log; using std::max; using std::min;
-using std::pow; using std::sqrt; using std::tanh;
+using std::pow; using std::sqrt; using std::tanh; using std::cos; using std::sin;
+using std::floor;
 
 static void ocemu_entry(int t) {
   threadIdx.x = t;

@@ -39,7 +39,8 @@ DIFFERENTIATED = {
     "add": T.add, "sub": T.sub, "mul": T.mul, "div": T.div, "neg": T.neg, "relu": T.relu,
     "exp": T.exp, "log": T.log, "tanh": T.tanh, "sigmoid": T.sigmoid, "sqrt": T.sqrt,
     "pow": lambda a: T.pow_const(a, 3.0), "max": T.maximum, "min": T.minimum, "abs": T.abs,
-    "erf": T.erf, "where": lambda a, b: T.where(a, a, b),
+    "erf": T.erf, "where": lambda a, b: T.where(a, a, b), "cos": T.cos, "sin": T.sin,
+    "floor": T.floor,
 }
 
 
