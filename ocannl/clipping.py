@@ -41,7 +41,7 @@ from ocannl.tensor.shape import Shape
 from ocannl.tensor.tensor import Tensor, copy_into
 
 __all__ = ["NORM_EPS", "NORM_TYPES", "Clip", "ClipNorm", "ClipValue", "GradClipper",
-           "clipped_update", "clipper"]
+           "check_clip", "clipped_update", "clipper"]
 
 NORM_TYPES = (2.0, math.inf)
 """The norms :class:`ClipNorm` computes: the 2-norm and the max-norm (``float('inf')``)."""
@@ -100,7 +100,8 @@ class ClipValue:
 Clip = ClipNorm | ClipValue
 
 
-def _check_clip(clip: object) -> Clip:
+def check_clip(clip: object) -> Clip:
+    """``clip`` if it is a :class:`ClipNorm` or :class:`ClipValue`, else ``TypeError``."""
     if not isinstance(clip, (ClipNorm, ClipValue)):
         raise TypeError(f"clip must be a clipping.ClipNorm or clipping.ClipValue, got "
                         f"{type(clip).__name__}: {clip!r:.80}")
@@ -125,7 +126,7 @@ class GradClipper:
 
     def __init__(self, clip: Clip, loss: Tensor, *, unscale: Scalar | None = None,
                  gate_on_norm: bool = True) -> None:
-        self.clip = _check_clip(clip)
+        self.clip = check_clip(clip)
         if not isinstance(loss, Tensor):
             raise TypeError(f"clipper expects the loss Tensor, got {type(loss).__name__}")
         if loss.grad is None:
