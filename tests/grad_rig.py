@@ -17,6 +17,9 @@ import ocannl.tensor as T
 from ocannl import Context, checkpoint, nn_blocks, optim, train
 from ocannl.mixed_prec import with_master_weights
 
+
+
+EPS = 1e-8
 BATCH, FEATURES, HIDDEN, CLASSES = 12, 5, (10, 8), 3
 
 
@@ -48,7 +51,9 @@ def make_rig(prec: str = "f32", seed: int = 3, n_batches: int = 8, scale: float 
     rng = np.random.default_rng(seed)
     batches = []
     for _ in range(n_batches):
-        xb = (rng.standard_normal((BATCH, FEATURES)) * scale).astype(np.float32)
+        # f16-exact points: the f16 rigs' inputs are the torch twin's, not a rounding of them
+        xb = rng.standard_normal((BATCH, FEATURES)).astype(np.float16).astype(np.float32)
+        xb = xb * np.float32(scale)
         labels = rng.integers(0, CLASSES, BATCH)
         batches.append((xb, np.eye(CLASSES, dtype=np.float32)[labels]))
     x = T.term(np.zeros((BATCH, FEATURES)), label="x", prec=prec)
@@ -69,7 +74,7 @@ def torch_optimizer(kind: str, ws: list[torch.Tensor]) -> torch.optim.Optimizer:
     if kind == "sgd":
         return torch.optim.SGD(ws, lr=0.1, momentum=0.9)
     if kind == "adam":
-        return torch.optim.Adam(ws, lr=1e-2)
+        return torch.optim.Adam(ws, lr=1e-2, eps=EPS)
     if kind == "adamw":
         return torch.optim.AdamW(ws, lr=1e-2, weight_decay=0.1)
     raise ValueError(kind)
@@ -79,7 +84,7 @@ def ocannl_optimizer(kind: str) -> optim.Optimizer:
     if kind == "sgd":
         return optim.SGD(0.1, momentum=0.9)
     if kind == "adam":
-        return optim.Adam(1e-2)
+        return optim.Adam(1e-2, eps=EPS)
     if kind == "adamw":
         return optim.AdamW(1e-2, weight_decay=0.1)
     raise ValueError(kind)
@@ -89,6 +94,7 @@ def ocannl_optimizer(kind: str) -> optim.Optimizer:
 class TorchRun:
     losses: list[float]      # every micro-batch's loss (unscaled, undivided)
     norms: list[float]       # clip_grad_norm_'s total norm at each optimizer step
+    clamped: list[int]       # gradient cells clip_grad_value_ changed at each optimizer step
     weights: list[np.ndarray]
 
 
@@ -99,7 +105,7 @@ def torch_run(rig: Rig, w0: list[np.ndarray], *, kind: str, steps: int, accumula
     ws = [torch.tensor(w, dtype=torch.float32, requires_grad=True) for w in w0]
     opt = torch_optimizer(kind, ws)
     gs = torch.amp.GradScaler("cpu", init_scale=2.0**16) if scaler else None
-    out = TorchRun([], [], [])
+    out = TorchRun([], [], [], [])
     micro = 0
     for _ in range(steps):
         opt.zero_grad()
@@ -122,6 +128,7 @@ def torch_run(rig: Rig, w0: list[np.ndarray], *, kind: str, steps: int, accumula
             if how == "norm":
                 out.norms.append(float(torch.nn.utils.clip_grad_norm_(ws, limit, norm_type)))
             else:
+                out.clamped.append(sum(int((w.grad.abs() > limit).sum()) for w in ws))
                 torch.nn.utils.clip_grad_value_(ws, limit)
         if gs is not None:
             gs.step(opt)
