@@ -17,9 +17,6 @@ import ocannl.tensor as T
 from ocannl import Context, checkpoint, nn_blocks, optim, train
 from ocannl.mixed_prec import with_master_weights
 
-
-
-EPS = 1e-8
 BATCH, FEATURES, HIDDEN, CLASSES = 12, 5, (10, 8), 3
 
 
@@ -74,7 +71,7 @@ def torch_optimizer(kind: str, ws: list[torch.Tensor]) -> torch.optim.Optimizer:
     if kind == "sgd":
         return torch.optim.SGD(ws, lr=0.1, momentum=0.9)
     if kind == "adam":
-        return torch.optim.Adam(ws, lr=1e-2, eps=EPS)
+        return torch.optim.Adam(ws, lr=1e-2)
     if kind == "adamw":
         return torch.optim.AdamW(ws, lr=1e-2, weight_decay=0.1)
     raise ValueError(kind)
@@ -84,7 +81,7 @@ def ocannl_optimizer(kind: str) -> optim.Optimizer:
     if kind == "sgd":
         return optim.SGD(0.1, momentum=0.9)
     if kind == "adam":
-        return optim.Adam(1e-2, eps=EPS)
+        return optim.Adam(1e-2)
     if kind == "adamw":
         return optim.AdamW(1e-2, weight_decay=0.1)
     raise ValueError(kind)

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from grad_rig import assert_close, make_rig, ocannl_optimizer, run_steps, torch_run
+
 from ocannl import Context, Failure, checkpoint, optim, train
 from ocannl.clipping import ClipNorm
 from ocannl.mixed_prec import Loss_scaler, Recipe, gated_step, scaled_step

@@ -8,7 +8,6 @@ import math
 
 import numpy as np
 import pytest
-
 from grad_rig import (
     Rig,
     assert_close,
@@ -17,6 +16,7 @@ from grad_rig import (
     run_steps,
     torch_run,
 )
+
 from ocannl import Context, checkpoint, clipping, optim, train
 from ocannl.clipping import ClipNorm, ClipValue
 from ocannl.mixed_prec import Loss_scaler, gated_step, scaled_step
@@ -225,3 +225,26 @@ def test_clip_misuse_refused() -> None:
     with pytest.raises(ValueError, match="grad_unscale"):
         opt.update(rig.loss, grad_unscale=0.5, clip=c)
     assert opt.state_nodes() == [opt.step_counter]  # nothing was built for a refused update
+
+
+@pytest.mark.parametrize("norm_type", [2.0, INF])
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_plain_update_skips_on_a_non_finite_gradient(norm_type: float, bad: float) -> None:
+    """The norm of gradients holding a NaN or an infinity is not finite (the inf-norm's running
+    maximum keeps a NaN it has seen), and the plain clipped update is skipped."""
+    rig = make_rig()
+    opt = optim.SGD(0.1, momentum=0.9)
+    update, clipper = clipping.clipped_update(opt, rig.loss, ClipNorm(1.0, norm_type))
+    ctx, grads = rig.ctx.compile(train.grad_update(rig.loss))
+    ctx, step = ctx.compile(update)
+    ctx = ctx.run(grads).run(step)  # one good step: momentum is non-zero
+    nodes = checkpoint.training_state(rig.loss, opt)
+    before = [ctx.get_values(n).tobytes() for n in nodes]
+    for p in rig.params:
+        ctx = ctx.run(grads)
+        g = ctx.get_values(p.grad).copy()
+        g.reshape(-1)[-1] = bad
+        ctx = ctx.set_values(p.grad, g).run(step)
+        norm = ctx.get_value(clipper.norm)
+        assert math.isnan(norm) if math.isnan(bad) else norm == INF
+        assert [ctx.get_values(n).tobytes() for n in nodes] == before

@@ -8,9 +8,9 @@ import math
 
 import numpy as np
 import pytest
+from grad_rig import Rig, make_rig
 
 import ocannl.tensor as T
-from grad_rig import Rig, make_rig
 from ocannl import Context, Failure, checkpoint, nn_blocks, optim, train
 from ocannl.clipping import ClipNorm
 from ocannl.ir.expr import reads
