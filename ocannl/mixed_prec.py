@@ -14,7 +14,9 @@ Three pieces, as in OCANNL's ``Mixed_prec``:
   :func:`scaled_step` (the host reads the gradient checksum after every gradient routine and
   runs or skips the optimizer routine) and :func:`gated_step` (one fused routine whose
   optimizer step is gated on the device; the host samples a skipped-step counter every
-  ``check_interval`` steps).
+  ``check_interval`` steps). Both clip the unscaled gradients (``clip=``, see
+  :mod:`ocannl.clipping`), accumulate micro-batches under one scale (``accumulate=k``), and
+  name the parameters whose gradients overflowed when a step is skipped (``last_overflow``).
 
 bf16 has f32's exponent range and needs no loss scaling; f16 does.
 """
