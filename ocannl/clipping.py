@@ -61,7 +61,7 @@ def _positive(name: str, x: object) -> float:
     try:
         v = float(x)
     except (OverflowError, ValueError):
-        raise ValueError(f"{name} must be a finite number > 0, got {x!r}") from None
+        raise ValueError(f"{name} must be a finite number > 0, got {x!r:.60}") from None
     if not math.isfinite(v) or not v > 0:
         raise ValueError(f"{name} must be a finite number > 0, got {x!r}")
     return v
@@ -78,11 +78,15 @@ class ClipNorm:
     def __post_init__(self) -> None:
         object.__setattr__(self, "max_norm", _positive("ClipNorm: max_norm", self.max_norm))
         t = self.norm_type
-        if not isinstance(t, numbers.Real) or isinstance(t, (bool, np.bool_)) \
-                or float(t) not in NORM_TYPES:
+        try:
+            v = float(t) if isinstance(t, numbers.Real) and \
+                not isinstance(t, (bool, np.bool_)) else None
+        except OverflowError:
+            v = None
+        if v not in NORM_TYPES:
             raise ValueError(f"ClipNorm: norm_type must be 2 or float('inf'), got "
-                             f"{type(t).__name__}: {t!r}")
-        object.__setattr__(self, "norm_type", float(t))
+                             f"{type(t).__name__}: {t!r:.60}")
+        object.__setattr__(self, "norm_type", v)
 
 
 @dataclass(frozen=True)

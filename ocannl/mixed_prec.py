@@ -703,7 +703,16 @@ class Recipe:
     def save_state(self) -> str:
         """The host's position and counters as one line, for ``checkpoint.Progress.extra``:
         the window's position, the counters, the position inside an accumulation, and
-        :attr:`last_overflow` (percent-encoded names, comma-separated)."""
+        :attr:`last_overflow` (percent-encoded names, comma-separated).
+
+        With a reducer, only at an optimizer step's boundary (``micro == 0``): between
+        micro-batches each process holds its own partial sums, which one checkpoint cannot
+        hold for all of them (``ocannl.Failure`` then)."""
+        if self.micro and self.reducer is not None:
+            raise Failure(f"{type(self).__name__}.save_state: micro={self.micro} of "
+                          f"accumulate={self.accumulate} with a reducer: each process's "
+                          f"gradients are its own partial sums until the last micro-batch; "
+                          f"checkpoint after an optimizer step (micro == 0)")
         vals = (self.pending, self.applied_steps, self.skipped_steps, self.windows,
                 self.skipped_windows, self.micro)
         fields = " ".join(f"{k}={v}" for k, v in zip(_COUNTERS, vals, strict=True))

@@ -182,3 +182,25 @@ def test_restore_refuses_a_position_past_the_accumulation() -> None:
         recipe.restore_state("ocannl.GatedStep/2 pending=0 applied=0 skipped=0 windows=0 "
                              "skipped_windows=0")
     assert recipe.micro == 2
+
+
+def test_a_reduced_run_refuses_to_save_between_micro_batches() -> None:
+    """With a reducer (data-parallel), gradients are reduced once per optimizer step: before
+    that each process holds its own partial sums, which no single checkpoint holds."""
+
+    class Sum:  # a world of one: the reduction is the identity
+        def grad_unscale(self, scaler: Loss_scaler):  # noqa: ANN202
+            return scaler.unscale
+
+        def reduce(self, ctx: Context, scaler: Loss_scaler) -> Context:
+            return ctx
+
+    rig = make_rig()
+    recipe = scaled_step(Loss_scaler.create(), rig.loss, optim.SGD(0.1), accumulate=2,
+                         reducer=Sum())
+    ctx = recipe.compile(rig.ctx)
+    ctx = recipe.step(ctx)
+    with pytest.raises(Failure, match="micro=1 of accumulate=2 with a reducer"):
+        recipe.save_state()
+    ctx = recipe.step(ctx)
+    assert recipe.save_state().startswith("ocannl.ScaledStep/3 pending=0 applied=1 ")

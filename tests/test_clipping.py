@@ -196,6 +196,7 @@ def test_recipe_skips_on_a_norm_of_finite_gradients_that_overflows(gate: str) ->
     (lambda: ClipNorm(1.0, 1), "1"), (lambda: ClipNorm(1.0, 3.0), "3.0"),
     (lambda: ClipNorm(1.0, math.nan), "nan"), (lambda: ClipNorm(1.0, "2"), "'2'"),
     (lambda: ClipNorm(1.0, -INF), "-inf"), (lambda: ClipNorm(1.0, True), "True"),
+    (lambda: ClipNorm(1.0, 10**400), "1000000"), (lambda: ClipNorm(10**400), "1000000"),
     (lambda: ClipValue(0), "0"), (lambda: ClipValue(-0.1), "-0.1"),
     (lambda: ClipValue(math.nan), "nan"), (lambda: ClipValue(INF), "inf"),
     (lambda: ClipValue(None), "None"),
