@@ -173,6 +173,12 @@ class Optimizer:
         lr = scalar_expr(self.learning_rate, "learning_rate")
         unscale = None if grad_unscale is None else scalar_expr(grad_unscale, "grad_unscale")
         if clip is not None:
+            from ocannl.clipping import GradClipper
+
+            if not isinstance(clip, GradClipper):
+                raise TypeError(f"clip must be a clipping.GradClipper (clipping.clipper(spec, "
+                                f"loss)), got {type(clip).__name__}: {clip!r:.80}; "
+                                f"clipping.clipped_update builds both")
             clip.check_for(loss, grad_unscale)
             gate = clip.gate(gate)
         code = self._prologue(lr, gate)

@@ -217,6 +217,8 @@ def test_clip_misuse_refused() -> None:
             build(sc, rig.loss, optim.SGD(0.1), clip=1.0)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="optimizer"):
         clipping.clipped_update("sgd", rig.loss, ClipNorm(1.0))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="GradClipper.*ClipNorm"):
+        optim.SGD(0.1).update(rig.loss, clip=ClipNorm(1.0))  # type: ignore[arg-type]
     c = clipping.clipper(ClipNorm(1.0), rig.loss, unscale=sc.unscale)
     with pytest.raises(ValueError, match="built for loss"):
         optim.SGD(0.1).update(other.loss, grad_unscale=sc.unscale, clip=c)
