@@ -760,8 +760,11 @@ class Recipe:
         name = type(self).__name__
         names: list[str] = []
         for enc in field.split(",") if field else ():
-            n = urllib.parse.unquote(enc, errors="strict")
-            if urllib.parse.quote(n, safe="") != enc:
+            try:
+                n = urllib.parse.unquote(enc, errors="strict")
+            except UnicodeDecodeError:
+                n = None
+            if n is None or urllib.parse.quote(n, safe="") != enc:
                 raise Failure(f"{name}.restore_state: overflow name {enc!r} is not encoded as "
                               f"save_state writes it")
             if n not in self.param_names:

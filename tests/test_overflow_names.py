@@ -9,6 +9,8 @@ import math
 import numpy as np
 import pytest
 from grad_rig import Rig, make_rig
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 import ocannl.tensor as T
 from ocannl import Context, Failure, checkpoint, nn_blocks, optim, train
@@ -172,3 +174,36 @@ def test_checksum_cells_flag_each_parameter_in_the_checksums_own_pass() -> None:
         got = ctx.get_values(cells)
         assert [n for n, c in zip(names, got, strict=True) if not math.isfinite(c)] == [name]
         assert not math.isfinite(ctx.get_value(flag))
+
+
+_STATE = ("ocannl.GatedStep/3 pending=0 applied=3 skipped=1 windows=2 skipped_windows=1 "
+          "micro=1 overflow=")
+
+
+@settings(max_examples=200, deadline=None)
+@example("%FF")  # not UTF-8 once decoded
+@example("mlp_w1,mlp_b0")
+@given(st.text(alphabet=st.sampled_from("ab_,%0123456789ABCDEFmlp.~- "), max_size=24))
+def test_restore_of_any_overflow_field_only_fails_with_failure(field: str) -> None:
+    """Any overflow field is restored or refused with ocannl.Failure (nothing else raised),
+    and a refusal changes nothing."""
+    recipe = _shared_recipe()
+    recipe.restore_state(_STATE + "mlp_w0")
+    try:
+        recipe.restore_state(_STATE + field)
+    except Failure:
+        assert recipe.last_overflow == ("mlp_w0",)
+    else:
+        assert set(recipe.last_overflow) <= set(recipe.param_names)
+        assert recipe.save_state() == _STATE + field
+
+
+_RECIPES: list[Recipe] = []
+
+
+def _shared_recipe() -> Recipe:
+    if not _RECIPES:
+        rig = make_rig()
+        _RECIPES.append(gated_step(Loss_scaler.create(), rig.loss, optim.SGD(0.1),
+                                   accumulate=2))
+    return _RECIPES[0]
