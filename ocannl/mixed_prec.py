@@ -14,7 +14,9 @@ Three pieces, as in OCANNL's ``Mixed_prec``:
   :func:`scaled_step` (the host reads the gradient checksum after every gradient routine and
   runs or skips the optimizer routine) and :func:`gated_step` (one fused routine whose
   optimizer step is gated on the device; the host samples a skipped-step counter every
-  ``check_interval`` steps).
+  ``check_interval`` steps). Both clip the unscaled gradients (``clip=``, see
+  :mod:`ocannl.clipping`), accumulate micro-batches under one scale (``accumulate=k``), and
+  name the parameters whose gradients overflowed when a step is skipped (``last_overflow``).
 
 bf16 has f32's exponent range and needs no loss scaling; f16 does.
 """
@@ -24,10 +26,11 @@ from __future__ import annotations
 import math
 import numbers
 import re
+import urllib.parse
 import warnings
 from collections.abc import Callable
 from fractions import Fraction
-from typing import Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import numpy as np
 
@@ -40,6 +43,9 @@ from ocannl.ir.tnode import MemoryMode, Tnode
 from ocannl.optim import Optimizer
 from ocannl.tensor.shape import Shape
 from ocannl.tensor.tensor import Tensor, active_param_postprocess
+
+if TYPE_CHECKING:
+    from ocannl.clipping import Clip
 
 __all__ = [
     "TWIN_PLACEMENTS", "GatedStep", "GradReducer", "Loss_scaler", "Recipe", "ScaledStep",
@@ -549,9 +555,13 @@ class GradReducer(Protocol):
         ...
 
 
-_COUNTERS = ("pending", "applied", "skipped", "windows", "skipped_windows")
-_RECIPE_STATE_VERSION = "2"  # /1 (GatedStep's first) held the position only: refused
+_COUNTERS = ("pending", "applied", "skipped", "windows", "skipped_windows", "micro")
+# /1 (GatedStep's first) held the position only; /2 the counters without the position inside
+# an accumulation and the overflow names: both refused, by name.
+_RECIPE_STATE_VERSION = "3"
 _NUM = r"(0|[1-9][0-9]{0,18})"
+_NAME = r"[A-Za-z0-9_.~%-]+"  # a parameter's name, percent-encoded (urllib.parse.quote)
+_NAMES = rf"((?:{_NAME}(?:,{_NAME})*)?)"
 
 
 class Recipe:
@@ -568,47 +578,102 @@ class Recipe:
     buffer and the optimizer's step counter keep their bits. The host samples the outcome at
     the end of each *window* (one step for the host gate, ``check_interval`` steps for the fused
     one) and updates the scaler then. Counters, as of the last sample: ``applied_steps``,
-    ``skipped_steps``, ``windows``, ``skipped_windows``; ``pending``: steps run since.
+    ``skipped_steps``, ``windows``, ``skipped_windows``; ``pending``: steps run since. All of
+    them count *optimizer* steps (with accumulation, one per ``accumulate`` micro-batches).
+
+    ``clip`` (:class:`ocannl.clipping.ClipNorm` or :class:`~ocannl.clipping.ClipValue`): the
+    gradients are clipped after unscaling, as torch's ``scaler.unscale_(opt)`` then
+    ``clip_grad_norm_`` / ``clip_grad_value_``. The norm (:attr:`grad_norm`, a one-element f32
+    device tensor, ``None`` when clipping by value or not at all) is computed in the step's
+    routine after the gradients (and after a reducer) and folded into the checksum, so a
+    non-finite norm skips the step like non-finite gradients; a skipped step clips nothing.
+
+    ``accumulate=k``: each :meth:`step` is one micro-batch (write its data before the call);
+    the first of every ``k`` zeroes the gradients, the others add to them, all under one loss
+    scale; the ``k``-th checks the sum once, steps the optimizer once and updates the scaler
+    once. The gradient applied is the *mean* over the micro-batches (each seeded with
+    ``scale / k``), as torch's ``(loss / k).backward()`` recipe. :attr:`micro` is the position
+    inside the accumulation (micro-batches since the last optimizer step).
+
+    :attr:`last_overflow`: after a skipped step (host gate) or a window with a skipped step
+    (fused gate), the checkpoint names (node labels) of the parameters whose gradients were
+    non-finite, in ``loss.params`` order (for the fused gate, over the whole window); empty
+    after an applied step or window, and empty for a step skipped only because the norm of
+    finite gradients overflowed. The flags come from the checksum's own pass (one 0/NaN cell
+    per parameter, ``train.grad_checksum_by_param``) and are read only on a skip.
 
     A checkpoint holds ``checkpoint.training_state(loss, optimizer) + recipe.state_nodes()``
-    and, in ``Progress.extra``, ``scaler.save_state()`` and ``recipe.save_state()``.
+    and, in ``Progress.extra``, ``scaler.save_state()`` and ``recipe.save_state()``; with
+    ``accumulate > 1`` the state nodes include the parameters' gradients (the partial sum), so
+    a checkpoint between micro-batches resumes exactly.
 
     ``reducer`` (a :class:`GradReducer`): run between the gradient routine and the checksum
-    and optimizer step (data-parallel training); the gradient routine then holds the
-    gradients alone (:attr:`grad_comp`), the checksum is :attr:`check_comp`.
+    and optimizer step (data-parallel training; with accumulation, once per optimizer step);
+    the gradient routine then holds the gradients alone (:attr:`grad_comp`), the checksum is
+    :attr:`check_comp`.
     """
 
     check_interval = 1
 
     def __init__(self, scaler: Loss_scaler, loss: Tensor, optimizer: Optimizer, *,
-                 reducer: GradReducer | None = None) -> None:
+                 reducer: GradReducer | None = None, clip: Clip | None = None,
+                 accumulate: int = 1) -> None:
+        from ocannl import clipping, train
+
         _check_scaler(scaler)
         if not isinstance(loss, Tensor):
             raise TypeError(f"expected the loss Tensor, got {type(loss).__name__}: {loss!r}")
         if not isinstance(optimizer, Optimizer):
             raise TypeError(f"expected an ocannl.optim optimizer (SGD, Adam, AdamW, ...), got "
                             f"{type(optimizer).__name__}: {optimizer!r:.80}")
+        k = train.check_micro_batches(accumulate, f"{type(self).__name__}: accumulate")
+        if clip is not None:
+            clipping.check_clip(clip)
         self.scaler = scaler
         self.loss = loss
         self.optimizer = optimizer
         self.reducer = reducer
-        self.check_comp: Comp | None = None
-        if reducer is None:
-            self.unscale = scaler.unscale
-            self.checksum, self.grad_comp = scaled_grad_update(scaler, loss)
+        self.accumulate = k
+        self.param_names = tuple(p.value.label for p in loss.params)
+        self.unscale = scaler.unscale if reducer is None else reducer.grad_unscale(scaler)
+        self.checksum, self.grad_flags, check = train.grad_checksum_by_param(
+            loss, unscale=self.unscale)
+        self.clipper: clipping.GradClipper | None = None
+        self.grad_norm: Tensor | None = None
+        if clip is not None:
+            self.clipper = clipping.clipper(clip, loss, unscale=self.unscale, gate_on_norm=False)
+            self.grad_norm = self.clipper.norm
+            parts = [check, self.clipper.comp]
+            if self.grad_norm is not None:  # a non-finite norm makes the checksum NaN: a skip
+                fold = Accum(self.checksum.value, (), "+",
+                             apply("mul", Get(self.grad_norm.value, ()), Const(0.0)), ())
+                parts.append(Comp((fold,), "norm_into_checksum"))
+            check = Comp.seq(parts, check.label)
+        first = train.grad_update(loss, loss_scale=scaler.scale, micro_batches=k)
+        self.accumulate_comp: Comp | None = None
+        if k > 1:
+            self.accumulate_comp = train.grad_update(loss, loss_scale=scaler.scale,
+                                                     accumulate=True, micro_batches=k)
+        if reducer is None:  # the check rides on the last micro-batch's gradient routine
+            self.grad_comp = first + check if k == 1 else first
+            self.last_grad_comp = self.grad_comp if self.accumulate_comp is None else \
+                self.accumulate_comp + check
+            self.check_comp: Comp | None = None
         else:
-            from ocannl import train
-
-            self.unscale = reducer.grad_unscale(scaler)
-            self.grad_comp = train.grad_update(loss, loss_scale=scaler.scale)
-            self.checksum, self.check_comp = train.grad_checksum(loss, unscale=self.unscale)
+            self.grad_comp = first
+            self.last_grad_comp = first if self.accumulate_comp is None else \
+                self.accumulate_comp
+            self.check_comp = check
+        self.micro = 0
         self.pending = 0
         self.applied_steps = 0
         self.skipped_steps = 0
         self.windows = 0
         self.skipped_windows = 0
         self.last_applied: bool | None = None  # the last step's outcome, when the host knows it
+        self.last_overflow: tuple[str, ...] = ()
         self._ctx: Context | None = None
+        self._routines: dict[int, Routine] = {}
 
     # --- the interface ----------------------------------------------------------------------
 
@@ -618,34 +683,51 @@ class Recipe:
         raise NotImplementedError
 
     def step(self, ctx: Context) -> Context:
-        """Run one training step (and, at a window's end, sample it and update the scaler)."""
+        """Run one training step, or one micro-batch of it (and, at a window's end, sample it
+        and update the scaler)."""
         raise NotImplementedError
 
     def flush(self, ctx: Context) -> Context:
         """Close the current window now: sample it and update the scaler (nothing to do when
-        no step is pending)."""
+        no step is pending). Micro-batches since the last optimizer step stay accumulated."""
         self._check_ctx(ctx)
         return ctx
 
     def state_nodes(self) -> list[Tnode]:
-        """Device state beyond the optimizer's that a checkpoint must hold to resume exactly."""
-        return []
+        """Device state beyond the optimizer's that a checkpoint must hold to resume exactly:
+        with ``accumulate > 1``, the parameters' gradients (the micro-batches' partial sum)."""
+        if self.accumulate == 1:
+            return []
+        return [p.grad for p in self.loss.params if p.grad is not None]
 
     def save_state(self) -> str:
-        """The host's position and counters as one line, for ``checkpoint.Progress.extra``."""
+        """The host's position and counters as one line, for ``checkpoint.Progress.extra``:
+        the window's position, the counters, the position inside an accumulation, and
+        :attr:`last_overflow` (percent-encoded names, comma-separated).
+
+        With a reducer, only at an optimizer step's boundary (``micro == 0``): between
+        micro-batches each process holds its own partial sums, which one checkpoint cannot
+        hold for all of them (``ocannl.Failure`` then)."""
+        if self.micro and self.reducer is not None:
+            raise Failure(f"{type(self).__name__}.save_state: micro={self.micro} of "
+                          f"accumulate={self.accumulate} with a reducer: each process's "
+                          f"gradients are its own partial sums until the last micro-batch; "
+                          f"checkpoint after an optimizer step (micro == 0)")
         vals = (self.pending, self.applied_steps, self.skipped_steps, self.windows,
-                self.skipped_windows)
+                self.skipped_windows, self.micro)
         fields = " ".join(f"{k}={v}" for k, v in zip(_COUNTERS, vals, strict=True))
-        return f"ocannl.{type(self).__name__}/{_RECIPE_STATE_VERSION} {fields}"
+        names = ",".join(urllib.parse.quote(n, safe="") for n in self.last_overflow)
+        return f"ocannl.{type(self).__name__}/{_RECIPE_STATE_VERSION} {fields} overflow={names}"
 
     def restore_state(self, s: str) -> None:
         """Restore what :meth:`save_state` wrote; raises ``ocannl.Failure`` (and changes
-        nothing) on anything else, or on a position past the window. A state of another
-        format version (``ocannl.GatedStep/1``, a position without the counters) is refused,
-        naming its version and the one expected."""
+        nothing) on anything else, on a position past the window or the accumulation, or on an
+        overflow name that is none of this recipe's parameters. A state of another format
+        version (``ocannl.GatedStep/1``: a position only; ``/2``: no accumulation position nor
+        overflow names) is refused, naming its version and the one expected."""
         name = type(self).__name__
         expected = f"'ocannl.{name}/{_RECIPE_STATE_VERSION} " + " ".join(
-            f"{k}=<int>" for k in _COUNTERS) + "'"
+            f"{k}=<int>" for k in _COUNTERS) + " overflow=<names>'"
         version = re.match(rf"ocannl\.{name}/([0-9]{{1,6}})(?: |$)", s, re.ASCII) \
             if isinstance(s, str) else None
         if version is not None and version[1] != _RECIPE_STATE_VERSION:
@@ -653,22 +735,97 @@ class Recipe:
                           f"ocannl.{name}/{version[1]}, which this version does not read: "
                           f"expected format version {_RECIPE_STATE_VERSION}, {expected}")
         pattern = rf"ocannl\.{name}/{_RECIPE_STATE_VERSION} " + " ".join(
-            f"{k}={_NUM}" for k in _COUNTERS)
+            f"{k}={_NUM}" for k in _COUNTERS) + rf" overflow={_NAMES}"
         m = re.fullmatch(pattern, s, re.ASCII) if isinstance(s, str) else None
         if m is None:
             raise Failure(f"{name}.restore_state: {s!r:.200} is not a {name} state: expected "
                           f"{expected}")
-        pending, applied, skipped, windows, skipped_windows = (int(v) for v in m.groups())
+        pending, applied, skipped, windows, skipped_windows, micro = (
+            int(v) for v in m.groups()[:-1])
         if pending >= self.check_interval:
             raise Failure(f"{name}.restore_state: pending={pending} is not below "
                           f"check_interval={self.check_interval}")
+        if micro >= self.accumulate:
+            raise Failure(f"{name}.restore_state: micro={micro} is not below "
+                          f"accumulate={self.accumulate}")
         if skipped_windows > windows or skipped_windows > skipped:
             raise Failure(f"{name}.restore_state: skipped_windows={skipped_windows} exceeds "
                           f"windows={windows} or skipped={skipped}")
+        names = self._decode_names(m.groups()[-1])
         self.pending, self.applied_steps, self.skipped_steps = pending, applied, skipped
-        self.windows, self.skipped_windows = windows, skipped_windows
+        self.windows, self.skipped_windows, self.micro = windows, skipped_windows, micro
+        self.last_overflow = names
+
+    def _decode_names(self, field: str) -> tuple[str, ...]:
+        name = type(self).__name__
+        names: list[str] = []
+        for enc in field.split(",") if field else ():
+            try:
+                n = urllib.parse.unquote(enc, errors="strict")
+            except UnicodeDecodeError:
+                n = None
+            if n is None or urllib.parse.quote(n, safe="") != enc:
+                raise Failure(f"{name}.restore_state: overflow name {enc!r} is not encoded as "
+                              f"save_state writes it")
+            if n not in self.param_names:
+                raise Failure(f"{name}.restore_state: overflow name {n!r} is none of this "
+                              f"recipe's parameters ({', '.join(self.param_names)[:200]})")
+            if n in names:
+                raise Failure(f"{name}.restore_state: overflow name {n!r} is repeated")
+            names.append(n)
+        return tuple(names)
 
     # --- shared plumbing --------------------------------------------------------------------
+
+    def _compile(self, ctx: Context, comp: Comp | None) -> Context:
+        """Compile ``comp`` once (a comp used in two roles shares its routine)."""
+        if comp is not None and id(comp) not in self._routines:
+            ctx, self._routines[id(comp)] = ctx.compile(comp)
+        return ctx
+
+    def _compile_micro_batches(self, ctx: Context) -> Context:
+        """The gradient routines of the micro-batches before the last (and, with a reducer,
+        the last's, whose check runs after the reduction)."""
+        self._routines = {}
+        k = self.accumulate
+        if k > 1 or self.reducer is not None:
+            ctx = self._compile(ctx, self.grad_comp)
+        if k > 2 or (k > 1 and self.reducer is not None):
+            ctx = self._compile(ctx, self.accumulate_comp)
+        return ctx
+
+    def _routine(self, comp: Comp | None) -> Routine:
+        assert comp is not None
+        return self._routines[id(comp)]
+
+    def _micro_batch(self, ctx: Context) -> Context | None:
+        """Run a micro-batch that is not the last of its accumulation (``None`` for the last,
+        which the recipe runs itself)."""
+        m = self.micro
+        if m + 1 >= self.accumulate:
+            return None
+        ctx = ctx.run(self._first if m == 0 else self._more)
+        self.micro = m + 1
+        return ctx
+
+    def _last_grads(self, ctx: Context) -> Context:
+        """With a reducer: the last micro-batch's gradients, then the reduction."""
+        assert self.reducer is not None
+        ctx = ctx.run(self._first if self.accumulate == 1 else self._more)
+        return self.reducer.reduce(ctx, self.scaler)
+
+    @property
+    def _first(self) -> Routine:
+        return self._routine(self.grad_comp)
+
+    @property
+    def _more(self) -> Routine:
+        return self._routine(self.accumulate_comp)
+
+    def _overflowed(self, flags: np.ndarray) -> tuple[str, ...]:
+        """The names of the parameters whose flag cell is set (non-zero: NaN or 1)."""
+        return tuple(n for n, f in zip(self.param_names, flags.reshape(-1).tolist(),
+                                       strict=True) if f != 0.0)
 
     def _bind(self, ctx: Context) -> Context:
         """Make ``ctx`` the recipe's context, its device scale the scaler's current one (the
@@ -703,7 +860,8 @@ class Recipe:
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}({self.optimizer!r}, check_interval="
-                f"{self.check_interval}, pending={self.pending}, applied={self.applied_steps}, "
+                f"{self.check_interval}, accumulate={self.accumulate}, micro={self.micro}, "
+                f"pending={self.pending}, applied={self.applied_steps}, "
                 f"skipped={self.skipped_steps})")
 
 
@@ -711,16 +869,21 @@ class ScaledStep(Recipe):
     """The per-step host gate: the gradient routine (:func:`scaled_grad_update`), a host read
     of the checksum, the optimizer routine only when it is finite, then ``Loss_scaler.update``.
     Every step is a window of one; the read waits for the device every step, which the fused
-    :class:`GatedStep` avoids. Build one with :func:`scaled_step`.
+    :class:`GatedStep` avoids. With ``accumulate=k``, the read, the optimizer routine and the
+    scaler update come after every ``k``-th micro-batch only. Build one with
+    :func:`scaled_step`.
 
     A skipped step runs the optimizer's ``schedule_tick()`` (when its learning rate is a
-    schedule) instead of the update: the schedule counts every iteration, as under the fused
-    gate, while Adam's step counter and every other state keep their bits."""
+    schedule) instead of the update: the schedule counts every iteration (every optimizer
+    step, under accumulation), as under the fused gate, while Adam's step counter and every
+    other state keep their bits."""
 
     def __init__(self, scaler: Loss_scaler, loss: Tensor, optimizer: Optimizer, *,
-                 reducer: GradReducer | None = None) -> None:
-        super().__init__(scaler, loss, optimizer, reducer=reducer)
-        self.update_comp = optimizer.update(loss, grad_unscale=self.unscale)
+                 reducer: GradReducer | None = None, clip: Clip | None = None,
+                 accumulate: int = 1) -> None:
+        super().__init__(scaler, loss, optimizer, reducer=reducer, clip=clip,
+                         accumulate=accumulate)
+        self.update_comp = optimizer.update(loss, grad_unscale=self.unscale, clip=self.clipper)
         self.tick_comp = optimizer.schedule_tick()  # None without a learning-rate schedule
         self._tick: Routine | None = None
         self._grads: Routine | None = None
@@ -730,8 +893,12 @@ class ScaledStep(Recipe):
         self._reader_fresh = False
 
     def compile(self, ctx: Context) -> Context:
-        ctx, self._grads = ctx.compile(self.grad_comp)
-        if self.check_comp is not None:
+        ctx = self._compile_micro_batches(ctx)
+        if self.reducer is None:
+            ctx = self._compile(ctx, self.last_grad_comp)
+            self._grads = self._routine(self.last_grad_comp)
+        else:
+            self._grads = None
             ctx, self._check = ctx.compile(self.check_comp)
         ctx, self._update = ctx.compile(self.update_comp)
         if self.tick_comp is not None:
@@ -743,15 +910,25 @@ class ScaledStep(Recipe):
     def step(self, ctx: Context) -> Context:
         if ctx is not self._ctx:
             self._check_ctx(ctx)  # raises, saying why
-        ctx = ctx.run(self._grads)
-        if self.reducer is not None:
-            ctx = self.reducer.reduce(ctx, self.scaler)
+        if self.accumulate > 1:
+            early = self._micro_batch(ctx)
+            if early is not None:
+                return early
+            self.micro = 0
+        if self.reducer is None:
+            ctx = ctx.run(self._grads)
+        else:
+            ctx = self._last_grads(ctx)
             ctx = ctx.run(self._check)
         finite = _isfinite(self._read_checksum())
         if finite:
             ctx = ctx.run(self._update)
-        elif self._tick is not None:
-            ctx = ctx.run(self._tick)  # the schedule counts skipped iterations too
+            if self.last_overflow:
+                self.last_overflow = ()
+        else:
+            if self._tick is not None:
+                ctx = ctx.run(self._tick)  # the schedule counts skipped iterations too
+            self.last_overflow = self._overflowed(ctx.get_values(self.grad_flags))
         ctx = self.scaler.update(ctx, grads_finite=finite)  # a window of one step
         self._count_window(1, 0 if finite else 1)
         self.last_applied = finite
@@ -769,9 +946,12 @@ _isfinite = math.isfinite
 
 
 def scaled_step(scaler: Loss_scaler, loss: Tensor, optimizer: Optimizer, *,
-                reducer: GradReducer | None = None) -> ScaledStep:
-    """Build the per-step, host-gated recipe (see :class:`ScaledStep`)."""
-    return ScaledStep(scaler, loss, optimizer, reducer=reducer)
+                reducer: GradReducer | None = None, clip: Clip | None = None,
+                accumulate: int = 1) -> ScaledStep:
+    """Build the per-step, host-gated recipe (see :class:`ScaledStep`; ``clip`` and
+    ``accumulate`` as :class:`Recipe` says)."""
+    return ScaledStep(scaler, loss, optimizer, reducer=reducer, clip=clip,
+                      accumulate=accumulate)
 
 
 class GatedStep(Recipe):
@@ -786,47 +966,66 @@ class GatedStep(Recipe):
     every ``check_interval`` steps, reads the counter, feeds the window to
     :meth:`Loss_scaler.update_n` and clears it. Build one with :func:`gated_step`.
 
+    :attr:`overflow_seen` (one f32 cell per parameter, sticky over the window): set where a
+    step of the window had a non-finite gradient of that parameter; read at a window's end
+    only when the window had a skipped step (:attr:`last_overflow`), then cleared.
+
+    With ``accumulate=k`` the micro-batches before the ``k``-th run gradient routines only;
+    :attr:`comp` is the ``k``-th's, and ``check_interval`` counts optimizer steps.
+
     The scale changes only at window ends, so after an overflow the rest of its window is
     likely skipped too: the price of not waiting for the device every step.
     """
 
     def __init__(self, scaler: Loss_scaler, loss: Tensor, optimizer: Optimizer, *,
-                 check_interval: int = 16, reducer: GradReducer | None = None) -> None:
+                 check_interval: int = 16, reducer: GradReducer | None = None,
+                 clip: Clip | None = None, accumulate: int = 1) -> None:
         if not _is_int(check_interval) or check_interval < 1:
             raise ValueError(f"check_interval must be an integer >= 1, got {check_interval!r}")
-        super().__init__(scaler, loss, optimizer, reducer=reducer)
+        super().__init__(scaler, loss, optimizer, reducer=reducer, clip=clip,
+                         accumulate=accumulate)
         self.check_interval = int(check_interval)
         finite = apply("isfinite", Get(self.checksum.value, ()))
-        update = optimizer.update(loss, grad_unscale=self.unscale, gate=finite)
+        update = optimizer.update(loss, grad_unscale=self.unscale, gate=finite,
+                                  clip=self.clipper)
         flag = T.term(np.float32(0.0), label=f"nonfinite_seen_{loss.label}", prec=Precision.f32)
         seen = Get(flag.value, ())
         count = Accum(flag.value, (), "=",
                       apply("where", finite, seen, apply("add", seen, Const(1.0))), ())
+        n = len(loss.params)
+        sticky = Tnode(f"overflow_seen_{loss.label}", (n,), Precision.f32, zero_start=True)
+        keep = apply("isfinite", Get(self.grad_flags.value, (0,)))
+        mark = Accum(sticky, (0,), "=", apply("where", keep, Get(sticky, (0,)), Const(1.0)),
+                     (n,))
         # With a reducer, the gradients are a routine of their own and ``comp`` the rest: the
         # checksum of the reduced gradients, the gated update and the count (same on every
         # process, so the counter needs no reduction of its own).
-        first = self.grad_comp if self.check_comp is None else self.check_comp
-        self.comp = Comp.seq([first, update, Comp((count,), "count_skipped")],
+        head = self.last_grad_comp if self.check_comp is None else self.check_comp
+        self.comp = Comp.seq([head, update, Comp((count, mark), "count_skipped")],
                              f"gated_step_{loss.label}")
         self._grads: Routine | None = None
         self.nonfinite_seen = flag
-        self._routine: Routine | None = None
+        self.overflow_seen = sticky
+        self._routine_: Routine | None = None
         self._read_seen: Callable[[], float] | None = None
 
     def compile(self, ctx: Context) -> Context:
-        if self.reducer is not None:
-            ctx, self._grads = ctx.compile(self.grad_comp)
-        ctx, self._routine = ctx.compile(self.comp)
+        ctx = self._compile_micro_batches(ctx)
+        ctx, self._routine_ = ctx.compile(self.comp)
         self._read_seen = ctx.reader(self.nonfinite_seen)
         return self._bind(ctx)
 
     def step(self, ctx: Context) -> Context:
         if ctx is not self._ctx:
             self._check_ctx(ctx)  # raises, saying why
+        if self.accumulate > 1:
+            early = self._micro_batch(ctx)
+            if early is not None:
+                return early
+            self.micro = 0
         if self.reducer is not None:
-            ctx = ctx.run(self._grads)
-            ctx = self.reducer.reduce(ctx, self.scaler)
-        ctx = ctx.run(self._routine)
+            ctx = self._last_grads(ctx)
+        ctx = ctx.run(self._routine_)
         self.pending += 1
         if self.pending >= self.check_interval:
             ctx = self.flush(ctx)
@@ -842,19 +1041,29 @@ class GatedStep(Recipe):
         if seen != 0.0:
             skipped = max(skipped, 1)
             ctx = ctx.set_values(self.nonfinite_seen, 0.0)
+            self.last_overflow = self._overflowed(ctx.get_values(self.overflow_seen))
+            if self.last_overflow:
+                ctx = ctx.set_values(self.overflow_seen,
+                                     np.zeros(len(self.param_names), np.float32))
+        elif self.last_overflow:
+            self.last_overflow = ()
         return self._close_window(ctx, self.pending, skipped)
 
     def state_nodes(self) -> list[Tnode]:
-        """The skipped-step counter: a checkpoint taken mid-window must hold it."""
-        return [self.nonfinite_seen.value]
+        """The skipped-step counter and the sticky overflow flags (a checkpoint taken
+        mid-window must hold them), then the gradients when accumulating."""
+        return [self.nonfinite_seen.value, self.overflow_seen, *super().state_nodes()]
 
 
 def gated_step(scaler: Loss_scaler, loss: Tensor, optimizer: Optimizer, *,
-               check_interval: int = 16, reducer: GradReducer | None = None) -> GatedStep:
-    """Build the fused, device-gated recipe (see :class:`GatedStep`).
+               check_interval: int = 16, reducer: GradReducer | None = None,
+               clip: Clip | None = None, accumulate: int = 1) -> GatedStep:
+    """Build the fused, device-gated recipe (see :class:`GatedStep`; ``clip`` and
+    ``accumulate`` as :class:`Recipe` says).
 
-    ``check_interval``: how many steps run between two host reads of the skipped-step counter;
-    1 gives the per-step schedule exactly, larger values trade reaction time for fewer device
-    syncs.
+    ``check_interval``: how many (optimizer) steps run between two host reads of the
+    skipped-step counter; 1 gives the per-step schedule exactly, larger values trade reaction
+    time for fewer device syncs.
     """
-    return GatedStep(scaler, loss, optimizer, check_interval=check_interval, reducer=reducer)
+    return GatedStep(scaler, loss, optimizer, check_interval=check_interval, reducer=reducer,
+                     clip=clip, accumulate=accumulate)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import MutableMapping, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -34,6 +35,9 @@ from ocannl.ir.ops import Precision
 from ocannl.ir.tnode import Tnode
 from ocannl.schedules import Schedule
 from ocannl.tensor.tensor import Tensor
+
+if TYPE_CHECKING:
+    from ocannl.clipping import GradClipper
 
 __all__ = ["SGD", "Adam", "AdamW", "LearningRate", "Optimizer", "Scalar", "gated_store",
            "scalar_expr"]
@@ -234,7 +238,7 @@ class Optimizer:
     # --- the update -----------------------------------------------------------------------------
 
     def update(self, loss: Tensor, *, grad_unscale: Scalar | None = None,
-               gate: Expr | None = None) -> Comp:
+               gate: Expr | None = None, clip: GradClipper | None = None) -> Comp:
         """One optimizer step over every parameter of ``loss``, reading their gradients (run it
         after ``train.grad_update(loss)``).
 
@@ -242,7 +246,10 @@ class Optimizer:
         moments see true magnitudes under loss scaling. ``gate``: an expression; where it is 0,
         every store of this computation (parameters, buffers, the step counter) keeps its old
         bits -- a skipped step changes no training state -- but for a schedule's counter, which
-        counts every iteration.
+        counts every iteration. ``clip`` (a :class:`ocannl.clipping.GradClipper` built for this
+        loss and ``grad_unscale``): each unscaled gradient is clipped before the optimizer math,
+        and the gate covers the norm; run the clipper's ``comp`` before this update
+        (``clipping.clipped_update`` does).
         """
         if not isinstance(loss, Tensor):
             raise TypeError(f"update expects the loss Tensor, got {type(loss).__name__}")
@@ -251,6 +258,15 @@ class Optimizer:
         require_scalar_loss(loss, f"{self.label}.update")
         lr_code, lr_wide, lr = self._learning_rate()  # with a schedule: advances its counter
         unscale = None if grad_unscale is None else scalar_expr(grad_unscale, "grad_unscale")
+        if clip is not None:
+            from ocannl.clipping import GradClipper
+
+            if not isinstance(clip, GradClipper):
+                raise TypeError(f"clip must be a clipping.GradClipper (clipping.clipper(spec, "
+                                f"loss)), got {type(clip).__name__}: {clip!r:.80}; "
+                                f"clipping.clipped_update builds both")
+            clip.check_for(loss, grad_unscale)
+            gate = clip.gate(gate)
         code = lr_code + self._prologue(lr_wide, gate)
         for p in loss.params:
             assert p.grad is not None
@@ -258,6 +274,8 @@ class Optimizer:
             g: Expr = Get(p.grad, idx)
             if unscale is not None:
                 g = apply("mul", g, unscale)
+            if clip is not None:
+                g = clip.apply(g)
             code.extend(self._param_update(p, idx, g, lr, gate))
         return Comp(tuple(code), f"{self.label}_{loss.label}")
 

@@ -11,10 +11,13 @@ buffers are read by the routine, never folded into its code.
 from __future__ import annotations
 
 import math
+import numbers
 import weakref
 
+import numpy as np
+
 from ocannl.context import Context, Routine
-from ocannl.ir.assignments import Accum, Comp, Const, Expr, Get, apply
+from ocannl.ir.assignments import Accum, Comp, Const, Expr, Fixed, Get, apply
 from ocannl.ir.ops import Precision
 from ocannl.ir.tnode import Tnode
 from ocannl.optim import SGD, Scalar, require_scalar_loss, scalar_expr
@@ -22,7 +25,8 @@ from ocannl.tensor.shape import Shape
 from ocannl.tensor.tensor import Tensor, copy_into
 
 __all__ = [
-    "Scalar", "forward", "grad_checksum", "grad_update", "init_params", "optimizer_state",
+    "Scalar", "check_micro_batches", "forward", "grad_checksum", "grad_checksum_by_param",
+    "grad_update", "init_params", "optimizer_state",
     "scalar_expr", "sgd_update", "to_routine",
 ]
 
@@ -32,17 +36,44 @@ def forward(t: Tensor) -> Comp:
     return t.forward_comp()
 
 
-def grad_update(loss: Tensor, *, loss_scale: Tensor | None = None) -> Comp:
-    """Forward, zero the gradients, seed the loss gradient (1, or the loss scale), backprop."""
+def grad_update(loss: Tensor, *, loss_scale: Tensor | None = None, accumulate: bool = False,
+                micro_batches: int = 1) -> Comp:
+    """Forward, zero the gradients, seed the loss gradient (1, or the loss scale), backprop.
+
+    Gradient accumulation (the recipes' ``accumulate=k``): ``accumulate=True`` keeps the
+    parameters' gradients and adds this batch's to them (every other gradient is still zeroed
+    first); ``micro_batches=k`` seeds with ``loss_scale / k`` (``1 / k``), so that the sum over
+    ``k`` micro-batches is the gradient of their mean loss, as torch's ``(loss / k).backward()``.
+    """
     if loss.grad is None:
         raise ValueError(f"loss {loss.label} depends on no parameter: nothing to differentiate")
     require_scalar_loss(loss, "grad_update")
+    if type(accumulate) is not bool:
+        raise ValueError(f"accumulate must be a bool, got {type(accumulate).__name__}: "
+                         f"{accumulate!r}")
+    check_micro_batches(micro_batches, "grad_update: micro_batches")
     seed = Const(1.0) if loss_scale is None else scalar_expr(loss_scale, "loss_scale")
+    if micro_batches != 1:
+        seed = Const(1.0 / micro_batches) if loss_scale is None else \
+            apply("div", seed, Const(float(micro_batches)))
     seed_comp = Comp((copy_into(loss.grad, seed),), "seed")
-    return Comp.seq(
-        [forward(loss), loss.zero_grads_comp(), seed_comp, loss.backprop_comp()],
-        f"grad_update_{loss.label}",
-    )
+    zero = loss.zero_grads_comp()
+    if accumulate:
+        kept = {p.grad.id for p in loss.params if p.grad is not None}
+        zero = Comp(tuple(a for a in zero.assignments if a.lhs.id not in kept), zero.label)
+    label = "grad_accumulate" if accumulate else "grad_update"
+    return Comp.seq([forward(loss), zero, seed_comp, loss.backprop_comp()],
+                    f"{label}_{loss.label}")
+
+
+def check_micro_batches(k: object, what: str) -> int:
+    """``k`` if it is an integer >= 1 (not a bool), else ``ValueError`` naming it."""
+    if type(k) is not int and (not isinstance(k, numbers.Integral)
+                               or isinstance(k, (bool, np.bool_))):
+        raise ValueError(f"{what} must be an integer >= 1, got {type(k).__name__}: {k!r}")
+    if k < 1:
+        raise ValueError(f"{what} must be an integer >= 1, got {k!r}")
+    return int(k)  # type: ignore[call-overload]
 
 
 # The buffers of the functional sgd_update, by parameter: repeated calls on one model share its
@@ -84,6 +115,13 @@ def sgd_update(
 
 
 def grad_checksum(loss: Tensor, *, unscale: Scalar | None = None) -> tuple[Tensor, Comp]:
+    """:func:`grad_checksum_by_param` without the flags tensor: the checksum and its comp."""
+    flag, _, comp = grad_checksum_by_param(loss, unscale=unscale)
+    return flag, comp
+
+
+def grad_checksum_by_param(loss: Tensor, *, unscale: Scalar | None = None,
+                           ) -> tuple[Tensor, Tensor, Comp]:
     """A one-element f32 tensor that is non-finite exactly when some parameter gradient (times
     ``unscale``, when given) is, and its computation; run it after the gradients.
 
@@ -96,27 +134,37 @@ def grad_checksum(loss: Tensor, *, unscale: Scalar | None = None) -> tuple[Tenso
     two or more axes is first summed over all but its last into a row of partial sums, which
     the generated code accumulates a whole row at a time (in vector registers) rather than
     one long chain of dependent additions.
+
+    The sum goes through one cell per parameter (the second tensor returned, ``(P,)`` f32 over
+    ``loss.params`` in order): cell ``i`` is 0 when parameter ``i``'s gradient is finite, NaN
+    when not, and the checksum is the sum of the cells. The same single pass over the
+    gradients thus also says *which* gradients overflowed (a recipe's ``last_overflow``).
     """
     if loss.grad is None:
         raise ValueError(f"loss {loss.label} depends on no parameter: nothing to check")
     u = None if unscale is None else scalar_expr(unscale, "unscale")
     flag = Tensor(Tnode(f"checksum_{loss.label}", (), Precision.f32), Shape(), kind="op",
                   differentiable=False)
-    code = [copy_into(flag.value, Const(0.0))]
-    for p in loss.params:
+    params = loss.params
+    cells = Tensor(Tnode(f"grad_flags_{loss.label}", (len(params),), Precision.f32),
+                   Shape(output=(len(params),)), kind="op", differentiable=False)
+    code = [copy_into(cells.value, Const(0.0))]
+    for i, p in enumerate(params):
         assert p.grad is not None
         axes = tuple(range(len(p.dims)))
         g: Expr = Get(p.grad, axes)
         if u is not None:
             g = apply("mul", g, u)
         term = apply("mul", g, Const(0.0))
+        cell = (Fixed(i),)
         if len(p.dims) >= 2 and p.dims[-1] >= _CHECKSUM_ROW:
             row = Tnode(f"checksum_rows_{p.label}", (p.dims[-1],), Precision.f32)
             code.append(Accum(row, (axes[-1],), "+", term, p.dims, reset=True))
-            code.append(Accum(flag.value, (), "+", Get(row, (0,)), (p.dims[-1],)))
+            code.append(Accum(cells.value, cell, "+", Get(row, (0,)), (p.dims[-1],)))
         else:
-            code.append(Accum(flag.value, (), "+", term, p.dims))
-    return flag, Comp(tuple(code), f"checksum_{loss.label}")
+            code.append(Accum(cells.value, cell, "+", term, p.dims))
+    code.append(Accum(flag.value, (), "+", Get(cells.value, (0,)), (len(params),), reset=True))
+    return flag, cells, Comp(tuple(code), f"checksum_{loss.label}")
 
 
 # A gradient whose last axis has at least this many cells is checked a row at a time.

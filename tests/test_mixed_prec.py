@@ -767,16 +767,19 @@ def test_recipe_validation_and_state() -> None:
     gs.pending, gs.applied_steps, gs.skipped_steps = 3, 40, 5
     gs.windows, gs.skipped_windows = 11, 2
     s = gs.save_state()
-    assert s == "ocannl.GatedStep/2 pending=3 applied=40 skipped=5 windows=11 skipped_windows=2"
+    assert s == ("ocannl.GatedStep/3 pending=3 applied=40 skipped=5 windows=11 skipped_windows=2 "
+                 "micro=0 overflow=")
     gs.pending = gs.applied_steps = gs.skipped_steps = gs.windows = gs.skipped_windows = 0
     gs.restore_state(s)
     assert (gs.pending, gs.applied_steps, gs.skipped_steps, gs.windows,
             gs.skipped_windows) == (3, 40, 5, 11, 2)
     for old in ("ocannl.GatedStep/1 pending=2", "ocannl.GatedStep/1 pending=0",
-                "ocannl.GatedStep/3 pending=0 applied=0 skipped=0 windows=0 skipped_windows=0"):
+                "ocannl.GatedStep/2 pending=0 applied=0 skipped=0 windows=0 skipped_windows=0",
+                "ocannl.GatedStep/4 pending=0 applied=0 skipped=0 windows=0 skipped_windows=0 "
+                "micro=0 overflow="):
         version = old.split()[0].split("/")[1]
         with pytest.raises(Failure, match=rf"format ocannl\.GatedStep/{version}, which this "
-                                          rf"version does not read: expected format version 2"):
+                                          rf"version does not read: expected format version 3"):
             gs.restore_state(old)  # the first format held a position only: superseded
         assert (gs.pending, gs.applied_steps, gs.skipped_steps, gs.windows,
                 gs.skipped_windows) == (3, 40, 5, 11, 2)
@@ -787,10 +790,10 @@ def test_recipe_validation_and_state() -> None:
         with pytest.raises(Failure):
             gs.restore_state(bad_state)  # type: ignore[arg-type]
         assert (gs.pending, gs.applied_steps) == (3, 40)
-    assert gs.state_nodes() == [gs.nonfinite_seen.value]
+    assert gs.state_nodes() == [gs.nonfinite_seen.value, gs.overflow_seen]
     host = scaled_step(sc, rig.loss, sgd())
-    assert host.save_state() == ("ocannl.ScaledStep/2 pending=0 applied=0 skipped=0 windows=0 "
-                                 "skipped_windows=0")
+    assert host.save_state() == ("ocannl.ScaledStep/3 pending=0 applied=0 skipped=0 windows=0 "
+                                 "skipped_windows=0 micro=0 overflow=")
     with pytest.raises(Failure, match="check_interval=1"):
         host.restore_state(s.replace("GatedStep", "ScaledStep"))  # pending=3: past its window
     host.restore_state(s.replace("GatedStep", "ScaledStep").replace("pending=3", "pending=0"))

@@ -215,8 +215,8 @@ def test_adam_sigkill_then_resume_ends_bit_identical(tmp_path: Path) -> None:
     done, tensors, progress = sigkill_then_resume(tmp_path, common, steps)
     assert "accuracy" in done.stdout
     recipe_state = progress["extra"]["recipe"]
-    m = re.fullmatch(r"ocannl\.GatedStep/2 pending=0 applied=(\d+) skipped=(\d+) windows=\d+ "
-                     r"skipped_windows=\d+", recipe_state)
+    m = re.fullmatch(r"ocannl\.GatedStep/3 pending=0 applied=(\d+) skipped=(\d+) windows=\d+ "
+                     r"skipped_windows=\d+ micro=0 overflow=", recipe_state)
     assert m is not None, recipe_state
     applied, skipped = int(m[1]), int(m[2])
     assert applied + skipped == steps and skipped >= 3

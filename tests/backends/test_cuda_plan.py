@@ -106,12 +106,15 @@ def test_wide_mlp_checksum_and_loss_are_block_reductions() -> None:
     ks = plan.kernels
     flag = p.flag.value
     # The 1024x1024 gradient's checksum: its row of 1024 partial sums is a block reduction
-    # (a block per cells, its threads over the gradient's rows), then one block sums the row.
+    # (a block per cells, its threads over the gradient's rows), then one block sums the row
+    # into the parameter's flag cell, and the cells (one per parameter) sum into the flag.
     rows = [k for k in ks if k.nodes[0].name.startswith("checksum_rows_")
             and k.nodes[1].dims == (1024, 1024)]
     assert len(rows) == 1 and rows[0].kind == "reduce" and rows[0].block == cc.BLOCK
-    assert any(k.kind == "reduce" and k.grid == 1 and k.nodes == (flag, rows[0].nodes[0])
-               for k in ks)
+    cells = [k for k in ks if k.kind == "reduce" and k.grid == 1
+             and k.nodes[1:] == (rows[0].nodes[0],)]
+    assert len(cells) == 1 and cells[0].nodes[0].name.startswith("grad_flags_")
+    assert any(k.nodes == (flag, cells[0].nodes[0]) for k in ks)
     # No kernel reduces serially over more than SERIAL_RED_WIDE elements.
     for k in ks:
         for bound in map(int, _loop_bounds(k.source)):
