@@ -72,6 +72,8 @@ def torch_optimizer(kind: str, ws: list[torch.Tensor]) -> torch.optim.Optimizer:
         return torch.optim.SGD(ws, lr=0.1, momentum=0.9)
     if kind == "adam":
         return torch.optim.Adam(ws, lr=1e-2)
+    if kind == "adam3":  # the f16 twins' Adam (see test_clipping's f16 test)
+        return torch.optim.Adam(ws, lr=3e-3)
     if kind == "adamw":
         return torch.optim.AdamW(ws, lr=1e-2, weight_decay=0.1)
     raise ValueError(kind)
@@ -82,6 +84,8 @@ def ocannl_optimizer(kind: str) -> optim.Optimizer:
         return optim.SGD(0.1, momentum=0.9)
     if kind == "adam":
         return optim.Adam(1e-2)
+    if kind == "adam3":
+        return optim.Adam(3e-3)
     if kind == "adamw":
         return optim.AdamW(1e-2, weight_decay=0.1)
     raise ValueError(kind)

@@ -130,14 +130,15 @@ def test_recipe_f32_clipping_matches_torch(gate: str, clip: str, kind: str) -> N
     recipe_run("f32", gate, kind, CLIPS[clip])
 
 
+@pytest.mark.parametrize("kind", ["sgd", "adam3"])
 @pytest.mark.parametrize("gate", ["scaled", "gated"])
 @pytest.mark.parametrize("clip", ["norm2", "norminf", "value"])
-def test_recipe_f16_twins_clipping_matches_torch_f32(gate: str, clip: str) -> None:
+def test_recipe_f16_twins_clipping_matches_torch_f32(gate: str, clip: str, kind: str) -> None:
     """f16 twins of f32 masters under dynamic scaling, against torch f32 with GradScaler.
-    SGD: Adam's update is the same size whatever the gradient's, so on this model it carries
-    f16's rounding of the smallest gradients into the weights past 2e-3 within 30 steps, with
-    or without a clip (measured); the f32 runs above check the clip with Adam."""
-    recipe_run("f16", gate, "sgd", CLIPS[clip])
+    Adam at 3e-3: its update is the same size whatever the gradient's, so at 1e-2 it carried
+    f16's rounding of the smallest gradients into the weights to 2.6e-3 (the inf norm's losses
+    over 30 steps, measured); at 3e-3 the worst loss error measured was 2.2e-5."""
+    recipe_run("f16", gate, kind, CLIPS[clip])
 
 
 # --- a non-finite norm is a skip ---------------------------------------------------------------

@@ -13,7 +13,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import ocannl.tensor as T
-from ocannl import Context, Failure, checkpoint, nn_blocks, optim, train
+from ocannl import Context, Failure, checkpoint, nn_blocks, optim, schedules, train
 from ocannl.clipping import ClipNorm
 from ocannl.ir.expr import reads
 from ocannl.mixed_prec import Loss_scaler, Recipe, gated_step, scaled_step
@@ -47,10 +47,11 @@ class Rigged:
     """A recipe (clipping, Adam) that can poison a named gradient before the check: through the
     injector (``accumulate=1``) or, with ``accumulate=2``, between the two micro-batches."""
 
-    def __init__(self, gate: str, route: str, check_interval: int = 2) -> None:
+    def __init__(self, gate: str, route: str, check_interval: int = 2,
+                 opt: optim.Optimizer | None = None) -> None:
         self.rig: Rig = make_rig("f16")
         self.sc = Loss_scaler.create(init_scale=1024.0)
-        self.opt = optim.Adam(1e-2)
+        self.opt = optim.Adam(1e-2) if opt is None else opt
         self.injector = Injector() if route == "reducer" else None
         self.k = 1 if route == "reducer" else 2
         kw = {"clip": ClipNorm(0.15), "accumulate": self.k, "reducer": self.injector}
@@ -104,6 +105,32 @@ def test_a_skipped_step_changes_no_state_and_names_the_parameter(gate: str,
     r.step()
     assert r.recipe.last_overflow == () and r.snapshot() != before
     assert (r.recipe.applied_steps, r.recipe.skipped_steps) == (3, 1)
+
+
+@pytest.mark.parametrize("gate", ["scaled", "gated"])
+def test_a_skipped_step_under_a_schedule_advances_its_counter_alone(gate: str) -> None:
+    """Clipping, accumulation over 2 micro-batches and a warm-up-then-cosine schedule: a step
+    skipped for one named parameter's infinity keeps every bit of the training state but the
+    schedule's counter (the iterations, applied and skipped), which advances by one; the next
+    applied step uses the rate of the iteration after the skipped one."""
+    sched = schedules.warmup_cosine(1e-2, warmup_iters=3, T_max=10, start_factor=0.1)
+    r = Rigged(gate, "accumulate", opt=optim.Adam(lr=sched))
+    counter = r.opt.schedule_counter
+    assert r.state[-1] is counter  # the checkpoint holds it, last
+    r.step()
+    before = r.snapshot()
+    assert r.ctx.get_value(counter) == 1.0 and r.ctx.get_value(r.opt.step_counter) == 1.0
+    r.step(("mlp_w1", math.inf))  # the fused gate's window of 2 closes here
+    after = r.snapshot()
+    assert after[:-1] == before[:-1]  # parameters, moments, Adam's step: the same bits
+    assert r.ctx.get_value(counter) == 2.0
+    assert r.recipe.last_overflow == ("mlp_w1",)
+    assert (r.recipe.applied_steps, r.recipe.skipped_steps, r.recipe.micro) == (1, 1, 0)
+    r.step()
+    assert r.ctx.get_value(counter) == 3.0 and r.ctx.get_value(r.opt.step_counter) == 2.0
+    assert r.ctx.get_value(r.opt.lr_node) == np.float32(sched.lr_at(2))
+    # the host gate sampled this step; the fused gate's open window keeps the last one's names
+    assert r.recipe.last_overflow == (() if gate == "scaled" else ("mlp_w1",))
 
 
 def test_the_fused_windows_names_are_sticky_over_the_window() -> None:
