@@ -317,6 +317,28 @@ def refuse_mpi_launch(program: str, *, data_parallel: bool = False) -> None:
              f"would train the same run alone and write the same files; {fix}")
 
 
+class SkipReport:
+    """The line an example prints when the host learns that a window of steps was skipped:
+    the parameters whose gradients were not finite (``Recipe.last_overflow``), or that their
+    norm overflowed when every gradient was finite."""
+
+    def __init__(self, recipe: object) -> None:
+        self.recipe = recipe
+        self.seen = recipe.skipped_steps
+
+    def say(self, step: int, say: Callable[[str], object] = print) -> None:
+        """After step ``step`` (counted from 0) or a flush: report newly sampled skips."""
+        r = self.recipe
+        if r.skipped_steps == self.seen:
+            return
+        n, self.seen = r.skipped_steps - self.seen, r.skipped_steps
+        why = (f"non-finite gradients in {', '.join(r.last_overflow)}" if r.last_overflow
+               else "the gradients' norm overflowed")
+        steps = "1 step" if n == 1 else f"{n} steps"
+        say(f"step {step + 1}: {steps} skipped since the last check ({why}); loss scale now "
+            f"{r.scaler.scale_value():g}")
+
+
 def restore_recipe(ctx: Context, progress: object, scaler: object, recipe: object) -> Context:
     """The loss scaler's and the recipe's state from a checkpoint's progress; ``KeyError``
     naming what the checkpoint lacks."""

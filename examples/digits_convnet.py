@@ -30,6 +30,7 @@ from common import (  # noqa: E402
     BACKENDS,
     F32_MAX,
     ExampleParser,
+    SkipReport,
     canonical,
     integer,
     make_context,
@@ -194,18 +195,23 @@ def main(argv: list[str] | None = None) -> int:
 
         bar = tqdm(total=args.steps, initial=start, unit="step", dynamic_ncols=True)
     ctx = run.ctx
+    skips = SkipReport(recipe)
+    say = print if bar is None else bar.write
     for step in range(start, args.steps):
         ctx = recipe.step(loader.next(ctx))
+        skips.say(step, say)
         if recipe.pending == 0 and bar is not None:  # a window's end: no extra sync
             bar.set_postfix(loss=f"{ctx.get_value(loss):.4f}", scale=f"{scaler.scale_value():g}")
         if bar is not None:
             bar.update(1)
         if args.checkpoint is not None and (step + 1) % args.checkpoint_every == 0:
             run.ctx = ctx = recipe.flush(ctx)
+            skips.say(step, say)
             save(step + 1)
     if bar is not None:
         bar.close()
     run.ctx = ctx = recipe.flush(ctx)
+    skips.say(args.steps - 1)
     # The last step's loss, whether or not a window (or a checkpoint) ended there.
     final_loss = ctx.get_value(loss) if start < args.steps else None
     if args.checkpoint is not None and start < args.steps:

@@ -51,6 +51,7 @@ from common import (
     BACKENDS,
     F32_MAX,
     ExampleParser,
+    SkipReport,
     foreign_problem,
     integer,
     make_context,
@@ -403,12 +404,16 @@ def main(argv: list[str] | None = None) -> int:
     # (step, loss, scale) samples. The fused recipe's point is not to wait for the device every
     # step, so it reads the loss only where it reads the overflow flag anyway: at window ends.
     history: list[tuple[int, float, float]] = []
+    skips = SkipReport(recipe)
+    say = print if bar is None else bar.write
     for step in range(start, args.steps):
         ctx = loader.next(ctx)
         if step in args.inject and lead:  # the global batch's first row
             ctx = ctx.set_value(x, np.inf, (0, 0))
         scale = scaler.scale_value()
         ctx = recipe.step(ctx)
+        if lead:
+            skips.say(step, say)
         if recipe.pending == 0:  # the host sampled this step: reading the loss costs no sync
             history.append((step, global_loss(), scale))
         if args.checkpoint is not None and (step + 1) % args.checkpoint_every == 0:
@@ -428,6 +433,8 @@ def main(argv: list[str] | None = None) -> int:
     # those of every step; a run resumed from its last checkpoint reports the same.
     pending = recipe.pending
     ctx = recipe.flush(ctx)
+    if lead:
+        skips.say(args.steps - 1)
     final_loss = global_loss() if ran else saved_loss
     if ran and pending:
         history.append((args.steps - 1, final_loss, scaler.scale_value()))

@@ -49,6 +49,7 @@ from common import (  # noqa: E402
     BACKENDS,
     F32_MAX,
     ExampleParser,
+    SkipReport,
     batch_indices,
     canonical,
     integer,
@@ -62,7 +63,17 @@ from common import (  # noqa: E402
 )
 
 import ocannl.tensor as T  # noqa: E402
-from ocannl import Context, Failure, checkpoint, mixed_prec, nn_blocks, optim, train  # noqa: E402
+from ocannl import (  # noqa: E402
+    Context,
+    Failure,
+    checkpoint,
+    mixed_prec,
+    nn_blocks,
+    optim,
+    schedules,
+    train,
+)
+from ocannl.clipping import ClipNorm  # noqa: E402
 from ocannl.loader import Loader  # noqa: E402
 from ocannl.model import Evaluation, Model, compile_eval  # noqa: E402
 
@@ -74,8 +85,11 @@ _CODE = {c: k + 1 for k, c in enumerate(CHARS)}
 
 PROGRAM = "tiny_gpt.py"
 # The settings a checkpoint was trained under (flag names): a resume must use the same.
-CONFIG_KEYS = ("prec", "context", "d-model", "heads", "layers", "d-ff", "batch", "lr", "seed",
-               "check-interval", "init-scale", "corpus-chars", "corpus-sha256")
+CONFIG_KEYS = ("prec", "context", "d-model", "heads", "layers", "d-ff", "batch", "lr",
+               "warmup-steps", "cosine-steps", "clip-norm", "seed", "check-interval",
+               "init-scale", "corpus-chars", "corpus-sha256")
+# A warm-up starts from this fraction of the learning rate.
+WARMUP_FROM = 0.01
 
 
 def build_parser() -> ExampleParser:
@@ -94,6 +108,14 @@ def build_parser() -> ExampleParser:
                     help="hidden width of each block's MLP (none: 4 * --d-model)")
     ap.add_argument("--lr", type=real(0, F32_MAX, lo_open=True, f32=True), default=3e-3,
                     help="Adam's learning rate")
+    ap.add_argument("--warmup-steps", type=integer(0, 2**24), default=0,
+                    help="linear warm-up of the learning rate from 1%% of --lr over this many "
+                         "steps (0: none)")
+    ap.add_argument("--cosine-steps", type=integer(0, 2**24), default=0,
+                    help="cosine decay of the learning rate to 0 over this many steps, after "
+                         "the warm-up (0: a constant rate)")
+    ap.add_argument("--clip-norm", type=real(0, F32_MAX, f32=True), default=0.0,
+                    help="clip the gradients' global 2-norm to this (0: no clipping)")
     ap.add_argument("--check-interval", type=integer(1, 2**24), default=16,
                     help="steps between two host reads of the skipped-step count")
     ap.add_argument("--init-scale", type=real(0, F32_MAX, lo_open=True, f32=True),
@@ -221,6 +243,21 @@ def gpt_model(args: argparse.Namespace) -> Model:
     return Model(build, name="tiny gpt")
 
 
+def learning_rate(args: argparse.Namespace) -> float | schedules.Schedule:
+    """``--lr``, warmed up over ``--warmup-steps`` and decayed over ``--cosine-steps``, as
+    torch's ``LinearLR`` then ``CosineAnnealingLR`` in a ``SequentialLR`` (computed on the
+    device, counted by iterations: ``ocannl.schedules``)."""
+    warm, cosine = args.warmup_steps, args.cosine_steps
+    if warm and cosine:
+        return schedules.warmup_cosine(args.lr, warmup_iters=warm, T_max=cosine,
+                                       start_factor=WARMUP_FROM)
+    if warm:
+        return schedules.LinearLR(args.lr, start_factor=WARMUP_FROM, total_iters=warm)
+    if cosine:
+        return schedules.CosineAnnealingLR(args.lr, T_max=cosine)
+    return args.lr
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     refuse_mpi_launch(PROGRAM)
@@ -265,9 +302,11 @@ def run(args: argparse.Namespace) -> int:
     logits, masters = model(ids, train=True)
     loader = Loader([x_train, y_train], [ids, targets], batch=args.batch, seed=args.seed)
     loss = nn_blocks.cross_entropy(logits, targets)
-    adam = optim.Adam(args.lr)
+    adam = optim.Adam(learning_rate(args))
     scaler = mixed_prec.Loss_scaler.create(init_scale=args.init_scale)
-    recipe = mixed_prec.gated_step(scaler, loss, adam, check_interval=args.check_interval)
+    clip = ClipNorm(args.clip_norm) if args.clip_norm else None
+    recipe = mixed_prec.gated_step(scaler, loss, adam, check_interval=args.check_interval,
+                                   clip=clip)
     ctx = train.init_params(ctx, loss)
     initial = {name: ctx.get_values(p) for name, p in masters.items()}  # for --compare-torch
     t0 = time.perf_counter()
@@ -288,6 +327,7 @@ def run(args: argparse.Namespace) -> int:
                      f"{type(err).__name__ + ' ' if isinstance(err, KeyError) else ''}{err}")
         start = progress.step
         print(f"resumed from {args.checkpoint} at step {start}", flush=True)
+    skips = SkipReport(recipe)
 
     def save(step: int) -> None:
         extra = {**recipe_extra(PROGRAM, config, scaler, recipe), "loader": loader.save_state()}
@@ -308,6 +348,7 @@ def run(args: argparse.Namespace) -> int:
     t1 = time.perf_counter()
     for step in range(start, args.steps):
         ctx = recipe.step(loader.next(ctx))
+        skips.say(step, say)
         if bar is not None:
             if recipe.pending == 0:  # sampled at this window's end: no extra sync
                 bar.set_postfix(loss=f"{ctx.get_value(loss):.4f}",
@@ -315,9 +356,11 @@ def run(args: argparse.Namespace) -> int:
             bar.update(1)
         if args.checkpoint is not None and (step + 1) % args.checkpoint_every == 0:
             ctx = recipe.flush(ctx)
+            skips.say(step, say)
             save(step + 1)
         if (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
             ctx = recipe.flush(ctx)
+            skips.say(step, say)
             say(f"step {step + 1}: train loss {mean_loss(train_eval):.4f}, "
                 f"validation loss {mean_loss(val_eval):.4f}")
     if bar is not None:
@@ -428,16 +471,35 @@ def torch_validation_loss(args: argparse.Namespace, initial: dict[str, np.ndarra
     model = TorchGPT(vocab=VOCAB, context=args.context, d_model=args.d_model, heads=args.heads,
                      layers=args.layers, d_ff=args.d_ff).load(initial)
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+    sched = torch_schedule(args, opt)
     for step in range(args.steps):
         idx = batch_indices(step, len(x_train), args.batch, args.seed)
         opt.zero_grad()
         out = model(torch.tensor(x_train[idx]))
         F.cross_entropy(out.reshape(-1, VOCAB), torch.tensor(y_train[idx]).reshape(-1)).backward()
+        if args.clip_norm:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_norm)
         opt.step()
+        if sched is not None:
+            sched.step()
     with torch.no_grad():
         xs, ys = val_eval
         out = model(torch.tensor(xs.reshape(-1, args.context))).double()
         return float(F.cross_entropy(out.reshape(-1, VOCAB), torch.tensor(ys).reshape(-1)))
+
+
+def torch_schedule(args: argparse.Namespace, opt: object) -> object | None:
+    """torch's twin of :func:`learning_rate` over ``opt``, or None for a constant rate."""
+    from torch.optim import lr_scheduler as ls
+
+    parts = []
+    if args.warmup_steps:
+        parts.append(ls.LinearLR(opt, start_factor=WARMUP_FROM, total_iters=args.warmup_steps))
+    if args.cosine_steps:
+        parts.append(ls.CosineAnnealingLR(opt, T_max=args.cosine_steps))
+    if len(parts) == 2:
+        return ls.SequentialLR(opt, parts, milestones=[args.warmup_steps])
+    return parts[0] if parts else None
 
 
 if __name__ == "__main__":

@@ -1,13 +1,20 @@
 """examples/tiny_gpt.py end to end on a tiny model: it trains (and --compare-torch runs), a
 killed run resumes to the same final summary (losses, loss scale, skipped steps, sampled text)
-as the uninterrupted one, and a resume under other settings is refused naming them."""
+as the uninterrupted one, also killed ten times at random moments under a warm-up-then-cosine
+schedule, clipping and the loader (the final checkpoint the same bytes), and a resume under
+other settings is refused naming them."""
 
 from __future__ import annotations
 
 import os
+import random
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+from ocannl import checkpoint
 
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "tiny_gpt.py"
 TINY = ("--context", "8", "--d-model", "16", "--heads", "2", "--layers", "1", "--batch", "4",
@@ -56,3 +63,47 @@ def test_several_processes_of_an_mpi_launcher_are_refused():
     assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
     assert "one of 2 MPI processes (PMI_SIZE=2)" in proc.stderr
     assert "run it without the launcher" in proc.stderr and "corpus" not in proc.stdout
+
+
+def test_killed_ten_times_at_random_moments_it_ends_as_the_uninterrupted_run(tmp_path):
+    """Warm-up then cosine, clipping at 0.5, f16 twins, batches from the loader, a checkpoint
+    every 5 steps: SIGKILL ten times during training, each at a random moment (seeded: a
+    random number of steps past the last checkpoint, then a random delay of up to 50 ms, so
+    between checkpoints or while one is written), each rerun resuming from the last
+    checkpoint, ends with the uninterrupted run's summary and checkpoint."""
+    args = ("--steps", "600", "--warmup-steps", "20", "--cosine-steps", "580", "--clip-norm",
+            "0.5", "--checkpoint-every", "5", "--eval-every", "1000")
+    whole = _run(*args, "--checkpoint", str(tmp_path / "whole.safetensors"))
+    path = tmp_path / "killed.safetensors"
+    cmd = [sys.executable, str(SCRIPT), "--backend", "cpu", "--no-progress", *TINY, *args,
+           "--checkpoint", str(path), "--resume"]
+    rng = random.Random(27)
+    at = []
+    for _ in range(10):
+        start = checkpoint.read_progress(path).step if path.exists() else 0
+        target = min(start + rng.randint(1, 50), 560)
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        try:
+            while not (path.exists() and checkpoint.read_progress(path).step >= target):
+                assert proc.poll() is None, proc.stderr.read()[-3000:]  # killed, not ended
+                time.sleep(0.005)
+            time.sleep(rng.uniform(0.0, 0.05))
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=60)
+        assert proc.returncode == -signal.SIGKILL
+        at.append(checkpoint.read_progress(path).step)
+    assert at == sorted(at) and at[-1] < 600, at
+    resumed = _run(*args, "--checkpoint", str(path), "--resume")
+    assert "resumed from" in resumed.stdout
+    assert _summary(resumed.stdout) == _summary(whole.stdout)
+    assert _contents(path) == _contents(tmp_path / "whole.safetensors")
+
+
+def _contents(path: Path) -> tuple[dict[str, str], dict[str, bytes]]:
+    """A checkpoint's metadata and every tensor's bytes (the file's own layout, its header's
+    order, varies from process to process)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), "np") as f:
+        return f.metadata(), {k: f.get_tensor(k).tobytes() for k in f.keys()}  # noqa: SIM118
