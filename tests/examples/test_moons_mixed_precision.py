@@ -496,3 +496,20 @@ def test_under_a_real_mpiexec_without_data_parallel_every_rank_refuses(tmp_path:
     assert done.stderr.count("was started as one of 2 MPI processes (PMI_SIZE=2)") == 2, \
         done.stderr
     assert "accuracy" not in done.stdout and not ckpt.exists()
+
+
+@pytest.mark.parametrize("gate", ["fused", "host"])
+def test_a_skip_is_reported_with_the_names_of_the_overflowing_parameters(gate: str) -> None:
+    """An infinity in the batch at steps 40 and 41 poisons every gradient: the host learns of
+    it at the window's end (fused: the window of 16 ending at step 48, both steps) or at once
+    (host: a line per step), and the example names the parameters (``Recipe.last_overflow``)."""
+    out = run("--gate", gate, "--steps", "60", "--inject-nonfinite", "40,41")
+    assert out.returncode == 0, out.stderr
+    lines = [line for line in out.stdout.splitlines() if "skipped since the last check" in line]
+    names = "non-finite gradients in mlp_w0, mlp_b0, mlp_w1, mlp_b1, mlp_w2, mlp_b2"
+    if gate == "fused":
+        assert lines == [f"step 48: 2 steps skipped since the last check ({names}); loss "
+                         f"scale now 32768"], out.stdout
+    else:
+        assert [line.split(":")[0] for line in lines] == ["step 41", "step 42"], out.stdout
+        assert all(names in line for line in lines), lines
