@@ -1,7 +1,8 @@
 # One entry point: `make demo` runs the main example, `make test` the test suite.
 # Each creates the local virtual environment .venv on first use and installs what it needs:
 # the demo the package and what the examples use (no PyTorch, no CUDA wheels); the tests add
-# PyTorch (the oracle), the CUDA compiler wheels (CI compiles every kernel with NVRTC) and
+# PyTorch (the oracle), the CUDA compiler wheels of CUDA 12 and 13 (CI compiles every kernel
+# with both NVRTC majors) and
 # Intel's MKL (the products' BLAS on Intel CPUs; the benchmarks run in this environment).
 # One stamp per set, so `make test` after `make demo` upgrades the same .venv.
 PYTHON ?= python3
@@ -23,7 +24,7 @@ $(DEMO_STAMP): pyproject.toml | $(PY)
 	touch $@
 
 $(TEST_STAMP): pyproject.toml | $(PY)
-	$(PY) -m pip install -q -e '.[plot,examples,test,gpu,dist,mkl]'
+	$(PY) -m pip install -q -e '.[plot,examples,test,gpu,nvrtc-check,dist,mkl]'
 	touch $@
 
 $(DIST_STAMP): pyproject.toml | $(PY)

@@ -20,11 +20,12 @@ from pathlib import Path
 
 import cuda_cases
 import cuda_models
+import numpy as np
 import pytest
 
 from ocannl.backends.cuda import nvrtc
 from ocannl.backends.cuda.plan import cuda_sources, cuda_target, plan_routine
-from ocannl.ir.lowering import lower
+from ocannl.backends.cuda.runtime import from_storage, storage_dtype, to_storage
 from ocannl.ir.ops import Precision
 
 MAJORS = (12, 13)  # the CUDA majors every kernel is compiled with
@@ -125,35 +126,67 @@ def _compile_all(sources: dict[str, str], major: int, arch_list: tuple[str, ...]
         return [f for fails in pool.map(run, jobs) for f in fails]
 
 
+class _RecordingCuda:
+    """A backend that lowers for the CUDA target and records the code instead of running it:
+    host buffers as the CUDA backend stores them, routines that do nothing. What
+    ``Context.cuda()`` would be asked to compile, with no GPU and no CPU compile."""
+
+    name = "cuda"
+
+    def __init__(self) -> None:
+        self.codes: list[list] = []
+
+    @property
+    def target(self):  # noqa: ANN201 - ocannl.ir.target.Target
+        return cuda_target()
+
+    def alloc(self, node):  # noqa: ANN001, ANN201
+        return np.zeros(node.size, dtype=storage_dtype(node.prec))
+
+    def write(self, node, buf, host) -> None:  # noqa: ANN001
+        buf[:] = to_storage(node, host)
+
+    def read(self, node, buf):  # noqa: ANN001, ANN201
+        return from_storage(node, buf.copy())
+
+    def reader(self, node, buf, pos):  # noqa: ANN001, ANN201
+        return lambda: float(self.read(node, buf)[pos])
+
+    def compile(self, label, code, nodes):  # noqa: ANN001, ANN201
+        self.codes.append(list(code))
+        return code, True
+
+    def bind(self, compiled, buffers):  # noqa: ANN001, ANN201
+        return lambda: None
+
+    def synchronize(self) -> None:
+        return None
+
+
 @functools.cache
 def _benchmark_sources() -> dict[str, str]:
     """Distinct kernel source -> where it comes from, over every routine of every benchmark
-    step (``benchmarks.specs``: each workload, each variant), as the CPU runner compiles them
-    (its model, weights and recipe), lowered for the CUDA target and planned."""
+    step (``benchmarks.specs``: each workload, each variant), built by this project's runner
+    (its model, weights and recipe) on a context lowering for the CUDA target, and planned."""
     from benchmarks.fixtures import from_tensors, generate
-    from benchmarks.runners import make_runner
+    from benchmarks.runners import make_runner, ocannl_runner
     from benchmarks.specs import VARIANTS, WORKLOADS
-    from ocannl import context
+    from ocannl import Context
 
     out: dict[str, str] = {}
-    compile_ = context.Context.compile
+    make_context = ocannl_runner.make_context
     for w in WORKLOADS.values():
         fx = from_tensors(w, generate(w))
         for variant in VARIANTS:
-            comps = []
-
-            def capture(self, comp, bindings=None, _comps=comps):  # noqa: ANN001, ANN202
-                _comps.append(comp)
-                return compile_(self, comp, bindings)
-
-            context.Context.compile = capture  # type: ignore[method-assign]
+            backend = _RecordingCuda()
+            ocannl_runner.make_context = lambda device, _b=backend: Context(_b)
             try:
                 make_runner(fx, "ocannl", variant, "cpu").build()
             finally:
-                context.Context.compile = compile_  # type: ignore[method-assign]
-            assert comps, f"{w.name} {variant}: the runner compiled nothing"
-            for k, comp in enumerate(comps):
-                for src in plan_routine(lower(comp, cuda_target())).sources():
+                ocannl_runner.make_context = make_context
+            assert backend.codes, f"{w.name} {variant}: the runner compiled nothing"
+            for k, code in enumerate(backend.codes):
+                for src in plan_routine(code).sources():
                     out.setdefault(src, f"{w.name} {variant} routine {k}")
     return out
 
