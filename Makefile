@@ -49,9 +49,9 @@ test: $(TEST_STAMP)
 bench: $(TEST_STAMP)
 	$(PY) benchmarks/quick_mlp.py
 
-# On a machine with an NVIDIA GPU (a bare one will do): installs the project (`pip install -e .`,
-# extras only for what is missing), reports missing packages, then a smoke step, the gpu-marked
-# tests, compute-sanitizer, the GPU example and a timing, each under its own time limit (under
-# 8 minutes in all); logs under $OUT (default gpu_check_out/); exit status 0 only on a pass.
+# On a machine with an NVIDIA GPU (its own Python and CuPy, no network needed): five parts
+# (environment and smoke, the gpu-marked tests, memcheck, a timing against PyTorch CUDA, the
+# moons example resumed from a checkpoint) within 6 minutes, logs under $OUT (default
+# gpu_check_out/), the verdict last; exit status 0 only on a pass (README.md, "GPU").
 gpu-check:
 	bash scripts/gpu_check.sh
