@@ -53,9 +53,10 @@ def test_rows_run_cheapest_first_and_cover_every_pair() -> None:
     assert [r.note for r in dry if r.variant == "compile-ro"] == ["CUDA only"]
 
 
-def test_a_dry_run_on_the_cpu_runs_every_row_end_to_end() -> None:
+def test_a_dry_run_on_the_cpu_runs_every_row_end_to_end(tmp_path: Path) -> None:
     res = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_timing.py"), "--dry-run",
-                          "--workloads", "mlp_small", "--chunks", "1", "--warmup", "0"],
+                          "--workloads", "mlp_small", "--chunks", "1", "--warmup", "0",
+                          "--fixtures", str(tmp_path)],
                          capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "DRY RUN on the CPU: these are not GPU timings" in res.stdout
@@ -70,6 +71,7 @@ def test_a_dry_run_on_the_cpu_runs_every_row_end_to_end() -> None:
     ours, theirs = float(rows["ocannl", "f32"][9]), float(rows["torch", "eager"][9])
     assert ours == pytest.approx(theirs, rel=1e-5)
     assert "mlp_small: ocannl f32 / torch eager (wall): " in res.stdout
+    assert [p.name for p in tmp_path.iterdir()] == ["mlp_small.safetensors"]
 
 
 def test_without_a_gpu_and_no_dry_run_nothing_is_timed() -> None:
