@@ -79,7 +79,8 @@ elif [ -x .venv/bin/python ]; then PY="$ROOT/.venv/bin/python"
 else PY=python3; fi
 TMP="$(mktemp -d)"
 trap 'rm -rf "$TMP"' EXIT
-export PYTHONPATH="$ROOT:$ROOT/tests/backends:$TMP${PYTHONPATH:+:$PYTHONPATH}"
+# the tree, the tests' helpers, the per-test limit plugin (scripts/gpu_check_time_limit.py)
+export PYTHONPATH="$ROOT:$ROOT/tests/backends:$ROOT/scripts${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 START=$SECONDS
 summary="$OUT/summary.log"
@@ -213,31 +214,6 @@ rc = subprocess.run([py, os.path.join(root, "tests", "backends", "gpu_smoke.py")
 raise SystemExit(rc)
 PYEOF
 
-# Each test under a time limit (SIGALRM: a test stuck in Python fails and the next one runs;
-# one stuck in a driver call is named by faulthandler and ended by the part's own limit).
-cat > "$TMP/gpu_check_time_limit.py" <<'PYEOF'
-import os
-import signal
-
-import pytest
-
-LIMIT = int(os.environ.get("GPU_CHECK_TEST_LIMIT", "0"))
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_call(item):
-    def over(signum, frame):
-        raise TimeoutError(f"{item.nodeid} ran over its limit of {LIMIT} s")
-
-    old = signal.signal(signal.SIGALRM, over)
-    signal.alarm(LIMIT)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
-PYEOF
-
 export GPU_CHECK_ROOT="$ROOT" GPU_CHECK_STATE="$TMP/state"
 echo "gpu the env part did not say (run it: --only env,...)" > "$GPU_CHECK_STATE"
 if wants env; then
@@ -276,11 +252,14 @@ if wants moons; then
 fi
 
 say "parts: ${selected[*]}; logs in $OUT ($((SECONDS - START)) s in all)"
+what=""  # the missing packages of the parts run
+for p in "${selected[@]}"; do
+    [ -n "${missing_for[$p]:-}" ] && what="${what:+$what; }$p needs ${missing_for[$p]}"
+done
 if [ "$failed" -eq 0 ]; then
     say "gpu_check: PASS (every part passed)"
-elif [ "${#missing_for[@]}" -gt 0 ]; then
-    say "gpu_check: NOT A PASS: missing packages ($(for p in "${!missing_for[@]}"; do
-        printf '%s: %s; ' "$p" "${missing_for[$p]}"; done))"
+elif [ -n "$what" ]; then
+    say "gpu_check: NOT A PASS: missing packages ($what)${gpu_reason:+; no GPU ($gpu_reason)}"
 elif [ -n "$gpu_reason" ]; then
     say "gpu_check: NOT A PASS: no GPU ($gpu_reason)"
 else

@@ -100,10 +100,11 @@ def _check_one(src: str, where: str, arch: str, major: int) -> str | None:
 _NAME = re.compile(r"(__launch_bounds__\(\d+\) ocannl_\w+)\(")
 
 
-def _compile_all(sources: dict[str, str], major: int, arch_list: tuple[str, ...] | None = None,
-                 batch: int = 48) -> list[str]:
+def _compile_all(sources: dict[str, str], major: int | None = None,
+                 arch_list: tuple[str, ...] | None = None, batch: int = 48) -> list[str]:
     """Compile every source for every arch of ``archs(major)`` (or ``arch_list``) with the
-    NVRTC of ``major``; returns the failures with their logs.
+    NVRTC of ``major`` (None: with each of ``MAJORS`` found here); returns the failures with
+    their logs.
 
     Kernels are compiled in batches, each kernel renamed apart in one translation unit (the
     per-program cost dominates NVRTC's time); a batch that fails is recompiled kernel by
@@ -111,16 +112,17 @@ def _compile_all(sources: dict[str, str], major: int, arch_list: tuple[str, ...]
     """
     items = list(sources.items())
     groups = [[it for it in items if ("double" in it[0]) == f64] for f64 in (False, True)]
-    jobs = [(g[k:k + batch], arch) for g in groups for k in range(0, len(g), batch)
-            for arch in (arch_list or archs(major))]
+    majors = [major] if major is not None else [m for m in MAJORS if _missing[m] is None]
+    jobs = [(g[k:k + batch], arch, m) for m in majors for g in groups
+            for k in range(0, len(g), batch) for arch in (arch_list or archs(m))]
 
-    def run(job: tuple[list[tuple[str, str]], str]) -> list[str]:
-        chunk, arch = job
+    def run(job: tuple[list[tuple[str, str]], str, int]) -> list[str]:
+        chunk, arch, m = job
         text = "\n".join(_NAME.sub(rf"\1_{k}(", src, count=1) for k, (src, _) in enumerate(chunk))
-        if _check_one(text, f"batch of {len(chunk)}", arch, major) is None:
+        if _check_one(text, f"batch of {len(chunk)}", arch, m) is None:
             return []
         return [f for src, where in chunk
-                if (f := _check_one(src, where, arch, major)) is not None]
+                if (f := _check_one(src, where, arch, m)) is not None]
 
     with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
         return [f for fails in pool.map(run, jobs) for f in fails]

@@ -70,3 +70,26 @@ def test_without_a_gpu_the_verdict_is_not_a_pass(tmp_path: Path) -> None:
     assert "numpy " in env_log and "GPU: " in env_log and "smoke: no GPU" in env_log
     assert "not run: no GPU" in (out / "tests.log").read_text()
     assert summary.strip().splitlines()[-1] == lines[-1]
+
+
+def test_the_per_test_limit_fails_a_slow_test_and_runs_the_next(tmp_path: Path) -> None:
+    (tmp_path / "test_slow.py").write_text(
+        "import time\n\n"
+        "def test_sleeps():\n    time.sleep(30)\n\n"
+        "def test_quick():\n    assert True\n")
+    env = {**os.environ, "GPU_CHECK_TEST_LIMIT": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "scripts"), os.environ.get("PYTHONPATH",
+                                                                                 "")])}
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          "-p", "gpu_check_time_limit", str(tmp_path / "test_slow.py")],
+                         capture_output=True, text=True, timeout=25, env=env, cwd=tmp_path)
+    assert res.returncode == 1, res.stdout
+    assert "test_sleeps ran over its limit of 1 s" in res.stdout
+    assert "1 failed, 1 passed" in res.stdout
+    env["GPU_CHECK_TEST_LIMIT"] = "soon"
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          "-p", "gpu_check_time_limit", str(tmp_path / "test_slow.py"),
+                          "-k", "quick"], capture_output=True, text=True, timeout=25, env=env,
+                         cwd=tmp_path)
+    assert res.returncode != 0 and "GPU_CHECK_TEST_LIMIT must be whole seconds, got 'soon'" in (
+        res.stdout + res.stderr)
