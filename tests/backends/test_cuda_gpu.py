@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -228,13 +229,17 @@ def _checkpoint(path: Path) -> tuple[dict[str, np.ndarray], dict]:
 
 
 def test_moons_example_on_cuda_resumes_exactly_and_tracks_the_cpu(tmp_path: Path) -> None:
-    """``--backend cuda``: a run stopped at step 160 and resumed to 240 ends bit-identical to an
-    uninterrupted one; its state stays close to the CPU backend's (a trajectory of f16
-    training: compared relative to each tensor's largest value)."""
+    """``--backend cuda``: the uninterrupted run reaches 97% held-out accuracy; a run stopped at
+    step 160 and resumed to 240 ends bit-identical to it; its state stays close to the CPU
+    backend's (a trajectory of f16 training: compared relative to each tensor's largest
+    value)."""
     common = ["--checkpoint-every", "80", "--inject-nonfinite", "50,51"]
     whole, part, cpu = tmp_path / "whole.st", tmp_path / "part.st", tmp_path / "cpu.st"
     done = _example("--backend", "cuda", "--steps", "240", *common, "--checkpoint", str(whole))
     assert "backend cuda" in done.stdout
+    accuracy = re.search(r"^accuracy: ([\d.]+)% on \d+ held-out points$", done.stdout, re.M)
+    assert accuracy is not None, done.stdout
+    assert float(accuracy.group(1)) >= 97.0, done.stdout  # the issue's target on the GPU
     _example("--backend", "cuda", "--steps", "160", *common, "--checkpoint", str(part))
     resumed = _example("--backend", "cuda", "--steps", "240", *common, "--checkpoint", str(part),
                        "--resume")
