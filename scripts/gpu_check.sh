@@ -219,7 +219,7 @@ echo "gpu the env part did not say (run it: --only env,...)" > "$GPU_CHECK_STATE
 if wants env; then
     run_part env "$PY" "$TMP/env_check.py"
 else  # the other parts still need to know whether there is a GPU and what is missing
-    "$PY" - > "$OUT/gpu_state.log" 2>&1 <<'PYEOF'
+    timeout --kill-after=5 30 "$PY" - > "$OUT/gpu_state.log" 2>&1 <<'PYEOF'
 import os
 try:
     from ocannl.backends.cuda.runtime import cuda_unavailable_reason
