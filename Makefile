@@ -1,7 +1,8 @@
 # One entry point: `make demo` runs the main example, `make test` the test suite.
 # Each creates the local virtual environment .venv on first use and installs what it needs:
 # the demo the package and what the examples use (no PyTorch, no CUDA wheels); the tests add
-# PyTorch (the oracle), the CUDA compiler wheels (CI compiles every kernel with NVRTC) and
+# PyTorch (the oracle), the CUDA compiler wheels of CUDA 12 and 13 (CI compiles every kernel
+# with both NVRTC majors) and
 # Intel's MKL (the products' BLAS on Intel CPUs; the benchmarks run in this environment).
 # One stamp per set, so `make test` after `make demo` upgrades the same .venv.
 PYTHON ?= python3
@@ -23,7 +24,7 @@ $(DEMO_STAMP): pyproject.toml | $(PY)
 	touch $@
 
 $(TEST_STAMP): pyproject.toml | $(PY)
-	$(PY) -m pip install -q -e '.[plot,examples,test,gpu,dist,mkl]'
+	$(PY) -m pip install -q -e '.[plot,examples,test,gpu,nvrtc-check,dist,mkl]'
 	touch $@
 
 $(DIST_STAMP): pyproject.toml | $(PY)
@@ -48,9 +49,9 @@ test: $(TEST_STAMP)
 bench: $(TEST_STAMP)
 	$(PY) benchmarks/quick_mlp.py
 
-# On a machine with an NVIDIA GPU (a bare one will do): installs the project (`pip install -e .`,
-# extras only for what is missing), reports missing packages, then a smoke step, the gpu-marked
-# tests, compute-sanitizer, the GPU example and a timing, each under its own time limit (under
-# 8 minutes in all); logs under $OUT (default gpu_check_out/); exit status 0 only on a pass.
+# On a machine with an NVIDIA GPU (its own Python and CuPy, no network needed): five parts
+# (environment and smoke, the gpu-marked tests, memcheck, a timing against PyTorch CUDA, the
+# moons example resumed from a checkpoint) within 6 minutes, logs under $OUT (default
+# gpu_check_out/), the verdict last; exit status 0 only on a pass (README.md, "GPU").
 gpu-check:
 	bash scripts/gpu_check.sh

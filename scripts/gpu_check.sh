@@ -1,205 +1,268 @@
 #!/usr/bin/env bash
-# GPU check: does the CUDA backend work, and agree with its references, on this machine?
+# GPU check: does the CUDA backend work, agree with its references and hold its speed, here?
 #
-#   scripts/gpu_check.sh            # logs under $OUT (default: ./gpu_check_out)
+#   scripts/gpu_check.sh                   # every part; logs under $OUT (default ./gpu_check_out)
+#   scripts/gpu_check.sh --list            # the parts and their time limits
+#   scripts/gpu_check.sh --only tests,moons    # a rerun of some parts (e.g. those that failed)
 #   PYTHON=/path/to/python scripts/gpu_check.sh
 #
-# For a machine with an NVIDIA GPU; made for a bare one (cold caches, maybe no internet).
-# Steps, each under its own time limit (7 min 40 s at most in all), the tail of a failed step's
-# log echoed here:
-#   env        date, python, nvidia-smi                                        -> setup.log
-#   install    the project, the normal way: `pip install -e .`, without build isolation (so
-#              nothing to download when the dependencies are there); the `test` / `gpu` extras
-#              only for what is missing, never the gpu extra's cupy-cuda12x over an installed
-#              CuPy; offline, the project alone. Not fatal: the tree is on PYTHONPATH anyway,
-#              and the packages step decides whether anything is missing       -> setup.log
-#   packages   every package the GPU steps import: its version, or MISSING and which steps need
-#              it (those are then SKIPPED and the run is not a pass)           -> setup.log
-#   smoke      tests/backends/gpu_smoke.py: CuPy / CUDA runtime / driver / NVRTC / cuBLAS
-#              versions and the device; one f16 and one bf16 kernel compiled and launched; one
-#              cublas.gemm with beta=1; 16-bit buffers through Context.cuda()   -> smoke.log
-#   pytest     the gpu-marked tests of tests/backends/test_cuda_gpu.py (that file alone: no
-#              other test's imports needed) but the sanitizer ones; -v -rfEs names every test
-#              as it ends, so a timeout keeps the results so far               -> pytest.log
-#   sanitizer  its compute-sanitizer tests (memcheck, racecheck, synccheck)     -> sanitizer.log
-#   example    examples/gpu_wide_mlp.py --backend cuda --prec bf16, short       -> example.log
-#   timing     scripts/gpu_timing.py --f16: CPU against GPU, FMA contraction on against off
-#                                                                              -> timing.log
-# Each step ends as PASS, FAIL (rc), TIMEOUT, NO GPU, SKIPPED or (install only) WARN, in
-# summary.log; the last line is the verdict, and the exit status is 0 only when every step
-# passed: no GPU is not a pass.
+# Made for the H200 machine's image as it is (Python 3.12, cupy-cuda13x, NumPy, PyTorch with
+# CUDA 13, no network): nothing is downloaded. The tree is imported through PYTHONPATH (no
+# install); a wheel the image lacks travels in the working tree under gpu_wheels/ and is
+# installed from there with `pip install --no-index` (see README.md, "GPU"). Every part runs
+# under its own time limit, and all of them within 6 minutes (a part never runs past what is
+# left of them); each part's log is $OUT/<part>.log, complete when the part ends, its status
+# line in $OUT/summary.log. The last line printed is the verdict; the exit status is 0 only on
+# a pass (2: bad arguments). No GPU, a missing package, a failure or a timeout is not a pass;
+# a compute-sanitizer that refuses this device is reported as SKIPPED and passes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT="$PWD"
+
+# part | limit (s) | what it does
+PARTS=(env tests sanitizer timing moons)
+declare -A LIMIT=([env]=40 [tests]=100 [sanitizer]=70 [timing]=95 [moons]=45)
+declare -A WHAT=(
+    [env]="versions, nvidia-smi, wheels from gpu_wheels/, packages; smoke: one f16 and one bf16 kernel, cuBLAS GEMMs, 16-bit buffers (tests/backends/gpu_smoke.py)"
+    [tests]="the gpu-marked tests of tests/backends/test_cuda_gpu.py but the sanitizer and moons ones, each under a per-test limit of ${TEST_LIMIT:-40} s"
+    [sanitizer]="compute-sanitizer --tool memcheck on a fused gated f16 step (after a probe: a device it refuses is SKIPPED)"
+    [timing]="scripts/gpu_timing.py: this project (f32, bf16, f16-gated16) against PyTorch CUDA (eager, autocast bf16, torch.compile reduce-overhead) on mlp_wide, convnet, gpt_mini"
+    [moons]="examples/moons_mixed_precision.py --backend cuda with a checkpoint and a resume, bit-identical to the uninterrupted run"
+)
+TOTAL_LIMIT=360  # all parts together, in seconds
+TEST_LIMIT="${TEST_LIMIT:-40}"
+
+usage() {
+    echo "usage: $0 [--list] [--only PART[,PART...]]   (parts: ${PARTS[*]})"
+}
+
+list_parts() {
+    printf '%-10s %7s  %s\n' part "limit s" "what it does"
+    for p in "${PARTS[@]}"; do printf '%-10s %7d  %s\n' "$p" "${LIMIT[$p]}" "${WHAT[$p]}"; done
+    echo "all parts within $TOTAL_LIMIT s"
+}
+
+selected=("${PARTS[@]}")
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --list) list_parts; exit 0 ;;
+        --only)
+            if [ $# -lt 2 ] || [ -z "$2" ]; then
+                echo "error: --only needs a comma-separated list of parts: ${PARTS[*]}" >&2
+                exit 2
+            fi
+            IFS=, read -r -a asked <<< "$2"
+            selected=()
+            for a in "${asked[@]}"; do
+                [ -z "$a" ] && continue
+                if [ -z "${LIMIT[$a]:-}" ]; then
+                    echo "error: unknown part '$a' in --only '$2'; the parts are: ${PARTS[*]}" >&2
+                    exit 2
+                fi
+                selected+=("$a")
+            done
+            if [ "${#selected[@]}" -eq 0 ]; then
+                echo "error: --only '$2' names no part; the parts are: ${PARTS[*]}" >&2
+                exit 2
+            fi
+            shift 2 ;;
+        -h|--help) usage; list_parts; exit 0 ;;
+        *) echo "error: unknown argument '$1'" >&2; usage >&2; exit 2 ;;
+    esac
+done
+wants() { local p; for p in "${selected[@]}"; do [ "$p" = "$1" ] && return 0; done; return 1; }
+
 OUT="${OUT:-$ROOT/gpu_check_out}"
 mkdir -p "$OUT"
 if [ -n "${PYTHON:-}" ]; then PY="$PYTHON"
 elif [ -x .venv/bin/python ]; then PY="$ROOT/.venv/bin/python"
 else PY=python3; fi
-export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"  # importable even if the install fails
+TMP="$(mktemp -d)"
+trap 'rm -rf "$TMP"' EXIT
+# the tree, the tests' helpers, the per-test limit plugin (scripts/gpu_check_time_limit.py)
+export PYTHONPATH="$ROOT:$ROOT/tests/backends:$ROOT/scripts${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 START=$SECONDS
 summary="$OUT/summary.log"
 : > "$summary"
-: > "$OUT/setup.log"
 failed=0
 gpu_reason=""  # why no GPU is usable; empty when one is
-declare -A missing_for=()  # step -> the packages it needs that are missing
+declare -A missing_for=()  # part -> the packages it needs that are missing
 
 say() { echo "$*" | tee -a "$summary"; }
 
-step() {  # step NAME LOG LIMIT_S COMMAND...: run under a time limit, appending to $OUT/LOG
-    local name="$1" log="$OUT/$2" limit="$3" t0=$SECONDS status rc setup=0
-    [ "$2" = setup.log ] && setup=1
-    shift 3
+read_state() {  # what the env part found: the missing packages by part, and the GPU's absence
+    local kind a b
+    while read -r kind a b; do
+        case "$kind" in
+            missing) missing_for[$a]="$b" ;;
+            gpu) gpu_reason="${a}${b:+ $b}" ;;
+        esac
+    done < "$GPU_CHECK_STATE"
+}
+
+# run_part NAME COMMAND...: the command under the part's limit (cut to what is left of the
+# total), its output in $OUT/NAME.log; sets the part's status line.
+run_part() {
+    local name="$1" log="$OUT/$1.log" t0=$SECONDS rc status limit left
+    shift
+    limit="${LIMIT[$name]}"
+    left=$((TOTAL_LIMIT - (SECONDS - START) - 2))
+    [ "$left" -lt "$limit" ] && limit="$left"
     echo "==> $name (limit $limit s, log $log)"
-    echo "===== $name: $*" >> "$log"
-    local before
-    before=$(wc -l < "$log")
+    {
+        echo "===== $name: $*"
+        date -u
+    } > "$log"
     if [ -n "${missing_for[$name]:-}" ]; then
         echo "not run: missing ${missing_for[$name]}" >> "$log"
         say "$(printf '%-10s SKIPPED (missing: %s)' "$name" "${missing_for[$name]}")"
         failed=1
         return
     fi
+    if [ -n "$gpu_reason" ] && [ "$name" != env ]; then
+        echo "not run: no GPU ($gpu_reason)" >> "$log"
+        say "$(printf '%-10s NO GPU' "$name")"
+        failed=1
+        return
+    fi
+    if [ "$limit" -le 0 ]; then
+        echo "not run: the $TOTAL_LIMIT s of the check are spent" >> "$log"
+        say "$(printf '%-10s NOT RUN (the %d s of the check are spent)' "$name" "$TOTAL_LIMIT")"
+        failed=1
+        return
+    fi
     timeout --kill-after=5 "$limit" "$@" >> "$log" 2>&1
     rc=$?
+    [ "$name" = env ] && read_state
     if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then status="TIMEOUT after $limit s (rc=$rc)"
-    elif [ -n "$gpu_reason" ] && [ "$setup" -eq 0 ]; then status="NO GPU (rc=$rc)"
+    elif [ "$name" = env ] && [ -n "$gpu_reason" ]; then status="NO GPU (rc=$rc)"
+    elif [ "$rc" -eq 0 ] && [ "$name" = sanitizer ] && grep -q '^SKIPPED \[' "$log"; then
+        # pytest's own summary line: whatever the sanitizer said, the test skipped
+        status="SKIPPED, not a failure: $(grep -m1 '^SKIPPED \[' "$log" | cut -c1-200)"
     elif [ "$rc" -eq 0 ]; then status="PASS"
-    elif [ "$name" = install ]; then status="WARN (rc=$rc): not installed; the tree is imported \
-through PYTHONPATH, and the packages step says what is missing"
     else status="FAIL (rc=$rc)"; fi
-    if [ "$status" != PASS ]; then  # the end of this step's part of the log
-        [ "$name" = install ] || failed=1
-        tail -n +$((before + 1)) "$log" | tail -n "$([ -n "$gpu_reason" ] && echo 4 || echo 15)" \
-            | cut -c1-240 | sed 's/^/    | /'
-    fi
+    case "$status" in
+        PASS|SKIPPED*) ;;
+        *) failed=1
+           tail -n 15 "$log" | cut -c1-240 | sed 's/^/    | /' ;;
+    esac
     say "$(printf '%-10s %s in %d s' "$name" "$status" $((SECONDS - t0)))"
 }
 
-# --- setup ------------------------------------------------------------------------------------
-step env setup.log 15 bash -c "date -u; echo \"python: $PY\"; \"$PY\" --version; uname -srm; \
-    nvidia-smi || echo 'nvidia-smi: not available'"
-
-NEED="numpy:numpy llvmlite:llvmlite scipy:scipy ml_dtypes:ml-dtypes safetensors:safetensors \
-cupy:cupy pytest:pytest"  # import name : pip name
-install_project() {
-    local missing extras=() spec
-    local pip=("$PY" -m pip install --disable-pip-version-check --no-build-isolation
-               --timeout 10 --retries 0)
-    missing="$("$PY" -c 'import importlib.util, sys
-print(" ".join(s.split(":")[1] for s in sys.argv[1].split()
-               if importlib.util.find_spec(s.split(":")[0]) is None))' "$NEED")"
-    echo "missing before the install: ${missing:-nothing}"
-    case " $missing " in *" pytest "*) extras+=(test);; esac
-    case " $missing " in *" cupy "*) extras+=(gpu);; esac  # never a second CuPy
-    if [ "${#extras[@]}" -gt 0 ]; then
-        spec=".[$(IFS=,; echo "${extras[*]}")]"
-        echo "+ pip install -e '$spec'"
-        "${pip[@]}" -e "$spec" && return 0
-        echo "pip could not install $spec (offline?); installing the project alone"
-    elif [ -n "$missing" ]; then
-        echo "+ pip install -e . (fetches: $missing)"
-        "${pip[@]}" -e . && return 0
-        echo "pip could not fetch $missing (offline?); installing the project alone"
-    fi
-    echo "+ pip install --no-deps -e ."
-    "${pip[@]}" --no-deps -e . || {
-        echo "pip install -e . failed: the steps import the tree through PYTHONPATH"; return 1; }
-}
-export PY NEED
-export -f install_project
-step install setup.log 40 bash -c install_project
-
-export MISSING_OUT="$OUT/.missing" GPU_OUT="$OUT/.gpu"
-: > "$MISSING_OUT"
-echo "the packages step did not say" > "$GPU_OUT"
-step packages setup.log 30 "$PY" - <<'PYEOF'
+# --- env: versions, wheels, packages, then the smoke step -------------------------------------
+cat > "$TMP/env_check.py" <<'PYEOF'
+"""The environment part: versions, wheels from gpu_wheels/, packages, the GPU, the smoke."""
+import glob
 import importlib
 import os
+import subprocess
+import sys
 
-needs = {  # import name -> the steps that need it
-    "numpy": "smoke pytest sanitizer example timing", "llvmlite": "pytest example timing",
-    "scipy": "pytest example timing", "ml_dtypes": "smoke pytest sanitizer example timing",
-    "safetensors": "smoke pytest sanitizer example timing",
-    "cupy": "smoke pytest sanitizer example timing", "pytest": "pytest sanitizer",
+root, py = os.environ["GPU_CHECK_ROOT"], sys.executable
+print(f"python {sys.version.split()[0]} at {py}")
+subprocess.run("uname -srm; nvidia-smi || echo 'nvidia-smi: not available'", shell=True)
+wheels = sorted(glob.glob(os.path.join(root, "gpu_wheels", "*.whl")))
+if wheels:  # what the image lacks, carried in the working tree: no network needed
+    cmd = [py, "-m", "pip", "install", "--no-index", "--no-deps", "--disable-pip-version-check",
+           *wheels]
+    print("+ " + " ".join(cmd), flush=True)
+    subprocess.run(cmd)
+needs = {  # import name -> the parts that need it
+    "numpy": "env tests sanitizer timing moons", "llvmlite": "tests timing moons",
+    "scipy": "tests timing moons", "ml_dtypes": "env tests sanitizer timing moons",
+    "safetensors": "tests moons", "cupy": "env tests sanitizer timing moons",
+    "pytest": "tests sanitizer moons", "torch": "timing", "threadpoolctl": "tests moons",
 }
-optional = {"pytest_timeout": "names a hanging test", "xdist": "runs the tests in parallel",
-            "tqdm": "progress bars", "torch": "not needed by the GPU steps"}
+optional = {"tqdm": "progress bars", "pytest_timeout": "not needed: the check's own limit"}
 missing = {}
-for name, steps in needs.items():
+for name, parts in needs.items():
     try:
         m = importlib.import_module(name)
         print(f"{name:14} {getattr(m, '__version__', '?')}")
     except Exception as err:  # a broken install is missing too
-        print(f"{name:14} MISSING ({type(err).__name__}: {err}); needed by: {steps}")
-        for s in steps.split():
-            missing.setdefault(s, []).append(name)
+        print(f"{name:14} MISSING ({type(err).__name__}: {err}); needed by: {parts}")
+        for p in parts.split():
+            missing.setdefault(p, []).append(name)
 for name, why in optional.items():
     try:
         m = importlib.import_module(name)
         print(f"{name:14} {getattr(m, '__version__', '?')} (optional: {why})")
     except Exception:
         print(f"{name:14} absent (optional: {why})")
+reason = None
 try:
-    import ocannl
-    from ocannl.backends.cuda.nvrtc import cuda_include_dir
-    from ocannl.backends.cuda.runtime import cuda_unavailable_reason
+    from ocannl.backends.cuda import nvrtc
+    from ocannl.backends.cuda.runtime import cuda_unavailable_reason, cupy_distributions
 
-    print(f"ocannl         from {os.path.dirname(ocannl.__file__)}")
+    print(f"CuPy wheels: {cupy_distributions() or 'none'}")
+    print(f"NVRTC majors found by ocannl: {nvrtc.majors()}")
     reason = cuda_unavailable_reason()
     print(f"GPU: {'usable' if reason is None else reason}")
-    print(f"cuda_fp16.h folder: {cuda_include_dir()}")
 except Exception as err:
     reason = f"ocannl does not import: {type(err).__name__}: {err}"
     print(reason)
-    for s in ("smoke", "pytest", "sanitizer", "example", "timing"):
-        missing.setdefault(s, []).append("ocannl")
-with open(os.environ["MISSING_OUT"], "w") as fh:
-    for s, names in missing.items():
-        fh.write(f"{s} {','.join(names)}\n")
-with open(os.environ["GPU_OUT"], "w") as fh:
-    fh.write(reason or "")
-if missing:
-    print("MISSING: " + ", ".join(sorted({n for v in missing.values() for n in v})))
-raise SystemExit(1 if missing else 0)
+with open(os.environ["GPU_CHECK_STATE"], "w") as fh:
+    for p, names in missing.items():
+        fh.write(f"missing {p} {','.join(names)}\n")
+    fh.write(f"gpu {reason or ''}\n")
+if missing.get("env"):
+    print("smoke: not run, missing " + ", ".join(missing["env"]))
+    raise SystemExit(1)
+print("----- smoke (tests/backends/gpu_smoke.py)", flush=True)
+rc = subprocess.run([py, os.path.join(root, "tests", "backends", "gpu_smoke.py")]).returncode
+raise SystemExit(rc)
 PYEOF
-while read -r s names; do
-    if [ -n "$s" ]; then missing_for[$s]="$names"; fi
-done < "$MISSING_OUT"
-gpu_reason="$(cat "$GPU_OUT")"
-rm -f "$MISSING_OUT" "$GPU_OUT"
+
+export GPU_CHECK_ROOT="$ROOT" GPU_CHECK_STATE="$TMP/state"
+echo "gpu the env part did not say (run it: --only env,...)" > "$GPU_CHECK_STATE"
+if wants env; then
+    run_part env "$PY" "$TMP/env_check.py"
+else  # the other parts still need to know whether there is a GPU and what is missing
+    timeout --kill-after=5 30 "$PY" - > "$OUT/gpu_state.log" 2>&1 <<'PYEOF'
+import os
+try:
+    from ocannl.backends.cuda.runtime import cuda_unavailable_reason
+    reason = cuda_unavailable_reason()
+except Exception as err:
+    reason = f"ocannl does not import: {type(err).__name__}: {err}"
+print(f"GPU: {reason or 'usable'}")
+open(os.environ["GPU_CHECK_STATE"], "w").write(f"gpu {reason or ''}\n")
+PYEOF
+fi
+[ -n "$gpu_reason" ] || read_state  # (the env part read it already)
 if [ -n "$gpu_reason" ]; then say "no GPU: $gpu_reason"; fi
 
 # --- on the GPU -------------------------------------------------------------------------------
-PYTEST=("$PY" -m pytest -v -rfEs -p no:cacheprovider -m gpu)
-has() { "$PY" -c "import $1" > /dev/null 2>&1; }
-if has pytest_timeout; then PYTEST+=(--timeout 150); fi
-if has xdist && [ -z "$gpu_reason" ]; then  # in parallel: the CPU references compile too
-    TESTS=("${PYTEST[@]}" -n 6)
-    SANITIZE=("${PYTEST[@]}" -n 3)
-else
-    TESTS=("${PYTEST[@]}")
-    SANITIZE=("${PYTEST[@]}")
+PYTEST=("$PY" -m pytest -v -rfEs -p no:cacheprovider -p gpu_check_time_limit -m gpu)
+GPU_TESTS=tests/backends/test_cuda_gpu.py
+if wants tests; then
+    GPU_CHECK_TEST_LIMIT="$TEST_LIMIT" run_part tests "${PYTEST[@]}" \
+        -o faulthandler_timeout=$((TEST_LIMIT + 5)) -k "not sanitizer and not moons" "$GPU_TESTS"
+fi
+if wants sanitizer; then
+    GPU_CHECK_TEST_LIMIT="${LIMIT[sanitizer]}" run_part sanitizer "${PYTEST[@]}" -k sanitizer \
+        "$GPU_TESTS"
+fi
+if wants timing; then
+    run_part timing "$PY" scripts/gpu_timing.py --budget-s $((LIMIT[timing] - 10))
+fi
+if wants moons; then
+    GPU_CHECK_TEST_LIMIT="${LIMIT[moons]}" run_part moons "${PYTEST[@]}" -k moons "$GPU_TESTS"
 fi
 
-step smoke smoke.log 45 "$PY" tests/backends/gpu_smoke.py
-step pytest pytest.log 165 "${TESTS[@]}" -k "not sanitizer" tests/backends/test_cuda_gpu.py
-step sanitizer sanitizer.log 70 "${SANITIZE[@]}" -k sanitizer tests/backends/test_cuda_gpu.py
-step example example.log 35 "$PY" examples/gpu_wide_mlp.py --backend cuda --prec bf16 \
-    --steps 100
-step timing timing.log 60 "$PY" scripts/gpu_timing.py --f16 --chunks 5
-
-say "logs in $OUT ($((SECONDS - START)) s in all)"
-missing="$(sed -n 's/^MISSING: //p' "$OUT/setup.log" | tail -n 1)"
+say "parts: ${selected[*]}; logs in $OUT ($((SECONDS - START)) s in all)"
+what=""  # the missing packages of the parts run
+for p in "${selected[@]}"; do
+    [ -n "${missing_for[$p]:-}" ] && what="${what:+$what; }$p needs ${missing_for[$p]}"
+done
 if [ "$failed" -eq 0 ]; then
-    say "gpu_check: PASS (every step passed)"
-elif [ -n "$missing" ]; then
-    say "gpu_check: NOT A PASS: missing packages: $missing"
+    say "gpu_check: PASS (every part passed)"
+elif [ -n "$what" ]; then
+    say "gpu_check: NOT A PASS: missing packages ($what)${gpu_reason:+; no GPU ($gpu_reason)}"
 elif [ -n "$gpu_reason" ]; then
     say "gpu_check: NOT A PASS: no GPU ($gpu_reason)"
 else
-    say "gpu_check: NOT A PASS: some steps did not pass (see above)"
+    say "gpu_check: NOT A PASS: some parts did not pass (see above)"
 fi
 exit "$failed"

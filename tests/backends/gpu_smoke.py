@@ -73,9 +73,13 @@ def versions() -> None:
         return libcublas.getVersion(cupy.cuda.device.get_cublas_handle())
 
     _say("cuBLAS", cublas_version)
-    from ocannl.backends.cuda.nvrtc import cuda_include_dir
+    from ocannl.backends.cuda import nvrtc
+    from ocannl.backends.cuda.runtime import cupy_nvrtc_major, describe_cupy
 
-    _say("cuda_fp16.h / cuda_bf16.h folder", cuda_include_dir)
+    _say("CuPy built for", lambda: describe_cupy(cupy))
+    _say("NVRTC majors ocannl finds", nvrtc.majors)
+    _say("cuda_fp16.h / cuda_bf16.h folder (of CuPy's NVRTC major)",
+         lambda: nvrtc.cuda_include_dir(cupy_nvrtc_major(cupy)))
 
 
 def kernels() -> None:

@@ -46,6 +46,7 @@ node's host dtype.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import warnings
@@ -68,19 +69,83 @@ class CudaUnavailable(RuntimeError):
     """No GPU is usable through CuPy; the message says why (no CuPy, no driver, no device)."""
 
 
+# --- which CuPy, for which CUDA ------------------------------------------------------------------
+
+# CuPy's wheels by CUDA major, and the wheels of the libraries the backend needs beside CuPy.
+CUPY_WHEELS = {12: "cupy-cuda12x", 13: "cupy-cuda13x"}
+CUDA_WHEELS = {12: {"headers": "nvidia-cuda-runtime-cu12", "cublas": "nvidia-cublas-cu12"},
+               13: {"headers": "nvidia-cuda-runtime==13.*", "cublas": "nvidia-cublas==13.*"}}
+
+
+@functools.cache
+def cupy_distributions() -> dict[str, str]:
+    """The installed CuPy wheels (``cupy-cuda12x``, ``cupy-cuda13x``, ...): name -> version."""
+    from importlib import metadata
+
+    out: dict[str, str] = {}
+    for dist in metadata.distributions():
+        name = (dist.metadata["Name"] or "").lower().replace("_", "-")
+        if name == "cupy" or name.startswith("cupy-cuda") or name.startswith("cupy-rocm"):
+            out[name] = dist.version
+    return dict(sorted(out.items()))
+
+
+def _install_hint() -> str:
+    return "pip install " + " or ".join(
+        f"{w} (CUDA {m} driver)" for m, w in CUPY_WHEELS.items()) + "; nvidia-smi shows the " \
+        "driver's CUDA version"
+
+
+def cupy_cuda_major(cupy: Any) -> int | None:
+    """The CUDA major CuPy was built for (its runtime's version), None when it cannot say."""
+    try:
+        return int(cupy.cuda.runtime.runtimeGetVersion()) // 1000
+    except Exception:  # noqa: BLE001 - a stand-in or a broken install: unknown
+        return None
+
+
+def cupy_nvrtc_major(cupy: Any) -> int | None:
+    """The major of the NVRTC CuPy compiles with (cuda-pathfinder may find another major's
+    wheel first), None when it cannot say."""
+    try:
+        return int(cupy.cuda.nvrtc.getVersion()[0])
+    except Exception:  # noqa: BLE001 - a stand-in, or no NVRTC: unknown
+        return None
+
+
+def describe_cupy(cupy: Any) -> str:
+    """CuPy's version, wheel and CUDA major, e.g. ``CuPy 14.2.0 (cupy-cuda13x, CUDA 13)``."""
+    major = cupy_cuda_major(cupy)
+    wheels = ", ".join(cupy_distributions()) or "no CuPy wheel recorded"
+    return (f"CuPy {getattr(cupy, '__version__', '?')} ({wheels}, "
+            f"{'CUDA ' + str(major) if major else 'CUDA major unknown'})")
+
+
 def cuda_unavailable_reason(device_id: int = 0) -> str | None:
-    """None when ``Context.cuda(device_id)`` can work here, else why it cannot."""
+    """None when ``Context.cuda(device_id)`` can work here, else why it cannot.
+
+    Both ``cupy-cuda12x`` and ``cupy-cuda13x`` work; the one installed is used. Two CuPy wheels
+    installed at once are refused: they write the same ``cupy`` package, so what imports is a
+    mix of whichever pip wrote last.
+    """
+    wheels = cupy_distributions()
+    if len(wheels) > 1:
+        listed = " and ".join(f"{n} {v}" for n, v in wheels.items())
+        return (f"{listed} are both installed; they share the cupy package, so which one "
+                f"imports is not defined: pip uninstall all but the one for this machine's "
+                f"CUDA driver")
     try:
         import cupy
     except Exception as err:  # noqa: BLE001 - ImportError, or a broken CUDA install under it
-        return f"CuPy is not installed or fails to import ({err}); pip install cupy-cuda12x"
+        which = f" ({', '.join(wheels)} is installed)" if wheels else ""
+        return f"CuPy is not installed or fails to import{which} ({err}); {_install_hint()}"
     try:
         count = cupy.cuda.runtime.getDeviceCount()
     except Exception as err:  # noqa: BLE001 - CUDARuntimeError, or a driver library missing
         text = str(err)
         if "NoDevice" in text or "no CUDA-capable device" in text:
             return f"no CUDA device is visible ({text})"
-        return f"no usable NVIDIA driver ({text})"
+        return f"no usable NVIDIA driver for {describe_cupy(cupy)} ({text})"
     if count == 0:
         return "no CUDA device is visible (the driver reports 0 devices)"
     if not 0 <= device_id < count:
@@ -254,18 +319,28 @@ class CupyCudaBackend:
         self.device_id = device_id
         self.device = cupy.cuda.Device(device_id)  # a context manager making it current
         self.fmad = _fmad_from_env() if fmad is None else bool(fmad)
-        inc = cuda_include_dir()
+        # The CUDA major CuPy was built for names the wheels to install; the headers go with
+        # the NVRTC CuPy compiles with (cuda-pathfinder may load another major's wheel first).
+        self.cuda_major = cupy_cuda_major(cupy)
+        self.nvrtc_major = cupy_nvrtc_major(cupy)
+        if self.nvrtc_major is not None and self.nvrtc_major != self.cuda_major:
+            warnings.warn(f"ocannl: {describe_cupy(cupy)} compiles with NVRTC "
+                          f"{self.nvrtc_major} (the first cuda-pathfinder found): its code "
+                          f"needs a driver of CUDA {self.nvrtc_major} or later",
+                          RuntimeWarning, stacklevel=3)
+        inc = cuda_include_dir(self.nvrtc_major or self.cuda_major)
         self.include_dir = inc
         self.options: tuple[str, ...] = ((f"-I{inc}",) if inc else ()) + (
             () if self.fmad else ("--fmad=false",))
+        wheels = CUDA_WHEELS.get(self.cuda_major or 0, CUDA_WHEELS[12])
         try:
             from cupy import cublas
         except ImportError as err:  # CuPy 14 wheels do not bundle cuBLAS
             self.cublas: Any = None
             self.cublas_missing = str(err)
             warnings.warn(f"ocannl: cuBLAS is not loadable ({err}); matrix products run as "
-                          "generated kernels (pip install nvidia-cublas-cu12 for cuBLAS)",
-                          RuntimeWarning, stacklevel=3)
+                          f"generated kernels (pip install {wheels['cublas']} for cuBLAS, "
+                          f"{describe_cupy(cupy)})", RuntimeWarning, stacklevel=3)
         else:
             self.cublas = cublas
             self.cublas_missing = ""
@@ -331,9 +406,12 @@ class CupyCudaBackend:
         compiled_anew = entry is None
         if entry is None:
             if "#include" in source and self.include_dir is None:
+                major = self.nvrtc_major or self.cuda_major
+                wheel = CUDA_WHEELS.get(major or 0, CUDA_WHEELS[12])["headers"]
                 raise CudaUnavailable(
-                    "a 16-bit kernel needs cuda_fp16.h / cuda_bf16.h and none was found: "
-                    "pip install nvidia-cuda-runtime-cu12, or set CUDA_PATH")
+                    f"a 16-bit kernel needs cuda_fp16.h / cuda_bf16.h of CUDA {major or '?'} "
+                    f"(the NVRTC {describe_cupy(self.cp)} compiles with) and none was found: "
+                    f"pip install {wheel}, or set CUDA_PATH")
             with self.device:
                 module = self.cp.RawModule(code=source, options=self.options)
                 module.compile()
