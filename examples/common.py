@@ -23,7 +23,7 @@ from typing import NoReturn
 
 import numpy as np
 
-from ocannl import Context
+from ocannl import Context, Failure
 
 __all__ = ["BACKENDS", "F32_MAX", "DefaultsFormatter", "ExampleParser", "batch_indices",
            "canonical", "differences", "foreign_problem", "integer", "launched_ranks",
@@ -339,9 +339,21 @@ class SkipReport:
             f"{r.scaler.scale_value():g}")
 
 
+def saved(progress: object, key: str) -> str:
+    """The entry ``key`` of a checkpoint's progress; ``Failure`` naming what it lacks and
+    what it holds (a checkpoint of an older version of the example)."""
+    try:
+        return progress.extra[key]
+    except KeyError:
+        held = ", ".join(sorted(progress.extra)) or "nothing"
+        raise Failure(f"its progress has no {key!r} entry (it holds {held}): it was written by "
+                      f"an older version of this example, which this one does not resume; "
+                      f"start a new run") from None
+
+
 def restore_recipe(ctx: Context, progress: object, scaler: object, recipe: object) -> Context:
-    """The loss scaler's and the recipe's state from a checkpoint's progress; ``KeyError``
-    naming what the checkpoint lacks."""
-    ctx = scaler.restore_state(ctx, progress.extra["loss_scaler"])
-    recipe.restore_state(progress.extra["recipe"])
+    """The loss scaler's and the recipe's state from a checkpoint's progress; ``Failure``
+    naming what the checkpoint lacks (:func:`saved`)."""
+    ctx = scaler.restore_state(ctx, saved(progress, "loss_scaler"))
+    recipe.restore_state(saved(progress, "recipe"))
     return ctx

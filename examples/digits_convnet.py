@@ -40,6 +40,7 @@ from common import (  # noqa: E402
     refuse_mpi_launch,
     restore_recipe,
     resume_problem,
+    saved,
 )
 
 import ocannl.tensor as T  # noqa: E402
@@ -177,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             run.ctx, progress = checkpoint.load(args.checkpoint, run.ctx, run.state)
             run.ctx = restore_recipe(run.ctx, progress, scaler, recipe)
-            loader.restore_state(progress.extra["loader"])
+            loader.restore_state(saved(progress, "loader"))
         except (Failure, KeyError) as err:
             sys.exit(f"error: cannot resume from {args.checkpoint}: "
                      f"{type(err).__name__ + ' ' if isinstance(err, KeyError) else ''}{err}")

@@ -60,6 +60,7 @@ from common import (
     recipe_extra,
     refuse_mpi_launch,
     restore_recipe,
+    saved,
     saved_config,
     steps_problem,
 )
@@ -373,8 +374,8 @@ def main(argv: list[str] | None = None) -> int:
             if problem is not None:
                 raise Failure(problem)
             ctx = restore_recipe(ctx, progress, scaler, recipe)
-            loader.restore_state(progress.extra["loader"])
-            saved_loss = float.fromhex(progress.extra["loss"])
+            loader.restore_state(saved(progress, "loader"))
+            saved_loss = float.fromhex(saved(progress, "loss"))
         except (Failure, KeyError, ValueError) as err:
             sys.exit(f"error: cannot resume from {args.checkpoint}: "
                      f"{type(err).__name__ + ' ' if isinstance(err, KeyError) else ''}{err}")

@@ -60,6 +60,7 @@ from common import (  # noqa: E402
     refuse_mpi_launch,
     restore_recipe,
     resume_problem,
+    saved,
 )
 
 import ocannl.tensor as T  # noqa: E402
@@ -321,7 +322,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             ctx, progress = checkpoint.load(args.checkpoint, ctx, state)
             ctx = restore_recipe(ctx, progress, scaler, recipe)
-            loader.restore_state(progress.extra["loader"])
+            loader.restore_state(saved(progress, "loader"))
         except (Failure, KeyError) as err:
             sys.exit(f"error: cannot resume from {args.checkpoint}: "
                      f"{type(err).__name__ + ' ' if isinstance(err, KeyError) else ''}{err}")

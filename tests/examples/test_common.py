@@ -140,3 +140,13 @@ def test_steps_problem() -> None:
 ])
 def test_launched_ranks(env: dict[str, str], want) -> None:
     assert common.launched_ranks(env) == want
+
+
+def test_a_progress_entry_the_checkpoint_lacks_is_named_with_what_it_holds() -> None:
+    from ocannl import Failure, checkpoint
+
+    progress = checkpoint.Progress(step=3, extra={"recipe": "r", "loss_scaler": "s"})
+    assert common.saved(progress, "recipe") == "r"
+    with pytest.raises(Failure, match=r"no 'loader' entry \(it holds loss_scaler, recipe\): "
+                                      r"it was written by an older version"):
+        common.saved(progress, "loader")
