@@ -1,7 +1,7 @@
 """Learning-rate schedules on the CUDA path without a GPU: the kernels of a scheduled update
-(f64 cosine, floor and pow from the f32 counter) compile with NVRTC for compute_70 and
-compute_90, and the real CUDA backend over the emulated ``cupy`` computes, step by step, the
-rates the CPU backend computes."""
+(f64 cosine, floor and pow from the f32 counter) compile with NVRTC (every major installed, for
+its oldest architecture from compute_70 on and compute_90), and the real CUDA backend over the
+emulated ``cupy`` computes, step by step, the rates the CPU backend computes."""
 
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ def three_phases() -> schedules.Schedule:
         schedules.StepLR(0.1, step_size=25, gamma=0.5)], milestones=[30, 150])
 
 
-def test_scheduled_update_kernels_compile_for_compute_70_and_90() -> None:
+def test_scheduled_update_kernels_compile_for_the_oldest_architecture_and_90() -> None:
+    from test_cuda_codegen import archs
     points, labels = datasets.half_moons(16)
     x = T.term(points, label="x")
     logits, _ = nn_blocks.mlp(x, [8], 2)
@@ -32,9 +33,12 @@ def test_scheduled_update_kernels_compile_for_compute_70_and_90() -> None:
     sources = cuda_sources(train.grad_update(loss) + opt.update(loss))
     rate = [s for s in sources if "cos(" in s and "floor(" in s]
     assert rate and all("double" in s for s in rate)  # the rate is computed in f64
-    for src in sources:
-        for arch in ("compute_70", "compute_90"):
-            nvrtc.compile_ptx(src, arch)  # raises with the log on an error
+    majors = nvrtc.majors()
+    assert majors, "no NVRTC found"
+    for major in majors:
+        for src in sources:
+            for arch in archs(major):
+                nvrtc.compile_ptx(src, arch, major=major)  # raises with the log on an error
 
 
 @pytest.mark.skipif(emulator_unavailable() is not None, reason="no CUDA kernel emulator")
