@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from grad_rig import assert_close, make_rig, ocannl_optimizer, run_steps, torch_run
+from observed import observed
 
 from ocannl import Context, Failure, checkpoint, optim, train
 from ocannl.clipping import ClipNorm
@@ -67,22 +68,7 @@ def test_micro_batches_run_gradient_routines_and_one_update_per_step() -> None:
     """Each micro-batch runs a gradient routine (the first zeroes); the k-th also checks and
     steps; the scaler is updated once per optimizer step; the counters count optimizer
     steps."""
-    runs: list[str] = []
-    updates: list[tuple] = []
-
-    class SeenContext(Context):
-        def run(self, routine):  # noqa: ANN001, ANN202
-            runs.append(routine.label)
-            return super().run(routine)
-
-    class SeenScaler(Loss_scaler):
-        def update(self, ctx, *, grads_finite):  # noqa: ANN001, ANN202
-            updates.append(("update", grads_finite))
-            return super().update(ctx, grads_finite=grads_finite)
-
-        def update_n(self, ctx, *, grads_finite, steps):  # noqa: ANN001, ANN202
-            updates.append(("update_n", grads_finite, steps))
-            return super().update_n(ctx, grads_finite=grads_finite, steps=steps)
+    SeenContext, SeenScaler, runs, updates = observed()
 
     for gate in ("scaled", "gated"):
         rig = make_rig()

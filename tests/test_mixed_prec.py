@@ -16,6 +16,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from observed import observed
 
 import ocannl.tensor as T
 from ocannl import Context, Failure, checkpoint, datasets, nn_blocks, optim, train
@@ -711,22 +712,7 @@ def test_recipes_go_through_context_run_and_the_scalers_public_schedule() -> Non
     """Every routine of every step runs through Context.run, and the scale moves through
     Loss_scaler.update / update_n: what a context or a scaler of one's own sees, the recipe
     does (no direct Routine.call, no private schedule)."""
-    runs: list[str] = []
-    updates: list[tuple] = []
-
-    class SeenContext(Context):
-        def run(self, routine):  # noqa: ANN001, ANN202
-            runs.append(routine.label)
-            return super().run(routine)
-
-    class SeenScaler(Loss_scaler):
-        def update(self, ctx, *, grads_finite):  # noqa: ANN001, ANN202
-            updates.append(("update", grads_finite))
-            return super().update(ctx, grads_finite=grads_finite)
-
-        def update_n(self, ctx, *, grads_finite, steps):  # noqa: ANN001, ANN202
-            updates.append(("update_n", grads_finite, steps))
-            return super().update_n(ctx, grads_finite=grads_finite, steps=steps)
+    SeenContext, SeenScaler, runs, updates = observed()
 
     for build, steps in ((scaled_step, 5), (lambda *a: gated_step(*a, check_interval=2), 6)):
         rig = make_rig()

@@ -84,11 +84,14 @@ def test_twenty_adam_steps_match_torch(variant: str, lr_kind: str) -> None:
 
 def torch_run(rig_ctx: Context, loss: T.Tensor, points: np.ndarray, targets: np.ndarray,
               make_opt: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
-              steps: int) -> list[float]:
-    """PyTorch's f32 run of the rig's MLP from the rig's (master) weights on its batch."""
+              steps: int, make_sched: Callable[[torch.optim.Optimizer], object] | None = None,
+              ) -> list[float]:
+    """PyTorch's f32 run of the rig's MLP from the rig's (master) weights on its batch
+    (``make_sched``: a learning-rate scheduler over the optimizer, stepped after each step)."""
     ws = [torch.tensor(rig_ctx.get_values(p), dtype=torch.float32, requires_grad=True)
           for p in loss.params]
     opt = make_opt(ws)
+    sched = None if make_sched is None else make_sched(opt)
     xb = torch.tensor(points, dtype=torch.float32)
     yb = torch.tensor(targets.argmax(-1))
     out = []
@@ -102,6 +105,8 @@ def torch_run(rig_ctx: Context, loss: T.Tensor, points: np.ndarray, targets: np.
         opt.zero_grad()
         t_loss.backward()
         opt.step()
+        if sched is not None:
+            sched.step()
         out.append(t_loss.item())
     return out
 

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from test_mixed_prec import bad_batch, make_rig, snapshot
+from test_optim import torch_run
 from test_train import Problem, _assert_close
 from torch.optim import lr_scheduler as tl
 
@@ -173,25 +174,9 @@ def test_thirty_scheduled_steps_match_torch(opt_name: str, sched_name: str) -> N
 def torch_twin_run(rig_ctx: Context, loss: T.Tensor, points: np.ndarray, targets: np.ndarray,
                    opt_name: str, sched_name: str, steps: int) -> list[float]:
     """torch's f32 run of the rig's MLP from its master weights, scheduled."""
-    ws = [torch.tensor(rig_ctx.get_values(p), dtype=torch.float32, requires_grad=True)
-          for p in loss.params]
-    t_opt, t_sched = make_torch_opt(opt_name, ws, sched_name, TRAIN_SCHEDULES)
-    xb = torch.tensor(points, dtype=torch.float32)
-    yb = torch.tensor(targets.argmax(-1))
-    out = []
-    for _ in range(steps):
-        h = xb
-        for k in range(0, len(ws), 2):
-            h = h @ ws[k].T + ws[k + 1]
-            if k + 2 < len(ws):
-                h = torch.relu(h)
-        t_loss = torch.nn.functional.cross_entropy(h, yb)
-        t_opt.zero_grad()
-        t_loss.backward()
-        t_opt.step()
-        t_sched.step()
-        out.append(t_loss.item())
-    return out
+    _, make_opt, base = OPTIMIZERS[opt_name]
+    return torch_run(rig_ctx, loss, points, targets, lambda ws: make_opt(ws, base), steps,
+                     TRAIN_SCHEDULES[sched_name][1])
 
 
 def build_recipe(kind: str, sc: Loss_scaler, loss: T.Tensor, opt: optim.Optimizer,
