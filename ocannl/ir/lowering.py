@@ -63,7 +63,7 @@ from ocannl.ir.lowered import (
     written,
 )
 from ocannl.ir.ops import ACCUMS, Precision
-from ocannl.ir.schedule import schedule
+from ocannl.ir.schedule import native_operands, product_kernel, schedule
 from ocannl.ir.target import Target
 from ocannl.ir.tnode import MemoryMode, Tnode
 
@@ -146,13 +146,12 @@ def _as_gemm(a: Accum, batched: bool = False) -> Gemm | None:
     return Gemm(a, va, vb, rows, cols, inner, out_ld, batch)
 
 
-def lower_assignment(a: Accum, *, gemm: bool = True, batched: bool = False,
-                     im2col: bool = False) -> list[Fill | LoopNest | Gemm]:
-    as_gemm = _as_gemm(a, batched) if gemm else None
+def lower_assignment(a: Accum, target: Target) -> list[Fill | LoopNest | Gemm]:
+    as_gemm = _as_gemm(a, target.batched_gemm) if target.gemm else None
     if as_gemm is not None:
         return [as_gemm]
-    if gemm and im2col:
-        rewritten = im2col_items(a, batched)
+    if target.gemm and target.im2col:
+        rewritten = im2col_items(a, target)
         if rewritten is not None:
             return rewritten
     out: list[Fill | LoopNest | Gemm] = []
@@ -247,7 +246,7 @@ def _worth_it(g: Gemm, patches: Tnode) -> bool:
     return g.inner >= IM2COL_MIN_INNER and work >= IM2COL_MIN_REUSE * patches.size
 
 
-def im2col_items(a: Accum, batched: bool = False) -> list[Fill | LoopNest | Gemm] | None:
+def im2col_items(a: Accum, target: Target) -> list[Fill | LoopNest | Gemm] | None:
     """``a`` as patches and a GEMM, when it is ``lhs += X[window] * W`` (a convolution, or its
     kernel's gradient) or ``lhs[window] += U * W`` (its input's gradient) with every other
     index a plain iterator and the GEMM is recognised over the patches (and, for the first,
@@ -255,8 +254,9 @@ def im2col_items(a: Accum, batched: bool = False) -> list[Fill | LoopNest | Gemm
 
     - ``lhs += X[window] * W``: a pointwise nest copies ``X`` into patches ``P`` (the window's
       iterators as axes of their own, 0 where the window is outside ``X``: padding), then
-      ``lhs += P * W`` is a GEMM. ``P`` is in ``X``'s precision when that is f32 or f64 and in
-      f32 when ``X`` is 16-bit: the same values, and the f32 operand the GEMM needs.
+      ``lhs += P * W`` is a GEMM. ``P`` is in ``X``'s precision when that is f32 or f64, or
+      16-bit and multiplied as stored (``schedule.native_operands``), else in f32: the same
+      values, and the operand the GEMM needs.
     - ``lhs[window] += U * W``: ``dP = U * W`` is a GEMM into a patch gradient (f32 when
       ``lhs`` is 16-bit), then ``lhs[window] += dP`` adds it back (a zero fill first when ``a``
       resets ``lhs``), as a reduction over the window offsets that land on each cell where
@@ -270,28 +270,27 @@ def im2col_items(a: Accum, batched: bool = False) -> list[Fill | LoopNest | Gemm
         return None
     plain = [all(isinstance(i, int) for i in p) for p in (a.lhs_idx, x.idx, y.idx)]
     if all(plain[:1]) and plain[1] != plain[2]:
-        return _gathered(a, x, y, batched) if not plain[1] else _gathered(a, y, x, batched)
+        return _gathered(a, x, y, target) if not plain[1] else _gathered(a, y, x, target)
     if not plain[0] and plain[1] and plain[2]:
-        return _scattered(a, batched)
+        return _scattered(a, target.batched_gemm)
     return None
 
 
-def _gathered(a: Accum, win: Get, other: Get, batched: bool) -> list[LoopNest | Gemm] | None:
+def _gathered(a: Accum, win: Get, other: Get, target: Target) -> list[LoopNest | Gemm] | None:
     order = _window_order(win.idx)
     if order is None:
         return None
     src = win.node
-    prec = Precision.f32 if src.prec.is_narrow else src.prec
     for cand in _orders(order, a.lhs_idx, other.idx):
         pos = {it: k for k, it in enumerate(cand)}
         dims = tuple(a.space[i] for i in cand)
-        patches = _patch_node(src, "patches", _renumber(win.idx, pos), dims, prec)
-        read = Get(patches, tuple(cand))
-        args = (read, other) if a.expr.args[0] is win else (other, read)
-        product = Accum(a.lhs, a.lhs_idx, "+", apply("mul", *args), a.space, a.reset)
-        g = _as_gemm(product, batched)
+        g, patches = _over_patches(a, win, other, cand, src.prec, target.batched_gemm)
         if g is None:
             continue
+        if src.prec.is_narrow and not native_operands(g, product_kernel(g, target), target):
+            # the f32 operand the product needs
+            g, patches = _over_patches(a, win, other, cand, Precision.f32, target.batched_gemm)
+            assert g is not None  # the same product over other storage
         if not _worth_it(g, patches):
             return None
         gather = Accum(patches, tuple(range(len(cand))), "=",
@@ -299,6 +298,19 @@ def _gathered(a: Accum, win: Get, other: Get, batched: bool) -> list[LoopNest | 
         _PATCH_SOURCE[patches] = src.id
         return [loop_nest(gather), g]
     return None
+
+
+def _over_patches(a: Accum, win: Get, other: Get, order: list[int], prec: Precision,
+                  batched: bool) -> tuple[Gemm | None, Tnode]:
+    """``a``'s product over the patches of ``win`` laid out in ``order``, stored in ``prec``
+    (None where that is no GEMM), and those patches."""
+    pos = {it: k for k, it in enumerate(order)}
+    dims = tuple(a.space[i] for i in order)
+    patches = _patch_node(win.node, "patches", _renumber(win.idx, pos), dims, prec)
+    read = Get(patches, tuple(order))
+    args = (read, other) if a.expr.args[0] is win else (other, read)
+    product = Accum(a.lhs, a.lhs_idx, "+", apply("mul", *args), a.space, a.reset)
+    return _as_gemm(product, batched), patches
 
 
 def _scattered(a: Accum, batched: bool) -> list[Fill | LoopNest | Gemm] | None:
@@ -469,12 +481,10 @@ def lower_items(comp: Comp, target: Target) -> list[Lowered]:
     The patches of a node are copied once while the node is unchanged (a convolution's and its
     kernel gradient's are the same). A zero fill of a target that im2col's col2im then adds
     into whole, with nothing touching the target between, becomes that col2im's reset."""
-    gemm, batched, im2col = target.gemm, target.batched_gemm, target.im2col
     out: list[Fill | Gemm | _Group] = []
     gathered: dict[int, int] = {}  # patch node id -> its source's, while the copy is current
     for a in fuse_resets(comp.assignments):
-        items = [Fill(a.lhs, a.expr.value)] if _is_fill(a) else lower_assignment(
-            a, gemm=gemm, batched=batched, im2col=im2col)
+        items = [Fill(a.lhs, a.expr.value)] if _is_fill(a) else lower_assignment(a, target)
         for item in items:
             source = _PATCH_SOURCE.get(item.assign.lhs) if isinstance(item, LoopNest) else None
             if source is not None and item.assign.accum == "=":  # a gather

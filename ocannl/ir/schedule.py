@@ -305,12 +305,15 @@ def _product(g: Gemm, target: Target, copies: _Copies, direct: set[int], out: li
     lhs = g.assign.lhs
     compute = lhs.prec.compute
     along, extent = gemm_split(g, target.product_parts) if target.products_shared else (None, 0)
-    kernel = "inline" if along not in ("rows", "cols") and inline_fits(g, compute, target) \
-        else "blas"
+    kernel = product_kernel(g, target)
+    native = native_operands(g, kernel, target)
 
     def operand(v: MatrixView, right: bool) -> MatrixView:
         node = v.node
-        if node.prec is compute or node.prec in target.native_products:
+        if native:  # as stored; a virtual twin is stored once, rounded from its master
+            return replace(v, node=copies.of(node, node.prec, out)) \
+                if node.id in copies.virtual else v
+        if node.prec is compute:
             return v
         if (right and kernel == "inline" and compute is Precision.f32
                 and not copies.has(node, compute) and node.id not in copies.virtual
@@ -432,12 +435,33 @@ def gemm_split(g: Gemm, parts: int) -> tuple[str | None, int]:
     return (along, count) if count > 1 else (None, 0)
 
 
-def inline_fits(g: Gemm, compute: Precision, target: Target) -> bool:
+def product_kernel(g: Gemm, target: Target) -> str:
+    """``"inline"`` (in registers, summing in the loops' order) for a product small enough
+    (:func:`inline_fits`) that is not cut into parts by rows or columns, else ``"blas"``."""
+    along = gemm_split(g, target.product_parts)[0] if target.products_shared else None
+    small = inline_fits(g, g.assign.lhs.prec.compute, target,
+                        native=native_operands(g, "blas", target))
+    return "inline" if along not in ("rows", "cols") and small else "blas"
+
+
+def native_operands(g: Gemm, kernel: str, target: Target) -> bool:
+    """Whether the library multiplies ``g``'s operands as stored: both in the same 16-bit
+    precision of ``Target.native_products``, accumulating into an f32 result, by the library
+    (inline products widen their own loads). A 16-bit operand beside an f32 one is widened:
+    narrowing the f32 one instead would change the product's values."""
+    prec = g.a.node.prec
+    return (kernel == "blas" and prec.is_narrow and g.b.node.prec is prec
+            and prec in target.native_products and g.assign.lhs.prec.compute is Precision.f32)
+
+
+def inline_fits(g: Gemm, compute: Precision, target: Target, native: bool = False) -> bool:
     """Whether ``g``'s products are small enough to compute inline, in registers: at most
-    ``Target.inline_product_work`` multiply-adds each, columns a whole number of vectors, a
+    ``Target.inline_product_work`` multiply-adds each (``inline_native_work`` where the library
+    would multiply its operands as stored: ``native``), columns a whole number of vectors, a
     transposed right operand small enough to pack on the stack."""
     lanes = target.inline_vector_bytes // compute.itemsize
-    return (g.rows * g.cols * g.inner <= target.inline_product_work and g.cols % lanes == 0
+    most = target.inline_native_work if native else target.inline_product_work
+    return (g.rows * g.cols * g.inner <= most and g.cols % lanes == 0
             and (not g.b.transposed or g.inner * g.cols <= target.inline_pack_cells))
 
 

@@ -22,10 +22,12 @@ class Target:
     Products: ``gemm``, products go to a library (BLAS on the CPU, cuBLAS on CUDA);
     ``batched_gemm``, batched ones too (a call per batch point, strided rows); ``im2col``,
     convolutions through patches and a product; ``native_products``, the 16-bit precisions the
-    library multiplies as stored, accumulating in f32 (others are widened to f32 copies first);
-    ``inline_product_work``, products of at most this many multiply-adds each are computed
-    inline, in registers (0: never), with columns ``inline_vector_bytes`` wide and a transposed
-    right operand packed when it has at most ``inline_pack_cells`` cells.
+    library multiplies as stored, accumulating in f32, when both operands are in it (others are
+    widened to f32 copies first); ``inline_product_work``, products of at most this many
+    multiply-adds each are computed inline, in registers (0: never), with columns
+    ``inline_vector_bytes`` wide and a transposed right operand packed when it has at most
+    ``inline_pack_cells`` cells; ``inline_native_work``, the same bound for products whose
+    operands the library would take as stored (a native kernel beats the loops sooner).
 
     Threads: ``threads`` share a large loop's outermost loop; ``products_shared``, products are
     shared over them too, each large one cut into ``product_parts`` parts (whole blocks of
@@ -49,6 +51,7 @@ class Target:
     im2col: bool = True
     native_products: frozenset[Precision] = frozenset()
     inline_product_work: int = 1 << 18
+    inline_native_work: int = 1 << 18
     inline_vector_bytes: int = 64
     inline_pack_cells: int = 1 << 14
     threads: int = 1
