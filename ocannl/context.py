@@ -117,6 +117,11 @@ class Context:
     def backend_name(self) -> str:
         return self._backend.name
 
+    def describe(self) -> str:
+        """The backend in one line: on the CPU its threads, its BLAS and which 16-bit products
+        run native (``backends/cpu/native_products.py``)."""
+        return self._backend.describe()
+
     # --- compile and run ----------------------------------------------------------------------
 
     def compile(self, comp: Comp, bindings: Mapping | None = None) -> tuple[Context, Routine]:

@@ -28,6 +28,10 @@ class Backend(Protocol):
     def target(self) -> Target:
         """What lowering may rely on (products, threads, vectors, conversions)."""
 
+    def describe(self) -> str:
+        """One line for people: the device, its libraries and how it multiplies 16-bit
+        operands."""
+
     def alloc(self, node: Tnode) -> Buffer:
         """A zero-filled flat buffer for the node, in its storage dtype."""
 

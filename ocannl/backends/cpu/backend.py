@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from ocannl.backends.arena import ALIGN_BYTES
-from ocannl.backends.cpu import entry, jit
+from ocannl.backends.cpu import blas, entry, jit, native_products
 from ocannl.backends.cpu.codegen import routine_ir, shares_products, signature
 from ocannl.backends.rounding import to_precision
 from ocannl.ir.lowered import Lowered
@@ -55,6 +55,14 @@ class CpuBackend:
 
     name = "cpu"
     _compiled: dict[str, CompiledRoutine] = {}  # shared by every CPU context in the process
+
+    def __init__(self) -> None:
+        native_products.paths()  # a refused OCANNL_*_PRODUCTS is refused here, named
+
+    def describe(self) -> str:
+        library = blas.chosen()
+        return (f"cpu: {jit.threads()} threads, BLAS {library.name} "
+                f"({library.path or 'SciPy'}); {native_products.describe()}")
 
     @property
     def target(self) -> Target:

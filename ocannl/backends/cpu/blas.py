@@ -1,5 +1,7 @@
 """The BLAS a CPU routine's products call: which library, the addresses of its Fortran-interface
-``sgemm`` and ``dgemm``, the width of their integer arguments, and its thread-count controls.
+``sgemm`` and ``dgemm`` (and of its 16-bit products, where it has them: MKL's
+``gemm_bf16bf16f32`` and ``gemm_f16f16f32``, OpenBLAS's ``sbgemm``), the width of their integer
+arguments, and its thread-count controls.
 
 The choice, ``OCANNL_BLAS`` (``mkl``, ``numpy`` or ``scipy``), or by default:
 - Intel's MKL (the ``mkl`` wheel, the ``mkl`` extra) on an Intel CPU, linked with its
@@ -37,7 +39,9 @@ class Blas:
     """``name``, one of ``CHOICES``; ``sgemm`` and ``dgemm``, addresses; ``int_bits``, 32
     (LP64) or 64 (ILP64); ``threads``, the addresses of ``int get(void)`` and ``void
     set(int)`` for its thread count, None where it cannot be set; ``path``, the library's
-    file where one is known."""
+    file where one is known; ``products16``, its products of 16-bit operands into f32 (with
+    ``sgemm``'s arguments, the operands' pointers to 16-bit values), by precision name
+    (``"bf16"``, ``"f16"``): the routine's name and address."""
 
     name: str
     sgemm: int
@@ -45,6 +49,11 @@ class Blas:
     int_bits: int
     threads: tuple[int, int] | None
     path: str = ""
+    products16: tuple[tuple[str, str, int], ...] = ()
+
+    def product16(self, prec: str) -> tuple[str, int] | None:
+        """The name and address of this library's product of ``prec`` operands, if any."""
+        return next(((name, at) for p, name, at in self.products16 if p == prec), None)
 
 
 _chosen: list[Blas] = []
@@ -133,7 +142,19 @@ def mkl() -> Blas | str:
         return f"the loader refused {paths[0].parent}'s MKL libraries as a group: {err}"
     _first_call(found[0])
     s, d, get, set_ = (ctypes.cast(f, ctypes.c_void_p).value for f in found)
-    return Blas("mkl", s, d, 32, (get, set_), str(paths[-1]))  # type: ignore[arg-type]
+    return Blas("mkl", s, d, 32, (get, set_), str(paths[-1]),  # type: ignore[arg-type]
+                _exported(lib, (("bf16", "gemm_bf16bf16f32_"), ("f16", "gemm_f16f16f32_"))))
+
+
+def _exported(lib: ctypes.CDLL, wanted: tuple[tuple[str, str], ...]
+              ) -> tuple[tuple[str, str, int], ...]:
+    """``(precision, name, address)`` of each ``(precision, name)`` routine ``lib`` exports."""
+    out = []
+    for prec, name in wanted:
+        f = getattr(lib, name, None)
+        if f is not None:
+            out.append((prec, name, ctypes.cast(f, ctypes.c_void_p).value or 0))
+    return tuple(out)
 
 
 _MKL_PARTS = ("libmkl_intel_lp64", "libmkl_sequential", "libmkl_core")
@@ -216,7 +237,9 @@ def openblas(path: str) -> Blas | str:
             config.restype = ctypes.c_char_p
             bits = 64 if b"USE64BITINT" in (config() or b"").split() else 32
             s, d, get, set_ = (ctypes.cast(f, ctypes.c_void_p).value for f in (s, d, get, set_))
-            return Blas("numpy", s, d, bits, (get, set_), path)  # type: ignore[arg-type]
+            # sbgemm: built only with BUILD_BFLOAT16 (NumPy's wheels, so far, are not)
+            sb = _exported(lib, (("bf16", f"{prefix}sbgemm_{suffix}"),))
+            return Blas("numpy", s, d, bits, (get, set_), path, sb)  # type: ignore[arg-type]
     return (f"the OpenBLAS at {path} has no sgemm_, dgemm_, openblas_get_config and thread "
             f"controls under the names of known builds (prefixes {_PREFIXES}, suffixes "
             f"{_SUFFIXES})")

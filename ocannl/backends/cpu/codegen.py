@@ -62,13 +62,17 @@ from ocannl.ir.schedule import GEMM_BLOCK, ROW_BLOCK, read_stride
 from ocannl.ir.target import Target
 from ocannl.ir.tnode import MemoryMode, Tnode
 
-__all__ = ["GEMM_SYMBOLS", "RoutineIR", "Target", "routine_ir", "shares_products", "signature"]
+__all__ = ["GEMM16_SYMBOLS", "GEMM_SYMBOLS", "RoutineIR", "Target", "routine_ir",
+           "shares_products", "signature"]
 
 _VOID_P = ir.IntType(8).as_pointer()
 _FLOAT = {Precision.f32: F32, Precision.f64: F64}
 _ELEM = {Precision.f64: F64, Precision.f32: F32, Precision.f16: I16, Precision.bf16: I16}
-# The BLAS routines, resolved by the JIT (``jit.py`` maps these names to the chosen BLAS's).
+# The BLAS routines, resolved by the JIT (``jit.py`` maps these names to the chosen BLAS's):
+# by compute type, and the products of two 16-bit operands into f32 by their precision
+# (``native_products.py``).
 GEMM_SYMBOLS = {F32: "ocannl_sgemm", F64: "ocannl_dgemm"}
+GEMM16_SYMBOLS = {Precision.bf16: "ocannl_gemm_bf16", Precision.f16: "ocannl_gemm_f16"}
 
 
 class RoutineIR:
@@ -84,6 +88,7 @@ class RoutineIR:
         self.avx = target.avx
         self.blas_int = ir.IntType(target.blas_int)
         self.inline_vector_bytes = target.inline_vector_bytes
+        self.native_products = target.native_products
         self.nodes = nodes
         self.slots = {n.id: k for k, n in enumerate(nodes)}
         self.functions: dict[tuple[str, ir.Type], ir.Function] = {}
@@ -768,12 +773,16 @@ class RoutineIR:
         compute = _FLOAT.get(lhs.prec)
         inline = g.kernel == "inline"
         ok_b = g.b.node.prec is lhs.prec or (inline and g.b.node.prec.is_narrow)
-        if compute is None or g.a.node.prec is not lhs.prec or not ok_b:
+        native = (not inline and g.a.node.prec is g.b.node.prec and lhs.prec is Precision.f32
+                  and g.a.node.prec in self.native_products)
+        if compute is None or not native and (g.a.node.prec is not lhs.prec or not ok_b):
             raise ValueError(
                 f"the CPU renderer multiplies f32 or f64 operands into a target of their "
-                f"precision (and 16-bit right operands inline), not {g.a.node.prec.value} by "
-                f"{g.b.node.prec.value} into {lhs.prec.value} ({lhs.name}): lowering must "
-                f"give a product copies in its precision")
+                f"precision (16-bit right operands inline, two operands of one of "
+                f"Target.native_products {sorted(p.value for p in self.native_products)} into "
+                f"f32 through the BLAS), not {g.a.node.prec.value} by {g.b.node.prec.value} "
+                f"into {lhs.prec.value} ({lhs.name}): lowering must give a product copies in "
+                f"its precision")
         a, bm, out = self.buffer(g.a.node), self.buffer(g.b.node), self.buffer(lhs)
         along = g.split
         b = self.b
@@ -832,7 +841,7 @@ class RoutineIR:
         ld_a = by_ref(const_int(g.a.ld, self.blas_int))
         beta_ref = by_ref(ir.Constant(compute, beta))
         ld_out = by_ref(const_int(g.out_ld, self.blas_int))
-        gemm = self._gemm_function(compute)
+        gemm = self._gemm_function(compute, g.a.node.prec)
 
         def call(offsets: tuple[ir.Value, ir.Value, ir.Value]) -> None:
             o_out, o_a, o_b = offsets
@@ -857,14 +866,18 @@ class RoutineIR:
 
         return call, part
 
-    def _gemm_function(self, compute: ir.Type) -> ir.Function:
-        key = ("gemm", compute)
+    def _gemm_function(self, compute: ir.Type, operands: Precision) -> ir.Function:
+        """The BLAS routine multiplying ``operands`` into ``compute``: ``sgemm``'s arguments,
+        the operands' pointers to 16-bit values for a native product."""
+        key = ("gemm", compute, operands)
         if key not in self.functions:
             p8, p32, pf = ir.IntType(8).as_pointer(), self.blas_int.as_pointer(), \
                 compute.as_pointer()
-            ty = ir.FunctionType(ir.VoidType(), [p8, p8, p32, p32, p32, pf, pf, p32, pf, p32,
+            po = I16.as_pointer() if operands.is_narrow else pf
+            ty = ir.FunctionType(ir.VoidType(), [p8, p8, p32, p32, p32, pf, po, p32, po, p32,
                                                  pf, pf, p32])
-            self.functions[key] = ir.Function(self.module, ty, GEMM_SYMBOLS[compute])
+            symbol = GEMM16_SYMBOLS[operands] if operands.is_narrow else GEMM_SYMBOLS[compute]
+            self.functions[key] = ir.Function(self.module, ty, symbol)
         return self.functions[key]
 
 

@@ -34,8 +34,8 @@ from pathlib import Path
 import llvmlite
 import llvmlite.binding as llvm
 
-from ocannl.backends.cpu import blas, entry, pool
-from ocannl.backends.cpu.codegen import GEMM_SYMBOLS, Target
+from ocannl.backends.cpu import blas, entry, native_products, pool
+from ocannl.backends.cpu.codegen import GEMM16_SYMBOLS, GEMM_SYMBOLS, Target
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -141,6 +141,7 @@ def target() -> Target:
     # OCANNL_THREADS says: a thread count changes which thread runs a part, not the parts.
     return Target(name="cpu", hardware_f16=hardware_f16(), workers=workers(), avx=has_avx(),
                   blas_int=chosen.int_bits, threads=count,
+                  native_products=native_products.native(),
                   products_shared=resize is not None and chosen.threads is not None,
                   product_parts=max(1, min(8, _cores())))
 
@@ -229,6 +230,9 @@ def _setup() -> tuple[llvm.ExecutionEngine, str]:
         chosen = blas.chosen()
         for ty, symbol in GEMM_SYMBOLS.items():
             llvm.add_symbol(symbol, chosen.sgemm if str(ty) == "float" else chosen.dgemm)
+        for prec, path in native_products.paths().items():
+            if path.native:
+                llvm.add_symbol(GEMM16_SYMBOLS[prec], path.address)
         control = chosen.threads
         if control is not None:
             llvm.add_symbol("ocannl_blas_get_threads", control[0])
