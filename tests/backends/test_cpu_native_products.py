@@ -87,7 +87,7 @@ out = {"paths": native_products.describe(), "target": sorted(
 for name in sys.argv[1].split(","):
     w = specs.WORKLOADS[name]
     fx = fixtures.from_tensors(w, fixtures.generate(w))
-    r = make_runner(fx, "ocannl", "bf16", "cpu")
+    r = make_runner(fx, "ocannl", sys.argv[3], "cpu")
     r.build()
     losses = []
     for i in range(int(sys.argv[2])):
@@ -97,7 +97,8 @@ for name in sys.argv[1].split(","):
     # many f32 copies of 16-bit nodes (widening conversion groups) the library's products read.
     from benchmarks.models import ocannl_optimizer
     from ocannl import train
-    comp = train.grad_update(r.loss_t) + ocannl_optimizer(w).update(r.loss_t)
+    scale = r.scaler.scale if hasattr(r, "scaler") else None
+    comp = train.grad_update(r.loss_t, loss_scale=scale) + ocannl_optimizer(w).update(r.loss_t)
     code = lower(comp, jit.target())
     copies = {n.assign.lhs.id for g in code if isinstance(g, LoopGroup) and g.conversion
               for n in g.nests if n.assign.lhs.prec.value == "f32"}
@@ -111,8 +112,8 @@ print(json.dumps(out))
 """
 
 
-def _steps(env: dict[str, str], names: str, steps: int) -> dict:
-    done = subprocess.run([sys.executable, "-c", STEPS, names, str(steps)], cwd=ROOT,
+def _steps(env: dict[str, str], names: str, steps: int, variant: str = "bf16") -> dict:
+    done = subprocess.run([sys.executable, "-c", STEPS, names, str(steps), variant], cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": str(ROOT), **env},
                           capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -162,3 +163,20 @@ def test_the_workloads_bf16_steps_multiply_bf16_operands_as_stored():
         theirs = _torch_losses(name, STEPS_RUN)
         worst = max(abs(a - b) / abs(b) for a, b in zip(ours, theirs, strict=True))
         assert worst < TOLERANCE["bf16"], (name, worst, ours, theirs)
+
+
+@pytest.mark.skipif(not MKL_WHEEL, reason="the mkl wheel is built for x86-64 Linux only")
+def test_f16_products_forced_native_run_on_mkls_f16_routine():
+    """``OCANNL_F16_PRODUCTS=native``: mlp_wide's f16 step (dynamic loss scale, host gate)
+    multiplies its f16 operands as stored through MKL's ``gemm_f16f16f32``, within the f16
+    parity gate of PyTorch f32; bf16 stays widened where the CPU has no bf16 units."""
+    from benchmarks.specs import TOLERANCE
+
+    got = _steps({"OCANNL_BLAS": "mkl", "OCANNL_F16_PRODUCTS": "native"}, "mlp_wide", 4, "f16")
+    assert "f16 products: native (gemm_f16f16f32_)" in got["paths"]
+    step = got["mlp_wide"]
+    assert "f16xf16:blas" in step["operands"] and step["widened"] == 0, step
+    ours = [float.fromhex(x) for x in step["losses"]]
+    theirs = _torch_losses("mlp_wide", 4)
+    worst = max(abs(a - b) / abs(b) for a, b in zip(ours, theirs, strict=True))
+    assert worst < TOLERANCE["f16"], (worst, ours, theirs)

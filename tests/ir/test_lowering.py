@@ -6,6 +6,7 @@ renderer's code is compared with the interpreter on these computations in
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from unittest import mock
 
 import numpy as np
@@ -52,11 +53,13 @@ def _run(comp: Comp, inputs: dict[Tnode, np.ndarray], *, gemm: bool,
     return values
 
 
-def _run_from_init(loss: T.Tensor, comp: Comp) -> dict[int, np.ndarray]:
-    """``comp`` in the interpreter from the loss's parameters as ``train.init_params`` draws
-    them (on a CPU context: their init routines), data from the nodes' host arrays."""
+def _run_from_init(loss: T.Tensor, comp: Comp, target: Target = PRODUCTS
+                   ) -> dict[int, np.ndarray]:
+    """``comp`` in the interpreter (lowered for ``target``) from the loss's parameters as
+    ``train.init_params`` draws them (on a CPU context: their init routines), data from the
+    nodes' host arrays."""
     ctx = train.init_params(Context.cpu(), loss)
-    code = lower(comp, PRODUCTS)
+    code = lower(comp, target)
     values = {}
     for n in nodes_of(code):
         if ctx.is_allocated(n):
@@ -693,3 +696,37 @@ def test_a_product_moves_down_to_its_consumer_when_the_consumer_cannot_move_up()
     assert input_grad < twin_grad
     group = code[twin_grad + 1]
     assert {n.assign.lhs.label for n in group.nests} >= {"grad_pd_w1", "pd_w1"}
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_a_twins_gradient_product_writes_its_masters_gradient_and_rounds_it_in_place(
+        monkeypatch, native):
+    """The product computing a bf16 twin's gradient, whose one reader resets the master's f32
+    gradient to it rounded, writes the master's gradient itself, rounded in place after: no f32
+    buffer of its own; the same bits as through that buffer (in the interpreter)."""
+    from ocannl import mixed_prec, nn_blocks
+    from ocannl.ir import schedule
+
+    rng = np.random.default_rng(5)
+    x = T.term(rng.normal(size=(24, 40)).astype(np.float32), label="xq", batch_dims=(24,),
+               output_dims=(40,), prec="bf16")
+    y, _ = mixed_prec.with_master_weights(
+        prec="bf16", f=lambda: nn_blocks.mlp(x, (48,), 6, label="pq"))
+    loss = T.sum(T.cast(y, "f32"))
+    comp = train.grad_update(loss)
+    target = replace(PRODUCTS, inline_product_work=0, inline_native_work=0,
+                     native_products=frozenset({Precision.bf16}) if native else frozenset())
+    code = lower(comp, target)
+    [g] = [item for item in code if isinstance(item, Gemm)
+           and item.assign.lhs.label == "grad_pq_w1"]
+    assert g.assign.lhs.prec is F32 and (g.a.node.prec is Precision.bf16) is native
+    assert not any(n.label.startswith("grad_pq_w1_bf16") and n.prec is F32
+                   for n in nodes_of(code))
+    got = _run_from_init(loss, comp, target)
+    monkeypatch.setattr(schedule, "_into_reader", lambda item, pending, out: item)
+    through = _run_from_init(loss, comp, target)
+    assert any(n.label.startswith("grad_pq_w1_bf16") and n.prec is F32
+               for n in nodes_of(lower(comp, target)))
+    for p in loss.params:
+        node = p.grad
+        assert got[node.id].tobytes() == through[node.id].tobytes(), node.name
