@@ -346,10 +346,13 @@ def _product(g: Gemm, target: Target, copies: _Copies, direct: set[int], out: li
         if node.prec is compute:
             return v
         if (right and kernel == "inline" and compute is Precision.f32
-                and not copies.has(node, compute) and node.id not in copies.virtual
+                and not copies.has(node, compute)
                 and (node.prec is Precision.bf16
                      or (node.prec is Precision.f16 and target.hardware_f16))):
-            return v  # widened vector by vector as the inline product loads it
+            # widened vector by vector as the inline product loads it (a virtual twin from a
+            # 16-bit copy: half an f32 one's memory)
+            return replace(v, node=copies.of(node, node.prec, out)) \
+                if node.id in copies.virtual else v
         return replace(v, node=copies.of(node, compute, out))
 
     a, b = operand(g.a, False), operand(g.b, True)
