@@ -1,4 +1,5 @@
-"""Running CUDA launch plans through CuPy: buffers, one NVRTC module per routine, cuBLAS GEMMs.
+"""Running CUDA launch plans through CuPy: buffers, one NVRTC module per routine, cuBLAS GEMMs,
+one CUDA graph launch per routine call.
 
 CuPy is imported only when a backend is created, so this module, :mod:`.plan` and the NVRTC
 checks (:mod:`.nvrtc`) work on a machine with no GPU.
@@ -8,8 +9,13 @@ checks (:mod:`.nvrtc`) work on a machine with no GPU.
 *one* ``cupy.RawModule`` (one NVRTC program per routine, each kernel renamed apart by
 :func:`module_source`), cached per (device, options, module source) for the process.
 :meth:`CupyCudaBackend.bind` then builds, once, a launch closure per step over the routine's
-buffers and its own scratch buffers; running a bound routine is calling those closures under
-the device's context, nothing else (launches are asynchronous; reads synchronise).
+buffers and its own scratch buffers (:class:`BoundRoutine`). Everything runs on the backend's
+own stream: the first call captures the closures as a CUDA graph there, and every call is one
+``graph.launch`` (``OCANNL_CUDA_GRAPHS=0``: the closures one by one; a capture that fails
+falls back to that, saying so once). Launches are asynchronous; reads synchronise. Products
+are ``gemmEx`` / ``gemmStridedBatchedEx`` calls on a cuBLAS handle of the backend's with its
+own workspace (:class:`Blas`), 16-bit operands as stored into f32 results; TF32 only with
+``OCANNL_CUDA_TF32=1``.
 
 **Storage.** The backend owns its storage dtypes: f64 / f32 / f16 buffers are CuPy arrays of
 those dtypes, bf16 buffers are ``uint16`` bit patterns (the kernels read both 16-bit kinds
