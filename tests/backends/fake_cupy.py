@@ -22,7 +22,7 @@ float64) from the exactly widened values, so a wrong type, leading dimension or 
 fails or gives other values. During a capture it refuses, as CUDA does, an allocation, a
 synchronizing call (``get``, a stream's or device's ``synchronize``), a launch on another
 stream, and a GEMM on a handle with no workspace set (cuBLAS would allocate one);
-``capture_failure`` makes ``end_capture`` fail on demand.
+``capture_failures`` makes ``end_capture`` fail on demand.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ launches: list[tuple[str, int, int]] = []  # (function name, grid, block) of eve
 # ("copy", "h2d"): a graph's launch is one entry however many steps it replays.
 submissions: list[tuple[str, str]] = []
 gemms: list[dict[str, Any]] = []  # the arguments of every GEMM run, captured or not
-capture_failure: list[str] = []  # non-empty: the next end_capture fails with this reason
+capture_failures: list[str] = []  # reasons the next end_captures fail with, one each
 
 
 class CUDARuntimeError(RuntimeError):
@@ -201,8 +201,8 @@ class Stream:
         steps, self._capture = self._capture, None
         if self._invalid:
             raise CUDARuntimeError(f"cudaErrorStreamCaptureInvalidated: {self._invalid}")
-        if capture_failure:
-            raise CUDARuntimeError(capture_failure[0])
+        if capture_failures:
+            raise CUDARuntimeError(capture_failures.pop(0))
         return Graph(steps)
 
     def synchronize(self) -> None:
@@ -471,7 +471,7 @@ def install(monkeypatch: Any, *, devices: int = 1, cublas: bool = True) -> types
                                     CUDARuntimeError=CUDARuntimeError)
     cp.cuda = types.SimpleNamespace(runtime=runtime, Device=Device, Stream=Stream, Graph=Graph)
     RawModule.compiles = 0
-    for state in (launches, submissions, gemms, capture_failure, copied, _allocations,
+    for state in (launches, submissions, gemms, capture_failures, copied, _allocations,
                   _current_stream):
         state.clear()
     _streams.clear()

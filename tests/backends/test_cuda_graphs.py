@@ -5,6 +5,8 @@ refusing what CUDA refuses while capturing), products through cuBLAS's ``gemmEx`
 
 from __future__ import annotations
 
+import warnings
+
 import cuda_cases
 import cuda_checks as C
 import cuda_models as M
@@ -107,9 +109,11 @@ def test_set_values_between_replays_reaches_the_next_replay(
 
 
 @needs_emu
-def test_a_failed_capture_runs_eagerly_saying_so_once(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failed_capture_runs_eagerly_saying_so_once() -> None:
+    """Both captures fail (the first call's and the retry at the second): one warning naming the
+    routine and the reason, every call's launches one by one, the values of a graphed run."""
     _, _, graphed = _gated_run("bf16", 3)
-    fake_cupy.capture_failure.append("cudaErrorStreamCaptureUnsupported: on demand")
+    fake_cupy.capture_failures.extend(["cudaErrorStreamCaptureUnsupported: on demand"] * 2)
     fake_cupy.submissions.clear()
     with pytest.warns(RuntimeWarning) as caught:
         ctx, routine, fell_back = _gated_run("bf16", 3)
@@ -117,9 +121,29 @@ def test_a_failed_capture_runs_eagerly_saying_so_once(monkeypatch: pytest.Monkey
     assert len(said) == 1
     assert routine.label in said[0] and "on demand" in said[0]
     assert routine.call.graph is None and routine.call.eager
+    assert not fake_cupy.capture_failures  # no third capture
     assert not any(kind == "graph" for kind, _ in fake_cupy.submissions)
     assert len(_host_submissions()) == 3 * len(routine.call.launches)
     assert fell_back == graphed
+
+
+@needs_emu
+def test_one_failed_capture_is_retried_at_the_next_call_silently() -> None:
+    """A first use may initialise what a capture refuses: the first call then runs eagerly and
+    the second captures; no warning."""
+    _, _, graphed = _gated_run("f16", 3)
+    fake_cupy.capture_failures.append("cudaErrorStreamCaptureUnsupported: first use")
+    fake_cupy.submissions.clear()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*graph capture failed")
+        _, routine, retried = _gated_run("f16", 3)
+    call = routine.call
+    assert call.graph is not None and call.graph.launches == 2 and not call.eager
+    subs = _host_submissions()
+    n = len(call.launches)
+    assert {kind for kind, _ in subs[:n]} == {"kernel", "gemm"}  # the first call, eager
+    assert subs[n:] == [("graph", str(call.graph.id))] * 2
+    assert retried == graphed
 
 
 def test_the_stand_in_refuses_what_a_capture_refuses() -> None:

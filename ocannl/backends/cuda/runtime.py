@@ -384,9 +384,13 @@ class BoundRoutine:
     a CUDA graph on that stream and every call, the first included, is one ``graph.launch``;
     the buffers are all allocated before (bind), so nothing allocates while capturing, and a
     buffer written between calls (``set_values``: an asynchronous copy on the same stream) is
-    read by the next replay with no recapture. Where capture fails the routine runs its
-    launches one by one from then on, saying so once (a ``RuntimeWarning`` naming the routine
-    and the reason)."""
+    read by the next replay with no recapture. A failed capture runs that call's launches one
+    by one and captures again at the next call (a library's first use may initialise something
+    a capture refuses; the eager run did it); where the second capture fails too, the routine
+    runs its launches one by one from then on, saying so once (a ``RuntimeWarning`` naming the
+    routine and the reason)."""
+
+    CAPTURE_TRIES = 2
 
     def __init__(self, label: str, backend: CupyCudaBackend, launches: tuple[Callable[[], Any],
                  ...], scratch: list[Any]) -> None:
@@ -399,6 +403,7 @@ class BoundRoutine:
         self.graph: Any = None
         self.eager = not backend.graphs or not launches
         self.fallback = ""  # why capture failed, when it did
+        self.failures = 0
 
     def __call__(self) -> None:
         if self.graph is None and not self.eager:
@@ -437,8 +442,11 @@ class BoundRoutine:
                 self._give_up(err)
 
     def _give_up(self, err: Exception) -> None:
-        self.eager = True
+        self.failures += 1
         self.fallback = f"{type(err).__name__}: {err}"
+        if self.failures < self.CAPTURE_TRIES:
+            return  # this call runs eagerly; the next captures again
+        self.eager = True
         warnings.warn(f"ocannl: routine {self.label}: CUDA graph capture failed "
                       f"({self.fallback}); it runs its {len(self.launches)} launches one by one",
                       RuntimeWarning, stacklevel=5)
