@@ -439,11 +439,12 @@ NATIVE_PRODUCTS = frozenset({Precision.f16, Precision.bf16})
 
 def cuda_target(cublas: bool = True) -> Target:
     """What lowering may rely on for this backend: cuBLAS products when it is loadable, batched
-    ones (attention's per-head products) as strided-batched calls, f16 and bf16 operands taken
-    as stored (``NATIVE_PRODUCTS``), never inline (convolutions and products cuBLAS does not
-    take run as generated kernels); no thread pool (threads are the kernels' own), f16
-    conversions in hardware."""
-    return Target(name="cuda", gemm=cublas, batched_gemm=cublas, im2col=False,
+    ones (attention's per-head products) as strided-batched calls, convolutions through patches
+    and a product where lowering finds it worth it (``im2col``: the patch nests are ordinary
+    loop groups), f16 and bf16 operands taken as stored (``NATIVE_PRODUCTS``), never inline
+    (products cuBLAS does not take run as generated kernels); no thread pool (threads are the
+    kernels' own), f16 conversions in hardware."""
+    return Target(name="cuda", gemm=cublas, batched_gemm=cublas, im2col=cublas,
                   native_products=NATIVE_PRODUCTS if cublas else frozenset(),
                   inline_product_work=0, inline_native_work=0, threads=1,
                   products_shared=False, parallel_scatters=False, hardware_f16=True,
