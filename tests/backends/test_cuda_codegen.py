@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from ocannl.backends.cuda import nvrtc
-from ocannl.backends.cuda.plan import cuda_sources, cuda_target, plan_routine
+from ocannl.backends.cuda.plan import GemmCall, cuda_sources, cuda_target, plan_routine
 from ocannl.backends.cuda.runtime import from_storage, storage_dtype, to_storage
 from ocannl.ir.ops import Precision
 
@@ -173,16 +173,16 @@ class _RecordingCuda:
 
 
 @functools.cache
-def _benchmark_sources() -> dict[str, str]:
-    """Distinct kernel source -> where it comes from, over every routine of every benchmark
-    step (``benchmarks.specs``: each workload, each variant), built by this project's runner
-    (its model, weights and recipe) on a context lowering for the CUDA target, and planned."""
+def _benchmark_codes() -> dict[str, list[list]]:
+    """The lowered code of every routine of every benchmark step (``benchmarks.specs``: each
+    workload, each variant) by ``"workload variant"``, built by this project's runner (its
+    model, weights and recipe) on a context lowering for the CUDA target."""
     from benchmarks.fixtures import from_tensors, generate
     from benchmarks.runners import make_runner, ocannl_runner
     from benchmarks.specs import VARIANTS, WORKLOADS
     from ocannl import Context
 
-    out: dict[str, str] = {}
+    out: dict[str, list[list]] = {}
     make_context = ocannl_runner.make_context
     for w in WORKLOADS.values():
         fx = from_tensors(w, generate(w))
@@ -194,9 +194,19 @@ def _benchmark_sources() -> dict[str, str]:
             finally:
                 ocannl_runner.make_context = make_context
             assert backend.codes, f"{w.name} {variant}: the runner compiled nothing"
-            for k, code in enumerate(backend.codes):
-                for src in plan_routine(code).sources():
-                    out.setdefault(src, f"{w.name} {variant} routine {k}")
+            out[f"{w.name} {variant}"] = backend.codes
+    return out
+
+
+@functools.cache
+def _benchmark_sources() -> dict[str, str]:
+    """Distinct kernel source -> where it comes from, over every routine of every benchmark
+    step, planned."""
+    out: dict[str, str] = {}
+    for where, codes in _benchmark_codes().items():
+        for k, code in enumerate(codes):
+            for src in plan_routine(code).sources():
+                out.setdefault(src, f"{where} routine {k}")
     return out
 
 
@@ -315,3 +325,30 @@ def test_a_broken_kernel_in_a_batch_is_reported_by_name(major: int) -> None:
     failures = _compile_all({**{s: "good" for s in good}, bad: "the broken one"}, major)
     assert failures and all(f.startswith("the broken one") for f in failures)
     assert len(failures) == len(archs(major))
+
+
+def test_benchmark_products_take_16_bit_operands_as_stored_and_batch_attention() -> None:
+    """Every benchmark step's products, as the CUDA plan renders them: no kernel widens a
+    product's 16-bit operands where both are of one 16-bit precision (gemmEx reads them as
+    stored), every product is a cuBLAS call, and gpt_mini's attention products (scores, and
+    their values) are strided-batched calls, at every precision."""
+    from benchmarks.cuda_plan_counts import _around_products
+
+    batched: dict[str, int] = {}
+    for where, codes in _benchmark_codes().items():
+        for code in codes:
+            assert _around_products(code)[0] == 0, where
+            for step in plan_routine(code).steps:
+                if isinstance(step, GemmCall):
+                    g = step.gemm
+                    assert g.kernel == "blas", where
+                    if g.a.node.prec.is_narrow:
+                        assert g.b.node.prec is g.a.node.prec, where
+                        assert g.assign.lhs.prec is Precision.f32, where
+                    batched[where] = batched.get(where, 0) + bool(g.batch)
+    gpt = {w: n for w, n in batched.items() if w.startswith("gpt_mini")}
+    assert gpt and all(n > 0 for n in gpt.values()), gpt
+    narrow = [w for w, codes in _benchmark_codes().items()
+              if any(isinstance(s, GemmCall) and s.gemm.a.node.prec.is_narrow
+                     for code in codes for s in plan_routine(code).steps)]
+    assert any("bf16" in w for w in narrow) and any("f16-gated16" in w for w in narrow), narrow

@@ -258,3 +258,28 @@ def test_moons_example_on_cuda_resumes_exactly_and_tracks_the_cpu(tmp_path: Path
         scale = float(np.max(np.abs(r64[np.isfinite(r64)]), initial=1.0))
         np.testing.assert_allclose(g64, r64, rtol=0, atol=5e-2 * scale, equal_nan=True,
                                    err_msg=name)
+
+
+# --- one graph launch per routine call, products through gemmEx --------------------------------
+
+
+@pytest.mark.parametrize("prec", ["f32", "bf16", "f16"])
+def test_routines_capture_and_replay_as_eager_launches(
+        monkeypatch: pytest.MonkeyPatch, prec: str) -> None:
+    """On the device: the gated step captures (its kernels and gemmEx calls, cuBLAS on its own
+    workspace) with no fallback warning, and its replays, with a learning rate written between
+    them, give the bits of eager launches."""
+    import warnings
+
+    from test_cuda_graphs import _gated_run
+
+    schedule = [None, 0.3, None]
+    monkeypatch.delenv("OCANNL_CUDA_GRAPHS", raising=False)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*graph capture failed")
+        _, routine, replayed = _gated_run(prec, 3, lr=schedule)
+    assert routine.call.graph is not None
+    monkeypatch.setenv("OCANNL_CUDA_GRAPHS", "0")
+    _, eager, launched = _gated_run(prec, 3, lr=schedule)
+    assert eager.call.graph is None
+    assert replayed == launched

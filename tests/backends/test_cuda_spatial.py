@@ -72,3 +72,44 @@ def test_emulated_cuda_lenet_step_matches_the_cpu(monkeypatch: pytest.MonkeyPatc
     for k, w in want.items():
         scale = max(1.0, float(np.abs(w).max()))
         np.testing.assert_allclose(got[k], w, rtol=1e-4, atol=1e-5 * scale, err_msg=k)
+
+
+def test_convolutions_go_through_patches_and_cublas_on_cuda() -> None:
+    """im2col on CUDA (``cuda_target().im2col``): the LeNet step's large enough convolution is a
+    patch-gathering nest and a cuBLAS product over the patches, at every precision; without
+    cuBLAS, loops only."""
+    from ocannl.backends.cuda.plan import GemmCall, cuda_target, plan_routine
+    from ocannl.ir.lowering import lower
+
+    for prec in ("f32", "f16", "bf16"):
+        comp, _ = _lenet_step(prec)
+        plan = plan_routine(lower(comp, cuda_target()))
+        over_patches = [s for s in plan.steps if isinstance(s, GemmCall)
+                        and "_patches" in s.gemm.a.node.label + s.gemm.b.node.label]
+        assert over_patches, prec
+        assert not cuda_target(cublas=False).im2col
+
+
+@pytest.mark.skipif(_no_emulator is not None, reason=f"no emulator: {_no_emulator}")
+@pytest.mark.parametrize("prec", ["f16", "bf16"])
+def test_emulated_16_bit_lenet_step_matches_the_cpu(monkeypatch: pytest.MonkeyPatch,
+                                                    prec: str) -> None:
+    """The 16-bit step's patches, products and scatters on CUDA, against the CPU backend's run
+    of the same step (16-bit rounding: a tolerance of a few 16-bit ulps of the scale)."""
+
+    def run(ctx: Context) -> dict[str, np.ndarray]:
+        comp, loss = _lenet_step(prec, seed=1)
+        ctx = train.init_params(ctx, loss)
+        ctx, routine = ctx.compile(comp)
+        ctx.run(routine)
+        out = {"loss": ctx.get_values(loss).astype(np.float64)}
+        out.update({p.label: ctx.get_values(p.grad).astype(np.float64) for p in loss.params})
+        return out
+
+    want = run(Context.cpu())
+    fake_cupy.install(monkeypatch)
+    got = run(Context.cuda())
+    tol = {"f16": 2e-3, "bf16": 1.6e-2}[prec]
+    for k, w in want.items():
+        scale = max(1e-3, float(np.abs(w).max()))
+        np.testing.assert_allclose(got[k], w, rtol=tol, atol=tol * scale, err_msg=k)

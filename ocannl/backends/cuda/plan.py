@@ -2,13 +2,13 @@
 
 Every lowered item becomes a launch plan (:func:`plan_routine`) built without a GPU: each loop
 nest is one kernel (two for a long reduction split across blocks), each GEMM a cuBLAS call
-through CuPy (a 16-bit operand or target is a node of lowering's own in f32, made and
-rounded by nests: ``ocannl.ir.schedule``). Kernel bodies come from
-:mod:`ocannl.backends.emit` with a C flavour; the wrapping is this module's, as scheduling
-mapped each group (``LoopGroup.mapping``): threads over the written cells (grid-stride), a
-reduction serial within a thread, or a block reduction (warp shuffles, then shared memory;
-cut over several blocks with a deterministic second pass where scheduling cut it). There are
-no atomics, so a routine computes the same bits on every run.
+(``gemmEx``; a batched one ``gemmStridedBatchedEx``): f16 / bf16 operands as stored, into an
+f32 result (a 16-bit target is rounded from it by a nest: ``ocannl.ir.schedule``). Kernel
+bodies come from :mod:`ocannl.backends.emit` with a C flavour; the wrapping is this module's,
+as scheduling mapped each group (``LoopGroup.mapping``): threads over the written cells
+(grid-stride), a reduction serial within a thread, or a block reduction (warp shuffles, then
+shared memory; cut over several blocks with a deterministic second pass where scheduling cut
+it). There are no atomics, so a routine computes the same bits on every run.
 
 Buffers are flat CuPy arrays: f64 / f32 / f16 as such, bf16 as uint16 bit patterns (the kernels
 read both 16-bit kinds through ``__half`` / ``__nv_bfloat16`` pointers; arithmetic is f32).
@@ -136,8 +136,9 @@ class Kernel:
 
 @dataclass(frozen=True)
 class GemmCall:
-    """``out (+)= op(a) @ op(b)`` through cuBLAS, over the product's own nodes (in its
-    precision: lowering gave 16-bit ones f32 copies)."""
+    """``out (+)= op(a) @ op(b)`` through cuBLAS (``gemmEx``, or ``gemmStridedBatchedEx`` over
+    the product's batch axes), over the product's own nodes: operands of the target's
+    precision, or f16 / bf16 ones as stored into an f32 target."""
 
     gemm: Gemm
     beta: float
@@ -264,14 +265,28 @@ class _Planner:
     # -- GEMMs --
 
     def gemm(self, g: Gemm) -> None:
-        """A cuBLAS call over the product's nodes as lowering left them: operands and target
-        in the product's precision (scheduling gave 16-bit ones f32 copies of their own)."""
+        """A cuBLAS call over the product's nodes as lowering left them: operands in the
+        target's precision (f32 or f64), or both in one 16-bit precision of
+        ``cuda_target().native_products`` into an f32 target (``schedule.native_operands``),
+        read as stored; batch axes become strided-batched calls. Anything else is refused."""
         lhs = g.assign.lhs
-        bad = [v.name for v in (lhs, g.a.node, g.b.node) if v.prec.is_narrow]
-        if bad:
-            raise ValueError(f"the CUDA plan multiplies f32 or f64 nodes through cuBLAS, not "
-                             f"16-bit {', '.join(bad)}: lowering must give the product copies "
-                             f"in its precision (Target.native_products is empty here)")
+        pa, pb = g.a.node.prec, g.b.node.prec
+        native = pa is pb and pa in NATIVE_PRODUCTS and lhs.prec is Precision.f32
+        if g.kernel != "blas" or not (native or (pa is pb is lhs.prec and not pa.is_narrow)):
+            raise ValueError(
+                f"the CUDA plan multiplies through cuBLAS f32 or f64 operands into a target of "
+                f"their precision, or f16 / bf16 operands of one precision into an f32 target; "
+                f"got {g.a.node.name} ({pa.value}) @ {g.b.node.name} ({pb.value}) into "
+                f"{lhs.name} ({lhs.prec.value}), kernel {g.kernel!r}: lower it for "
+                f"cuda_target()")
+        for v, rows, cols in ((g.a, g.rows, g.inner), (g.b, g.inner, g.cols)):
+            stored = rows if v.transposed else cols
+            if v.ld < max(1, stored):
+                raise ValueError(f"product operand {v.node.name}: rows {v.ld} apart, shorter "
+                                 f"than its stored rows of {stored}")
+        if g.out_ld < max(1, g.cols):
+            raise ValueError(f"product target {lhs.name}: rows {g.out_ld} apart, shorter than "
+                             f"its {g.cols} columns")
         beta = 0.0 if g.assign.reset else 1.0
         self.steps.append(GemmCall(g, beta))
 
@@ -418,13 +433,22 @@ class _Planner:
                                  BLOCK, (a.lhs,), (part,)))
 
 
+# The 16-bit precisions cuBLAS multiplies as stored (gemmEx, f32 accumulation into f32).
+NATIVE_PRODUCTS = frozenset({Precision.f16, Precision.bf16})
+
+
 def cuda_target(cublas: bool = True) -> Target:
-    """What lowering may rely on for this backend: cuBLAS products when it is loadable (one
-    call each: batched products, convolutions and small products run as generated kernels),
-    no thread pool (threads are the kernels' own), f16 conversions in hardware."""
-    return Target(name="cuda", gemm=cublas, batched_gemm=False, im2col=False,
-                  inline_product_work=0, threads=1, products_shared=False,
-                  parallel_scatters=False, hardware_f16=True, gpu_block=BLOCK)
+    """What lowering may rely on for this backend: cuBLAS products when it is loadable, batched
+    ones (attention's per-head products) as strided-batched calls, convolutions through patches
+    and a product where lowering finds it worth it (``im2col``: the patch nests are ordinary
+    loop groups), f16 and bf16 operands taken as stored (``NATIVE_PRODUCTS``), never inline
+    (products cuBLAS does not take run as generated kernels); no thread pool (threads are the
+    kernels' own), f16 conversions in hardware."""
+    return Target(name="cuda", gemm=cublas, batched_gemm=cublas, im2col=cublas,
+                  native_products=NATIVE_PRODUCTS if cublas else frozenset(),
+                  inline_product_work=0, inline_native_work=0, threads=1,
+                  products_shared=False, parallel_scatters=False, hardware_f16=True,
+                  gpu_block=BLOCK)
 
 
 def plan_routine(code: Sequence[Lowered]) -> Plan:

@@ -1,4 +1,5 @@
-"""Running CUDA launch plans through CuPy: buffers, one NVRTC module per routine, cuBLAS GEMMs.
+"""Running CUDA launch plans through CuPy: buffers, one NVRTC module per routine, cuBLAS GEMMs,
+one CUDA graph launch per routine call.
 
 CuPy is imported only when a backend is created, so this module, :mod:`.plan` and the NVRTC
 checks (:mod:`.nvrtc`) work on a machine with no GPU.
@@ -8,8 +9,13 @@ checks (:mod:`.nvrtc`) work on a machine with no GPU.
 *one* ``cupy.RawModule`` (one NVRTC program per routine, each kernel renamed apart by
 :func:`module_source`), cached per (device, options, module source) for the process.
 :meth:`CupyCudaBackend.bind` then builds, once, a launch closure per step over the routine's
-buffers and its own scratch buffers; running a bound routine is calling those closures under
-the device's context, nothing else (launches are asynchronous; reads synchronise).
+buffers and its own scratch buffers (:class:`BoundRoutine`). Everything runs on the backend's
+own stream: the first call captures the closures as a CUDA graph there, and every call is one
+``graph.launch`` (``OCANNL_CUDA_GRAPHS=0``: the closures one by one; a capture that fails
+falls back to that, saying so once). Launches are asynchronous; reads synchronise. Products
+are ``gemmEx`` / ``gemmStridedBatchedEx`` calls on a cuBLAS handle of the backend's with its
+own workspace (:class:`Blas`), 16-bit operands as stored into f32 results; TF32 only with
+``OCANNL_CUDA_TF32=1``.
 
 **Storage.** The backend owns its storage dtypes: f64 / f32 / f16 buffers are CuPy arrays of
 those dtypes, bf16 buffers are ``uint16`` bit patterns (the kernels read both 16-bit kinds
@@ -46,7 +52,9 @@ node's host dtype.
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import importlib
 import os
 import re
 import warnings
@@ -59,7 +67,7 @@ import numpy as np
 
 from ocannl.backends.cuda.plan import GemmCall, Kernel, Plan, cuda_target, plan_routine
 from ocannl.backends.rounding import to_precision
-from ocannl.ir.lowering import Lowered, MatrixView
+from ocannl.ir.lowering import BatchAxis, Gemm, Lowered
 from ocannl.ir.ops import Precision
 from ocannl.ir.target import Target
 from ocannl.ir.tnode import Tnode
@@ -217,6 +225,17 @@ def module_source(plan: Plan) -> tuple[str, dict[str, str]]:
     return source, names
 
 
+def _switch(name: str, default: bool) -> bool:
+    """An on/off environment switch: ``0`` or ``1`` (unset or empty: ``default``); anything else
+    is refused, naming the variable and the value."""
+    value = os.environ.get(name, "").strip()
+    if value == "":
+        return default
+    if value in ("0", "1"):
+        return value == "1"
+    raise ValueError(f"{name} must be 0 or 1, got {value!r}")
+
+
 def _fmad_from_env() -> bool:
     value = os.environ.get("OCANNL_CUDA_FMAD", "1").strip().lower()
     if value in ("1", "true", "yes", "on", ""):
@@ -226,17 +245,211 @@ def _fmad_from_env() -> bool:
     raise ValueError(f"OCANNL_CUDA_FMAD must be 0 or 1 (or true / false), got {value!r}")
 
 
-def _matrix(buf: Any, v: MatrixView) -> tuple[Any, str]:
-    """The stored matrix of a view and the cuBLAS op reading it as ``rows x cols``."""
-    if v.transposed:
-        return buf.reshape((v.cols, v.rows)), "T"
-    return buf.reshape((v.rows, v.cols)), "N"
+# --- products through cuBLAS ---------------------------------------------------------------------
+
+# CUDA's data types (library_types.h): the storage of each precision as cuBLAS reads it.
+CUDA_R_32F, CUDA_R_64F, CUDA_R_16F, CUDA_R_16BF = 0, 1, 2, 14
+_CUDA_TYPE = {Precision.f32: CUDA_R_32F, Precision.f64: CUDA_R_64F, Precision.f16: CUDA_R_16F,
+              Precision.bf16: CUDA_R_16BF}
+WORKSPACE_BYTES = 32 << 20  # cuBLAS's advice for Hopper (4 MiB suffices before it)
+
+
+def batch_runs(batch: Sequence[BatchAxis]) -> tuple[tuple[BatchAxis, ...], BatchAxis | None]:
+    """A product's batch axes as (outer axes looped over, the one axis each strided-batched call
+    covers): size-1 axes dropped, each axis folded into the one after it where its strides are
+    that axis' size times its strides in the output and both operands (so the two are one
+    stride). None: no batch axis, a plain product."""
+    axes = [x for x in batch if x.size > 1]
+    merged: list[BatchAxis] = []
+    for x in reversed(axes):
+        if merged:
+            y = merged[-1]
+            if (x.out, x.a, x.b) == (y.size * y.out, y.size * y.a, y.size * y.b):
+                merged[-1] = BatchAxis(x.size * y.size, y.out, y.a, y.b)
+                continue
+        merged.append(x)
+    merged.reverse()
+    if not merged:
+        return (), None
+    return tuple(merged[:-1]), merged[-1]
+
+
+def _points(axes: Sequence[BatchAxis]) -> list[tuple[int, int, int]]:
+    out = [(0, 0, 0)]
+    for x in axes:
+        out = [(o + k * x.out, a + k * x.a, b + k * x.b) for o, a, b in out for k in range(x.size)]
+    return out
+
+
+class Blas:
+    """One cuBLAS handle of a backend, on the backend's stream, with a workspace of its own:
+    cuBLAS then allocates nothing while a routine is captured as a graph. Products use
+    ``gemmEx`` / ``gemmStridedBatchedEx``: 16-bit operands as stored (``CUDA_R_16F`` /
+    ``CUDA_R_16BF``) into an f32 result with ``CUBLAS_COMPUTE_32F`` (tensor cores, f32
+    accumulation), f32 with ``CUBLAS_COMPUTE_32F`` (``CUBLAS_COMPUTE_32F_FAST_TF32`` only with
+    ``tf32``), f64 with ``CUBLAS_COMPUTE_64F``."""
+
+    def __init__(self, backend: CupyCudaBackend, lib: Any) -> None:
+        self.lib = lib
+        self.tf32 = backend.tf32
+        with backend.device:
+            self.handle = lib.create()
+            lib.setStream(self.handle, backend.stream.ptr)
+            lib.setPointerMode(self.handle, lib.CUBLAS_POINTER_MODE_HOST)
+            lib.setMathMode(self.handle, lib.CUBLAS_DEFAULT_MATH)
+            self.workspace = backend.cp.empty(WORKSPACE_BYTES, dtype=np.uint8)
+            self.workspace_set = _set_workspace(lib, self.handle, self.workspace.data.ptr,
+                                                WORKSPACE_BYTES, backend.cuda_major)
+        # alpha and beta, read from the host (when captured: at capture time)
+        self.scalars = {p: (np.ones(1, p.numpy_dtype), np.zeros(1, p.numpy_dtype))
+                        for p in (Precision.f32, Precision.f64)}
+
+    def compute_type(self, operands: Precision, result: Precision) -> int:
+        lib = self.lib
+        if result is Precision.f64:
+            return lib.CUBLAS_COMPUTE_64F
+        if operands is Precision.f32 and self.tf32:
+            return lib.CUBLAS_COMPUTE_32F_FAST_TF32
+        return lib.CUBLAS_COMPUTE_32F
+
+    def calls(self, g: Gemm, beta: float, a: Any, b: Any, out: Any) -> list[Callable[[], None]]:
+        """The calls computing ``g`` over device buffers ``a``, ``b`` and ``out`` (its views'
+        nodes'): C = A @ B row-major is C^T = B^T A^T column-major, so cuBLAS's first operand
+        is ``b``. One strided-batched call per point of the outer batch axes that do not fold
+        into one stride (see :func:`batch_runs`)."""
+        lib = self.lib
+        res = g.assign.lhs.prec
+        ops = g.a.node.prec
+        one, zero = self.scalars[res]
+        if beta not in (0.0, 1.0):
+            raise ValueError(f"a product's beta is 0 (it sets) or 1 (it accumulates), not {beta}")
+        alpha = one.ctypes.data
+        beta_ptr = (zero if beta == 0.0 else one).ctypes.data
+        ta = lib.CUBLAS_OP_T if g.b.transposed else lib.CUBLAS_OP_N
+        tb = lib.CUBLAS_OP_T if g.a.transposed else lib.CUBLAS_OP_N
+        at, ct = _CUDA_TYPE[ops], _CUDA_TYPE[res]
+        compute = self.compute_type(ops, res)
+        isz, osz = ops.itemsize, res.itemsize
+        pa, pb, pc = a.data.ptr, b.data.ptr, out.data.ptr
+        outer, run = batch_runs(g.batch)
+        m, n, k = g.cols, g.rows, g.inner
+        h = self.handle
+        algo = lib.CUBLAS_GEMM_DEFAULT
+        if run is None:
+            return [partial(lib.gemmEx, h, ta, tb, m, n, k, alpha, pb, at, g.b.ld, pa, at,
+                            g.a.ld, beta_ptr, pc, ct, g.out_ld, compute, algo)]
+        return [partial(lib.gemmStridedBatchedEx, h, ta, tb, m, n, k, alpha,
+                        pb + ob * isz, at, g.b.ld, run.b, pa + oa * isz, at, g.a.ld, run.a,
+                        beta_ptr, pc + oo * osz, ct, g.out_ld, run.out, run.size, compute, algo)
+                for oo, oa, ob in _points(outer)]
+
+
+def _set_workspace(lib: Any, handle: int, ptr: int, size: int, major: int | None) -> bool:
+    """Give the handle its workspace (``cublasSetWorkspace``): CuPy's cuBLAS module has no
+    binding for it, so it is called in the cuBLAS library CuPy loaded, through ``ctypes``
+    (dlopen of the soname finds the loaded one). False, warned, where neither works: captures
+    may then fail, and the routines run eagerly, saying so."""
+    fn = getattr(lib, "setWorkspace", None)
+    if fn is not None:
+        fn(handle, ptr, size)
+        return True
+    try:
+        so = ctypes.CDLL(f"libcublas.so.{major or 12}")
+        status = so.cublasSetWorkspace_v2(ctypes.c_void_p(handle), ctypes.c_void_p(ptr),
+                                          ctypes.c_size_t(size))
+        if status != 0:
+            raise RuntimeError(f"cublasSetWorkspace_v2 returned status {status}")
+    except Exception as err:  # noqa: BLE001 - any failure: carry on without, saying so
+        warnings.warn(f"ocannl: cannot give cuBLAS a workspace ({err}); products may not be "
+                      f"captured in CUDA graphs", RuntimeWarning, stacklevel=4)
+        return False
+    return True
 
 
 def _gemm_key(s: GemmCall) -> tuple:
     g = s.gemm
-    return (g.rows, g.cols, g.inner, g.a.transposed, g.b.transposed, s.beta,
-            g.a.node.prec.value, g.b.node.prec.value, g.assign.lhs.prec.value)
+    return (g.rows, g.cols, g.inner, g.a.transposed, g.b.transposed, s.beta, g.a.ld, g.b.ld,
+            g.out_ld, g.batch, g.a.node.prec.value, g.b.node.prec.value,
+            g.assign.lhs.prec.value)
+
+
+# --- one launch per routine call -----------------------------------------------------------------
+
+
+class BoundRoutine:
+    """A routine over its buffers: every launch built once (:attr:`launches`, kernels and
+    cuBLAS calls in plan order), run on the backend's stream.
+
+    With graphs on (``OCANNL_CUDA_GRAPHS``, default 1) the first call captures the launches as
+    a CUDA graph on that stream and every call, the first included, is one ``graph.launch``;
+    the buffers are all allocated before (bind), so nothing allocates while capturing, and a
+    buffer written between calls (``set_values``: an asynchronous copy on the same stream) is
+    read by the next replay with no recapture. A failed capture runs that call's launches one
+    by one and captures again at the next call (a library's first use may initialise something
+    a capture refuses; the eager run did it); where the second capture fails too, the routine
+    runs its launches one by one from then on, saying so once (a ``RuntimeWarning`` naming the
+    routine and the reason)."""
+
+    CAPTURE_TRIES = 2
+
+    def __init__(self, label: str, backend: CupyCudaBackend, launches: tuple[Callable[[], Any],
+                 ...], scratch: list[Any]) -> None:
+        self.label = label
+        self.launches = launches
+        self.scratch = scratch  # alive while the routine is
+        self.device = backend.device
+        self.stream = backend.stream
+        self.capture_mode = backend.capture_mode
+        self.graph: Any = None
+        self.eager = not backend.graphs or not launches
+        self.fallback = ""  # why capture failed, when it did
+        self.failures = 0
+
+    def __call__(self) -> None:
+        if self.graph is None and not self.eager:
+            self._capture()
+        graph = self.graph
+        if graph is not None:
+            with self.device:
+                graph.launch(self.stream)
+            return
+        with self.device, self.stream:
+            for launch in self.launches:
+                launch()
+
+    def _capture(self) -> None:
+        """Record the launches as :attr:`graph` (nothing runs while capturing), or give up."""
+        stream = self.stream
+        with self.device, stream:
+            try:
+                stream.begin_capture(self.capture_mode)
+            except Exception as err:  # noqa: BLE001 - any refusal: run eagerly, saying so
+                self._give_up(err)
+                return
+            try:
+                for launch in self.launches:
+                    launch()
+            except Exception as err:  # noqa: BLE001
+                try:
+                    stream.end_capture()
+                except Exception:  # noqa: BLE001, S110 - the capture is void already
+                    pass
+                self._give_up(err)
+                return
+            try:
+                self.graph = stream.end_capture()
+            except Exception as err:  # noqa: BLE001
+                self._give_up(err)
+
+    def _give_up(self, err: Exception) -> None:
+        self.failures += 1
+        self.fallback = f"{type(err).__name__}: {err}"
+        if self.failures < self.CAPTURE_TRIES:
+            return  # this call runs eagerly; the next captures again
+        self.eager = True
+        warnings.warn(f"ocannl: routine {self.label}: CUDA graph capture failed "
+                      f"({self.fallback}); it runs its {len(self.launches)} launches one by one",
+                      RuntimeWarning, stacklevel=5)
 
 
 class CompiledPlan:
@@ -245,15 +458,16 @@ class CompiledPlan:
     scratch buffers (split reductions' partial results)."""
 
     def __init__(self, backend: CupyCudaBackend, plan: Plan, nodes: Sequence[Tnode],
-                 functions: dict[str, Any], names: dict[str, str]) -> None:
+                 functions: dict[str, Any], names: dict[str, str], label: str = "") -> None:
         self.backend = backend
         self.plan = plan
         self.nodes = tuple(nodes)
         self.functions = functions  # kernel source -> loaded function
         self.names = names  # kernel source -> its function name in the module
+        self.label = label
         self._pos = {n.id: k for k, n in enumerate(nodes)}
 
-    def bind(self, buffers: tuple[Any, ...]) -> Callable[[], None]:
+    def bind(self, buffers: tuple[Any, ...]) -> BoundRoutine:
         """The routine over ``buffers`` (in ``nodes`` order): every launch built now."""
         if len(buffers) != len(self.nodes):
             raise ValueError(f"bind: {len(buffers)} buffers for {len(self.nodes)} nodes")
@@ -262,6 +476,7 @@ class CompiledPlan:
         with be.device:
             scratch = [be.cp.empty(s.size, dtype=storage_dtype(s.prec))
                        for s in self.plan.scratch]
+        blas = be.blas() if any(isinstance(s, GemmCall) for s in self.plan.steps) else None
         launches: list[Callable[[], Any]] = []
         for step in self.plan.steps:
             if isinstance(step, Kernel):
@@ -270,22 +485,11 @@ class CompiledPlan:
                 launches.append(partial(self.functions[step.source], (step.grid,),
                                         (step.block,), args))
                 continue
+            assert blas is not None
             g = step.gemm
-            a, ta = _matrix(buffers[pos[g.a.node.id]], g.a)
-            b, tb = _matrix(buffers[pos[g.b.node.id]], g.b)
-            out = buffers[pos[g.assign.lhs.id]].reshape((g.rows, g.cols))
-            launches.append(partial(be.cublas.gemm, ta, tb, a, b, out=out, beta=step.beta))
-        steps = tuple(launches)
-        device = be.device
-
-        def run() -> None:
-            with device:
-                for launch in steps:
-                    launch()
-
-        run.launches = steps  # type: ignore[attr-defined]
-        run.scratch = scratch  # type: ignore[attr-defined]  # alive while the routine is
-        return run
+            launches += blas.calls(g, step.beta, buffers[pos[g.a.node.id]],
+                                   buffers[pos[g.b.node.id]], buffers[pos[g.assign.lhs.id]])
+        return BoundRoutine(self.label, be, tuple(launches), scratch)
 
 
 class CupyCudaBackend:
@@ -295,7 +499,13 @@ class CupyCudaBackend:
     routines see new values without recompiling.
 
     ``fmad``: whether NVRTC may contract multiply-adds into FMAs (None: ``OCANNL_CUDA_FMAD``,
-    default on); see the module docstring.
+    default on); see the module docstring. ``graphs``: whether routines run as CUDA graphs
+    (None: ``OCANNL_CUDA_GRAPHS``, default on). ``tf32``: whether f32 products may round
+    their operands to TF32 on tensor cores (None: ``OCANNL_CUDA_TF32``, default off).
+
+    Everything (kernels, products, copies in and out) goes on one stream of the backend's, a
+    blocking one: work on the legacy default stream (a communicator's, CuPy's) is ordered with
+    it, and it can be captured.
     """
 
     name = "cuda"
@@ -306,7 +516,8 @@ class CupyCudaBackend:
     # the first time only.
     _seen: set[tuple] = set()
 
-    def __init__(self, device_id: int = 0, *, fmad: bool | None = None) -> None:
+    def __init__(self, device_id: int = 0, *, fmad: bool | None = None,
+                 graphs: bool | None = None, tf32: bool | None = None) -> None:
         reason = cuda_unavailable_reason(device_id)
         if reason is not None:
             raise CudaUnavailable(f"Context.cuda(device_id={device_id}): no GPU is usable: "
@@ -319,6 +530,13 @@ class CupyCudaBackend:
         self.device_id = device_id
         self.device = cupy.cuda.Device(device_id)  # a context manager making it current
         self.fmad = _fmad_from_env() if fmad is None else bool(fmad)
+        self.graphs = _switch("OCANNL_CUDA_GRAPHS", True) if graphs is None else bool(graphs)
+        self.tf32 = _switch("OCANNL_CUDA_TF32", False) if tf32 is None else bool(tf32)
+        with self.device:
+            self.stream = cupy.cuda.Stream()
+        # Thread-local: any unsafe call of this thread (an allocation, a synchronisation)
+        # fails the capture instead of being silently left out of the graph.
+        self.capture_mode = cupy.cuda.runtime.streamCaptureModeThreadLocal
         # The CUDA major CuPy was built for names the wheels to install; the headers go with
         # the NVRTC CuPy compiles with (cuda-pathfinder may load another major's wheel first).
         self.cuda_major = cupy_cuda_major(cupy)
@@ -333,8 +551,9 @@ class CupyCudaBackend:
         self.options: tuple[str, ...] = ((f"-I{inc}",) if inc else ()) + (
             () if self.fmad else ("--fmad=false",))
         wheels = CUDA_WHEELS.get(self.cuda_major or 0, CUDA_WHEELS[12])
+        self._blas: Blas | None = None
         try:
-            from cupy import cublas
+            cublas = importlib.import_module("cupy_backends.cuda.libs.cublas")
         except ImportError as err:  # CuPy 14 wheels do not bundle cuBLAS
             self.cublas: Any = None
             self.cublas_missing = str(err)
@@ -344,6 +563,12 @@ class CupyCudaBackend:
         else:
             self.cublas = cublas
             self.cublas_missing = ""
+
+    def blas(self) -> Blas:
+        """The backend's cuBLAS handle, made at the first routine with a product."""
+        if self._blas is None:
+            self._blas = Blas(self, self.cublas)
+        return self._blas
 
     @property
     def target(self) -> Target:
@@ -360,11 +585,11 @@ class CupyCudaBackend:
     def write(self, node: Tnode, buf: Any, host: np.ndarray) -> None:
         values = to_storage(node, host)
         with self.device:
-            buf.set(values)
+            buf.set(values, stream=self.stream)  # ordered with the routines' launches
 
     def read(self, node: Tnode, buf: Any) -> np.ndarray:
         with self.device:
-            return from_storage(node, buf.get())
+            return from_storage(node, buf.get(stream=self.stream))  # waits for the stream
 
     def reader(self, node: Tnode, buf: Any, pos: int) -> Callable[[], float]:
         one = buf[pos:pos + 1]
@@ -397,7 +622,7 @@ class CupyCudaBackend:
             key = (self.device_id, gemms)
             compiled_anew = key not in self._seen
             self._seen.add(key)
-        return CompiledPlan(self, plan, nodes, functions, names), compiled_anew
+        return CompiledPlan(self, plan, nodes, functions, names, label), compiled_anew
 
     def _load(self, source: str, names: dict[str, str]) -> tuple[dict[str, Any], bool]:
         """The module's functions by kernel source, and whether it was compiled anew."""
@@ -420,7 +645,7 @@ class CupyCudaBackend:
         fns = entry[1]
         return {src: fns[name] for src, name in names.items()}, compiled_anew
 
-    def bind(self, compiled: CompiledPlan, buffers: tuple[Any, ...]) -> Callable[[], None]:
+    def bind(self, compiled: CompiledPlan, buffers: tuple[Any, ...]) -> BoundRoutine:
         return compiled.bind(buffers)
 
     def synchronize(self) -> None:
