@@ -180,3 +180,22 @@ def test_f16_products_forced_native_run_on_mkls_f16_routine():
     theirs = _torch_losses("mlp_wide", 4)
     worst = max(abs(a - b) / abs(b) for a, b in zip(ours, theirs, strict=True))
     assert worst < TOLERANCE["f16"], (worst, ours, theirs)
+
+
+def test_the_cpu_context_names_its_blas_and_each_16_bit_product_path():
+    from ocannl import Context
+
+    line = Context.cpu().describe()
+    library = blas.chosen()
+    assert line.startswith("cpu: ") and f"BLAS {library.name}" in line
+    assert native_products.describe() in line
+    assert "bf16 products: " in line and "f16 products: " in line
+
+
+def test_a_refused_product_path_is_refused_when_the_cpu_context_is_made(monkeypatch):
+    from ocannl import Context
+
+    monkeypatch.setattr(native_products, "_decided", {})
+    monkeypatch.setenv("OCANNL_F16_PRODUCTS", "fast")
+    with pytest.raises(ValueError, match=r"OCANNL_F16_PRODUCTS='fast': expected 'native'"):
+        Context.cpu()

@@ -323,3 +323,16 @@ def test_the_stand_in_gemm_is_strict() -> None:
         call(Atype=fake_cupy.CUDA_R_16BF)
     with pytest.raises(AssertionError, match="ends at element"):
         call(transb=lib.CUBLAS_OP_T, ldb=3)  # B read as 2 x 3, columns 3 apart: 9 elements
+
+
+def test_the_context_names_its_products_and_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Context.describe()`` on CUDA: CuPy's wheel and CUDA major, the 16-bit products through
+    gemmEx, the TF32 choice and whether routines are graphs."""
+    line = Context.cuda().describe()
+    assert line.startswith("cuda: device 0, CuPy ")
+    assert "f16 and bf16 products through cuBLAS gemmEx" in line and "in full f32" in line
+    assert line.endswith("CUDA graphs on")
+    monkeypatch.setenv("OCANNL_CUDA_GRAPHS", "0")
+    monkeypatch.setenv("OCANNL_CUDA_TF32", "1")
+    line = Context.cuda().describe()
+    assert "with TF32" in line and line.endswith("CUDA graphs off (OCANNL_CUDA_GRAPHS=0)")

@@ -576,6 +576,15 @@ class CupyCudaBackend:
         is loadable."""
         return cuda_target(self.cublas is not None)
 
+    def describe(self) -> str:
+        products = ("f16 and bf16 products through cuBLAS gemmEx with the operands as stored, "
+                    f"f32 ones {'with TF32' if self.tf32 else 'in full f32'}"
+                    if self.cublas is not None else
+                    f"products as generated kernels (no cuBLAS: {self.cublas_missing})")
+        return (f"cuda: device {self.device_id}, {describe_cupy(self.cp)}, NVRTC "
+                f"{self.nvrtc_major or '?'}; {products}; CUDA graphs "
+                f"{'on' if self.graphs else 'off (OCANNL_CUDA_GRAPHS=0)'}")
+
     # --- buffers ------------------------------------------------------------------------------
 
     def alloc(self, node: Tnode) -> Any:
