@@ -11,7 +11,7 @@ from benchmarks.fixtures import Fixture
 from benchmarks.results import Row, relative_error
 from benchmarks.runners.base import Runner, Unavailable
 from benchmarks.sgemm import SgemmInRounds
-from benchmarks.specs import TOLERANCE, VARIANTS
+from benchmarks.specs import TOLERANCE, precision_of
 
 Log = Callable[[str], None]
 
@@ -26,8 +26,7 @@ SETTLE_S = 0.1
 
 
 def tolerance_of(r: Runner) -> float:
-    prec = VARIANTS[r.variant][0] if r.framework == "ocannl" else "f32"
-    return TOLERANCE[prec]
+    return TOLERANCE[precision_of(r.framework, r.variant)]
 
 
 def build_all(runners: list[Runner], rows: list[Row], log: Log) -> None:
