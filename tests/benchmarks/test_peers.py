@@ -225,3 +225,21 @@ def test_cpu_flags_name_the_bf16_units() -> None:
     assert machine.cpu_flags("model name : x\n") == set()
     units = machine.describe()["bf16_units"]
     assert set(units) == set(machine.BF16_FLAGS)
+
+
+def test_the_bf16_product_path_line_reads_the_lead_module_where_it_exists(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``machine.bf16_product_path`` is None without ``native_products`` and its
+    ``describe()`` with it (a stand-in module here: the real one is not this file's)."""
+    import types
+
+    name = "ocannl.backends.cpu.native_products"
+    monkeypatch.setitem(sys.modules, name, None)
+    assert machine.bf16_product_path() is None
+    stand_in = types.ModuleType(name)
+    stand_in.describe = lambda: "bf16 products: widened to f32 (no bf16 units)"
+    monkeypatch.setitem(sys.modules, name, stand_in)
+    import ocannl.backends.cpu as cpu_pkg
+
+    monkeypatch.setattr(cpu_pkg, "native_products", stand_in, raising=False)
+    assert machine.bf16_product_path() == "bf16 products: widened to f32 (no bf16 units)"
