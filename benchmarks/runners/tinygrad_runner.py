@@ -41,29 +41,25 @@ def import_tinygrad() -> Any:
     return tinygrad
 
 
-def tinygrad_params(fx: Fixture) -> tuple[list[Any], dict[str, Any] | list[tuple[Any, Any]]]:
+def tinygrad_params(fx: Fixture) -> dict[str, Any] | list[tuple[Any, Any]]:
     """The fixture's weights as tinygrad parameters laid out for its ops (a linear weight
-    ``(in, out)``, a kernel ``(out, in, k, k)``, a gpt's linear weights ``(in, out)``), and
-    the host arrays they were made from, in the same order (for ``restore``)."""
+    ``(in, out)``, a kernel ``(out, in, k, k)``, a gpt's linear weights ``(in, out)``)."""
     from tinygrad import Tensor
 
     w = fx.workload
-    host: list[np.ndarray] = []
 
-    def param(a: np.ndarray) -> Any:
-        a = np.ascontiguousarray(a, np.float32)
-        host.append(a)
-        return Tensor(a, device="CPU")  # every float tensor in scope gets a gradient
+    def param(a: np.ndarray) -> Any:  # every float tensor in scope gets a gradient
+        return Tensor(np.ascontiguousarray(a, np.float32), device="CPU")
 
     if isinstance(fx.weights, dict):
         params = {name: param(v.T if v.ndim == 2 and not name.endswith("_emb") else v)
                   for name, v in fx.weights.items()}
-        return host, params
+        return params
     n_conv = len(w.channels) if w.model == "lenet" else 0
     pairs = []
     for k, (wv, bv) in enumerate(fx.weights):
         pairs.append((param(wv.transpose(0, 3, 1, 2) if k < n_conv else wv.T), param(bv)))
-    return host, pairs
+    return pairs
 
 
 def logits_of(w: Any, p: Any, x: Any) -> Any:
@@ -137,10 +133,9 @@ class TinygradRunner:
         from tinygrad import Context, Tensor, TinyJit, nn
 
         w = self.fx.workload
-        self.host, self.params = tinygrad_params(self.fx)
+        self.params = tinygrad_params(self.fx)
         flat = (list(self.params.values()) if isinstance(self.params, dict)
                 else [t for pair in self.params for t in pair])
-        self.flat = flat
         if w.optimizer == "sgd":
             self.opt = nn.optim.SGD(flat, lr=w.learning_rate)
         else:
