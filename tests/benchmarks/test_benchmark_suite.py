@@ -540,8 +540,10 @@ def test_run_wires_chain_profiles_and_targets(tmp_path: Path,
     base = ["--workloads", "mlp_small", "--scale", "0.01", "--no-probes", "--no-torch-compile",
             "--cpu-only", "--out", str(out), "--fixtures", str(tmp_path)]
     assert run.main([*base, "--chain-n", "2", "3", "--chain-max-seconds", "120",
-                     "--profile-rows", "1", "--profile-runs", "1"]) == 0
+                     "--profile-rows", "1", "--profile-runs", "1", "--no-peers"]) == 0
     done = json.loads((out / "REPORT.json").read_text())
+    ran = {(r["framework"], r["variant"]) for r in done["rows"]}
+    assert ("torch", "autocast") in ran and not {"jax", "tinygrad"} & {f for f, _ in ran}
     assert [r["n"] for r in done["chain"]["results"]] == [2, 3]
     assert all(r["status"] == "ok" for r in done["chain"]["results"]), done["chain"]
     keys = {t["key"] for t in done["targets"]}
@@ -562,6 +564,12 @@ def test_run_wires_chain_profiles_and_targets(tmp_path: Path,
                      "--profile-rows", "0"]) == 0
     done = json.loads((out / "REPORT.json").read_text())
     assert done["chain"]["per_op_growth"]["to"] == 3000 and done["profiles"] == []
+    # the peers' rows, run where installed, else saying why
+    peers = {(r["framework"], r["variant"]): r for r in done["rows"]
+             if r["framework"] in ("jax", "tinygrad")}
+    assert set(peers) == {("jax", "f32"), ("jax", "bf16"), ("tinygrad", "f32")}
+    assert all(r["status"] == "ok" or (r["status"] == "skipped" and r["note"])
+               for r in peers.values()), peers
     assert "COMPILE_CHAIN.json` (`chain`)" in (out / "REPORT.md").read_text()
 
 
