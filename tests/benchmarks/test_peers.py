@@ -131,14 +131,31 @@ def test_tinygrad_rows_train_the_same_models(tmp_path: Path, w: object) -> None:
     assert row.p50 is not None
 
 
+class _OffByAPercent:
+    """An ocannl runner whose losses read 1% high: its row fails the gate, is not timed."""
+
+    def __init__(self, inner: object) -> None:
+        self.inner = inner
+        self.framework, self.variant, self.device = inner.framework, inner.variant, inner.device
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    def loss(self) -> float:
+        return self.inner.loss() * 1.01
+
+
 def test_device_memory_is_read_after_the_first_step(tmp_path: Path) -> None:
     """An ocannl row's device buffers + scratch are its context's ``mem()`` once the step has
-    run; other frameworks' rows have none."""
+    run, read in the gate (so a row that fails it has them too); other frameworks' rows have
+    none."""
     fx = fixtures.load(TINY, tmp_path)
     runners = [make_runner(fx, "torch", "eager", "cpu"), make_runner(fx, "ocannl", "f32", "cpu"),
-               make_runner(fx, "ocannl", "bf16", "cpu")]
+               make_runner(fx, "ocannl", "bf16", "cpu"),
+               _OffByAPercent(make_runner(fx, "ocannl", "f32", "cpu"))]
     rows = measure(fx, runners, runners[0], log=lambda _: None)
     assert rows[0].mem_bytes is None
+    assert rows[3].status == "parity-fail" and rows[3].p50 is None
     for r, row in zip(runners[1:], rows[1:], strict=True):
         assert row.mem_bytes == r.ctx.mem() > 0
     found = {t.name: t for t in targets.evaluate(rows, 1e11)}
