@@ -11,7 +11,7 @@ from benchmarks.fixtures import Fixture
 from benchmarks.results import Row, relative_error
 from benchmarks.runners.base import Runner, Unavailable
 from benchmarks.sgemm import SgemmInRounds
-from benchmarks.specs import TOLERANCE, VARIANTS
+from benchmarks.specs import TOLERANCE, precision_of
 
 Log = Callable[[str], None]
 
@@ -26,8 +26,7 @@ SETTLE_S = 0.1
 
 
 def tolerance_of(r: Runner) -> float:
-    prec = VARIANTS[r.variant][0] if r.framework == "ocannl" else "f32"
-    return TOLERANCE[prec]
+    return TOLERANCE[precision_of(r.framework, r.variant)]
 
 
 def build_all(runners: list[Runner], rows: list[Row], log: Log) -> None:
@@ -57,6 +56,8 @@ def parity(fx: Fixture, runners: list[Runner], rows: list[Row], ref: Runner, log
             for i in range(n):
                 r.step(i)
                 seq.append(r.loss())
+                if i == 0:  # the step compiled and run once: its buffers and scratch exist
+                    row.mem_bytes = r.mem_bytes()
             losses[id(r)] = seq
         except Exception as err:  # noqa: BLE001
             row.status, row.note = "error", f"step: {type(err).__name__}: {err}"
@@ -119,10 +120,9 @@ def time_steps(fx: Fixture, runners: list[Runner], rows: list[Row], log: Log,
                 r.sync()
                 samples.append(clock() - t0)
         step += per_round
-    for r, row in live:
+    for _, row in live:
         row.rounds = w.rounds
         row.finish_timing()
-        row.mem_bytes = r.mem_bytes()
         log(f"  time {row.name}: p50 {row.p50 * 1e3:.3f} ms")
     if yardstick is not None and yardstick.samples:
         log(f"  NumPy sgemm in these rounds: {yardstick.rate() / 1e9:.0f} GFLOP/s (median)")

@@ -70,6 +70,9 @@ def warm_libraries(framework: str) -> None:
         lin(torch.ones(1, 1)).sum().backward()
         opt.step()
         return
+    if framework in ("jax", "tinygrad"):  # their import, not their compile (done in build)
+        __import__(framework)
+        return
     import ocannl.tensor as T
     from ocannl import Context, train
 

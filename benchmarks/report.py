@@ -9,7 +9,15 @@ from pathlib import Path
 
 from benchmarks.results import Row
 from benchmarks.specs import CONTROL_VARIANT, VARIANTS, WORKLOADS, Workload
-from benchmarks.targets import Summary, Target, aa_control, summarize
+from benchmarks.targets import (
+    ISSUE_29_TABLE,
+    ISSUE_TABLE,
+    Goal,
+    Summary,
+    Target,
+    aa_control,
+    summarize,
+)
 
 OBSTACLES = Path(__file__).resolve().parent / "OBSTACLES.md"
 
@@ -41,10 +49,17 @@ def _compile(s: float | None, setup: float | None) -> str:
     return f"{s:.2f} s" + (f" (+{setup:.2f} s set-up)" if setup is not None else "")
 
 
+# How the report names the other frameworks' rows.
+PEER_LABELS = {("torch", "eager"): "PyTorch eager", ("torch", "compile"): "torch.compile",
+               ("torch", "autocast"): "PyTorch autocast bf16", ("jax", "f32"): "JAX jit f32",
+               ("jax", "bf16"): "JAX jit bf16", ("tinygrad", "f32"): "tinygrad f32"}
+
+
 def _label(r: Row) -> str:
-    if r.framework == "torch":
-        return {"eager": "PyTorch eager", "compile": "torch.compile"}[r.variant] + f" ({r.device})"
-    return f"ocannl {r.variant} ({r.device})" + (", A/A control" if r.control else "")
+    if r.framework == "ocannl":
+        return f"ocannl {r.variant} ({r.device})" + (", A/A control" if r.control else "")
+    name = PEER_LABELS.get((r.framework, r.variant), f"{r.framework} {r.variant}")
+    return f"{name} ({r.device})"
 
 
 def sgemm_line(info: dict) -> str:
@@ -65,6 +80,20 @@ def sgemm_line(info: dict) -> str:
     return text
 
 
+def bf16_lines(info: dict) -> list[str]:
+    """The CPU's bf16 units (issue 29's targets are meant for AMX-BF16) and, where recorded,
+    the bf16 product path this project's CPU routines run."""
+    units = info.get("bf16_units")
+    if units is None:
+        return []
+    have = [f for f, on in units.items() if on]
+    text = ("- bf16 units: " + ", ".join(f"{f} {'yes' if on else 'no'}" for f, on in
+                                         units.items()) +
+            ("" if have else " (none of them: no bf16 units; issue 29's goals are for AMX-BF16)"))
+    path = info.get("bf16_path")
+    return [text] + ([f"- bf16 product path: {path}"] if path else [])
+
+
 def aa_line(rows: list[Row]) -> list[str]:
     """The workload's A/A control against its twin, when both were timed."""
     aa = aa_control(rows, rows[0].workload)
@@ -82,7 +111,7 @@ def table(rows: list[Row], sgemm: float | None) -> list[str]:
                 ("torch", "eager", "cpu") and r.status == "ok"), None)
     gemm = wl.name == "mlp_wide"
     head = ["Runner", "Parity (max rel. err.)", "p10", "p50", "p90", "p50 / PyTorch eager",
-            "Compile, cold", "Compile, warm", "Peak RSS growth", "Device buffers"]
+            "Compile, cold", "Compile, warm", "Peak RSS growth", "Device buffers + scratch"]
     if gemm:
         head.append("GEMM GFLOP/s (of sgemm)")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -177,11 +206,12 @@ def _summary_verdict(s: Summary) -> str:
     return f"{word} ({met} of {n}){rest}; closest {worst.name}: {worst.margin()}"
 
 
-def summary_table(found: list[Target]) -> list[str]:
-    """Issue 12's targets table, its rows in its order: at filing, this run, the goal."""
+def summary_table(found: list[Target], table: tuple[Goal, ...] = ISSUE_TABLE) -> list[str]:
+    """An issue's targets table (``table``: issue 12's or 29's), its rows in its order: at
+    filing, this run, the goal."""
     lines = ["| Target | At filing | Measured | Goal | Met / by how much |",
              "|---|---|---|---|---|"]
-    for s in summarize(found):
+    for s in summarize(found, table):
         lines.append(f"| {s.goal.text} | {s.goal.at_filing} | {_summary_measured(s)} | "
                      f"{fmt_goal(s)} | {_summary_verdict(s)} |")
     return lines
@@ -282,6 +312,7 @@ def render(rows: list[Row], targets: list[Target], info: dict, chart: str | None
         f"- ocannl's products call {info.get('blas', 'a BLAS not recorded')}; the sgemm yardstick "
         "is NumPy's own (OpenBLAS)",
         sgemm_line(info),
+        *bf16_lines(info),
         f"- Load average (1/5/15 min) at start: {info['load_start']}; at end: {info['load_end']}"
         " (a busy machine makes every number noisy; ratios from the same run are the robust "
         "figures)",
@@ -313,7 +344,12 @@ def render(rows: list[Row], targets: list[Target], info: dict, chart: str | None
         "apart by first running a one-unit model, and shown in parentheses. Peak RSS growth "
         "is the warm-cache process's peak resident memory while training, over what it held "
         "before building (after that set-up): buffers, activations, and what the compiler "
-        "left resident. Device buffers: the bytes the context holds.", "",
+        "left resident. Device buffers + scratch: the bytes an ocannl context holds after "
+        "the step's first run (`Context.mem()`: its buffers and the arena of its local "
+        "nodes). Besides PyTorch, the rows of JAX (`jax.jit` of the whole step, f32 and "
+        "bf16 compute) and tinygrad (its CPU device, `TinyJit`, f32) train the same models "
+        "from the same fixtures behind the same gate, where those packages are installed "
+        "(the `bench-peers` extra).", "",
         "Variants of this project: " + "; ".join(f"**{k}**: {d}" for k, (_, d) in
                                                  VARIANTS.items()) + ".",
         "",
@@ -340,8 +376,22 @@ def render(rows: list[Row], targets: list[Target], info: dict, chart: str | None
             "cache the cold one filled; per workload the slowest probed ocannl row), and so is "
             "peak RSS growth (per workload the largest of the ocannl rows, over PyTorch "
             "eager's). \"f16\" is the host-gated f16 variant.", ""]
+    keys29 = {g.key for g in ISSUE_29_TABLE}
     out += summary_table(targets) + [""]
-    out += ["Every instance:", ""] + targets_table(targets) + [""]
+    out += ["Every instance:", ""] + targets_table(
+        [t for t in targets if t.key not in keys29]) + [""]
+    out += ["## Issue 29's targets (CPU, bf16, medians, ratios from this run)", "",
+            "This project's bf16 step against its own f32 step and against PyTorch eager "
+            "under `torch.autocast(device_type=\"cpu\", dtype=torch.bfloat16)` (the step a "
+            "PyTorch user would pick), in the same rounds; the wide step's GEMM FLOPs over "
+            "each step's p50, bf16's over f32's; the device buffers + scratch each step holds "
+            "after its first run (`Context.mem()`: buffers and the arena of local nodes), "
+            "bf16's over f32's. The goals are meant for a CPU with AMX-BF16 (the machine's "
+            "bf16 units are listed above); the last row holds a CPU without any to the top "
+            "of the range at filing, and is not measured on one that has them.", ""]
+    out += summary_table(targets, ISSUE_29_TABLE) + [""]
+    out += ["Every instance:", ""] + targets_table(
+        [t for t in targets if t.key in keys29]) + [""]
     if chart:
         out += [f"![step times]({chart})", ""]
     if chain is not None:
@@ -374,7 +424,7 @@ def chart(rows: list[Row], path: Path) -> bool:
         y = range(len(ok))
         p50 = [r.p50 * 1e3 for r in ok]
         err = [[(r.p50 - r.p10) * 1e3 for r in ok], [(r.p90 - r.p50) * 1e3 for r in ok]]
-        colors = ["tab:gray" if r.framework == "torch" else "tab:blue" for r in ok]
+        colors = ["tab:blue" if r.framework == "ocannl" else "tab:gray" for r in ok]
         ax.barh(list(y), p50, xerr=err, color=colors, capsize=3)
         ax.set_yticks(list(y), [_label(r) for r in ok])
         ax.invert_yaxis()

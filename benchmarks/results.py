@@ -30,7 +30,9 @@ class Row:
     setup_cold_s: float | None = None  # the libraries' per-process set-up, cold and warm
     setup_warm_s: float | None = None
     peak_rss_mib: float | None = None  # fresh process: peak resident growth over imports
-    mem_bytes: int | None = None  # device buffers held, where the runner knows
+    # device buffers + scratch (an ocannl context's ``mem()``: its buffers and the arena of its
+    # local nodes) after the step's first run, where the runner knows
+    mem_bytes: int | None = None
     # The A/A control: a second runner of a row already in the run (``specs.CONTROL_VARIANT``),
     # timed in the same rounds; no target reads it, its ratio to the first is the run's noise.
     control: bool = False

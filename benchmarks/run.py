@@ -9,7 +9,7 @@ sgemm in each round: the GEMM row's yardstick); measure the sgemm rate again; th
 measure compile time (cold and warm on-disk cache) and peak memory in fresh processes; time
 the cold compile of a chain of N pointwise ops per N in fresh processes
 (``compile_chain.py``); time each lowered item of the slowest ocannl rows' steps
-(``profile_items.py``); check issue 12's targets; write the report.
+(``profile_items.py``); check issue 12's and issue 29's targets; write the report.
 """
 
 from __future__ import annotations
@@ -54,6 +54,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="skip the fresh-process compile-time and memory probes")
     ap.add_argument("--no-torch-compile", action="store_true", help="skip torch.compile rows")
     ap.add_argument("--cpu-only", action="store_true", help="skip the CUDA rows")
+    ap.add_argument("--no-peers", action="store_true",
+                    help="skip the JAX and tinygrad rows (PyTorch's autocast bf16 row stays)")
     ap.add_argument("--no-chain", action="store_true",
                     help="skip the chain-compile measurement (compile_chain.py)")
     ap.add_argument("--chain-n", type=int, nargs="+", default=list(compile_chain.DEFAULT_NS),
@@ -84,7 +86,7 @@ def probe_rows(rows: list[Row]) -> None:
     for r in rows:
         if r.status not in ("ok", "parity-fail") or r.control:  # the control: as its twin
             continue
-        compiles = r.framework == "ocannl" or r.variant == "compile"
+        compiles = r.framework in ("ocannl", "jax") or r.variant == "compile"  # jax: AOT in build
         with tempfile.TemporaryDirectory(prefix="ocannl-bench-") as tmp:
             args = (r.workload, r.framework, r.variant, r.device, PROBE_STEPS, Path(tmp))
             if compiles:
@@ -174,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     sgemm = [sgemm_rate()]
     log(f"NumPy sgemm: {sgemm[0] / 1e9:.0f} GFLOP/s")
     specs = row_specs(devices=("cpu",) if args.cpu_only else ("cpu", "cuda"),
-                      torch_compile=not args.no_torch_compile)
+                      torch_compile=not args.no_torch_compile, peers=not args.no_peers)
     rows: list[Row] = []
     used = {name: scaled(WORKLOADS[name], args.scale) for name in args.workloads}
     for name, w in used.items():
@@ -215,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
         profiles = profile_rows(rows, args.profile_rows, args.profile_runs)
     info["load_end"] = machine.load_average()
     info["runtime_s"] = time.perf_counter() - t_start
-    found = targets.evaluate(rows, info["sgemm"], chain, info.get("products_rounds_s"))
+    found = targets.evaluate(rows, info["sgemm"], chain, info.get("products_rounds_s"),
+                             bf16_units=info.get("bf16_units"))
     args.out.mkdir(parents=True, exist_ok=True)
     png = args.out / "REPORT.png"
     has_chart = report.chart(rows, png)

@@ -16,6 +16,36 @@ VARIANTS = {
     "f16-gated16": ("f16", "f16 twins, fused on-device gate, host check every 16 steps"),
 }
 
+# The other frameworks' rows: (framework, variant) -> (compute precision, description). The
+# precision picks the row's parity tolerance; every row is gated against PyTorch CPU f32.
+PEER_VARIANTS = {
+    ("torch", "eager"): ("f32", "PyTorch eager, f32"),
+    ("torch", "compile"): ("f32", "torch.compile of the forward pass and loss, f32"),
+    ("torch", "autocast"): ("bf16", "PyTorch eager, forward and loss under "
+                                    "torch.autocast(cpu, bfloat16), f32 parameters"),
+    ("jax", "f32"): ("f32", "jax.jit of the whole step on the CPU, f32"),
+    ("jax", "bf16"): ("bf16", "jax.jit of the whole step, bf16 compute over f32 parameters "
+                              "(layer norms, softmax and loss in f32)"),
+    ("tinygrad", "f32"): ("f32", "tinygrad's CPU device, the step under TinyJit, f32"),
+}
+# The peers beyond PyTorch: their rows run where their packages (the ``bench-peers`` extra)
+# are installed, and say why not where they are not.
+OTHER_PEERS = (("jax", "f32"), ("jax", "bf16"), ("tinygrad", "f32"))
+
+
+def precision_of(framework: str, variant: str) -> str:
+    """A row's compute precision ("f32", "bf16", "f16"): its parity tolerance's key."""
+    if framework == "ocannl":
+        if variant not in VARIANTS:
+            raise ValueError(f"unknown ocannl variant {variant!r}: expected one of "
+                             f"{list(VARIANTS)}")
+        return VARIANTS[variant][0]
+    if (framework, variant) not in PEER_VARIANTS:
+        raise ValueError(f"unknown row {framework} {variant!r}: expected an ocannl variant or "
+                         f"one of {sorted(PEER_VARIANTS)}")
+    return PEER_VARIANTS[framework, variant][0]
+
+
 # The variant timed twice per workload, the second runner as the A/A control: two identical
 # rows in the same rounds differ only by the machine's noise, which their ratio measures (this
 # one's denominator is that of the gate targets, the finest goals: 3%).

@@ -1,9 +1,9 @@
-"""Issue 12's targets ("Speed on every workload"), checked against one run: met or not, and by
-how much.
+"""Issue 12's targets ("Speed on every workload") and issue 29's ("Mixed precision that pays on
+the CPU"), checked against one run: met or not, and by how much.
 
-Each row of the issue's targets table is a ``Goal`` (``ISSUE_TABLE``); ``evaluate`` expands it
-into one ``Target`` per workload (or per chain length) that the run can speak to, and
-``summarize`` folds them back into the issue's rows.
+Each row of an issue's targets table is a ``Goal`` (``ISSUE_TABLE``, ``ISSUE_29_TABLE``);
+``evaluate`` expands it into one ``Target`` per workload (or per chain length) that the run can
+speak to, and ``summarize`` folds them back into the issue's rows.
 """
 
 from __future__ import annotations
@@ -50,7 +50,36 @@ ISSUE_TABLE: tuple[Goal, ...] = (
          "op, largest N / smallest N)", "400 ops: 36.7 s", 2.0, "x"),
     Goal("rss", "peak RSS growth / PyTorch eager's, every workload", "-", 1.0, "x"),
 )
-GOALS = {g.key: g for g in ISSUE_TABLE}
+# Issue 29: this project's bf16 step against its own f32 step and against the one a PyTorch user
+# would pick (eager under CPU autocast to bf16), its products' rate, its memory. Meant for a CPU
+# with AMX-BF16; the last row holds a CPU without bf16 units (``machine.BF16_FLAGS``) to "unchanged
+# or better": no workload's ratio over the top of the range at filing.
+ISSUE_29_TABLE: tuple[Goal, ...] = (
+    Goal("bf16_wide_own", "mlp_wide bf16 step / own f32 step", "1.11x-1.16x", 0.45, "x"),
+    Goal("bf16_wide_autocast", "mlp_wide bf16 step / PyTorch autocast bf16 step", "1.6x-1.8x",
+         0.65, "x"),
+    Goal("bf16_gpt_own", "gpt_mini bf16 step / own f32 step", "1.15x-1.17x", 0.75, "x"),
+    Goal("bf16_gpt_autocast", "gpt_mini bf16 step / PyTorch autocast bf16 step", "1.21x", 0.80,
+         "x"),
+    Goal("bf16_conv_own", "convnet bf16 step / own f32 step", "1.21x", 1.00, "x"),
+    Goal("bf16_conv_autocast", "convnet bf16 step / PyTorch autocast bf16 step", "0.17x", 0.20,
+         "x"),
+    Goal("bf16_gemm", "bf16 products' GFLOP/s / f32 products' GFLOP/s (mlp_wide, same run)",
+         "about 0.9x", 2.5, "x", at_least=True),
+    Goal("bf16_mem", "bf16 step's device buffers + scratch / f32 step's, every workload", "-",
+         0.8, "x"),
+    Goal("bf16_no_units", "on a CPU without bf16 units: bf16 step / own f32 step, every "
+         "workload (unchanged or better: at most the top of the range at filing)",
+         "1.11x-1.21x", 1.21, "x"),
+)
+GOALS = {g.key: g for g in ISSUE_TABLE + ISSUE_29_TABLE}
+# Issue 29's step rows: goal key -> (workload, what the bf16 step is held to: "own" or
+# "autocast").
+BF16_STEP_GOALS = {
+    "bf16_wide_own": ("mlp_wide", "own"), "bf16_wide_autocast": ("mlp_wide", "autocast"),
+    "bf16_gpt_own": ("gpt_mini", "own"), "bf16_gpt_autocast": ("gpt_mini", "autocast"),
+    "bf16_conv_own": ("convnet", "own"), "bf16_conv_autocast": ("convnet", "autocast"),
+}
 CHAIN_TARGET_N = 3000
 
 
@@ -338,12 +367,73 @@ def chain_note(r: dict) -> str:
     return f"{r['status']}: {r.get('note', '')}".strip()
 
 
+def bf16_targets(rows: list[Row], sgemm_flops: float | None = None,
+                 bf16_units: dict[str, bool] | None = None) -> list[Target]:
+    """Issue 29's targets: the bf16 step against this project's f32 step and PyTorch's autocast
+    step, the wide step's GEMM rate in bf16 over f32's, the bf16 step's device memory over
+    f32's; on a CPU without bf16 units (``bf16_units``: ``machine.bf16_units()``, all False),
+    the bf16 step over f32's on every workload."""
+    out = []
+    names = _ran(rows)
+    for key, (wl, versus) in BF16_STEP_GOALS.items():
+        if wl not in names:
+            continue
+        if versus == "own":
+            out.append(_between(rows, wl, key, f"{wl} bf16 step / own f32 step", "bf16", "f32"))
+            continue
+        autocast = _find(rows, wl, "torch", "autocast")
+        note = "" if autocast is None or autocast.status == "ok" else (
+            f"PyTorch autocast row {autocast.status}: {autocast.note}".strip())
+        out.append(_target(key, f"{wl} bf16 step / PyTorch autocast bf16 step",
+                           _ratio(_p50(rows, wl, "ocannl", "bf16"),
+                                  _p50(rows, wl, "torch", "autocast")), note))
+    if "mlp_wide" in names:
+        out.append(_gemm_ratio(rows, sgemm_flops))
+    for wl in names:
+        f32, bf16 = (_find(rows, wl, "ocannl", v) for v in ("f32", "bf16"))
+        mem = {v: r.mem_bytes for v, r in (("f32", f32), ("bf16", bf16))
+               if r is not None and r.mem_bytes}
+        note = (f"bf16 {mem['bf16'] / 2**20:.2f} MiB, f32 {mem['f32'] / 2**20:.2f} MiB"
+                if len(mem) == 2 else "")
+        out.append(_target("bf16_mem", f"{wl} bf16 device buffers + scratch / f32's",
+                           _ratio(mem.get("bf16"), mem.get("f32")), note))
+    has_units = bf16_units is not None and any(bf16_units.values())
+    for wl in names:
+        name = f"{wl} bf16 step / own f32 step, no bf16 units"
+        if bf16_units is None or has_units:
+            why = ("the CPU's bf16 units not recorded" if bf16_units is None else
+                   "this CPU has bf16 units (" + ", ".join(
+                       f for f, on in bf16_units.items() if on) + ")")
+            out.append(_target("bf16_no_units", name, None, why))
+        else:
+            out.append(_between(rows, wl, "bf16_no_units", name, "bf16", "f32"))
+    return out
+
+
+def _gemm_ratio(rows: list[Row], sgemm_flops: float | None) -> Target:
+    """The wide step's GEMM FLOPs over each step's p50 (the f32 GEMM target's figure), bf16's
+    rate over f32's; the note gives both rates and their share of NumPy's sgemm."""
+    flops = WORKLOADS["mlp_wide"].gemm_flops()
+    rate = {v: None if (p := _p50(rows, "mlp_wide", "ocannl", v)) is None else flops / p
+            for v in ("bf16", "f32")}
+    parts = []
+    for v, r in rate.items():
+        if r is not None:
+            share = f" ({100 * r / sgemm_flops:.0f}% of NumPy sgemm)" if sgemm_flops else ""
+            parts.append(f"{v} {r / 1e9:.1f} GFLOP/s{share}")
+    note = ("; ".join(parts) + (": the step's GEMM FLOPs over its p50" if parts else ""))
+    return _target("bf16_gemm", "mlp_wide bf16 GEMM FLOP/s / f32 GEMM FLOP/s",
+                   _ratio(rate["bf16"], rate["f32"]), note)
+
+
 def evaluate(rows: list[Row], sgemm_flops: float | None, chain: dict | None = None,
-             products_s: float | None = None) -> list[Target]:
-    """Every target of the issue that this run's rows (and chain results) can speak to;
-    ``products_s``: NumPy's time for the wide step's products, in its rounds."""
+             products_s: float | None = None,
+             bf16_units: dict[str, bool] | None = None) -> list[Target]:
+    """Every target of issues 12 and 29 that this run's rows (and chain results) can speak to;
+    ``products_s``: NumPy's time for the wide step's products, in its rounds; ``bf16_units``:
+    the CPU's (``machine.bf16_units()``)."""
     return (step_targets(rows, sgemm_flops, products_s) + probe_targets(rows)
-            + chain_targets(chain))
+            + chain_targets(chain) + bf16_targets(rows, sgemm_flops, bf16_units))
 
 
 @dataclass(frozen=True)
@@ -371,7 +461,7 @@ class Summary:
         return True if verdicts and all(verdicts) else None
 
 
-def summarize(found: list[Target]) -> list[Summary]:
-    """The issue's rows in its order, each with the instances this run produced (none: not
-    measured in this run)."""
-    return [Summary(g, tuple(t for t in found if t.key == g.key)) for g in ISSUE_TABLE]
+def summarize(found: list[Target], table: tuple[Goal, ...] = ISSUE_TABLE) -> list[Summary]:
+    """The issue's rows (``table``: ``ISSUE_TABLE`` or ``ISSUE_29_TABLE``) in its order, each
+    with the instances this run produced (none: not measured in this run)."""
+    return [Summary(g, tuple(t for t in found if t.key == g.key)) for g in table]

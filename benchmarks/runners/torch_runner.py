@@ -1,11 +1,28 @@
-"""PyTorch runners: eager, and torch.compile of the forward pass and loss (backward through
-AOTAutograd, the optimizer eager). Both train the workload's model (``benchmarks.models``)
-from the fixture's weights with the workload's optimizer (torch.optim.SGD or Adam)."""
+"""PyTorch runners: eager; torch.compile of the forward pass and loss (backward through
+AOTAutograd, the optimizer eager); and ``autocast``: eager with the forward pass and loss under
+``torch.autocast(device_type="cpu", dtype=torch.bfloat16)``, the backward and the optimizer as
+usual (the AMP recipe for bf16: f32 parameters, no GradScaler). All train the workload's model
+(``benchmarks.models``) from the fixture's weights with the workload's optimizer
+(torch.optim.SGD or Adam)."""
 
 from __future__ import annotations
 
 from benchmarks.fixtures import Fixture
 from benchmarks.runners.base import Unavailable
+
+VARIANTS = ("eager", "compile", "autocast")
+
+
+def _autocast(loss_fn):  # noqa: ANN001, ANN202 - a (x, y) -> loss callable, wrapped
+    """``loss_fn`` run under CPU autocast to bf16 (its products in bf16, the losses and
+    normalizations in f32, as autocast's op lists say)."""
+    import torch
+
+    def run(x, y):  # noqa: ANN001, ANN202
+        with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+            return loss_fn(x, y)
+
+    return run
 
 
 class TorchRunner:
@@ -15,8 +32,8 @@ class TorchRunner:
     framework = "torch"
 
     def __init__(self, fx: Fixture, *, variant: str = "eager", device: str = "cpu") -> None:
-        if variant not in ("eager", "compile"):
-            raise ValueError(f"torch variant must be 'eager' or 'compile', got {variant!r}")
+        if variant not in VARIANTS:
+            raise ValueError(f"torch variant must be one of {list(VARIANTS)}, got {variant!r}")
         self.fx, self.variant, self.device = fx, variant, device
         self._loss = None
 
@@ -40,6 +57,8 @@ class TorchRunner:
         self.loss_fn = torch.compile(loss_fn) if self.variant == "compile" else loss_fn
         if self.variant == "compile":
             self._check_compiles()
+        elif self.variant == "autocast":
+            self.loss_fn = _autocast(loss_fn)
 
     def _check_compiles(self) -> None:
         """Compile now (the first call), so build time is compile time; skip if it cannot."""

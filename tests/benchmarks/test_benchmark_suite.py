@@ -105,7 +105,9 @@ def test_parity_gate_and_report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     assert [t.name for t in half] == ["mlp_small bf16 step / f32 step",
                                       "mlp_small f16 step / f32 step"]
     assert all(t.measured is None and t.met is None for t in half)
-    assert {t.key for t in found} == {"half", "gate", "gated16", "warm", "rss"}
+    # and issue 29's rows that speak to every workload: memory, and the CPU without bf16 units
+    assert {t.key for t in found} == {"half", "gate", "gated16", "warm", "rss", "bf16_mem",
+                                      "bf16_no_units"}
     info = {"command": "test", "date": "today", "runtime_s": 0.0, "cpu": "cpu", "cores": 2,
             "memory": "1 GiB", "platform": "p", "commit": "c", "versions": {"numpy": "x"},
             "sgemm": 1e11, "load_start": "0", "load_end": "0"}
@@ -437,7 +439,7 @@ def test_issue_12_targets_and_report() -> None:
                      "half": 1.25, "gate": 1.10, "gated16": 1.03, "cold_wide": 3.0,
                      "cold_big": 5.0, "warm": 0.5, "chain_3000": 10.0, "chain_linear": 2.0,
                      "rss": 1.0}
-    assert {t.key for t in found} == set(goals)
+    assert {t.key for t in found} - {g.key for g in targets.ISSUE_29_TABLE} == set(goals)
     counts = {k: sum(t.key == k for t in found) for k in goals}
     assert counts == {"wide_eager": 1, "wide_gemm": 1, "conv_eager": 1, "gpt_eager": 1,
                       "half": 8, "gate": 4, "gated16": 4, "cold_wide": 1, "cold_big": 2,
@@ -538,12 +540,15 @@ def test_run_wires_chain_profiles_and_targets(tmp_path: Path,
     base = ["--workloads", "mlp_small", "--scale", "0.01", "--no-probes", "--no-torch-compile",
             "--cpu-only", "--out", str(out), "--fixtures", str(tmp_path)]
     assert run.main([*base, "--chain-n", "2", "3", "--chain-max-seconds", "120",
-                     "--profile-rows", "1", "--profile-runs", "1"]) == 0
+                     "--profile-rows", "1", "--profile-runs", "1", "--no-peers"]) == 0
     done = json.loads((out / "REPORT.json").read_text())
+    ran = {(r["framework"], r["variant"]) for r in done["rows"]}
+    assert ("torch", "autocast") in ran and not {"jax", "tinygrad"} & {f for f, _ in ran}
     assert [r["n"] for r in done["chain"]["results"]] == [2, 3]
     assert all(r["status"] == "ok" for r in done["chain"]["results"]), done["chain"]
     keys = {t["key"] for t in done["targets"]}
-    assert {"half", "gate", "gated16", "warm", "rss", "chain_3000", "chain_linear"} == keys
+    assert {"half", "gate", "gated16", "warm", "rss", "chain_3000", "chain_linear", "bf16_mem",
+            "bf16_no_units"} == keys
     linear = next(t for t in done["targets"] if t["key"] == "chain_linear")
     assert linear["measured"] is not None and "N = 3" in linear["note"]
     (prof,) = done["profiles"]
@@ -559,6 +564,12 @@ def test_run_wires_chain_profiles_and_targets(tmp_path: Path,
                      "--profile-rows", "0"]) == 0
     done = json.loads((out / "REPORT.json").read_text())
     assert done["chain"]["per_op_growth"]["to"] == 3000 and done["profiles"] == []
+    # the peers' rows, run where installed, else saying why
+    peers = {(r["framework"], r["variant"]): r for r in done["rows"]
+             if r["framework"] in ("jax", "tinygrad")}
+    assert set(peers) == {("jax", "f32"), ("jax", "bf16"), ("tinygrad", "f32")}
+    assert all(r["status"] == "ok" or (r["status"] == "skipped" and r["note"])
+               for r in peers.values()), peers
     assert "COMPILE_CHAIN.json` (`chain`)" in (out / "REPORT.md").read_text()
 
 
