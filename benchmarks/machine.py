@@ -8,6 +8,8 @@ import subprocess
 from importlib import metadata
 from pathlib import Path
 
+from ocannl.backends.cpu import native_products
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -22,41 +24,22 @@ def cpu_model() -> str:
 
 
 # The CPU flags of the units issue 29's targets are meant for: AMX's bf16 tiles, AVX-512's bf16
-# dot products, AMX's f16 tiles. A CPU with none of them (AVX2 only) has no bf16 units.
-BF16_FLAGS = ("amx_bf16", "avx512_bf16", "amx_fp16")
+# dot products, AMX's f16 tiles (``native_products.UNITS``). A CPU with none of them (AVX2
+# only) has no bf16 units.
+BF16_FLAGS = tuple(f for flags in native_products.UNITS.values() for f in flags)
 
 
-def cpu_flags(cpuinfo: str | None = None) -> set[str]:
-    """The first processor's flags in ``/proc/cpuinfo`` (or the ``cpuinfo`` text given); empty
-    where there is none to read."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return set()
-    for line in cpuinfo.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
-
-
-def bf16_units(flags: set[str] | None = None) -> dict[str, bool]:
-    """Each of ``BF16_FLAGS``: whether this CPU has it."""
-    have = cpu_flags() if flags is None else flags
+def bf16_units(flags: frozenset[str] | None = None) -> dict[str, bool]:
+    """Each of ``BF16_FLAGS``: whether this CPU (or one with ``flags``) has it."""
+    have = native_products.cpu_flags() if flags is None else flags
     return {f: f in have for f in BF16_FLAGS}
 
 
-def bf16_product_path() -> str | None:
-    """Which bf16 product path this project's CPU routines run (native or widened), in words,
-    from ``ocannl.backends.cpu.native_products.describe()``; None where this checkout has no
-    such module."""
-    # THE PLACE FOR THE LINE naming the bf16 product path: report.render prints this beside the
-    # CPU's bf16 units (``bf16_path`` in the run's info).
-    try:
-        from ocannl.backends.cpu import native_products  # type: ignore[attr-defined]
-    except ImportError:
-        return None
-    return str(native_products.describe())
+def bf16_product_path() -> str:
+    """Which path this project's CPU routines take for bf16 and f16 products (native or
+    widened) and why, in words (``native_products.describe()``): the report prints it beside
+    the CPU's bf16 units."""
+    return native_products.describe()
 
 
 def memory_gib() -> float | None:

@@ -35,3 +35,13 @@ class Runner(Protocol):
 
 def row_name(r: Runner) -> str:
     return f"{r.framework} {r.device} {r.variant}"
+
+
+def trained_losses(r: Runner, steps: int) -> list[float]:
+    """Build ``r`` and train ``steps`` steps from its fixture: each step's loss."""
+    r.build()
+    out = []
+    for i in range(steps):
+        r.step(i)
+        out.append(r.loss())
+    return out

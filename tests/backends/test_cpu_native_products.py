@@ -126,15 +126,11 @@ WORKLOADS, STEPS_RUN = "mlp_wide,convnet,gpt_mini", 6
 def _torch_losses(name: str, steps: int) -> list[float]:
     from benchmarks import fixtures, specs
     from benchmarks.runners import make_runner
+    from benchmarks.runners.base import trained_losses
 
     w = specs.WORKLOADS[name]
-    r = make_runner(fixtures.from_tensors(w, fixtures.generate(w)), "torch", "eager", "cpu")
-    r.build()
-    out = []
-    for i in range(steps):
-        r.step(i)
-        out.append(r.loss())
-    return out
+    fx = fixtures.from_tensors(w, fixtures.generate(w))
+    return trained_losses(make_runner(fx, "torch", "eager", "cpu"), steps)
 
 
 @pytest.mark.skipif(not MKL_WHEEL, reason="the mkl wheel is built for x86-64 Linux only")

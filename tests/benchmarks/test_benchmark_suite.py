@@ -26,6 +26,7 @@ from benchmarks import measure as measure_mod  # noqa: E402
 from benchmarks.measure import measure  # noqa: E402
 from benchmarks.results import Row  # noqa: E402
 from benchmarks.runners import Unavailable, make_runner  # noqa: E402
+from benchmarks.runners.base import trained_losses  # noqa: E402
 from benchmarks.sgemm import SgemmInRounds  # noqa: E402
 from benchmarks.specs import WORKLOADS, Product, scaled  # noqa: E402
 
@@ -303,13 +304,6 @@ def test_convnet_fixture(tmp_path: Path) -> None:
     assert np.abs(fx.weights[1][0]).max() <= bound
 
 
-def _losses(runner: object, steps: int) -> list[float]:
-    runner.build()
-    out = []
-    for i in range(steps):
-        runner.step(i)
-        out.append(runner.loss())
-    return out
 
 
 def test_convnet_is_the_same_model(tmp_path: Path) -> None:
@@ -318,8 +312,8 @@ def test_convnet_is_the_same_model(tmp_path: Path) -> None:
     maxima: both frameworks route the gradient to the first)."""
     pytest.importorskip("sklearn")
     fx = fixtures.load(CONV, tmp_path)
-    ref = _losses(make_runner(fx, "torch", "eager", "cpu"), 3)
-    ours = _losses(make_runner(fx, "ocannl", "f32", "cpu"), 3)
+    ref = trained_losses(make_runner(fx, "torch", "eager", "cpu"), 3)
+    ours = trained_losses(make_runner(fx, "ocannl", "f32", "cpu"), 3)
     assert ours[0] == pytest.approx(ref[0], rel=1e-6)
     assert ours == pytest.approx(ref, rel=1e-5)
     assert ref[-1] < ref[0]  # Adam moves it: not a comparison between constants

@@ -23,6 +23,7 @@ from benchmarks.measure import measure  # noqa: E402
 from benchmarks.results import Row  # noqa: E402
 from benchmarks.runners import make_runner, row_specs  # noqa: E402
 from benchmarks.specs import TOLERANCE, WORKLOADS, precision_of, scaled  # noqa: E402
+from ocannl.backends.cpu import native_products  # noqa: E402
 
 TINY = replace(scaled(WORKLOADS["mlp_small"], 0.01), parity_steps=4, n_batches=2,
                timed_steps=2, rounds=1, warmup_steps=1)
@@ -235,28 +236,17 @@ def test_issue_29_targets_and_report() -> None:
 
 def test_cpu_flags_name_the_bf16_units() -> None:
     info = "processor\t: 0\nflags\t\t: fpu sse avx2 avx512_bf16 amx_tile\nprocessor\t: 1\n"
-    flags = machine.cpu_flags(info)
+    flags = native_products.cpu_flags(info)
     assert {"avx2", "avx512_bf16", "amx_tile"} <= flags
     assert machine.bf16_units(flags) == {"amx_bf16": False, "avx512_bf16": True,
                                          "amx_fp16": False}
-    assert machine.cpu_flags("model name : x\n") == set()
+    assert native_products.cpu_flags("model name : x\n") == frozenset()
     units = machine.describe()["bf16_units"]
     assert set(units) == set(machine.BF16_FLAGS)
 
 
-def test_the_bf16_product_path_line_reads_the_lead_module_where_it_exists(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """``machine.bf16_product_path`` is None without ``native_products`` and its
-    ``describe()`` with it (a stand-in module here: the real one is not this file's)."""
-    import types
-
-    name = "ocannl.backends.cpu.native_products"
-    monkeypatch.setitem(sys.modules, name, None)
-    assert machine.bf16_product_path() is None
-    stand_in = types.ModuleType(name)
-    stand_in.describe = lambda: "bf16 products: widened to f32 (no bf16 units)"
-    monkeypatch.setitem(sys.modules, name, stand_in)
-    import ocannl.backends.cpu as cpu_pkg
-
-    monkeypatch.setattr(cpu_pkg, "native_products", stand_in, raising=False)
-    assert machine.bf16_product_path() == "bf16 products: widened to f32 (no bf16 units)"
+def test_the_header_names_the_bf16_product_path_this_process_runs() -> None:
+    """The report's header line is ``native_products.describe()``: which path each 16-bit
+    precision's products take here, and why."""
+    line = machine.describe()["bf16_path"]
+    assert line == native_products.describe() and line.startswith("bf16 products: ")

@@ -80,15 +80,18 @@ def decide(prec: Precision, flags: frozenset[str], library: blas.Blas,
     return ProductPath(prec, True, found[0], found[1], f"this CPU has {' and '.join(units)}")
 
 
-def cpu_flags() -> frozenset[str]:
-    """The feature flags of this machine's first CPU (``/proc/cpuinfo``; none elsewhere)."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
-            for line in info:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
+def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
+    """The first processor's feature flags in ``/proc/cpuinfo`` (or in the ``cpuinfo`` text
+    given); none where there is nothing to read."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
+                cpuinfo = info.read()
+        except OSError:
+            return frozenset()
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.split(":", 1)[1].split())
     return frozenset()
 
 
