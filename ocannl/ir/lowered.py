@@ -32,13 +32,16 @@ class LoopNest:
     input gradient), so every point reads, combines and writes its cell in turn.
     ``walk_rows``: the last parallel iterator runs innermost, inside the reduction loops, over
     a row of accumulators (a bias gradient summing ``g[i, j]`` over ``i`` reads rows of ``g``,
-    not columns); each cell still accumulates its terms in the same order, so the same bits."""
+    not columns); each cell still accumulates its terms in the same order, so the same bits.
+    ``gather``: a scatter lowered as a reduction per target cell (``lowering.gather_of``), whose
+    cells a GPU spreads over enough blocks (``schedule.GATHER_MIN_BLOCKS``)."""
 
     assign: Accum
     par: tuple[int, ...]
     red: tuple[int, ...]
     scatter: bool = False
     walk_rows: bool = False
+    gather: bool = False
 
     @property
     def space(self) -> tuple[int, ...]:

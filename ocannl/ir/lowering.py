@@ -35,6 +35,7 @@ from ocannl.ir.assignments import (
     Comp,
     Const,
     Expr,
+    Fixed,
     Get,
     Index,
     Projection,
@@ -69,9 +70,9 @@ from ocannl.ir.tnode import MemoryMode, Tnode
 
 __all__ = [
     "BatchAxis", "Effects", "Fill", "Gemm", "LoopGroup", "LoopNest", "Lowered", "MatrixView",
-    "accesses", "copy_source", "covers", "effects", "im2col_items", "item_nodes", "lower",
-    "lower_items", "loop_nest", "nests", "nodes_of", "parallel_iterators", "stored_nodes",
-    "written",
+    "accesses", "copy_source", "covers", "effects", "gather_of", "im2col_items", "item_nodes",
+    "lower", "lower_items", "loop_nest", "nests", "nodes_of", "parallel_iterators",
+    "scatter_as_gather", "stored_nodes", "written",
 ]
 
 # Below this many multiply-adds a GEMM-shaped assignment stays a loop nest: the call into
@@ -154,12 +155,55 @@ def lower_assignment(a: Accum, target: Target) -> list[Fill | LoopNest | Gemm]:
         rewritten = im2col_items(a, target)
         if rewritten is not None:
             return rewritten
+    gather = scatter_as_gather(a, target)
+    if gather is not None:
+        _GATHERS.add(gather)
+        return [replace(loop_nest(gather), gather=True)]
     out: list[Fill | LoopNest | Gemm] = []
     if a.reset and not covers(a):
         out.append(Fill(a.lhs, _neutral(a.accum)))
         a = Accum(a.lhs, a.lhs_idx, a.accum, a.expr, a.space, reset=False)
     out.append(loop_nest(a))
     return out
+
+
+# --- scatters as gathers -------------------------------------------------------------------------
+
+# A scatter (``lhs[affine] += expr``: a convolution's input gradient without im2col, a pool's)
+# runs point by point, each point reading, adding and writing its moving cell: serial within a
+# GPU thread (a kernel of few threads each doing thousands of dependent global updates), shared
+# over CPU threads by its first axis only. Its gather (:func:`gather_of`) is a reduction per
+# cell. A GPU (``Target.parallel_scatters`` off) takes it wherever it reads at most
+# ``GPU_GATHER_MAX_WASTE`` times the scatter's points (not measured on a GPU: an estimate; a
+# point outside costs a guarded read, no memory access).
+# A CPU takes it only where each cell sums at least ``CPU_GATHER_MIN_TERMS`` terms (and within
+# ``CPU_GATHER_MAX_WASTE``): ``benchmarks/ab_gather.py`` (f32, 64 images, p50 of 12 rounds x 40
+# calls, interleaved, on a shared 2-core AMD EPYC: noisy), gather / scatter time, 1 thread and
+# 2: convnet's second convolution's input gradient (144 terms a cell) 0.185 and 0.175; a
+# convolution's with 72 terms 0.807 and 0.799, with 36 0.945 and 0.874, with 18 (a small one)
+# 1.33 and 1.24; a 3x3 stride-1 pool's (9 terms) 4.6 and 3.0. A short sum gains nothing from
+# its local accumulator and pays its padding guards at every term.
+GPU_GATHER_MAX_WASTE = 2
+CPU_GATHER_MAX_WASTE = 2
+CPU_GATHER_MIN_TERMS = 32
+_GATHERS: weakref.WeakSet[Accum] = weakref.WeakSet()  # the gathers made of scatters
+
+
+def scatter_as_gather(a: Accum, target: Target) -> Accum | None:
+    """``a``'s gather (:func:`gather_of`) where ``target`` takes it (a GPU within
+    ``GPU_GATHER_MAX_WASTE``, a CPU within ``CPU_GATHER_MAX_WASTE`` and summing at least
+    ``CPU_GATHER_MIN_TERMS`` terms a cell), else None (not a scatter, not invertible, too
+    wasteful, too short)."""
+    if not any(isinstance(i, Affine) for i in a.lhs_idx):
+        return None
+    if not target.parallel_scatters:
+        return gather_of(a, GPU_GATHER_MAX_WASTE)
+    if CPU_GATHER_MAX_WASTE <= 0:
+        return None
+    gather = gather_of(a, CPU_GATHER_MAX_WASTE)
+    if gather is None or math.prod(gather.space[len(a.lhs_idx):]) < CPU_GATHER_MIN_TERMS:
+        return None
+    return gather
 
 
 # --- im2col -------------------------------------------------------------------------------------
@@ -330,7 +374,7 @@ def _scattered(a: Accum, batched: bool) -> list[Fill | LoopNest | Gemm] | None:
         _PATCH_GRADS.add(grad)
         back = _col2im_gather(a, grad, cand)
         if back is not None:
-            return [g, loop_nest(back)]
+            return [g, replace(loop_nest(back), gather=True)]
         out: list[Fill | LoopNest | Gemm] = [g]
         if a.reset:
             out.append(Fill(lhs, 0.0))
@@ -341,16 +385,78 @@ def _scattered(a: Accum, batched: bool) -> list[Fill | LoopNest | Gemm] | None:
 
 
 def _col2im_gather(a: Accum, grad: Tnode, order: list[int]) -> Accum | None:
-    """``lhs[cells] (=)+ sum over window offsets of grad[...]``: for every affine index of the
-    target, its iterator of coefficient +-1 with the largest extent is solved for (read at an
-    affine index of the cell and the other iterators, out of range: 0), the others are
-    reduced over. None where an affine index has no such iterator, a plain index does not
-    cover its axis, or the reduction would read more than ``GATHER_MAX_WASTE`` times the
-    patch gradient's cells."""
+    """col2im ``lhs[window] (=)+ grad[...]`` as a gather (:func:`gather_of`), within
+    ``GATHER_MAX_WASTE``."""
+    back = Accum(a.lhs, _renumber(a.lhs_idx, {it: k for k, it in enumerate(order)}), "+",
+                 Get(grad, tuple(range(len(order)))), grad.dims, a.reset)
+    return gather_of(back, GATHER_MAX_WASTE)
+
+
+def _vanishes(e: Expr, solved: dict[int, int]) -> bool:
+    """Whether ``e`` is 0 at every point where a solved iterator is outside its extent: a read
+    that indexes an axis of that extent with the iterator itself (read there: 0), or a product
+    or negation of such an expression (times finite values). ``solved``: iterator -> extent."""
+    if isinstance(e, Get):
+        return any(isinstance(i, int) and i in solved and d == solved[i]
+                   for i, d in zip(e.idx, e.node.dims, strict=True))
+    if isinstance(e, Apply) and e.op == "mul":
+        return any(_vanishes(x, solved) for x in e.args)
+    if isinstance(e, Apply) and e.op == "neg":
+        return _vanishes(e.args[0], solved)
+    return False
+
+
+def _substitute(e: Expr, at: dict[int, Index]) -> Expr:
+    """``e`` with every iterator replaced by its index in ``at`` (an affine index of an
+    affine index composes)."""
+    def index(i: Index) -> Index:
+        if isinstance(i, int):
+            return at[i]
+        if not isinstance(i, Affine):
+            return i
+        terms: list[tuple[int, int]] = []
+        offset = i.offset
+        for c, it in i.terms:
+            j = at[it]
+            if isinstance(j, int):
+                terms.append((c, j))
+            else:
+                terms += [(c * c2, it2) for c2, it2 in j.terms]
+                offset += c * j.offset
+        return Affine(tuple(terms), offset)
+
+    if isinstance(e, Get):
+        return Get(e.node, tuple(index(i) for i in e.idx), e.rounded)
+    if isinstance(e, Apply):
+        return Apply(e.op, tuple(_substitute(x, at) for x in e.args))
+    return e
+
+
+def gather_of(a: Accum, max_waste: float) -> Accum | None:
+    """The scatter ``lhs[affine] (=)+ expr`` as a gather: ``lhs[cells] (=)+ sum of expr over
+    the points that land on each cell``, a reduction per cell (parallel, each cell's terms in
+    one order whatever the threads), or None where it cannot be or would cost too much.
+
+    For every affine index of the target, its iterator of coefficient +-1 with the largest
+    extent is solved for (an affine index of the cell and the other iterators); every other
+    iterator is reduced over, in ``a``'s order. A point whose solved iterator is outside its
+    extent is no point of ``a``: ``expr`` must vanish there (:func:`_vanishes`: a read of it
+    outside its axis gives 0), which a non-finite factor beside that read breaks (``0 * inf``
+    is NaN where the scatter added nothing): such inputs give a non-finite gradient either way.
+    None where an affine index has no such iterator, a plain index does not cover its axis or
+    an iterator is in two indices, ``expr`` does not vanish, ``a`` accumulates otherwise than
+    with ``+``, reads its own target, or the gather would take more than ``max_waste`` times
+    ``a``'s points."""
     lhs = a.lhs
+    if a.accum != "+" or any(g.node is lhs for g in reads(a.expr)):
+        return None
+    named = [it for i in a.lhs_idx if isinstance(i, int | Affine)
+             for it in ((i,) if isinstance(i, int) else i.iterators)]
+    if any(isinstance(i, Fixed) for i in a.lhs_idx) or len(set(named)) != len(named):
+        return None
     n = len(lhs.dims)
-    space: list[int] = list(lhs.dims)  # iterators 0..n-1: the target's cells
-    at: dict[int, Index] = {}  # an original iterator -> its index into the patch gradient
+    at: dict[int, Index] = {}  # an original iterator -> its index in the gather's space
+    solved: dict[int, tuple[int, Affine]] = {}  # iterator -> (target axis, affine index)
     for j, (i, d) in enumerate(zip(a.lhs_idx, lhs.dims, strict=True)):
         if isinstance(i, int):
             if a.space[i] != d:
@@ -360,19 +466,22 @@ def _col2im_gather(a: Accum, grad: Tnode, order: list[int]) -> Accum | None:
         units = [(c, it) for c, it in i.terms if abs(c) == 1]
         if not units:
             return None
-        c_s, s = max(units, key=lambda t: a.space[t[1]])
-        terms: list[tuple[int, int]] = [(c_s, j)]  # s = c_s * (cell - offset - others)
-        for c, it in i.terms:
-            if it == s:
-                continue
+        solved[max(units, key=lambda t: a.space[t[1]])[1]] = (j, i)
+    space: list[int] = list(lhs.dims)  # iterators 0..n-1: the target's cells
+    for it, extent in enumerate(a.space):
+        if it not in at and it not in solved:
             at[it] = len(space)
-            space.append(a.space[it])
-            terms.append((-c * c_s, at[it]))
+            space.append(extent)
+    for s, (j, i) in solved.items():
+        c_s = next(c for c, it in i.terms if it == s)
+        terms = [(c_s, j)]  # s = c_s * (cell - offset - others)
+        terms += [(-c * c_s, at[it]) for c, it in i.terms if it != s]
         at[s] = Affine(tuple(terms), -i.offset * c_s)
-    if math.prod(space) > GATHER_MAX_WASTE * grad.size:
+    if not _vanishes(a.expr, {s: a.space[s] for s in solved}):
         return None
-    idx = tuple(at[it] for it in order)
-    return Accum(lhs, tuple(range(n)), "+", Get(grad, idx), tuple(space), a.reset)
+    if math.prod(space) > max_waste * math.prod(a.space):
+        return None
+    return Accum(lhs, tuple(range(n)), "+", _substitute(a.expr, at), tuple(space), a.reset)
 
 
 def _neutral(accum: str) -> float:
@@ -491,7 +600,7 @@ def lower_items(comp: Comp, target: Target) -> list[Lowered]:
                 if gathered.get(item.assign.lhs.id) == source:
                     continue  # these patches are already there
                 gathered[item.assign.lhs.id] = source
-            elif isinstance(item, LoopNest) and _col2im_after_zeros(item, out):
+            elif isinstance(item, LoopNest) and _gather_after_zeros(item, out):
                 item = replace(item, assign=replace(item.assign, reset=True))
             _append(out, item)
             wrote = _touched(out[-1])[1] if not isinstance(item, LoopNest) else \
@@ -606,12 +715,13 @@ def _alias_copies(code: list[Lowered]) -> list[Lowered]:
     return out
 
 
-def _col2im_after_zeros(nest: LoopNest, out: list[Fill | Gemm | _Group]) -> bool:
-    """Whether ``nest`` is a col2im adding into its whole target (a covering ``+=`` reading a
-    patch gradient) that the latest item touching the target zeroed (a zero fill, dropped)."""
+def _gather_after_zeros(nest: LoopNest, out: list[Fill | Gemm | _Group]) -> bool:
+    """Whether ``nest`` is a col2im or a scatter's gather adding into its whole target (a
+    covering ``+=`` reading a patch gradient, or one of ``_GATHERS``) that the latest item
+    touching the target zeroed (a zero fill, dropped)."""
     a = nest.assign
     grads = [g for g in reads(a.expr) if g.node in _PATCH_GRADS]
-    if a.accum != "+" or a.reset or not grads or not covers(a):
+    if a.accum != "+" or a.reset or not (grads or a in _GATHERS) or not covers(a):
         return False
     for k in range(len(out) - 1, -1, -1):
         item = out[k]
