@@ -6,6 +6,9 @@ input gradient runs over at least an H200's 132 SMs of blocks."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -173,3 +176,43 @@ def test_convnets_convolution_input_gradient_fills_an_h200_on_cuda():
     plan = plan_routine(code)
     [kernel] = [s for s in plan.steps if isinstance(s, Kernel) and grad in s.nodes[:1]]
     assert kernel.grid >= GATHER_MIN_BLOCKS and kernel.name == "ocannl_reduce"
+
+
+def _emulator():  # noqa: ANN202
+    """The stand-in ``cupy`` and why the emulator cannot run here (None: it can); they live
+    beside the CUDA backend's tests."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backends"))
+    import fake_cupy
+    from cuda_emu import emulator_unavailable
+
+    return fake_cupy, emulator_unavailable()
+
+
+def _run(ctx: Context, comp: Comp, dx: Tnode, inputs, base) -> np.ndarray:  # noqa: ANN001
+    for n in inputs:
+        ctx.set_values(n, base[n.id])
+    ctx, r = ctx.compile(comp)
+    ctx.run(r)
+    return ctx.get_values(dx)
+
+
+@pytest.mark.parametrize(("case", "mapping"), [
+    (lambda: _conv_dx(4, 4, 3, 4, 3, 1), "reduce"),  # 192 cells: a block each
+    (lambda: _conv_dx(9, 32, 4, 2, 3, 1), "serial"),  # 36,864 cells: a thread each
+])
+def test_the_emulated_cuda_gather_gives_the_cpus_values(case, mapping, monkeypatch):
+    fake_cupy, why = _emulator()
+    if why is not None:
+        pytest.skip(f"no emulator: {why}")
+    comp, dx, inputs = case()
+    code = lower(comp, GPU)
+    [group] = [item for item in code if hasattr(item, "nests")]
+    assert group.lead.gather and group.mapping == mapping
+    base = _values(inputs, seed=5)
+    want = {**base, dx.id: np.full(dx.dims, np.nan, np.float32)}
+    interpret.run(code, want)  # the gather, in order (the CUDA reduce sums in a tree)
+    cpu = _run(Context.cpu(), comp, dx, inputs, base)
+    fake_cupy.install(monkeypatch)
+    got = _run(Context.cuda(), comp, dx, inputs, base)
+    np.testing.assert_allclose(got, want[dx.id], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got, cpu, rtol=1e-5, atol=1e-5)
