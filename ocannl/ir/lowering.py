@@ -177,12 +177,13 @@ def lower_assignment(a: Accum, target: Target) -> list[Fill | LoopNest | Gemm]:
 # ``GPU_GATHER_MAX_WASTE`` times the scatter's points (not measured on a GPU: an estimate; a
 # point outside costs a guarded read, no memory access).
 # A CPU takes it only where each cell sums at least ``CPU_GATHER_MIN_TERMS`` terms (and within
-# ``CPU_GATHER_MAX_WASTE``): ``benchmarks/ab_gather.py`` (f32, 64 images, p50 of 12 rounds x 40
-# calls, interleaved, on a shared 2-core AMD EPYC: noisy), gather / scatter time, 1 thread and
-# 2: convnet's second convolution's input gradient (144 terms a cell) 0.185 and 0.175; a
-# convolution's with 72 terms 0.807 and 0.799, with 36 0.945 and 0.874, with 18 (a small one)
-# 1.33 and 1.24; a 3x3 stride-1 pool's (9 terms) 4.6 and 3.0. A short sum gains nothing from
-# its local accumulator and pays its padding guards at every term.
+# ``CPU_GATHER_MAX_WASTE``): ``benchmarks/ab_gather.py`` (f32, 64 images, p50 of the rounds'
+# ratios, 12 then 20 rounds x 40 calls, interleaved, on a shared 2-core AMD EPYC: noisy),
+# gather / scatter time, 1 thread and 2: convnet's second convolution's input gradient (144
+# terms a cell) 0.19-0.21 and 0.18-0.21; a convolution's with 72 terms 0.81-0.97 and 0.80-0.81,
+# with 36 0.95 and 0.87-0.88, with 18 (a small one) 1.32-1.33 and 1.24-1.25; a 3x3 stride-1
+# pool's (9 terms) 4.6-5.1 and 3.0-3.5. A short sum gains nothing from its local accumulator
+# and pays its padding guards at every term. (benchmarks/OBSTACLES.md: "Scatters as gathers".)
 GPU_GATHER_MAX_WASTE = 2
 CPU_GATHER_MAX_WASTE = 2
 CPU_GATHER_MIN_TERMS = 32
