@@ -6,7 +6,8 @@ a convolution and of a pool, lowered both ways, compiled, run interleaved in one
 Cases (f32, 64 images): convnet's second convolution's input gradient (4x4x8 images, 16
 output channels, 3x3, "same" padding: 144 terms a cell), a small one (8x8x1 to 2 channels,
 which im2col leaves direct on the CPU: 18 terms) and two between (8x8x2 to 4 and 8 channels:
-36 and 72 terms), all without im2col; a 3x3 stride-1 average pool's input gradient
+36 and 72 terms) and a stride-2 one (8x8x2 to 16 channels: 36 terms a cell on average, in
+4 phases), all without im2col; a 3x3 stride-1 average pool's input gradient
 over 8x8x8 images. The scatter side lowers with ``CPU_GATHER_MAX_WASTE = 0`` (no gathers),
 the gather side with the gather forced (waste limit 16, no least number of terms). Per round
 each side runs ``--calls`` calls, timed one by one after one untimed call, the side going
@@ -69,6 +70,8 @@ CASES: dict[str, Callable[[], tuple[Comp, Tnode, list[Tnode]]]] = {
     "small conv dx (64x8x8x1, 2 ch, 3x3 same)": lambda: conv_input_grad(64, 8, 1, 2, 3, 1),
     "conv dx (64x8x8x2, 4 ch, 3x3 same)": lambda: conv_input_grad(64, 8, 2, 4, 3, 1),
     "conv dx (64x8x8x2, 8 ch, 3x3 same)": lambda: conv_input_grad(64, 8, 2, 8, 3, 1),
+    "conv stride 2 dx (64x8x8x2, 16 ch, 3x3 pad 1)":
+        lambda: conv_input_grad(64, 8, 2, 16, 3, 1, stride=2),
     "avg pool 3x3/1 dx (64x8x8x8)": lambda: pool_input_grad(64, 8, 8, 3),
 }
 

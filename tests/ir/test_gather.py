@@ -6,6 +6,7 @@ input gradient runs over at least an H200's 132 SMs of blocks."""
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -62,14 +63,44 @@ def _kinds(comp: Comp, target) -> list[str]:  # noqa: ANN001
     (lambda: _conv_dx(2, 10, 2, 4, 3, 0), "gather", "gather"),  # no padding: 1.56x points
     (lambda: _conv_dx(2, 6, 2, 4, 3, 0), "scatter", "scatter"),  # 2.25x points: too many
     (lambda: _conv_dx(2, 6, 1, 2, 3, 1), "scatter", "gather"),  # 18 terms: short for a CPU
-    (lambda: _conv_dx(2, 9, 2, 4, 3, 1, stride=2), "scatter", "scatter"),  # reads 3x as many
+    (lambda: _conv_dx(2, 9, 2, 4, 3, 1, stride=2), "scatter", "gather"),  # phases: 9 terms
+    (lambda: _conv_dx(2, 9, 2, 4, 1, 0, stride=2), "scatter", "scatter"),  # a phase gets none
     (lambda: _pool_dx(2, 10, 3, 3, 1), "scatter", "gather"),  # 9 terms
-    (lambda: _pool_dx(2, 8, 3, 2, 2), "scatter", "scatter"),  # stride 2: reads 4x as many
+    (lambda: _pool_dx(2, 8, 3, 2, 2), "scatter", "gather"),  # phases: 1 term
 ])
 def test_where_the_rule_takes_the_gather(case, cpu, gpu):
     comp = case()[0]
-    assert _kinds(comp, CPU) == [cpu]
-    assert _kinds(comp, GPU) == [gpu]
+    assert set(_kinds(comp, CPU)) == {cpu}
+    assert set(_kinds(comp, GPU)) == {gpu}
+
+
+@pytest.mark.parametrize(("h", "k", "stride", "pad", "merged"), [
+    (9, 3, 2, 1, False), (8, 3, 2, 1, False), (8, 2, 2, 0, True), (9, 2, 2, 0, False),
+    (10, 4, 2, 2, True), (11, 3, 3, 1, False), (7, 5, 2, 2, False),
+])
+def test_a_strided_window_is_gathered_by_phases_to_the_scatters_values(h, k, stride, pad,
+                                                                         merged, monkeypatch):
+    """On a GPU, a stride-s window's target axis is cut into its s phases (one gather per
+    phase, or the phase an iterator of one gather where everything divides), each cell's
+    terms exactly once: the scatter's values within f32 rounding."""
+    comp, dx, inputs = _conv_dx(2, h, 3, 4, k, pad, stride)
+    code = lower(comp, GPU)
+    gathers = [n for n in nests(code) if n.gather]
+    assert gathers and not any(n.scatter for n in nests(code))
+    assert len(gathers) == (1 if merged else stride * stride)
+    points = sum(math.prod(n.space) for n in gathers)
+    # few points outside the windows (solving for k instead would read about h / k times
+    # the scatter's points per axis)
+    assert points <= 1.5 * math.prod(comp.assignments[0].space)
+    monkeypatch.setattr(lowering, "GPU_GATHER_MAX_WASTE", 0)
+    scattered = lower(comp, GPU)
+    assert [n.scatter for n in nests(scattered)] == [True]
+    base = _values(inputs, seed=3)
+    want = {**base, dx.id: np.full(dx.dims, np.nan, np.float32)}
+    got = dict(want)
+    interpret.run(scattered, want)
+    interpret.run(code, got)
+    np.testing.assert_allclose(got[dx.id], want[dx.id], rtol=1e-5, atol=1e-5)
 
 
 def _values(nodes, seed: int = 0):  # noqa: ANN001, ANN202
@@ -77,16 +108,15 @@ def _values(nodes, seed: int = 0):  # noqa: ANN001, ANN202
     return {n.id: rng.normal(size=n.dims).astype(np.float32) for n in nodes}
 
 
-@pytest.mark.parametrize("pad", [1, 2])
+@pytest.mark.parametrize(("pad", "stride", "o"), [(1, 1, 4), (2, 1, 4), (1, 2, 20)])
 def test_the_gather_is_the_scatter_within_rounding_and_the_cpu_its_interpreter_bit_for_bit(
-        pad, monkeypatch):
+        pad, stride, o, monkeypatch):
     """A convolution too small for im2col (a product under ``GEMM_MIN_FLOPS``), 36 terms a
-    cell."""
-    comp, dx, inputs = _conv_dx(1, 5, 1, 4, 3, pad)
+    cell (stride 2: 39 on average, in 4 phases)."""
+    comp, dx, inputs = _conv_dx(1, 5, 1, o, 3, pad, stride)
     gathered = lower(comp, CpuBackend().target)
-    assert [n.gather for n in nests(gathered)] == [True]
-    [nest] = nests(gathered)
-    assert nest.red and not nest.scatter  # a reduction per cell: parallel over the cells
+    assert [n.gather for n in nests(gathered)] == [True] * stride ** 2
+    assert all(n.red and not n.scatter for n in nests(gathered))  # a reduction per cell
     monkeypatch.setattr(lowering, "CPU_GATHER_MAX_WASTE", 0)
     scattered = lower(comp, CpuBackend().target)
     assert [n.scatter for n in nests(scattered)] == [True]
@@ -166,9 +196,10 @@ def test_the_input_gradient_of_a_direct_convolution_is_torchs():
                                rtol=1e-5, atol=1e-5)
 
 
-def test_convnets_convolution_input_gradient_fills_an_h200_on_cuda():
-    """convnet's (benchmarks/specs.py) second convolution's input gradient: a gather whose
-    kernel launches at least ``GATHER_MIN_BLOCKS`` blocks, no serial loop of updates."""
+def test_convnets_input_gradients_are_gathers_that_fill_an_h200_on_cuda():
+    """convnet's (benchmarks/specs.py) input gradients on CUDA: no scatter is left; the second
+    convolution's (a reduction of 144 terms a cell) launches at least ``GATHER_MIN_BLOCKS``
+    blocks; each pool's is a thread per cell of its target, no zero fill before it."""
     rng = np.random.default_rng(0)
     x = T.term(rng.uniform(0, 1, (64, 8, 8, 1)), label="x", batch_dims=(64,),
                output_dims=(8, 8, 1))
@@ -176,11 +207,21 @@ def test_convnets_convolution_input_gradient_fills_an_h200_on_cuda():
     logits, _ = nn_blocks.lenet(x, num_classes=10, channels=(8, 16), hidden=64)
     comp = train.grad_update(nn_blocks.softmax_cross_entropy(logits, y))
     code = lower(comp, GPU)
-    [grad] = [n.assign.lhs for n in nests(code) if n.gather]
-    assert grad.name.startswith("grad_max_pool2d")  # the first stage's output: conv1's input
+    assert not [n.assign.lhs.name for n in nests(code) if n.scatter]
+    gathers = [n for n in nests(code) if n.gather]
+    conv = [n for n in gathers if n.red]
+    pools = [n for n in gathers if not n.red]
+    assert len(conv) == 1 and len(pools) == 2
     plan = plan_routine(code)
-    [kernel] = [s for s in plan.steps if isinstance(s, Kernel) and grad in s.nodes[:1]]
+
+    def kernels(node: Tnode) -> list[Kernel]:
+        return [s for s in plan.steps if isinstance(s, Kernel) and node in s.nodes[:1]]
+
+    [kernel] = kernels(conv[0].assign.lhs)
     assert kernel.grid >= GATHER_MIN_BLOCKS and kernel.name == "ocannl_reduce"
+    for pool in pools:
+        [kernel] = kernels(pool.assign.lhs)  # no fill kernel: the gather resets its target
+        assert kernel.name == "ocannl_map" and kernel.grid * kernel.block >= pool.assign.lhs.size
 
 
 def _emulator():  # noqa: ANN202
@@ -204,6 +245,9 @@ def _run(ctx: Context, comp: Comp, dx: Tnode, inputs, base) -> np.ndarray:  # no
 @pytest.mark.parametrize(("case", "mapping"), [
     (lambda: _conv_dx(4, 4, 3, 4, 3, 1), "reduce"),  # 192 cells: a block each
     (lambda: _conv_dx(9, 32, 4, 2, 3, 1), "serial"),  # 36,864 cells: a thread each
+    (lambda: _conv_dx(2, 9, 3, 4, 3, 1, stride=2), "serial"),  # 4 phases, 9 terms
+    (lambda: _pool_dx(2, 8, 3, 2, 2), "map"),  # one gather, the phases its iterators
+    (lambda: _conv_dx(2, 9, 3, 16, 3, 1, stride=2), "reduce"),  # 4 phases, 16 to 64 terms
 ])
 def test_the_emulated_cuda_gather_gives_the_cpus_values(case, mapping, monkeypatch):
     fake_cupy, why = _emulator()
@@ -211,8 +255,8 @@ def test_the_emulated_cuda_gather_gives_the_cpus_values(case, mapping, monkeypat
         pytest.skip(f"no emulator: {why}")
     comp, dx, inputs = case()
     code = lower(comp, GPU)
-    [group] = [item for item in code if hasattr(item, "nests")]
-    assert group.lead.gather and group.mapping == mapping
+    groups = [item for item in code if hasattr(item, "nests")]
+    assert all(g.lead.gather for g in groups) and mapping in {g.mapping for g in groups}
     base = _values(inputs, seed=5)
     want = {**base, dx.id: np.full(dx.dims, np.nan, np.float32)}
     interpret.run(code, want)  # the gather, in order (the CUDA reduce sums in a tree)
