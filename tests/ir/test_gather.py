@@ -165,6 +165,10 @@ def test_an_expression_that_does_not_vanish_outside_is_no_gather():
     plus = Accum(x, at, "+", apply("add", Get(g, (0,)), Const(1.0)), (4, 3))
     times = Accum(x, at, "+", apply("mul", Get(g, (0,)), Get(w, (1,))), (4, 3))
     assert gather_of(plus, 100) is None
+    # two solved iterators: a term must vanish outside each (g[oh] ignores ow)
+    x2, g2 = Tnode("x2", (6, 6), F32), Tnode("g2", (4,), F32)
+    at2 = (Affine(((1, 0), (1, 2))), Affine(((1, 1), (1, 3))))  # x2[oh + kh, ow + kw]
+    assert gather_of(Accum(x2, at2, "+", Get(g2, (0,)), (4, 4, 3, 3)), 100) is None
     gather = gather_of(times, 100)
     assert gather is not None and gather.lhs_idx == (0,) and gather.space == (6, 3)
     values = {g.id: np.arange(1, 5, dtype=np.float32), w.id: np.array([1, 10, 100], np.float32),
