@@ -177,15 +177,17 @@ def test_an_expression_that_does_not_vanish_outside_is_no_gather():
     np.testing.assert_array_equal(values[x.id], [1, 12, 123, 234, 340, 400])
 
 
-def test_the_input_gradient_of_a_direct_convolution_is_torchs():
+@pytest.mark.parametrize(("h", "o", "stride"), [(4, 4, 1), (5, 20, 2)])
+def test_the_input_gradient_of_a_direct_convolution_is_torchs(h, o, stride):
     """A convolution im2col leaves direct on the CPU (too small for BLAS) whose input
-    gradient sums 36 terms a cell: a gather, and PyTorch's gradient."""
+    gradient sums 36 terms a cell (stride 2: 39 on average, in 4 phases): gathers, and
+    PyTorch's gradient."""
     rng = np.random.default_rng(4)
-    xv = rng.normal(size=(1, 4, 4, 1)).astype(np.float32)
-    kv = rng.normal(size=(4, 3, 3, 1)).astype(np.float32)
-    x = T.param("x", batch_dims=(1,), output_dims=(4, 4, 1), input_dims=())
-    kernel = T.param("kernel", output_dims=(4,), input_dims=(3, 3, 1))
-    y = conv2d(x, kernel, padding=1)
+    xv = rng.normal(size=(1, h, h, 1)).astype(np.float32)
+    kv = rng.normal(size=(o, 3, 3, 1)).astype(np.float32)
+    x = T.param("x", batch_dims=(1,), output_dims=(h, h, 1), input_dims=())
+    kernel = T.param("kernel", output_dims=(o,), input_dims=(3, 3, 1))
+    y = conv2d(x, kernel, padding=1, stride=stride)
     loss = T.sum(T.mul(y, y))
     comp = train.grad_update(loss)
     assert any(n.gather and n.assign.lhs is x.grad for n in nests(lower(comp, CpuBackend()
@@ -195,7 +197,7 @@ def test_the_input_gradient_of_a_direct_convolution_is_torchs():
     ctx.run(r)
     tx = torch.tensor(xv).permute(0, 3, 1, 2).requires_grad_()
     tk = torch.tensor(kv).permute(0, 3, 1, 2)
-    (torch.nn.functional.conv2d(tx, tk, padding=1) ** 2).sum().backward()
+    (torch.nn.functional.conv2d(tx, tk, padding=1, stride=stride) ** 2).sum().backward()
     np.testing.assert_allclose(ctx.get_values(x.grad), tx.grad.permute(0, 2, 3, 1).numpy(),
                                rtol=1e-5, atol=1e-5)
 
