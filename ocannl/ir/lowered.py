@@ -32,13 +32,16 @@ class LoopNest:
     input gradient), so every point reads, combines and writes its cell in turn.
     ``walk_rows``: the last parallel iterator runs innermost, inside the reduction loops, over
     a row of accumulators (a bias gradient summing ``g[i, j]`` over ``i`` reads rows of ``g``,
-    not columns); each cell still accumulates its terms in the same order, so the same bits."""
+    not columns); each cell still accumulates its terms in the same order, so the same bits.
+    ``gather``: a scatter lowered as a reduction per target cell (``lowering.gather_of``), whose
+    cells a GPU spreads over enough blocks (``schedule.GATHER_MIN_BLOCKS``)."""
 
     assign: Accum
     par: tuple[int, ...]
     red: tuple[int, ...]
     scatter: bool = False
     walk_rows: bool = False
+    gather: bool = False
 
     @property
     def space(self) -> tuple[int, ...]:
@@ -256,12 +259,18 @@ def nests(code: list[Lowered]) -> list[LoopNest]:
 
 
 def _assigns(code: list[Lowered]) -> list[Fill | Accum]:
-    out: list[Fill | Accum] = []
+    return [a for a, _ in _assigns_and_cells(code)]
+
+
+def _assigns_and_cells(code: list[Lowered]) -> list[tuple[Fill | Accum, int]]:
+    """Every fill and assignment of the code, in order, each with how many distinct cells a
+    gather writes (``LoopNest.gather``: its parallel iterators' points), else 0."""
+    out: list[tuple[Fill | Accum, int]] = []
     for it in code:
         if isinstance(it, LoopGroup):
-            out.extend(n.assign for n in it.nests)
+            out.extend((n.assign, n.par_size if n.gather else 0) for n in it.nests)
         else:
-            out.append(it if isinstance(it, Fill) else it.assign)
+            out.append((it if isinstance(it, Fill) else it.assign, 0))
     return out
 
 
@@ -299,7 +308,8 @@ def effects(code: list[Lowered]) -> Effects:
         if n.id not in whole:
             inputs.setdefault(n.id, n)
 
-    for a in _assigns(code):
+    gathered: dict[int, int] = {}  # node id -> the cells resetting gathers wrote so far
+    for a, cells in _assigns_and_cells(code):
         if isinstance(a, Fill):
             whole.add(a.node.id)
             written.setdefault(a.node.id, a.node)
@@ -311,6 +321,10 @@ def effects(code: list[Lowered]) -> Effects:
             read(a.lhs)
         if overwrites and covers(a):
             whole.add(a.lhs.id)
+        elif overwrites and cells:  # a strided target's phases: together, every cell once
+            gathered[a.lhs.id] = gathered.get(a.lhs.id, 0) + cells
+            if gathered[a.lhs.id] >= a.lhs.size:
+                whole.add(a.lhs.id)
         written.setdefault(a.lhs.id, a.lhs)
     return Effects(tuple(inputs.values()), tuple(written.values()))
 

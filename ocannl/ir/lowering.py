@@ -15,6 +15,9 @@
   copied patch by patch into a node of its own, then multiplied as a GEMM; a product scattered
   into a window (a convolution's input gradient) is a GEMM into a patch gradient added back
   into its target by a nest (col2im). See :func:`im2col_items`.
+- A scatter (an affine target index, whose cell moves with reduction iterators) is lowered as
+  gathers where the target record takes them: a reduction per target cell over the points
+  landing on it, parallel on every backend. See :func:`gather_parts`.
 
 :func:`lower` does this, then hands the items to :func:`ocannl.ir.schedule.schedule`, which
 makes the target's choices (placements, product kernels, widened copies, threads, vectors).
@@ -24,6 +27,7 @@ decided here; they never re-decide it.
 
 from __future__ import annotations
 
+import itertools
 import math
 import weakref
 from dataclasses import replace
@@ -35,6 +39,7 @@ from ocannl.ir.assignments import (
     Comp,
     Const,
     Expr,
+    Fixed,
     Get,
     Index,
     Projection,
@@ -69,9 +74,10 @@ from ocannl.ir.tnode import MemoryMode, Tnode
 
 __all__ = [
     "BatchAxis", "Effects", "Fill", "Gemm", "LoopGroup", "LoopNest", "Lowered", "MatrixView",
-    "accesses", "copy_source", "covers", "effects", "im2col_items", "item_nodes", "lower",
-    "lower_items", "loop_nest", "nests", "nodes_of", "parallel_iterators", "stored_nodes",
-    "written",
+    "accesses", "copy_source", "covers", "effects", "gather_nest", "gather_of", "gather_parts",
+    "im2col_items", "item_nodes", "lower", "lower_items", "loop_nest", "nests", "nodes_of",
+    "parallel_iterators",
+    "scatter_as_gather", "stored_nodes", "written",
 ]
 
 # Below this many multiply-adds a GEMM-shaped assignment stays a loop nest: the call into
@@ -154,12 +160,61 @@ def lower_assignment(a: Accum, target: Target) -> list[Fill | LoopNest | Gemm]:
         rewritten = im2col_items(a, target)
         if rewritten is not None:
             return rewritten
+    gathers = scatter_as_gather(a, target)
+    if gathers is not None:
+        _GATHERS.update(g for g, _ in gathers)
+        return [gather_nest(*g) for g in gathers]
     out: list[Fill | LoopNest | Gemm] = []
     if a.reset and not covers(a):
         out.append(Fill(a.lhs, _neutral(a.accum)))
         a = Accum(a.lhs, a.lhs_idx, a.accum, a.expr, a.space, reset=False)
     out.append(loop_nest(a))
     return out
+
+
+# --- scatters as gathers -------------------------------------------------------------------------
+
+# A scatter (``lhs[affine] += expr``: a convolution's input gradient without im2col, a pool's)
+# runs point by point, each point reading, adding and writing its moving cell: serial within a
+# GPU thread (a kernel of few threads each doing thousands of dependent global updates), shared
+# over CPU threads by its first axis only. Its gathers (:func:`gather_parts`; a strided
+# window's target cut into phases) are reductions per cell. A GPU (``Target.parallel_scatters``
+# off) takes them wherever they take at most ``GPU_GATHER_MAX_WASTE`` times the scatter's
+# points (not measured on a GPU: an estimate; a point outside costs a guarded read, no memory
+# access).
+# A CPU takes it only where each cell sums at least ``CPU_GATHER_MIN_TERMS`` terms (and within
+# ``CPU_GATHER_MAX_WASTE``): ``benchmarks/ab_gather.py`` (f32, 64 images, p50 of the rounds'
+# ratios, 12 then 20 rounds x 40 calls, interleaved, on a shared 2-core AMD EPYC: noisy),
+# gather / scatter time, 1 thread and 2: convnet's second convolution's input gradient (144
+# terms a cell) 0.19-0.21 and 0.18-0.21; a convolution's with 72 terms 0.81-0.97 and 0.80-0.81,
+# with 36 0.95 and 0.87-0.88 (a stride-2 one, 36 on average in 4 phases: 0.88 and 0.73), with
+# 18 (a small one) 1.32-1.33 and 1.24-1.25; a 3x3 stride-1 pool's (9 terms) 4.6-5.1 and
+# 3.0-3.5. A short sum gains nothing from its local accumulator and pays its padding guards at
+# every term. (benchmarks/OBSTACLES.md: "Scatters as gathers".)
+GPU_GATHER_MAX_WASTE = 2
+CPU_GATHER_MAX_WASTE = 2
+CPU_GATHER_MIN_TERMS = 32
+_GATHERS: weakref.WeakSet[Accum] = weakref.WeakSet()  # the gathers made of scatters
+
+
+def scatter_as_gather(a: Accum, target: Target) -> list[tuple[Accum, tuple[int, ...]]] | None:
+    """``a``'s gathers (:func:`gather_parts`) where ``target`` takes them (a GPU within
+    ``GPU_GATHER_MAX_WASTE``, a CPU within ``CPU_GATHER_MAX_WASTE`` and summing at least
+    ``CPU_GATHER_MIN_TERMS`` terms a cell), else None (not a scatter, not invertible, too
+    wasteful, too short)."""
+    if not any(isinstance(i, Affine) for i in a.lhs_idx):
+        return None
+    if not target.parallel_scatters:
+        return gather_parts(a, GPU_GATHER_MAX_WASTE)
+    if CPU_GATHER_MAX_WASTE <= 0:
+        return None
+    parts = gather_parts(a, CPU_GATHER_MAX_WASTE)
+    if parts is None:
+        return None
+    cells = sum(math.prod(g.space[i] for i in par) for g, par in parts)
+    if sum(math.prod(g.space) for g, _ in parts) < CPU_GATHER_MIN_TERMS * cells:
+        return None
+    return parts
 
 
 # --- im2col -------------------------------------------------------------------------------------
@@ -185,7 +240,6 @@ GATHER_MAX_WASTE = 2
 _PATCHES: weakref.WeakKeyDictionary[Tnode, dict[tuple, Tnode]] = weakref.WeakKeyDictionary()
 # The id of the node each patch node copies: a gather already done is not done again.
 _PATCH_SOURCE: weakref.WeakKeyDictionary[Tnode, int] = weakref.WeakKeyDictionary()
-_PATCH_GRADS: weakref.WeakSet[Tnode] = weakref.WeakSet()  # the patch gradients
 
 
 def _patch_node(src: Tnode, role: str, key: tuple, dims: tuple[int, ...], prec: Precision
@@ -327,10 +381,10 @@ def _scattered(a: Accum, batched: bool) -> list[Fill | LoopNest | Gemm] | None:
         g = _as_gemm(Accum(grad, tuple(cand), "+", a.expr, a.space, reset=True), batched)
         if g is None:
             continue
-        _PATCH_GRADS.add(grad)
         back = _col2im_gather(a, grad, cand)
         if back is not None:
-            return [g, loop_nest(back)]
+            _GATHERS.update(p for p, _ in back)
+            return [g, *(gather_nest(*p) for p in back)]
         out: list[Fill | LoopNest | Gemm] = [g]
         if a.reset:
             out.append(Fill(lhs, 0.0))
@@ -340,39 +394,219 @@ def _scattered(a: Accum, batched: bool) -> list[Fill | LoopNest | Gemm] | None:
     return None
 
 
-def _col2im_gather(a: Accum, grad: Tnode, order: list[int]) -> Accum | None:
-    """``lhs[cells] (=)+ sum over window offsets of grad[...]``: for every affine index of the
-    target, its iterator of coefficient +-1 with the largest extent is solved for (read at an
-    affine index of the cell and the other iterators, out of range: 0), the others are
-    reduced over. None where an affine index has no such iterator, a plain index does not
-    cover its axis, or the reduction would read more than ``GATHER_MAX_WASTE`` times the
-    patch gradient's cells."""
+def _col2im_gather(a: Accum, grad: Tnode, order: list[int]
+                   ) -> list[tuple[Accum, tuple[int, ...]]] | None:
+    """col2im ``lhs[window] (=)+ grad[...]`` as a gather (:func:`gather_of`: one, through
+    plain iterators; a strided window's phases would sum a few terms a cell, which a CPU does
+    faster as a scatter), within ``GATHER_MAX_WASTE``."""
+    back = Accum(a.lhs, _renumber(a.lhs_idx, {it: k for k, it in enumerate(order)}), "+",
+                 Get(grad, tuple(range(len(order)))), grad.dims, a.reset)
+    gather = gather_of(back, GATHER_MAX_WASTE)
+    return None if gather is None else [(gather, tuple(range(len(a.lhs.dims))))]
+
+
+def _vanishes(e: Expr, solved: dict[int, int]) -> bool:
+    """Whether ``e`` is 0 at every point where any one solved iterator is outside its extent
+    (``solved``: iterator -> extent): for each, a read that indexes an axis of that extent with
+    the iterator itself (read there: 0), or a product or negation of such an expression (times
+    finite values)."""
+    return all(_vanishes_for(e, it, extent) for it, extent in solved.items())
+
+
+def _vanishes_for(e: Expr, it: int, extent: int) -> bool:
+    if isinstance(e, Get):
+        return any(i == it and d == extent for i, d in zip(e.idx, e.node.dims, strict=True)
+                   if isinstance(i, int))
+    if isinstance(e, Apply) and e.op == "mul":
+        return any(_vanishes_for(x, it, extent) for x in e.args)
+    if isinstance(e, Apply) and e.op == "neg":
+        return _vanishes_for(e.args[0], it, extent)
+    return False
+
+
+def _substitute(e: Expr, at: dict[int, Index]) -> Expr:
+    """``e`` with every iterator replaced by its index in ``at`` (an affine index of an
+    affine index composes)."""
+    def index(i: Index) -> Index:
+        if isinstance(i, int):
+            return at[i]
+        if not isinstance(i, Affine):
+            return i
+        terms: list[tuple[int, int]] = []
+        offset = i.offset
+        for c, it in i.terms:
+            j = at[it]
+            if isinstance(j, int):
+                terms.append((c, j))
+            elif isinstance(j, Fixed):
+                offset += c * j.pos
+            else:
+                terms += [(c * c2, it2) for c2, it2 in j.terms]
+                offset += c * j.offset
+        return Affine(tuple(terms), offset)
+
+    if isinstance(e, Get):
+        return Get(e.node, tuple(index(i) for i in e.idx), e.rounded)
+    if isinstance(e, Apply):
+        return Apply(e.op, tuple(_substitute(x, at) for x in e.args))
+    return e
+
+
+def _strided(i: Affine) -> tuple[int, int, int] | None:
+    """``(o, s, k)`` where ``i`` is ``s*o + k + offset`` with ``s >= 2``: a window moving
+    by a stride (a strided convolution's or pool's index), else None."""
+    if len(i.terms) != 2:
+        return None
+    (c1, i1), (c2, i2) = i.terms
+    if c2 == 1 and c1 >= 2:
+        return i1, c1, i2
+    if c1 == 1 and c2 >= 2:
+        return i2, c2, i1
+    return None
+
+
+def gather_parts(a: Accum, max_waste: float) -> list[tuple[Accum, tuple[int, ...]]] | None:
+    """The scatter ``lhs[affine] (=)+ expr`` as gathers, each with the iterators that pick its
+    cells (the others are reduced over): ``lhs[cells] (=)+ the sum of expr over the points
+    that land on each cell``, a reduction per cell (parallel, each cell's terms in one order
+    whatever the threads); or None where it cannot be or would cost too much.
+
+    - A strided affine index ``s*o + k + offset`` (``s >= 2``) splits the target's axis into
+      ``s`` phases, cells ``s*m + phi``: on a phase only ``k = s*q + rho`` land, with
+      ``o = m + A - q`` (``phi - offset = s*A + rho``), each exactly once. Where the axis, the
+      offset and ``k``'s extent are multiples of ``s``, ``phi`` is one more iterator of the
+      cells (``rho = phi``, ``A`` fixed); else there is a gather per phase.
+    - Any other affine index is solved for its iterator of coefficient +-1 with the largest
+      extent (an affine index of the cell and the other iterators), which may fall outside.
+    - Every other iterator is reduced over, in ``a``'s order.
+
+    A point whose ``o`` (or solved iterator) is outside its extent is no point of ``a``:
+    ``expr`` must vanish there (:func:`_vanishes`: a read of it outside its axis gives 0),
+    which a non-finite factor beside that read breaks (``0 * inf`` is NaN where the scatter
+    added nothing): such inputs give a non-finite gradient either way. None where an affine
+    index has no such iterator, a phase gets no term (a window narrower than its stride), a
+    plain index does not cover its axis or an iterator is in two indices, ``expr`` does not
+    vanish, ``a`` accumulates otherwise than with ``+``, reads its own target, or the gathers
+    take more than ``max_waste`` times ``a``'s points."""
     lhs = a.lhs
-    n = len(lhs.dims)
-    space: list[int] = list(lhs.dims)  # iterators 0..n-1: the target's cells
-    at: dict[int, Index] = {}  # an original iterator -> its index into the patch gradient
+    if a.accum != "+" or any(g.node is lhs for g in reads(a.expr)):
+        return None
+    named = [it for i in a.lhs_idx if isinstance(i, int | Affine)
+             for it in ((i,) if isinstance(i, int) else i.iterators)]
+    if any(isinstance(i, Fixed) for i in a.lhs_idx) or len(set(named)) != len(named):
+        return None
+    phases: dict[int, tuple[int, int, int]] = {}  # target axis -> (o, s, k)
+    solved: dict[int, tuple[int, Affine]] = {}  # iterator -> (target axis, affine index)
     for j, (i, d) in enumerate(zip(a.lhs_idx, lhs.dims, strict=True)):
         if isinstance(i, int):
             if a.space[i] != d:
                 return None
-            at[i] = j
-            continue
-        units = [(c, it) for c, it in i.terms if abs(c) == 1]
-        if not units:
-            return None
-        c_s, s = max(units, key=lambda t: a.space[t[1]])
-        terms: list[tuple[int, int]] = [(c_s, j)]  # s = c_s * (cell - offset - others)
-        for c, it in i.terms:
-            if it == s:
-                continue
-            at[it] = len(space)
-            space.append(a.space[it])
-            terms.append((-c * c_s, at[it]))
-        at[s] = Affine(tuple(terms), -i.offset * c_s)
-    if math.prod(space) > GATHER_MAX_WASTE * grad.size:
+        elif _strided(i) is not None:
+            phases[j] = _strided(i)
+        else:
+            units = [(c, it) for c, it in i.terms if abs(c) == 1]
+            if not units:
+                return None
+            solved[max(units, key=lambda t: a.space[t[1]])[1]] = (j, i)
+    vanish = {s: a.space[s] for s in solved} | {o: a.space[o] for o, _, _ in phases.values()}
+    if not _vanishes(a.expr, vanish):
         return None
-    idx = tuple(at[it] for it in order)
-    return Accum(lhs, tuple(range(n)), "+", Get(grad, idx), tuple(space), a.reset)
+    merged = {j for j, (_, s, k) in phases.items()
+              if lhs.dims[j] % s == 0 and a.lhs_idx[j].offset % s == 0 and a.space[k] % s == 0}
+    apart = [j for j in phases if j not in merged]
+    parts: list[tuple[Accum, tuple[int, ...]]] = []
+    for phis in itertools.product(*(range(phases[j][1]) for j in apart)):
+        part = _gather_part(a, phases, dict(zip(apart, phis, strict=True)), solved)
+        if part is None:
+            return None
+        if math.prod(part[0].space[i] for i in part[1]) > 0:
+            parts.append(part)
+    if sum(math.prod(p.space) for p, _ in parts) > max_waste * math.prod(a.space):
+        return None
+    return parts
+
+
+def _gather_part(a: Accum, phases: dict[int, tuple[int, int, int]], phis: dict[int, int],
+                 solved: dict[int, tuple[int, Affine]]
+                 ) -> tuple[Accum, tuple[int, ...]] | None:
+    """The gather of :func:`gather_parts` over the phases ``phis`` (axis -> phase; a strided
+    axis not in it has its phase as an iterator) and its cells' iterators, or None where a
+    phase gets no term; a phase with no cell gives a gather of none."""
+    lhs = a.lhs
+    space: list[int] = []
+    lhs_idx: list[Index] = []
+    par: list[int] = []
+    cell: dict[int, tuple[int, int | None]] = {}  # target axis -> its iterators (m, phi)
+    at: dict[int, Index] = {}  # an original iterator -> its index in the gather's space
+    for j, (i, d) in enumerate(zip(a.lhs_idx, lhs.dims, strict=True)):
+        m = len(space)
+        if j not in phases:
+            if isinstance(i, int):
+                at[i] = m
+            lhs_idx.append(m)
+            space.append(d)
+            cell[j] = (m, None)
+        elif j in phis:
+            s, phi = phases[j][1], phis[j]
+            lhs_idx.append(Affine(((s, m),), phi))
+            space.append(max(0, -(-(d - phi) // s)))  # the cells s*m + phi inside the axis
+            cell[j] = (m, None)
+        else:
+            s = phases[j][1]
+            lhs_idx.append(Affine(((s, m), (1, m + 1))))
+            space += [d // s, s]
+            cell[j] = (m, m + 1)
+        par += [k for k in cell[j] if k is not None]
+    for it, extent in enumerate(a.space):
+        if it not in at and it not in solved and not any(it in (o, k) for o, _, k in
+                                                          phases.values()):
+            at[it] = len(space)
+            space.append(extent)
+    for j, (o, s, k) in phases.items():
+        offset = a.lhs_idx[j].offset
+        m, phi_it = cell[j]
+        if phi_it is None:
+            shift, rho = divmod(phis[j] - offset, s)
+            k_at: list[tuple[int, int]] = []
+        else:
+            shift, rho = -offset // s, 0
+            k_at = [(1, phi_it)]  # rho is the phase
+        terms = -(-(a.space[k] - rho) // s)  # k = s*q + rho inside k's extent
+        if terms <= 0:
+            return None
+        o_at = [(1, m)]
+        if terms > 1:
+            k_at.append((s, len(space)))
+            o_at.append((-1, len(space)))
+            space.append(terms)
+        at[k] = Affine(tuple(k_at), rho) if k_at else Fixed(rho)
+        at[o] = Affine(tuple(o_at), shift)
+    for s, (j, i) in solved.items():
+        c_s = next(c for c, it in i.terms if it == s)
+        terms_ = [(c_s, cell[j][0])]  # s = c_s * (cell - offset - others)
+        terms_ += [(-c * c_s, at[it]) for c, it in i.terms if it != s]
+        at[s] = Affine(tuple(terms_), -i.offset * c_s)
+    gather = Accum(lhs, tuple(lhs_idx), "+", _substitute(a.expr, at), tuple(space), a.reset)
+    return gather, tuple(par)
+
+
+def gather_of(a: Accum, max_waste: float) -> Accum | None:
+    """``a``'s gather where :func:`gather_parts` makes one that writes its cells through
+    plain iterators (no strided axis), else None."""
+    parts = gather_parts(a, max_waste)
+    if parts is None or len(parts) != 1 or not all(isinstance(i, int)
+                                                    for i in parts[0][0].lhs_idx):
+        return None
+    return parts[0][0]
+
+
+def gather_nest(gather: Accum, par: tuple[int, ...]) -> LoopNest:
+    """A gather of :func:`gather_parts` as a loop nest: parallel over ``par`` (distinct
+    cells, also through a phase's ``s*m + phi``), reducing over the rest."""
+    if all(isinstance(i, int) for i in gather.lhs_idx):
+        return replace(loop_nest(gather), gather=True)
+    red = tuple(i for i in range(len(gather.space)) if i not in par)
+    return LoopNest(gather, par, red, gather=True)
 
 
 def _neutral(accum: str) -> float:
@@ -485,14 +719,13 @@ def lower_items(comp: Comp, target: Target) -> list[Lowered]:
     gathered: dict[int, int] = {}  # patch node id -> its source's, while the copy is current
     for a in fuse_resets(comp.assignments):
         items = [Fill(a.lhs, a.expr.value)] if _is_fill(a) else lower_assignment(a, target)
+        items = _gathers_after_zeros(items, out)
         for item in items:
             source = _PATCH_SOURCE.get(item.assign.lhs) if isinstance(item, LoopNest) else None
             if source is not None and item.assign.accum == "=":  # a gather
                 if gathered.get(item.assign.lhs.id) == source:
                     continue  # these patches are already there
                 gathered[item.assign.lhs.id] = source
-            elif isinstance(item, LoopNest) and _col2im_after_zeros(item, out):
-                item = replace(item, assign=replace(item.assign, reset=True))
             _append(out, item)
             wrote = _touched(out[-1])[1] if not isinstance(item, LoopNest) else \
                 {item.assign.lhs.id}
@@ -606,22 +839,25 @@ def _alias_copies(code: list[Lowered]) -> list[Lowered]:
     return out
 
 
-def _col2im_after_zeros(nest: LoopNest, out: list[Fill | Gemm | _Group]) -> bool:
-    """Whether ``nest`` is a col2im adding into its whole target (a covering ``+=`` reading a
-    patch gradient) that the latest item touching the target zeroed (a zero fill, dropped)."""
-    a = nest.assign
-    grads = [g for g in reads(a.expr) if g.node in _PATCH_GRADS]
-    if a.accum != "+" or a.reset or not grads or not covers(a):
-        return False
+def _gathers_after_zeros(items: list[Fill | LoopNest | Gemm], out: list[Fill | Gemm | _Group]
+                         ) -> list[Fill | LoopNest | Gemm]:
+    """``items`` with their gathers (one of ``_GATHERS``: a scatter's or col2im's, adding into
+    every cell of their target together, each cell once) resetting the target instead of adding
+    into it where the latest item touching the target zeroed it (a zero fill, then dropped)."""
+    gathers = [n for n in items if isinstance(n, LoopNest) and n.assign in _GATHERS]
+    if not gathers or any(n.assign.reset for n in gathers):
+        return items
+    lhs = gathers[0].assign.lhs
     for k in range(len(out) - 1, -1, -1):
-        item = out[k]
-        r, w = _touched(item)
-        if a.lhs.id in r or a.lhs.id in w:
-            if isinstance(item, Fill) and item.node is a.lhs and item.value == 0.0:
-                del out[k]
-                return True
-            return False
-    return False
+        r, w = _touched(out[k])
+        if lhs.id in r or lhs.id in w:
+            item = out[k]
+            if not (isinstance(item, Fill) and item.node is lhs and item.value == 0.0):
+                return items
+            del out[k]
+            return [replace(n, assign=replace(n.assign, reset=True))
+                    if isinstance(n, LoopNest) and n.assign in _GATHERS else n for n in items]
+    return items
 
 
 def _append(out: list[Fill | Gemm | _Group], item: Fill | LoopNest | Gemm) -> None:

@@ -671,6 +671,11 @@ SERIAL_PAR_MIN = 1024  # ... as does one up to SERIAL_RED_WIDE long when this ma
 SERIAL_RED_WIDE = 256  # keep enough threads busy
 PER_THREAD = 8  # a split reduction gives each thread at least this many terms
 MAX_REDUCE_BLOCKS = 1024  # splitting stops once cells x splits reaches this many blocks
+# A scatter's gather (``LoopNest.gather``: an input gradient) of more than SERIAL_RED_MAX terms
+# a cell reduces in a thread per cell only where those threads fill at least this many blocks
+# (an H200's 132 SMs), else in a block per cell: a thread per cell of a small convnet's input
+# gradient leaves most SMs idle. (A shorter one stays a thread per cell: a block would idle.)
+GATHER_MIN_BLOCKS = 132
 
 
 def gpu_threads(item: LoopGroup, block: int) -> LoopGroup:
@@ -680,6 +685,9 @@ def gpu_threads(item: LoopGroup, block: int) -> LoopGroup:
     if lead.scatter:
         return replace(item, mapping="serial")
     mapping = gpu_mapping(lead.par_size, lead.red_size, lead.assign.accum, bool(lead.red))
+    if (mapping == "serial" and lead.gather and lead.red_size > SERIAL_RED_MAX
+            and -(-lead.par_size // block) < GATHER_MIN_BLOCKS):
+        mapping = "reduce"
     if mapping != "reduce":
         return replace(item, mapping=mapping)
     splits, chunk = reduce_splits(lead.par_size, lead.red_size, block)
