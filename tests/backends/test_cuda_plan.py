@@ -66,9 +66,16 @@ def test_map_launch_covers_the_range(n: int) -> None:
 
 def test_map_launch_examples() -> None:
     assert cc.map_launch(1) == (1, 32)
-    assert cc.map_launch(100) == (1, 128)
+    assert cc.map_launch(100) == (4, 32)
+    assert cc.map_launch(16384) == (171, 96)  # 132 SMs busy, not 64 blocks of 256
+    assert cc.map_launch(132 * 256) == (132, 256)
     assert cc.map_launch(10**6) == (3907, 256)
     assert cc.map_launch(10**9) == (cc.MAX_GRID, 256)
+
+
+@given(st.integers(cc.MIN_BLOCKS * cc.WARP, 10**8))
+def test_a_map_with_a_warp_for_every_sm_fills_them(n: int) -> None:
+    assert cc.map_launch(n)[0] >= cc.MIN_BLOCKS
 
 
 def test_the_mapping_onto_threads_is_lowerings_and_the_plan_renders_it() -> None:

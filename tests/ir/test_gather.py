@@ -30,7 +30,7 @@ from ocannl.tensor.spatial import conv2d
 
 F32 = Precision.f32
 CPU = PRODUCTS  # a CPU's record (parallel scatters), without im2col
-GPU = cuda_target()
+GPU = replace(cuda_target(), im2col=False)  # a GPU's record, without im2col (as CPU)
 
 
 def _conv_dx(b: int, h: int, c: int, o: int, k: int, pad: int, stride: int = 1):  # noqa: ANN202
@@ -205,7 +205,8 @@ def test_the_input_gradient_of_a_direct_convolution_is_torchs(h, o, stride):
 def test_convnets_input_gradients_are_gathers_that_fill_an_h200_on_cuda():
     """convnet's (benchmarks/specs.py) input gradients on CUDA: no scatter is left; the second
     convolution's (a reduction of 144 terms a cell) launches at least ``GATHER_MIN_BLOCKS``
-    blocks; each pool's is a thread per cell of its target, no zero fill before it."""
+    blocks; each pool's is a thread per cell of its target, no zero fill before it, on at least
+    as many blocks too (``plan.map_launch``)."""
     rng = np.random.default_rng(0)
     x = T.term(rng.uniform(0, 1, (64, 8, 8, 1)), label="x", batch_dims=(64,),
                output_dims=(8, 8, 1))
@@ -228,6 +229,7 @@ def test_convnets_input_gradients_are_gathers_that_fill_an_h200_on_cuda():
     for pool in pools:
         [kernel] = kernels(pool.assign.lhs)  # no fill kernel: the gather resets its target
         assert kernel.name == "ocannl_map" and kernel.grid * kernel.block >= pool.assign.lhs.size
+        assert kernel.grid >= GATHER_MIN_BLOCKS  # blocks of fewer threads, every SM busy
 
 
 def _emulator():  # noqa: ANN202
@@ -271,3 +273,21 @@ def test_the_emulated_cuda_gather_gives_the_cpus_values(case, mapping, monkeypat
     got = _run(Context.cuda(), comp, dx, inputs, base)
     np.testing.assert_allclose(got, want[dx.id], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(got, cpu, rtol=1e-5, atol=1e-5)
+
+
+def test_convnets_input_gradients_fill_an_h200_with_cudas_im2col_too():
+    """With the CUDA record as it is (im2col on, through cuBLAS), convnet's input gradients are
+    gathers still (the second convolution's through its patch gradient: col2im), none a
+    scatter, each kernel on at least ``GATHER_MIN_BLOCKS`` blocks."""
+    rng = np.random.default_rng(0)
+    x = T.term(rng.uniform(0, 1, (64, 8, 8, 1)), label="x", batch_dims=(64,),
+               output_dims=(8, 8, 1))
+    y = T.term(np.eye(10)[rng.integers(0, 10, 64)], label="y")
+    logits, _ = nn_blocks.lenet(x, num_classes=10, channels=(8, 16), hidden=64)
+    code = lower(train.grad_update(nn_blocks.softmax_cross_entropy(logits, y)), cuda_target())
+    assert not [n.assign.lhs.name for n in nests(code) if n.scatter]
+    gathered = {n.assign.lhs.id for n in nests(code) if n.gather}
+    assert len(gathered) == 3  # two pools' and the second convolution's
+    grids = [s.grid for s in plan_routine(code).steps
+             if isinstance(s, Kernel) and s.nodes[0].id in gathered]
+    assert len(grids) == 3 and min(grids) >= GATHER_MIN_BLOCKS, grids

@@ -46,10 +46,19 @@ _NARROW = {Precision.f16: "__float2half_rn", Precision.bf16: "__float2bfloat16_r
 _INCLUDE = {Precision.f16: "cuda_fp16.h", Precision.bf16: "cuda_bf16.h"}
 
 
+# A map kernel's blocks shrink (by warps, to one warp) until it has this many, where its cells
+# allow: an H200 has 132 SMs, and a 16,384-cell map in blocks of 256 threads would leave 68
+# of them idle (a small convnet's pool gradient).
+MIN_BLOCKS = 132
+
+
 def map_launch(n: int) -> tuple[int, int]:
-    """``(grid, block)`` for a grid-stride loop over ``n`` items: small maps get one warp-sized
-    block, large ones at most :data:`MAX_GRID` blocks."""
+    """``(grid, block)`` for a grid-stride loop over ``n`` items: blocks of :data:`BLOCK`
+    threads, fewer (whole warps) where that gives a small map :data:`MIN_BLOCKS` blocks, and
+    at most :data:`MAX_GRID` blocks."""
     block = min(BLOCK, max(WARP, -(-n // WARP) * WARP))
+    while block > WARP and -(-n // block) < MIN_BLOCKS:
+        block -= WARP
     return min(MAX_GRID, max(1, -(-n // block))), block
 
 
