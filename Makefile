@@ -3,7 +3,8 @@
 # the demo the package and what the examples use (no PyTorch, no CUDA wheels); the tests add
 # PyTorch (the oracle), the CUDA compiler wheels of CUDA 12 and 13 (CI compiles every kernel
 # with both NVRTC majors) and
-# Intel's MKL (the products' BLAS on Intel CPUs; the benchmarks run in this environment).
+# Intel's MKL (the products' BLAS on Intel CPUs; the benchmarks run in this environment) and
+# oneDNN (bf16 products on other CPUs with AVX512-BF16).
 # One stamp per set, so `make test` after `make demo` upgrades the same .venv.
 PYTHON ?= python3
 VENV := .venv
@@ -24,7 +25,7 @@ $(DEMO_STAMP): pyproject.toml | $(PY)
 	touch $@
 
 $(TEST_STAMP): pyproject.toml | $(PY)
-	$(PY) -m pip install -q -e '.[plot,examples,test,gpu,nvrtc-check,dist,mkl]'
+	$(PY) -m pip install -q -e '.[plot,examples,test,gpu,nvrtc-check,dist,mkl,onednn]'
 	touch $@
 
 $(DIST_STAMP): pyproject.toml | $(PY)

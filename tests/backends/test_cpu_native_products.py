@@ -1,10 +1,12 @@
-"""bf16 (and f16) products multiplied by the BLAS as stored (``native_products.py``): the choice,
-its refusals, and the benchmark workloads' bf16 steps trained through MKL's
-``gemm_bf16bf16f32`` against PyTorch f32 and against the widened path.
+"""bf16 (and f16) products multiplied as stored (``native_products.py``, ``onednn.py``): the
+choice, its refusals, and the benchmark workloads' bf16 steps trained through MKL's
+``gemm_bf16bf16f32`` and through oneDNN's ``dnnl_gemm_bf16bf16f32`` against PyTorch f32 and
+against the widened path.
 
 The native runs are subprocesses: the BLAS and the product paths are decided once per process,
 from the environment. MKL's bf16 routine runs on any x86-64 CPU (it widens internally where
-the CPU has no bf16 units), so these run on every development machine."""
+the CPU has no bf16 units); oneDNN's on any with AVX-512 (``ONEDNN_MAX_CPU_ISA=AVX2`` shows
+its refusal on every such machine)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from ocannl.backends.cpu import blas, native_products
+from ocannl.backends.cpu import blas, native_products, onednn
 from ocannl.backends.cpu.native_products import decide
 from ocannl.ir.ops import Precision
 
@@ -29,6 +31,16 @@ AMD = frozenset({"avx2", "f16c", "fma"})
 MKL = blas.Blas("mkl", 1, 2, 32, None, "libmkl_core.so.2",
                 (("bf16", "gemm_bf16bf16f32_", 11), ("f16", "gemm_f16f16f32_", 12)))
 OPENBLAS = blas.Blas("numpy", 1, 2, 64, None, "libscipy_openblas64_.so")
+ZEN = AMD | {"avx512f", "avx512_bf16"}
+DNNL = onednn.OneDnn("libdnnl.so.3", "3.2.0", 21, 64)
+
+
+def with_dnnl() -> onednn.OneDnn:
+    return DNNL
+
+
+def without_dnnl() -> str:
+    return "no libdnnl.so.3 under /x/lib"
 
 
 def test_bf16_products_are_native_by_default_only_with_bf16_units_and_a_routine():
@@ -39,7 +51,34 @@ def test_bf16_products_are_native_by_default_only_with_bf16_units_and_a_routine(
     amd = decide(BF16, AMD, MKL)
     assert not amd.native and "no amx_bf16 or avx512_bf16" in amd.why
     plain = decide(BF16, SPR, OPENBLAS)
-    assert not plain.native and "(numpy) has no bf16 product" in plain.why
+    assert not plain.native and "(numpy, libscipy_openblas64_.so) has no bf16 product" in \
+        plain.why
+
+
+def test_bf16_products_call_onednn_where_the_blas_has_no_routine_of_the_cpus_units():
+    """MKL's on Intel's CPUs; oneDNN's on another vendor's (MKL's widens there) and beside a
+    BLAS with none; MKL's still where oneDNN is missing; f16 never oneDNN's."""
+    intel = decide(BF16, SPR, MKL, second=with_dnnl, intel=True)
+    assert (intel.routine, intel.address) == ("gemm_bf16bf16f32_", 11)
+    zen = decide(BF16, ZEN, MKL, second=with_dnnl)
+    assert (zen.native, zen.routine, zen.address) == (True, "oneDNN 3.2.0 "
+                                                      "dnnl_gemm_bf16bf16f32", 21)
+    assert zen.why == "this CPU has avx512_bf16"
+    assert decide(BF16, ZEN, OPENBLAS, second=with_dnnl).address == 21
+    assert decide(BF16, ZEN, MKL, second=without_dnnl).address == 11
+    missing = decide(BF16, ZEN, OPENBLAS, second=without_dnnl)
+    assert not missing.native and missing.why.endswith(
+        "has no bf16 product, and oneDNN's is not there: no libdnnl.so.3 under /x/lib")
+    assert not decide(F16, ZEN | {"amx_fp16"}, OPENBLAS, second=with_dnnl).native
+
+
+def test_onednn_is_not_looked_for_where_it_is_not_needed():
+    def looked() -> str:
+        raise AssertionError("oneDNN was loaded")
+
+    assert not decide(BF16, AMD, OPENBLAS, second=looked).native  # no bf16 units
+    assert decide(BF16, SPR, MKL, second=looked, intel=True).address == 11
+    assert not decide(BF16, ZEN, OPENBLAS, "widened", second=looked).native
 
 
 def test_f16_products_are_native_by_default_only_with_amx_fp16():
@@ -54,8 +93,14 @@ def test_the_environment_forces_a_path_and_native_without_a_routine_is_refused()
     assert forced.native and "as OCANNL_BF16_PRODUCTS asks (this CPU has no" in forced.why
     assert not decide(BF16, SPR, MKL, "widened").native
     with pytest.raises(ValueError, match=r"OCANNL_BF16_PRODUCTS=native: the BLAS in use "
-                                         r"\(numpy, libscipy_openblas64_.so\) has no bf16"):
-        decide(BF16, SPR, OPENBLAS, "native")
+                                         r"\(numpy, libscipy_openblas64_.so\) has no bf16 "
+                                         r"product, and oneDNN's is not there: no libdnnl"
+                                         r".* or install oneDNN \(pip install onednn-cpu"):
+        decide(BF16, SPR, OPENBLAS, "native", second=without_dnnl)
+    with pytest.raises(ValueError, match=r"OCANNL_F16_PRODUCTS=native: .* has no f16 product; "
+                                         r"install MKL \(pip install mkl\) and set "
+                                         r"OCANNL_BLAS=mkl, or unset"):
+        decide(F16, SPR, OPENBLAS, "native", second=with_dnnl)
     with pytest.raises(ValueError, match=r"OCANNL_F16_PRODUCTS='on': expected 'native'"):
         decide(F16, SPR, MKL, "on")
 
@@ -63,6 +108,7 @@ def test_the_environment_forces_a_path_and_native_without_a_routine_is_refused()
 def test_a_refused_choice_decides_nothing(monkeypatch):
     monkeypatch.setattr(native_products, "_decided", {})
     monkeypatch.setattr(blas, "chosen", lambda: OPENBLAS)
+    monkeypatch.setattr(onednn, "bf16_product", lambda bits: without_dnnl())
     monkeypatch.setenv("OCANNL_BF16_PRODUCTS", "native")
     with pytest.raises(ValueError, match="OCANNL_BF16_PRODUCTS=native"):
         native_products.paths()
@@ -79,7 +125,9 @@ import json, sys
 import numpy as np
 from benchmarks import fixtures, specs
 from benchmarks.runners import make_runner
-from ocannl.backends.cpu import jit, native_products
+from ocannl.backends.cpu import jit, native_products, onednn
+if sys.argv[4] == "hide-onednn":  # as where the onednn wheel is not installed
+    onednn._loaded.update({bits: "hidden by the test" for bits in (32, 64)})
 from ocannl.ir.lowered import Gemm, LoopGroup
 from ocannl.ir.lowering import lower
 out = {"paths": native_products.describe(), "target": sorted(
@@ -112,8 +160,10 @@ print(json.dumps(out))
 """
 
 
-def _steps(env: dict[str, str], names: str, steps: int, variant: str = "bf16") -> dict:
-    done = subprocess.run([sys.executable, "-c", STEPS, names, str(steps), variant], cwd=ROOT,
+def _steps(env: dict[str, str], names: str, steps: int, variant: str = "bf16",
+           onednn_too: bool = True) -> dict:
+    done = subprocess.run([sys.executable, "-c", STEPS, names, str(steps), variant,
+                           "" if onednn_too else "hide-onednn"], cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": str(ROOT), **env},
                           capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -133,24 +183,40 @@ def _torch_losses(name: str, steps: int) -> list[float]:
     return trained_losses(make_runner(fx, "torch", "eager", "cpu"), steps)
 
 
-@pytest.mark.skipif(not MKL_WHEEL, reason="the mkl wheel is built for x86-64 Linux only")
-def test_the_workloads_bf16_steps_multiply_bf16_operands_as_stored():
-    """mlp_wide, convnet and gpt_mini's bf16 steps with MKL's bf16 products: every library
-    product of two bf16 operands reads them as stored (no f32 copy of a 16-bit node feeds one),
-    the step holds less memory than the widened one, its losses over six steps are within the
-    bf16 parity gate of PyTorch f32, and its bits are the same on one thread as on two (each
-    part of a shared product is one call, the same parts whatever the thread count)."""
+def _onednn_here() -> str:
+    """Why oneDNN's bf16 product cannot run here (``""``: it can)."""
+    found = onednn.bf16_product(blas.chosen().int_bits)
+    return found if isinstance(found, str) else ""
+
+
+ROUTINES = {"mkl": ({"OCANNL_BLAS": "mkl"}, False, "native (gemm_bf16bf16f32_)"),
+            "onednn": ({}, True, "native (oneDNN ")}
+
+
+@pytest.mark.parametrize("routine", sorted(ROUTINES))
+def test_the_workloads_bf16_steps_multiply_bf16_operands_as_stored(routine):
+    """mlp_wide, convnet and gpt_mini's bf16 steps with MKL's bf16 products (oneDNN hidden),
+    and with oneDNN's beside the default BLAS: every library product of two bf16 operands
+    reads them as stored (no f32 copy of a 16-bit node feeds one), the step holds less memory
+    than the widened one, its losses over six steps are within the bf16 parity gate of
+    PyTorch f32, and its bits are the same on one thread as on two (each part of a shared
+    product is one call, the same parts whatever the thread count)."""
     from benchmarks.specs import TOLERANCE
 
-    mkl = {"OCANNL_BLAS": "mkl"}
-    native = _steps({**mkl, "OCANNL_BF16_PRODUCTS": "native"}, WORKLOADS, STEPS_RUN)
-    alone = _steps({**mkl, "OCANNL_BF16_PRODUCTS": "native", "OCANNL_THREADS": "1"},
-                   WORKLOADS, STEPS_RUN)
-    widened = _steps({**mkl, "OCANNL_BF16_PRODUCTS": "widened"}, WORKLOADS, STEPS_RUN)
-    assert native["target"] == ["bf16"] and widened["target"] == []
-    assert "bf16 products: native (gemm_bf16bf16f32_)" in native["paths"]
+    if not MKL_WHEEL:
+        pytest.skip("the mkl and onednn wheels are built for x86-64 Linux only")
+    if routine == "onednn" and _onednn_here():
+        pytest.skip(f"oneDNN's bf16 product cannot run here: {_onednn_here()}")
+    env, onednn_too, named = ROUTINES[routine]
+    native = {**env, "OCANNL_BF16_PRODUCTS": "native"}
+    got_all = _steps(native, WORKLOADS, STEPS_RUN, onednn_too=onednn_too)
+    alone = _steps({**native, "OCANNL_THREADS": "1"}, WORKLOADS, STEPS_RUN,
+                   onednn_too=onednn_too)
+    widened = _steps({**env, "OCANNL_BF16_PRODUCTS": "widened"}, WORKLOADS, STEPS_RUN)
+    assert got_all["target"] == ["bf16"] and widened["target"] == []
+    assert f"bf16 products: {named}" in got_all["paths"], got_all["paths"]
     for name in WORKLOADS.split(","):
-        got, wide = native[name], widened[name]
+        got, wide = got_all[name], widened[name]
         assert "bf16xbf16:blas" in got["operands"] and got["widened"] == 0, got
         assert not any(o.startswith("bf16") for o in wide["operands"]) and wide["widened"] > 0
         assert got["mem"] < wide["mem"], (name, got["mem"], wide["mem"])
@@ -186,6 +252,26 @@ def test_the_cpu_context_names_its_blas_and_each_16_bit_product_path():
     assert line.startswith("cpu: ") and f"BLAS {library.name}" in line
     assert native_products.describe() in line
     assert "bf16 products: " in line and "f16 products: " in line
+
+
+def test_onednn_refuses_a_cpu_without_its_bf16_kernels():
+    """Capped at AVX2, oneDNN has no bf16 product: said, with its version and file; forced
+    native beside a BLAS without one is then refused when the context is made."""
+    probe = ("from ocannl.backends.cpu import onednn, blas\n"
+             "print(onednn.bf16_product(blas.chosen().int_bits))\n"
+             "from ocannl import Context\n"
+             "Context.cpu()\n")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, check=False,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "OCANNL_BLAS": "numpy",
+                               "ONEDNN_MAX_CPU_ISA": "AVX2", "OCANNL_BF16_PRODUCTS": "native"})
+    if not (Path(sys.prefix) / "lib" / onednn.LIBRARY).is_file():
+        assert "no libdnnl.so.3 under" in done.stdout, done.stdout
+    else:
+        assert "has no bf16 product on this CPU (status 3)" in done.stdout, done
+    assert done.returncode != 0
+    assert "OCANNL_BF16_PRODUCTS=native: the BLAS in use (numpy" in done.stderr, done.stderr
+    assert "oneDNN's is not there: " in done.stderr
 
 
 def test_a_refused_product_path_is_refused_when_the_cpu_context_is_made(monkeypatch):

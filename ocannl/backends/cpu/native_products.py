@@ -1,30 +1,33 @@
-"""Which 16-bit products the CPU's BLAS multiplies as stored, decided once per process.
+"""Which 16-bit products are multiplied as stored, decided once per process.
 
-A product of two bf16 (or two f16) operands is either *native*, one call of the BLAS's 16-bit
-routine (MKL's ``gemm_bf16bf16f32`` / ``gemm_f16f16f32``, OpenBLAS's ``sbgemm``: 16-bit
-operands, f32 accumulation and result), or *widened*: scheduling copies each operand into f32
-and calls ``sgemm``. The result is exact either way; the native routine sums in another order
-than ``sgemm``, and on a CPU with 16-bit units it is several times faster and needs no f32
-copies. The default, by precision:
+A product of two bf16 (or two f16) operands is either *native*, one call of a 16-bit routine
+(MKL's ``gemm_bf16bf16f32`` / ``gemm_f16f16f32``, OpenBLAS's ``sbgemm``, oneDNN's
+``dnnl_gemm_bf16bf16f32``: 16-bit operands, f32 accumulation and result), or *widened*:
+scheduling copies each operand into f32 and calls ``sgemm``. The result is exact either way;
+the native routine sums in another order than ``sgemm``, and on a CPU with 16-bit units it is
+several times faster and needs no f32 copies. The default, by precision:
 
-- bf16: native where the BLAS has the routine and the CPU has AMX-BF16 or AVX512-BF16
-  (``/proc/cpuinfo`` flags ``amx_bf16``, ``avx512_bf16``). Elsewhere MKL runs its bf16 routine
-  by widening internally, at about ``sgemm``'s rate (measured on an AVX2 AMD EPYC, one thread,
-  1024^3: 72.9 against 69.6 GFLOP/s), so the default keeps the path it has always had.
+- bf16: native where the CPU has AMX-BF16 or AVX512-BF16 (``/proc/cpuinfo`` flags
+  ``amx_bf16``, ``avx512_bf16``) and there is a routine: the BLAS's own (MKL's on Intel's
+  CPUs), else oneDNN's (``onednn.py``: on an AMD EPYC with AVX512-BF16, where MKL's ran at
+  its ``sgemm``'s rate). On a CPU without those units MKL runs its bf16 routine by widening
+  internally, at about ``sgemm``'s rate (an AVX2 AMD EPYC, one thread, 1024^3: 72.9 against
+  69.6 GFLOP/s), so the default keeps the path it has always had.
 - f16: native only where the CPU has AMX-FP16 (``amx_fp16``). On Sapphire Rapids, which has
   AVX512-FP16 but no AMX-FP16, MKL's f16 routine ran at 0.66x to 1.0x ``sgemm``'s rate.
   An f16 operand is never converted to bf16: that would change the numerics silently.
 
 ``OCANNL_BF16_PRODUCTS`` and ``OCANNL_F16_PRODUCTS`` (``native`` or ``widened``) force a path;
-native is refused, named, where the BLAS has no such routine.
+native is refused, named, where there is no such routine.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from ocannl.backends.cpu import blas
+from ocannl.backends.cpu import blas, onednn
 from ocannl.ir.ops import Precision
 
 # The CPU flags under which each precision's native products are the default.
@@ -48,36 +51,56 @@ class ProductPath:
         return f"{self.prec.value} products: {how}, {self.why}"
 
 
-def decide(prec: Precision, flags: frozenset[str], library: blas.Blas,
-           forced: str = "") -> ProductPath:
-    """The path of ``prec`` products on a CPU with ``flags`` and the BLAS ``library``;
-    ``forced``, the environment's choice (``""``: the default). ``ValueError`` naming the
-    variable for a choice that is neither, and for native where the library has no routine."""
+def decide(prec: Precision, flags: frozenset[str], library: blas.Blas, forced: str = "",
+           second: Callable[[], onednn.OneDnn | str] = lambda: "not looked for",
+           intel: bool = False) -> ProductPath:
+    """The path of ``prec`` products on a CPU with ``flags`` (``intel``: one of Intel's) and
+    the BLAS ``library``; ``forced``, the environment's choice (``""``: the default);
+    ``second``, oneDNN's bf16 product or why there is none, asked for only where the BLAS's
+    own routine will not do (:func:`routine`). ``ValueError`` naming the variable for a choice
+    that is neither, and for native where there is no routine."""
     name = ENV[prec]
     if forced not in ("", "native", "widened"):
         raise ValueError(f"{name}={forced!r}: expected 'native' (the BLAS's {prec.value} "
                          f"product) or 'widened' (f32 copies and sgemm)")
-    found = library.product16(prec.value)
-    units = [f for f in UNITS[prec] if f in flags]
-    if forced == "native":
-        if found is None:
-            raise ValueError(f"{name}=native: the BLAS in use ({library.name}, "
-                             f"{library.path or 'no file'}) has no {prec.value} product; "
-                             f"install MKL (pip install mkl) and set OCANNL_BLAS=mkl, or unset "
-                             f"{name}")
-        why = f"as {name} asks" + ("" if units else
-                                   f" (this CPU has no {' or '.join(UNITS[prec])})")
-        return ProductPath(prec, True, found[0], found[1], why)
     if forced == "widened":
         return ProductPath(prec, False, "", 0, f"as {name} asks")
+    units = [f for f in UNITS[prec] if f in flags]
+    if not (forced or units):
+        own = library.product16(prec.value)
+        return ProductPath(prec, False, "", 0, f"this CPU has no {' or '.join(UNITS[prec])}" + (
+            f" (its {library.name} {own[0]} would widen internally)" if own else ""))
+    found, missing = routine(prec, library, second, intel)
     if found is None:
-        return ProductPath(prec, False, "", 0,
-                           f"the BLAS in use ({library.name}) has no {prec.value} product")
-    if not units:
-        return ProductPath(prec, False, "", 0,
-                           f"this CPU has no {' or '.join(UNITS[prec])} (its {library.name} "
-                           f"{found[0]} would widen internally)")
-    return ProductPath(prec, True, found[0], found[1], f"this CPU has {' and '.join(units)}")
+        if forced:
+            hint = (" or install oneDNN (pip install onednn-cpu-gomp)"
+                    if prec is Precision.bf16 else "")
+            raise ValueError(f"{name}=native: {missing}; install MKL (pip install mkl) and "
+                             f"set OCANNL_BLAS=mkl{hint}, or unset {name}")
+        return ProductPath(prec, False, "", 0, missing)
+    if forced:
+        return ProductPath(prec, True, *found, f"as {name} asks" + (
+            "" if units else f" (this CPU has no {' or '.join(UNITS[prec])})"))
+    return ProductPath(prec, True, *found, f"this CPU has {' and '.join(units)}")
+
+
+def routine(prec: Precision, library: blas.Blas, second: Callable[[], onednn.OneDnn | str],
+            intel: bool) -> tuple[tuple[str, int] | None, str]:
+    """The routine ``prec`` products call, as (name, address), or None and why. The BLAS's
+    own, but for MKL's on another vendor's CPU where oneDNN's is there (MKL's 16-bit kernels
+    use the CPU's 16-bit units on Intel's CPUs only: ``onednn.py``); oneDNN's where the BLAS
+    has none. f16 has only the BLAS's: oneDNN's product API has no f16 routine."""
+    own = library.product16(prec.value)
+    if prec is not Precision.bf16 or (own and (library.name != "mkl" or intel)):
+        return own, "" if own else f"the BLAS in use ({library.name}, " \
+            f"{library.path or 'no file'}) has no {prec.value} product"
+    other = second()
+    if isinstance(other, onednn.OneDnn):
+        return (f"oneDNN {other.version} {onednn.ROUTINE}", other.shim), ""
+    if own:
+        return own, ""
+    return None, (f"the BLAS in use ({library.name}, {library.path or 'no file'}) has no "
+                  f"{prec.value} product, and oneDNN's is not there: {other}")
 
 
 def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
@@ -102,8 +125,10 @@ def paths() -> dict[Precision, ProductPath]:
     """Each 16-bit precision's path in this process (decided on first use, from the BLAS
     :func:`blas.chosen` picked, this CPU's flags and the environment)."""
     if not _decided:
-        library, flags = blas.chosen(), cpu_flags()
-        found = {p: decide(p, flags, library, os.environ.get(ENV[p], "").strip()) for p in ENV}
+        library, flags, intel = blas.chosen(), cpu_flags(), blas.intel_cpu()
+        found = {p: decide(p, flags, library, os.environ.get(ENV[p], "").strip(),
+                           lambda: onednn.bf16_product(library.int_bits), intel)
+                 for p in ENV}
         _decided.update(found)  # all or nothing: a refused choice decides nothing
     return dict(_decided)
 
