@@ -22,8 +22,11 @@ from dataclasses import replace
 
 import numpy as np
 
-SHAPES = [(16, 16, 16), (32, 32, 32), (64, 32, 64), (64, 64, 64), (64, 64, 128),
-          (128, 64, 128), (128, 128, 128), (256, 128, 128), (256, 256, 128), (256, 256, 256)]
+# Products below ``schedule.GEMM_SPLIT_FLOPS`` (2^18) multiply-adds: from there on a product is
+# cut into parts over the threads, each a library call, whatever the inline bound says.
+SHAPES = [(16, 16, 16), (16, 32, 32), (32, 32, 32), (32, 32, 48), (32, 48, 32), (48, 32, 32),
+          (32, 32, 64), (64, 32, 32), (32, 64, 32), (48, 48, 48), (64, 32, 64), (64, 48, 64),
+          (64, 64, 48), (48, 64, 64), (64, 64, 63)]
 
 
 def routine(shape: tuple[int, int, int], bound: int):  # noqa: ANN201 - (ctx, routine)
@@ -66,8 +69,12 @@ def main() -> None:
     print(Context.cpu().describe())
     print(f"{'m x n x k':>16} {'MACs':>10} {'inline us':>10} {'native us':>10} native/inline")
     wins = []
+    from ocannl.ir.schedule import GEMM_SPLIT_FLOPS
+
     for shape in SHAPES:
         work = shape[0] * shape[1] * shape[2]
+        if work >= GEMM_SPLIT_FLOPS:
+            raise SystemExit(f"{shape}: shared over threads, a library call either way")
         kernels = {"inline": routine(shape, work), "native": routine(shape, 0)}
         times: dict[str, list[float]] = {name: [] for name in kernels}
         for _ in range(args.rounds):

@@ -64,6 +64,7 @@ def test_bf16_products_call_onednn_where_the_blas_has_no_routine_of_the_cpus_uni
     assert (zen.native, zen.routine, zen.address) == (True, "oneDNN 3.2.0 "
                                                       "dnnl_gemm_bf16bf16f32", 21)
     assert zen.why == "this CPU has avx512_bf16"
+    assert (zen.inline_work, intel.inline_work) == (onednn.INLINE_WORK, 0)  # MKL's: unmeasured
     assert decide(BF16, ZEN, OPENBLAS, second=with_dnnl).address == 21
     assert decide(BF16, ZEN, MKL, second=without_dnnl).address == 11
     missing = decide(BF16, ZEN, OPENBLAS, second=without_dnnl)

@@ -142,6 +142,7 @@ def target() -> Target:
     return Target(name="cpu", hardware_f16=hardware_f16(), workers=workers(), avx=has_avx(),
                   blas_int=chosen.int_bits, threads=count,
                   native_products=native_products.native(),
+                  inline_native_work=native_products.inline_work(Target.inline_native_work),
                   products_shared=resize is not None and chosen.threads is not None,
                   product_parts=max(1, min(8, _cores())))
 

@@ -38,13 +38,16 @@ ENV = {Precision.bf16: "OCANNL_BF16_PRODUCTS", Precision.f16: "OCANNL_F16_PRODUC
 @dataclass(frozen=True)
 class ProductPath:
     """How products of two ``prec`` operands run: ``native`` or not, the BLAS routine
-    (``routine``, ``address``; empty and 0 where widened) and why, as a phrase."""
+    (``routine``, ``address``; empty and 0 where widened) and why, as a phrase;
+    ``inline_work``, the routine's measured ``Target.inline_native_work`` (0: the target's
+    default)."""
 
     prec: Precision
     native: bool
     routine: str
     address: int
     why: str
+    inline_work: int = 0
 
     def describe(self) -> str:
         how = f"native ({self.routine})" if self.native else "widened to f32 copies (sgemm)"
@@ -71,6 +74,7 @@ def decide(prec: Precision, flags: frozenset[str], library: blas.Blas, forced: s
         return ProductPath(prec, False, "", 0, f"this CPU has no {' or '.join(UNITS[prec])}" + (
             f" (its {library.name} {own[0]} would widen internally)" if own else ""))
     found, missing = routine(prec, library, second, intel)
+    inline = onednn.INLINE_WORK if found and found[0].startswith("oneDNN") else 0
     if found is None:
         if forced:
             hint = (" or install oneDNN (pip install onednn-cpu-gomp)"
@@ -80,8 +84,8 @@ def decide(prec: Precision, flags: frozenset[str], library: blas.Blas, forced: s
         return ProductPath(prec, False, "", 0, missing)
     if forced:
         return ProductPath(prec, True, *found, f"as {name} asks" + (
-            "" if units else f" (this CPU has no {' or '.join(UNITS[prec])})"))
-    return ProductPath(prec, True, *found, f"this CPU has {' and '.join(units)}")
+            "" if units else f" (this CPU has no {' or '.join(UNITS[prec])})"), inline)
+    return ProductPath(prec, True, *found, f"this CPU has {' and '.join(units)}", inline)
 
 
 def routine(prec: Precision, library: blas.Blas, second: Callable[[], onednn.OneDnn | str],
@@ -136,6 +140,13 @@ def paths() -> dict[Precision, ProductPath]:
 def native() -> frozenset[Precision]:
     """The precisions whose products run native here (``Target.native_products``)."""
     return frozenset(p for p, path in paths().items() if path.native)
+
+
+def inline_work(default: int) -> int:
+    """``Target.inline_native_work`` here: the smallest bound the native routines measured,
+    ``default`` where none did."""
+    return min((path.inline_work for path in paths().values() if path.native and
+                path.inline_work), default=default)
 
 
 def describe() -> str:

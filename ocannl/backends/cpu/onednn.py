@@ -29,6 +29,11 @@ import llvmlite.binding as llvm
 LIBRARY = "libdnnl.so.3"
 ROUTINE = "dnnl_gemm_bf16bf16f32"
 SHIM = "ocannl_onednn_gemm_bf16"
+# Products of up to this many multiply-adds stay inline (``Target.inline_native_work``):
+# ``benchmarks/ab_native_products.py`` on a 2-core AMD EPYC with AVX512-BF16 found oneDNN's
+# call ahead from 65,536 on (0.89x-1.02x the loops' time there, 0.51x-0.66x from 110,592),
+# behind below (1.12x-1.22x at 49,152, 3.4x at 4,096).
+INLINE_WORK = 1 << 16
 # What a refused call prints before it stops the process: the routine's arguments come from
 # lowering, so a refusal is a bug, and going on would leave the product's output unwritten.
 FAILED = "ocannl: dnnl_gemm_bf16bf16f32 refused its arguments\n"
