@@ -58,6 +58,7 @@ def parity(fx: Fixture, runners: list[Runner], rows: list[Row], ref: Runner, log
                 seq.append(r.loss())
                 if i == 0:  # the step compiled and run once: its buffers and scratch exist
                     row.mem_bytes = r.mem_bytes()
+                    row.mem_parts = getattr(r, "mem_parts", dict)()
             losses[id(r)] = seq
         except Exception as err:  # noqa: BLE001
             row.status, row.note = "error", f"step: {type(err).__name__}: {err}"

@@ -33,6 +33,9 @@ class Row:
     # device buffers + scratch (an ocannl context's ``mem()``: its buffers and the arena of its
     # local nodes) after the step's first run, where the runner knows
     mem_bytes: int | None = None
+    # the same bytes by what holds them (``OcannlRunner.mem_parts``): what stands in the way of
+    # a smaller step
+    mem_parts: dict[str, int] = field(default_factory=dict)
     # The A/A control: a second runner of a row already in the run (``specs.CONTROL_VARIANT``),
     # timed in the same rounds; no target reads it, its ratio to the first is the run's noise.
     control: bool = False

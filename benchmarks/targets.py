@@ -198,6 +198,12 @@ def _target(key: str, name: str, measured: float | None, note: str = "",
     return Target(name, measured, g.goal, g.unit, g.at_least, key, note, lower_bound)
 
 
+def _mib_parts(r: Row) -> str:
+    """``r``'s device bytes in MiB, and by what holds them where the runner says."""
+    parts = ", ".join(f"{what} {b / 2**20:.2f}" for what, b in r.mem_parts.items())
+    return f"{(r.mem_bytes or 0) / 2**20:.2f} MiB" + (f" ({parts})" if parts else "")
+
+
 def _ran(rows: list[Row]) -> list[str]:
     """The workloads this run has rows for, in the suite's order."""
     names = {r.workload for r in rows}
@@ -393,8 +399,8 @@ def bf16_targets(rows: list[Row], sgemm_flops: float | None = None,
         f32, bf16 = (_find(rows, wl, "ocannl", v) for v in ("f32", "bf16"))
         mem = {v: r.mem_bytes for v, r in (("f32", f32), ("bf16", bf16))
                if r is not None and r.mem_bytes}
-        note = (f"bf16 {mem['bf16'] / 2**20:.2f} MiB, f32 {mem['f32'] / 2**20:.2f} MiB"
-                if len(mem) == 2 else "")
+        note = ("; ".join(f"{v} {_mib_parts(r)}" for v, r in (("bf16", bf16), ("f32", f32))
+                          if r is not None) if len(mem) == 2 else "")
         out.append(_target("bf16_mem", f"{wl} bf16 device buffers + scratch / f32's",
                            _ratio(mem.get("bf16"), mem.get("f32")), note))
     has_units = bf16_units is not None and any(bf16_units.values())

@@ -88,3 +88,15 @@ class OcannlRunner:
 
     def mem_bytes(self) -> int | None:
         return self.ctx.mem()
+
+    def mem_parts(self) -> dict[str, int]:
+        """``mem_bytes`` by what holds it: the trained parameters (a mixed-precision step's
+        f32 masters), their gradients, and the rest (16-bit twins, activations, data, the
+        arena of local nodes). Only nodes the context already holds are counted."""
+        held = {n.id for n in self.ctx.nodes()}
+        params = [p.value for p in self.loss_t.params]
+        grads = [p.grad for p in self.loss_t.params if p.grad is not None]
+        parts = {what: sum(self.ctx.mem(n) for n in nodes if n.id in held)
+                 for what, nodes in (("parameters", params), ("their gradients", grads))}
+        parts["the rest"] = self.ctx.mem() - sum(parts.values())
+        return parts
