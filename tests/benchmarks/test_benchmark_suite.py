@@ -337,6 +337,10 @@ def test_convnet_rows_and_report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         assert r.status == "ok", (r.name, r.status, r.note, r.parity_err)
         assert r.tolerance == {"f32": 1e-5, "f16-gated16": 2e-3}[r.variant]
         assert r.p50 is not None and r.steps_timed == CONV.timed_steps
+        # the device bytes by what holds them: all of them, the parameters among them
+        assert sum(r.mem_parts.values()) == r.mem_bytes and r.mem_parts["parameters"] > 0
+    f32 = rows[1].mem_parts
+    assert f32["their gradients"] == f32["parameters"]  # f32 parameters, f32 gradients
     text = report.render(rows, targets.evaluate(rows, None), INFO, None, {CONV.name: CONV})
     assert "## convnet" in text and "lenet 8x8x1" in text and "Adam" in text
     assert "| ocannl f16-gated16 (cpu) |" in text
