@@ -199,9 +199,12 @@ def _target(key: str, name: str, measured: float | None, note: str = "",
 
 
 def _mib_parts(r: Row) -> str:
-    """``r``'s device bytes in MiB, and by what holds them where the runner says."""
-    parts = ", ".join(f"{what} {b / 2**20:.2f}" for what, b in r.mem_parts.items())
-    return f"{(r.mem_bytes or 0) / 2**20:.2f} MiB" + (f" ({parts})" if parts else "")
+    """``r``'s device bytes (in MiB, in KiB below one MiB), and by what holds them where the
+    runner says."""
+    total = r.mem_bytes or 0
+    unit, size = ("MiB", 2**20) if total >= 2**20 else ("KiB", 2**10)
+    parts = ", ".join(f"{what} {b / size:.2f}" for what, b in r.mem_parts.items())
+    return f"{total / size:.2f} {unit}" + (f" ({parts})" if parts else "")
 
 
 def _ran(rows: list[Row]) -> list[str]:
