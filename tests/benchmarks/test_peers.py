@@ -162,7 +162,8 @@ def test_device_memory_is_read_after_the_first_step(tmp_path: Path) -> None:
     found = {t.name: t for t in targets.evaluate(rows, 1e11)}
     mem = found["mlp_small bf16 device buffers + scratch / f32's"]
     assert mem.measured == pytest.approx(rows[2].mem_bytes / rows[1].mem_bytes)
-    assert "MiB" in mem.note
+    kib = f"bf16 {rows[2].mem_bytes / 1024:.2f} KiB (parameters "  # a small model: in KiB
+    assert mem.note.startswith(kib) and "their gradients" in mem.note, mem.note
 
 
 def _bf16_rows() -> list[Row]:
