@@ -72,8 +72,7 @@ def test_killed_ten_times_at_random_moments_it_ends_as_the_uninterrupted_run(tmp
     between checkpoints or while one is written), each rerun resuming from the last
     checkpoint, ends with the uninterrupted run's summary and checkpoint. The last kill aims
     at most 60% of the way: on a fast CPU (the example trained at 1.4 ms a step on a Zen 5
-    EPYC) a kill aimed
-    near the end, plus its delay, came after the run had ended."""
+    EPYC) a kill aimed near the end, plus its delay, came after the run had ended."""
     steps = 1200
     args = ("--steps", str(steps), "--warmup-steps", "20", "--cosine-steps", str(steps - 20),
             "--clip-norm", "0.5", "--checkpoint-every", "5", "--eval-every", "2000")
