@@ -1,9 +1,10 @@
 """oneDNN's bf16 product, for CPUs whose BLAS has none that uses their bf16 units.
 
 MKL's ``gemm_bf16bf16f32`` runs on AMX-BF16 and AVX512-BF16 on Intel's CPUs only: on an AMD
-EPYC with AVX512-BF16 (one thread, 1024^3) it ran at its ``sgemm``'s rate, 81.6 against 83.3
-GFLOP/s, while oneDNN's ``dnnl_gemm_bf16bf16f32``, which picks its kernels by the CPU's flags,
-ran 371 (NumPy's OpenBLAS ``sgemm``: 99). NumPy's OpenBLAS wheels have no ``sbgemm``. So where
+EPYC (Zen 5) with AVX512-BF16 (``benchmarks/ab_routines.py``: one thread, 1024^3) it ran at
+its ``sgemm``'s rate, 95.2 against 96.9 GFLOP/s, while oneDNN's ``dnnl_gemm_bf16bf16f32``,
+which picks its kernels by the CPU's flags, ran 431 through the shim below (NumPy's OpenBLAS
+``sgemm``: 111). NumPy's OpenBLAS wheels have no ``sbgemm``. So where
 the BLAS in use has no bf16 routine of the CPU's units, oneDNN's serves bf16 products: the
 ``onednn-cpu-gomp`` wheel (the ``onednn`` extra), whose ``libdnnl.so.3`` needs only the system's
 ``libgomp``.
