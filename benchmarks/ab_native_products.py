@@ -64,6 +64,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--calls", type=int, default=20, help="calls per round and kernel")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: expected at least 1")
+    if args.calls < 1:
+        parser.error(f"--calls {args.calls}: expected at least 1")
     from ocannl import Context
     from ocannl.backends.cpu import jit
 

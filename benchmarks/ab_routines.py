@@ -86,6 +86,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=10)
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: expected at least 1")
     from threadpoolctl import threadpool_limits
 
     from benchmarks.machine import bf16_units, cpu_model

@@ -74,7 +74,6 @@ def decide(prec: Precision, flags: frozenset[str], library: blas.Blas, forced: s
         return ProductPath(prec, False, "", 0, f"this CPU has no {' or '.join(UNITS[prec])}" + (
             f" (its {library.name} {own[0]} would widen internally)" if own else ""))
     found, missing = routine(prec, library, second, intel)
-    inline = onednn.INLINE_WORK if found and found[0].startswith("oneDNN") else 0
     if found is None:
         if forced:
             hint = (" or install oneDNN (pip install onednn-cpu-gomp)"
@@ -82,25 +81,27 @@ def decide(prec: Precision, flags: frozenset[str], library: blas.Blas, forced: s
             raise ValueError(f"{name}=native: {missing}; install MKL (pip install mkl) and "
                              f"set OCANNL_BLAS=mkl{hint}, or unset {name}")
         return ProductPath(prec, False, "", 0, missing)
-    if forced:
-        return ProductPath(prec, True, *found, f"as {name} asks" + (
-            "" if units else f" (this CPU has no {' or '.join(UNITS[prec])})"), inline)
-    return ProductPath(prec, True, *found, f"this CPU has {' and '.join(units)}", inline)
+    why = (f"as {name} asks" + ("" if units else f" (this CPU has no {' or '.join(UNITS[prec])})")
+           if forced else f"this CPU has {' and '.join(units)}")
+    routine_name, address, inline = found
+    return ProductPath(prec, True, routine_name, address, why, inline)
 
 
 def routine(prec: Precision, library: blas.Blas, second: Callable[[], onednn.OneDnn | str],
-            intel: bool) -> tuple[tuple[str, int] | None, str]:
-    """The routine ``prec`` products call, as (name, address), or None and why. The BLAS's
-    own, but for MKL's on another vendor's CPU where oneDNN's is there (MKL's 16-bit kernels
-    use the CPU's 16-bit units on Intel's CPUs only: ``onednn.py``); oneDNN's where the BLAS
-    has none. f16 has only the BLAS's: oneDNN's product API has no f16 routine."""
-    own = library.product16(prec.value)
+            intel: bool) -> tuple[tuple[str, int, int] | None, str]:
+    """The routine ``prec`` products call, as (name, address, its measured inline bound or 0),
+    or None and why. The BLAS's own, but for MKL's on another vendor's CPU where oneDNN's is
+    there (MKL's 16-bit kernels use the CPU's 16-bit units on Intel's CPUs only:
+    ``onednn.py``); oneDNN's where the BLAS has none. f16 has only the BLAS's: oneDNN's
+    product API has no f16 routine."""
+    found = library.product16(prec.value)
+    own = None if found is None else (*found, 0)
     if prec is not Precision.bf16 or (own and (library.name != "mkl" or intel)):
         return own, "" if own else f"the BLAS in use ({library.name}, " \
             f"{library.path or 'no file'}) has no {prec.value} product"
     other = second()
     if isinstance(other, onednn.OneDnn):
-        return (f"oneDNN {other.version} {onednn.ROUTINE}", other.shim), ""
+        return (f"oneDNN {other.version} {onednn.ROUTINE}", other.shim, onednn.INLINE_WORK), ""
     if own:
         return own, ""
     return None, (f"the BLAS in use ({library.name}, {library.path or 'no file'}) has no "

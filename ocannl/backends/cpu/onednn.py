@@ -109,14 +109,12 @@ def shim_ir(int_bits: int) -> str:
     of its transpose, so ``C = op(A) op(B)`` is ``C^T = op(B)^T op(A)^T``: the same transpose
     characters, the operands and their sizes swapped."""
     n = f"i{int_bits}"
-    wide = "{v}" if int_bits == 64 else "{v}_64"
-    loads = []
+    loads = []  # each integer argument loaded, then widened to i64 as %<name>_64
     for name in ("m", "n", "k", "lda", "ldb", "ldc"):
         loads.append(f"  %{name}_v = load {n}, {n}* %{name}")
-        if int_bits != 64:
-            loads.append(f"  %{name}_v_64 = sext {n} %{name}_v to i64")
-    m, nn, k, lda, ldb, ldc = (wide.format(v=f"%{name}_v")
-                               for name in ("m", "n", "k", "lda", "ldb", "ldc"))
+        widen = "bitcast i64" if int_bits == 64 else f"sext {n}"
+        loads.append(f"  %{name}_64 = {widen} %{name}_v to i64")
+    m, nn, k, lda, ldb, ldc = (f"%{name}_64" for name in ("m", "n", "k", "lda", "ldb", "ldc"))
     body = "\n".join(loads)
     return f"""
 declare i32 @{ROUTINE}(i8 signext, i8 signext, i64, i64, i64, float, i16*, i64, i16*, i64,
