@@ -8,19 +8,13 @@ import subprocess
 from importlib import metadata
 from pathlib import Path
 
-from ocannl.backends.cpu import native_products
+from ocannl.backends.cpu import host, native_products
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return host.running().model or platform.machine()
 
 
 # The CPU flags of the units issue 29's targets are meant for: AMX's bf16 tiles, AVX-512's bf16
@@ -31,7 +25,7 @@ BF16_FLAGS = tuple(f for flags in native_products.UNITS.values() for f in flags)
 
 def bf16_units(flags: frozenset[str] | None = None) -> dict[str, bool]:
     """Each of ``BF16_FLAGS``: whether this CPU (or one with ``flags``) has it."""
-    have = native_products.cpu_flags() if flags is None else flags
+    have = host.running().flags if flags is None else flags
     return {f: f in have for f in BF16_FLAGS}
 
 

@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from cpus import SAPPHIRE_RAPIDS as INTEL_CPU
+from cpus import ZEN3 as AMD_CPU
 
 from ocannl.backends.cpu import blas
 
@@ -69,17 +71,17 @@ def test_each_blas_computes_the_products(tmp_path, choice, bits):
 
 
 @pytest.mark.skipif(not MKL_WHEEL, reason="the mkl wheel is built for x86-64 Linux only")
-def test_the_default_is_mkl_on_intel_cpus_and_openblas_elsewhere(monkeypatch):
-    monkeypatch.setattr(blas, "intel_cpu", lambda: True)
-    chosen = blas._choose("")
+def test_the_default_is_mkl_on_intel_cpus_and_openblas_elsewhere():
+    chosen = blas.choose("", INTEL_CPU)
     assert chosen.name == "mkl" and chosen.int_bits == 32
-    monkeypatch.setattr(blas, "intel_cpu", lambda: False)
-    assert blas._choose("").name == "numpy"
+    assert blas.choose("", AMD_CPU).name == "numpy"
 
 
 ISOLATION = """
 import ctypes, json, sys
 from ocannl.backends.cpu import blas
+from ocannl.backends.cpu.host import CpuFacts
+INTEL = CpuFacts("x86_64", "GenuineIntel", frozenset())  # the default would take MKL
 libc = ctypes.CDLL(None)
 libc.dlsym.restype, libc.dlsym.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_char_p]
 names = ("sgemm_", "mkl_blas_sgemm", "mkl_serv_get_max_threads", "MKL_Set_Num_Threads")
@@ -89,11 +91,11 @@ if sys.argv[1] == "another":  # an MKL loaded as libmkl_rt loads it: its parts g
     other = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
     other.MKL_Get_Max_Threads()
 try:
-    chosen = blas._choose("mkl").name
+    chosen = blas.choose("mkl", INTEL).name
 except ValueError as err:
     chosen = str(err)
 print(json.dumps({"chosen": chosen, "global": [n for n in names if libc.dlsym(None, n.encode())],
-                  "default": blas._choose("").name}))
+                  "default": blas.choose("", INTEL).name}))
 """
 
 
@@ -119,7 +121,7 @@ def test_mkl_is_refused_where_another_mkl_is_global():
     asked for, it is refused with a message; by default, NumPy's OpenBLAS serves."""
     got = _isolation("another")
     assert "another MKL's symbols are global in this process" in got["chosen"]
-    assert got["default"] in ("numpy", "scipy")
+    assert got["default"] == "numpy"
 
 
 @pytest.mark.skipif(not MKL_WHEEL, reason="the mkl wheel is built for x86-64 Linux only")
@@ -138,16 +140,16 @@ def test_mkl_runs_one_thread_a_call():
 
 def test_a_blas_asked_for_that_is_not_there_is_refused(monkeypatch, tmp_path):
     with pytest.raises(ValueError, match="OCANNL_BLAS='openblas': expected 'mkl'"):
-        blas._choose("openblas")
+        blas.choose("openblas", AMD_CPU)
     monkeypatch.setattr(sys, "prefix", str(tmp_path))  # an environment without the wheel
     with pytest.raises(ValueError, match=f"OCANNL_BLAS='mkl': no usable libmkl_intel_lp64, "
                                          f"libmkl_sequential and libmkl_core under "
                                          f"{tmp_path / 'lib'}"):
-        blas._choose("mkl")
-    monkeypatch.setattr(blas, "intel_cpu", lambda: True)  # the default falls back, and says so
+        blas.choose("mkl", AMD_CPU)
+    # the default falls back, and says so
     monkeypatch.setattr(blas, "_warned", set())
     with pytest.warns(RuntimeWarning) as said:
-        assert blas._choose("").name == "numpy"
+        assert blas.choose("", INTEL_CPU).name == "numpy"
     assert len(said) == 1
     assert str(said[0].message) == (
         f"ocannl: MKL refused on this Intel CPU (no usable libmkl_intel_lp64, "
@@ -159,24 +161,22 @@ def test_the_default_says_nothing_where_it_does_not_fall_back(monkeypatch):
     """Not an Intel CPU: NumPy's OpenBLAS is the choice itself, not a fallback."""
     import warnings
 
-    monkeypatch.setattr(blas, "intel_cpu", lambda: False)
     monkeypatch.setattr(blas, "_warned", set())
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert blas._choose("").name == "numpy"
+        assert blas.choose("", AMD_CPU).name == "numpy"
 
 
 def test_a_fallback_is_said_once_per_process(monkeypatch, tmp_path):
     monkeypatch.setattr(sys, "prefix", str(tmp_path))
-    monkeypatch.setattr(blas, "intel_cpu", lambda: True)
     monkeypatch.setattr(blas, "_warned", set())
     with pytest.warns(RuntimeWarning, match="MKL refused"):
-        blas._choose("")
+        blas.choose("", INTEL_CPU)
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert blas._choose("").name == "numpy"
+        assert blas.choose("", INTEL_CPU).name == "numpy"
 
 
 @pytest.mark.skipif(not MKL_WHEEL, reason="the mkl wheel is built for x86-64 Linux only")
@@ -187,35 +187,33 @@ def test_mkl_refused_by_the_loader_is_said_and_named(monkeypatch):
     from ocannl.backends.cpu import link_group
 
     monkeypatch.setattr(link_group, "needing", lambda needed, soname: b"not an ELF object")
-    monkeypatch.setattr(blas, "intel_cpu", lambda: True)
     monkeypatch.setattr(blas, "_warned", set())
     with pytest.warns(RuntimeWarning, match=r"MKL refused on this Intel CPU \(the loader "
                                             r"refused .*'s MKL libraries as a group: .*\); "
                                             r"the products call NumPy's OpenBLAS"):
-        assert blas._choose("").name == "numpy"
+        assert blas.choose("", INTEL_CPU).name == "numpy"
     with pytest.raises(ValueError, match="OCANNL_BLAS='mkl': the loader refused"):
-        blas._choose("mkl")
+        blas.choose("mkl", INTEL_CPU)
 
 
 def test_mkl_where_no_private_group_can_be_loaded_is_said(monkeypatch):
     from ocannl.backends.cpu import link_group
 
     monkeypatch.setattr(link_group, "supported", lambda: False)
-    monkeypatch.setattr(blas, "intel_cpu", lambda: True)
     monkeypatch.setattr(blas, "_warned", set())
     with pytest.warns(RuntimeWarning, match="loading MKL as a private group needs Linux on "
                                             "x86-64 with memfd_create"):
-        assert blas._choose("").name == "numpy"
+        assert blas.choose("", INTEL_CPU).name == "numpy"
 
 
 @pytest.mark.skipif(not MKL_WHEEL, reason="the mkl wheel is built for x86-64 Linux only")
 def test_mkl_refused_where_another_mkl_is_global_is_said():
     """In a process where another MKL is global (loaded as ``libmkl_rt`` loads it), the
     default on an Intel CPU warns once, naming the reason and NumPy's OpenBLAS."""
-    code = ISOLATION.replace('"default": blas._choose("").name', '"default": default') \
-        .replace("try:\n    chosen", "import warnings\nblas.intel_cpu = lambda: True\n"
+    code = ISOLATION.replace('"default": blas.choose("", INTEL).name', '"default": default') \
+        .replace("try:\n    chosen", "import warnings\n"
                  "with warnings.catch_warnings(record=True) as said:\n"
-                 "    warnings.simplefilter('always')\n    default = blas._choose('').name\n"
+                 "    warnings.simplefilter('always')\n    default = blas.choose('', INTEL).name\n"
                  "print(json.dumps([str(w.message) for w in said]))\ntry:\n    chosen")
     done = subprocess.run([sys.executable, "-c", code, "another"], capture_output=True,
                           text=True, timeout=120, check=False)
@@ -267,15 +265,14 @@ def test_no_openblas_in_numpy_falls_back_to_scipy_and_says_so(monkeypatch):
     default warns once, naming why and SciPy's BLAS; asked for, NumPy's is refused, named."""
     why = "NumPy loaded no OpenBLAS (threadpoolctl lists no OpenBLAS in this process)"
     monkeypatch.setattr(blas, "numpy_openblas", lambda: why)
-    monkeypatch.setattr(blas, "intel_cpu", lambda: False)
     monkeypatch.setattr(blas, "_warned", set())
     with pytest.warns(RuntimeWarning) as said:
-        assert blas._choose("").name == "scipy"
+        assert blas.choose("", AMD_CPU).name == "scipy"
     assert [str(w.message) for w in said] == [
         f"ocannl: {why}; the products call SciPy's BLAS instead, whose thread count cannot be "
         "set (its own threads share each product)"]
     with pytest.raises(ValueError, match=r"OCANNL_BLAS='numpy': NumPy loaded no OpenBLAS"):
-        blas._choose("numpy")
+        blas.choose("numpy", AMD_CPU)
 
 
 def test_a_library_that_is_no_openblas_is_refused_with_its_name():

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import ocannl.tensor as T
 from ocannl import Context, train
-from ocannl.backends.cpu import jit
+from ocannl.backends.cpu import host, jit
 from ocannl.ir.ops import Precision
 from ocannl.ir.target import PRODUCTS
 from ocannl.ir.tnode import MemoryMode
@@ -442,7 +442,7 @@ def test_random_16_bit_nests_write_their_cells_and_nothing_else(case):
     np.testing.assert_array_less(np.abs(out - want), bound + 1e-3)
 
 
-@pytest.mark.skipif(not jit._features_dict().get("avx512f"),
+@pytest.mark.skipif(not host.running().llvm_has("avx512f"),
                     reason="512-bit vectors need a CPU with AVX-512 to run")
 def test_512_bit_vectors_give_the_bits_of_256_bit_ones(monkeypatch, tmp_path):
     """The same bf16 step compiled preferring 512-bit and 256-bit vectors (``jit.features``:
@@ -451,13 +451,13 @@ def test_512_bit_vectors_give_the_bits_of_256_bit_ones(monkeypatch, tmp_path):
     from ocannl.backends.cpu import codegen
     from ocannl.backends.cpu.backend import CpuBackend
 
-    host = jit.llvm.get_host_cpu_features().flatten()
+    here = host.running().llvm_features
     compile_ = jit._object
     monkeypatch.setattr(jit, "workers", lambda: 1)  # every module compiled here, recorded
     runs = []
     for width in (512, 256):
         monkeypatch.setenv("OCANNL_CACHE_DIR", str(tmp_path / str(width)))
-        monkeypatch.setattr(jit, "features", lambda w=width: host + (
+        monkeypatch.setattr(jit, "features", lambda cpu, w=width: here + (
             ",-prefer-256-bit" if w == 512 else ",+prefer-256-bit"))
         monkeypatch.setattr(codegen, "_VERSION", f"{codegen._VERSION}-{width}")
         monkeypatch.setattr(CpuBackend, "_compiled", {})

@@ -29,7 +29,6 @@ import pytest
 
 import ocannl.tensor as T
 from ocannl import Context
-from ocannl.backends.cpu import jit
 from ocannl.backends.cpu.backend import CpuBackend
 from ocannl.ir import interpret
 from ocannl.ir.assignments import Accum, Affine, Comp, Const, Get, apply, reads
@@ -58,7 +57,7 @@ def _cast(values: np.ndarray, src: str, dst: str) -> np.ndarray:
     ctx.set_values(x, values)
     with pytest.MonkeyPatch.context() as m:
         if soft:
-            m.setattr(jit, "hardware_f16", lambda: False)
+            m.setenv("OCANNL_SOFT_F16", "1")
         ctx, r = ctx.compile(y.forward_comp())
     ctx.run(r)
     return ctx.get_values(y)
@@ -162,17 +161,18 @@ def test_f16_conversions_use_the_instructions_only_where_the_cpu_has_them(monkey
     """With F16C the IR converts with ``fpext``/``fptrunc`` through ``half``; the soft path,
     with integer code only (both are checked bit for bit above)."""
     from ocannl.backends.cpu.backend import emit_ir
+    from ocannl.backends.cpu.codegen import routine_ir
     from ocannl.ir.lowering import lower, nodes_of
 
     x = T.term(output_dims=(4,), label="x", prec="f16")
     y = T.cast(T.cast(x, "f32") * 2.0, "f16")
     code = lower(y.forward_comp(), PRODUCTS)
-    has_instructions = jit.hardware_f16()
-    hw = "".join(emit_ir(code, nodes_of(code)))
-    assert ("to half" in hw) == has_instructions
-    monkeypatch.setattr(jit, "hardware_f16", lambda: False)
-    soft = "".join(emit_ir(code, nodes_of(code)))
+    hw = "".join(routine_ir(code, nodes_of(code), replace(PRODUCTS, hardware_f16=True)))
+    assert "to half" in hw
+    soft = "".join(routine_ir(code, nodes_of(code), replace(PRODUCTS, hardware_f16=False)))
     assert "half" not in soft
+    monkeypatch.setenv("OCANNL_SOFT_F16", "1")  # the setting reaches this process's target
+    assert "half" not in "".join(emit_ir(code, nodes_of(code)))
 
 
 # --- the interpreter as the oracle ---------------------------------------------------------------

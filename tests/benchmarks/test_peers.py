@@ -23,7 +23,7 @@ from benchmarks.measure import measure  # noqa: E402
 from benchmarks.results import Row  # noqa: E402
 from benchmarks.runners import make_runner, row_specs  # noqa: E402
 from benchmarks.specs import TOLERANCE, WORKLOADS, precision_of, scaled  # noqa: E402
-from ocannl.backends.cpu import native_products  # noqa: E402
+from ocannl.backends.cpu import host, native_products  # noqa: E402
 
 TINY = replace(scaled(WORKLOADS["mlp_small"], 0.01), parity_steps=4, n_batches=2,
                timed_steps=2, rounds=1, warmup_steps=1)
@@ -237,11 +237,11 @@ def test_issue_29_targets_and_report() -> None:
 
 def test_cpu_flags_name_the_bf16_units() -> None:
     info = "processor\t: 0\nflags\t\t: fpu sse avx2 avx512_bf16 amx_tile\nprocessor\t: 1\n"
-    flags = native_products.cpu_flags(info)
+    flags = host.parse_cpuinfo(info)[2]
     assert {"avx2", "avx512_bf16", "amx_tile"} <= flags
     assert machine.bf16_units(flags) == {"amx_bf16": False, "avx512_bf16": True,
                                          "amx_fp16": False}
-    assert native_products.cpu_flags("model name : x\n") == frozenset()
+    assert host.parse_cpuinfo("model name : x\n")[2] == frozenset()
     units = machine.describe()["bf16_units"]
     assert set(units) == set(machine.BF16_FLAGS)
 

@@ -3,7 +3,8 @@
 ``gemm_bf16bf16f32`` and ``gemm_f16f16f32``, OpenBLAS's ``sbgemm``), the width of their integer
 arguments, and its thread-count controls.
 
-The choice, ``OCANNL_BLAS`` (``mkl``, ``numpy`` or ``scipy``), or by default:
+The choice (:func:`choose`, a function of the CPU's facts and of the libraries found),
+``OCANNL_BLAS`` (``mkl``, ``numpy`` or ``scipy``), or by default:
 - Intel's MKL (the ``mkl`` wheel, the ``mkl`` extra) on an Intel CPU, linked with its
   sequential layer: the pool's threads share a product, one MKL call each. On a 2-core
   Sapphire Rapids the step's five large products, each split over two threads as a routine
@@ -29,7 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ocannl.backends.cpu import link_group
+from ocannl.backends.cpu import host, link_group
+from ocannl.backends.cpu.host import CpuFacts
 
 CHOICES = ("mkl", "numpy", "scipy")
 
@@ -60,26 +62,36 @@ _chosen: list[Blas] = []
 
 
 def chosen() -> Blas:
-    """The BLAS this process's routines call (decided once per process)."""
+    """The BLAS this process's routines call (decided once per process, for this CPU)."""
     if not _chosen:
-        _chosen.append(_choose(os.environ.get("OCANNL_BLAS", "").strip()))
+        _chosen.append(choose(os.environ.get("OCANNL_BLAS", "").strip(), host.running()))
     return _chosen[0]
 
 
-def _choose(choice: str) -> Blas:
+Finder = Callable[[], "Blas | str"]
+
+
+def choose(choice: str, cpu: CpuFacts, *, find_mkl: Finder | None = None,
+           find_openblas: Finder | None = None,
+           find_scipy: Callable[[], Blas] | None = None) -> Blas:
+    """The BLAS for ``choice`` (``OCANNL_BLAS``; ``""``: the default) on ``cpu``: MKL on an
+    Intel CPU, else NumPy's OpenBLAS, else SciPy's. ``find_*`` find each library (a
+    :class:`Blas`, or why it is not there, as a phrase); by default, in this process
+    (:func:`mkl`, :func:`numpy_openblas`, :func:`scipy_blas`). ``ValueError`` for a choice
+    that is none of ``CHOICES`` and for a library asked for that is not there."""
     if choice not in ("", *CHOICES):
         raise ValueError(f"OCANNL_BLAS={choice!r}: expected 'mkl' (Intel's MKL, from the "
                          "mkl wheel), 'numpy' (NumPy's OpenBLAS) or 'scipy'")
     refused = None  # why the default's first choices were not taken
-    if choice == "mkl" or (not choice and intel_cpu()):
-        found = mkl()
+    if choice == "mkl" or (not choice and cpu.intel):
+        found = (find_mkl or mkl)()
         if isinstance(found, Blas):
             return found
         if choice == "mkl":
             raise ValueError(f"OCANNL_BLAS='mkl': {found}; unset it to use NumPy's OpenBLAS")
         refused = f"MKL refused on this Intel CPU ({found})"
     if choice in ("", "numpy"):
-        openblas = numpy_openblas()
+        openblas = (find_openblas or numpy_openblas)()
         if isinstance(openblas, Blas):
             if refused:
                 _fell_back(f"{refused}; the products call NumPy's OpenBLAS "
@@ -91,6 +103,11 @@ def _choose(choice: str) -> Blas:
     if refused:
         _fell_back(f"{refused}; the products call SciPy's BLAS instead, whose thread count "
                    "cannot be set (its own threads share each product)")
+    return (find_scipy or scipy_blas)()
+
+
+def scipy_blas() -> Blas:
+    """SciPy's BLAS (SciPy is a dependency: always there)."""
     return Blas("scipy", _scipy("sgemm"), _scipy("dgemm"), 32, None)
 
 
@@ -102,20 +119,6 @@ def _fell_back(message: str) -> None:
     if message not in _warned:
         _warned.add(message)
         warnings.warn(f"ocannl: {message}", RuntimeWarning, stacklevel=4)
-
-
-def intel_cpu() -> bool:
-    """Whether this is an x86 CPU of Intel's (``GenuineIntel`` in ``/proc/cpuinfo``)."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return False
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
-            for line in info:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip() == "GenuineIntel"
-    except OSError:
-        pass
-    return False
 
 
 def mkl() -> Blas | str:

@@ -23,7 +23,6 @@ import ctypes.util
 import hashlib
 import json
 import os
-import platform
 import select
 import signal
 import tempfile
@@ -34,8 +33,9 @@ from pathlib import Path
 import llvmlite
 import llvmlite.binding as llvm
 
-from ocannl.backends.cpu import blas, entry, native_products, pool
+from ocannl.backends.cpu import blas, entry, host, native_products, pool
 from ocannl.backends.cpu.codegen import GEMM16_SYMBOLS, GEMM_SYMBOLS, Target
+from ocannl.backends.cpu.host import CpuFacts
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -92,36 +92,28 @@ def trim_cache(folder: Path, limit: int, keep: Path) -> list[Path]:
     return removed
 
 
-def hardware_f16() -> bool:
-    """Whether LLVM lowers half conversions to instructions here (F16C on x86, native on
-    AArch64); elsewhere it would call a runtime routine the JIT does not provide.
-    ``OCANNL_SOFT_F16`` forces the integer conversions."""
-    if os.environ.get("OCANNL_SOFT_F16"):
-        return False
-    machine = platform.machine().lower()
-    return machine in ("aarch64", "arm64") or (
-        machine in ("x86_64", "amd64") and bool(_features_dict().get("f16c", False)))
+def hardware_f16(cpu: CpuFacts, soft: bool = False) -> bool:
+    """Whether LLVM lowers half conversions to instructions on ``cpu`` (F16C on x86, native on
+    AArch64); elsewhere it would call a runtime routine the JIT does not provide. ``soft``
+    (``OCANNL_SOFT_F16``) forces the integer conversions."""
+    return not soft and (cpu.machine in ("aarch64", "arm64")
+                         or (cpu.x86 and cpu.llvm_has("f16c")))
 
 
-def has_avx() -> bool:
-    """Whether this CPU has AVX (256-bit registers, ``vzeroupper``)."""
-    return platform.machine().lower() in ("x86_64", "amd64") and bool(
-        _features_dict().get("avx", False))
+def has_avx(cpu: CpuFacts) -> bool:
+    """Whether ``cpu`` has AVX (256-bit registers, ``vzeroupper``)."""
+    return cpu.x86 and cpu.llvm_has("avx")
 
 
-def _features_dict() -> dict[str, bool]:
-    return dict(llvm.get_host_cpu_features())
-
-
-def features() -> str:
-    """The CPU features LLVM compiles for: the host's, and on a CPU with AVX512-FP16 (Sapphire
+def features(cpu: CpuFacts) -> str:
+    """The CPU features LLVM compiles for: ``cpu``'s, and on a CPU with AVX512-FP16 (Sapphire
     Rapids and later Xeons) 512-bit vectors preferred in loops, where LLVM's tuning keeps to
     256 bits for the AVX-512 CPUs whose clock drops under 512-bit instructions. Each lane
     computes what a scalar would, so the bits are the same. In-process A/B on such a CPU,
     steps paired by block, 512 / 256: mlp_small bf16 0.898x, f16-gated16 0.933x, f32 0.988x;
     gpt_mini bf16 0.969x, f16 0.983x; convnet bf16 0.983x, f32 0.995x."""
-    text = llvm.get_host_cpu_features().flatten()
-    return text + ",-prefer-256-bit" if _features_dict().get("avx512fp16") else text
+    text = cpu.llvm_features
+    return text + ",-prefer-256-bit" if cpu.llvm_has("avx512fp16") else text
 
 
 def target() -> Target:
@@ -136,11 +128,12 @@ def target() -> Target:
         count = 1
     else:
         resize(count - 1)  # type: ignore[operator]
-    chosen = blas.chosen()
+    chosen, cpu = blas.chosen(), host.running()
+    soft = bool(os.environ.get("OCANNL_SOFT_F16"))
     # Products are cut into as many parts as this process has cores (at most 8), whatever
     # OCANNL_THREADS says: a thread count changes which thread runs a part, not the parts.
-    return Target(name="cpu", hardware_f16=hardware_f16(), workers=workers(), avx=has_avx(),
-                  blas_int=chosen.int_bits, threads=count,
+    return Target(name="cpu", hardware_f16=hardware_f16(cpu, soft), workers=workers(),
+                  avx=has_avx(cpu), blas_int=chosen.int_bits, threads=count,
                   native_products=native_products.native(),
                   inline_native_work=native_products.inline_work(Target.inline_native_work),
                   products_shared=resize is not None and chosen.threads is not None,
@@ -197,7 +190,8 @@ def _cores() -> int:
 def _target_machine() -> llvm.TargetMachine:
     """A target machine for this CPU (one per compiling thread)."""
     target = llvm.Target.from_default_triple()
-    return target.create_target_machine(cpu=llvm.get_host_cpu_name(), features=features(),
+    cpu = host.running()
+    return target.create_target_machine(cpu=cpu.llvm_cpu, features=features(cpu),
                                         opt=2, codemodel="jitdefault")
 
 
@@ -253,8 +247,9 @@ def _setup() -> tuple[llvm.ExecutionEngine, str]:
             _state["pool_size"] = ctypes.CFUNCTYPE(None, ctypes.c_int32)(
                 engine.get_function_address(pool.SIZE_SYMBOL))
         llvm_version = ".".join(map(str, llvm.llvm_version_info))
-        stamp = (f"{llvm.get_process_triple()} {llvm.get_host_cpu_name()} "
-                 f"{features()} llvmlite {llvmlite.__version__} LLVM {llvm_version} "
+        cpu = host.running()
+        stamp = (f"{llvm.get_process_triple()} {cpu.llvm_cpu} "
+                 f"{features(cpu)} llvmlite {llvmlite.__version__} LLVM {llvm_version} "
                  f"O{_LEVEL} {' '.join(_LLVM_OPTIONS)}")
         _state.update(engine=engine, stamp=stamp)
     return _state["engine"], _state["stamp"]  # type: ignore[return-value]
