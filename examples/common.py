@@ -25,10 +25,11 @@ import numpy as np
 
 from ocannl import Context, Failure
 
-__all__ = ["BACKENDS", "F32_MAX", "DefaultsFormatter", "ExampleParser", "batch_indices",
-           "canonical", "differences", "foreign_problem", "integer", "launched_ranks",
-           "make_context", "output_path", "real", "recipe_extra", "refuse_mpi_launch",
-           "restore_recipe", "resume_problem", "saved_config", "steps_problem"]
+__all__ = ["BACKENDS", "F32_MAX", "RESUME_HELP", "DefaultsFormatter", "ExampleParser",
+           "batch_indices", "canonical", "differences", "foreign_problem", "integer",
+           "launched_ranks", "make_context", "no_checkpoint_yet", "output_path", "real",
+           "recipe_extra", "refuse_mpi_launch", "restore_recipe", "resume_problem", "resuming",
+           "saved_config", "steps_problem", "twins_said"]
 
 BACKENDS = ("auto", "cpu", "cuda")
 
@@ -118,7 +119,8 @@ class DefaultsFormatter(argparse.RawDescriptionHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if "%(default)" in text or action.default is argparse.SUPPRESS or not action.option_strings:
+        if "%(default)" in text or "(default: " in text or action.default is argparse.SUPPRESS \
+                or not action.option_strings:  # (a help that says its default itself)
             return text
         d = action.default
         shown = ("off" if d is False else "on" if d is True else "none" if d in (None, "")
@@ -186,6 +188,29 @@ def output_path(path: Path | str | None, flag: str) -> str | None:
     return None
 
 
+RESUME_HELP = ("continue from --checkpoint; when that file does not exist yet, one line says so "
+               "and the run starts from step 0 (a --checkpoint whose folder does not exist is "
+               "refused)")
+
+
+def resuming(args: argparse.Namespace) -> bool:
+    """Whether ``--resume`` has a checkpoint to continue from. When ``--checkpoint`` names no
+    file yet the run starts from step 0, saying so in one line, so that a mistyped name is
+    seen (a name whose folder does not exist never gets here: :func:`output_path` refuses
+    it)."""
+    if not args.resume:
+        return False
+    if os.path.exists(args.checkpoint):
+        return True
+    print(no_checkpoint_yet(args.checkpoint), flush=True)
+    return False
+
+
+def no_checkpoint_yet(path: Path | str) -> str:
+    """The line a ``--resume`` run prints when its ``--checkpoint`` does not exist yet."""
+    return f"no checkpoint at {path} yet: starting from step 0"
+
+
 def recipe_extra(program: str, config: dict[str, str], scaler: object,
                  recipe: object) -> dict[str, str]:
     """What a mixed-precision run's checkpoint records beside its tensors: the program that
@@ -193,6 +218,12 @@ def recipe_extra(program: str, config: dict[str, str], scaler: object,
     recipe's counters (``restore_recipe`` reads them back)."""
     return {"program": program, "config": json.dumps(config, sort_keys=True),
             "loss_scaler": scaler.save_state(), "recipe": recipe.save_state()}
+
+
+def twins_said(prec: str) -> str:
+    """How a run's summary names its ``--prec``: the cast twins' precision, or f32 without
+    twins (the model reads its f32 parameters themselves)."""
+    return "f32, no twins" if prec == "f32" else f"{prec} twins"
 
 
 # --- checkpoints: whose they are, and the settings they were trained under ----------------------

@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     BACKENDS,
     F32_MAX,
+    RESUME_HELP,
     ExampleParser,
     SkipReport,
     canonical,
@@ -40,7 +41,9 @@ from common import (  # noqa: E402
     refuse_mpi_launch,
     restore_recipe,
     resume_problem,
+    resuming,
     saved,
+    twins_said,
 )
 
 import ocannl.tensor as T  # noqa: E402
@@ -71,9 +74,8 @@ def build_parser() -> ExampleParser:
                     help="data split, order and init seed")
     ap.add_argument("--checkpoint", type=Path, help="save the training state to this file")
     ap.add_argument("--checkpoint-every", type=integer(1), default=100,
-                    help="steps between checkpoints")
-    ap.add_argument("--resume", action="store_true",
-                    help="continue from --checkpoint when it exists")
+                    help="steps between checkpoints (the training is the same at any value)")
+    ap.add_argument("--resume", action="store_true", help=RESUME_HELP)
     ap.add_argument("--backend", choices=list(BACKENDS), default="auto",
                     help="auto: the GPU when CuPy sees one, else the CPU")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -165,8 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     refuse_mpi_launch(PROGRAM)
     config = run_config(args)
-    resuming = args.resume and args.checkpoint.exists()
-    if resuming:  # the checkpoint's settings first: another run's refuses before any work
+    resume = resuming(args)
+    if resume:  # the checkpoint's settings first: another run's refuses before any work
         problem = resume_problem(args.checkpoint, PROGRAM, config, CONFIG_KEYS, args.steps)
         if problem is not None:
             sys.exit(f"error: cannot resume from {args.checkpoint}: {problem}")
@@ -174,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     recipe, scaler, loader, loss = run.recipe, run.scaler, run.loader, run.loss
 
     start = 0
-    if resuming:
+    if resume:
         try:
             run.ctx, progress = checkpoint.load(args.checkpoint, run.ctx, run.state)
             run.ctx = restore_recipe(run.ctx, progress, scaler, recipe)
@@ -205,21 +207,25 @@ def main(argv: list[str] | None = None) -> int:
             bar.set_postfix(loss=f"{ctx.get_value(loss):.4f}", scale=f"{scaler.scale_value():g}")
         if bar is not None:
             bar.update(1)
+        # A save reads the parameters and leaves the gate's window open: the scale changes
+        # at the same steps whatever --checkpoint-every is (the checkpoint holds the window's
+        # position and skip count: a resume closes it where this run would).
         if args.checkpoint is not None and (step + 1) % args.checkpoint_every == 0:
-            run.ctx = ctx = recipe.flush(ctx)
-            skips.say(step, say)
+            run.ctx = ctx
             save(step + 1)
     if bar is not None:
         bar.close()
+    run.ctx = ctx
+    if args.checkpoint is not None and start < args.steps:
+        save(args.steps)  # before the last window is sampled: a longer resume continues it
     run.ctx = ctx = recipe.flush(ctx)
     skips.say(args.steps - 1)
     # The last step's loss, whether or not a window (or a checkpoint) ended there.
     final_loss = ctx.get_value(loss) if start < args.steps else None
-    if args.checkpoint is not None and start < args.steps:
-        save(args.steps)
 
     accuracy = run.accuracy()
-    print(f"backend {run.ctx.backend_name()}, {args.prec} twins, compile {run.compile_s:.1f} s")
+    print(f"backend {run.ctx.backend_name()}, {twins_said(args.prec)}, compile "
+          f"{run.compile_s:.1f} s")
     ran = recipe.applied_steps + recipe.skipped_steps
     said = "" if final_loss is None else f"final loss {final_loss:.4f}, "
     print(f"{said}loss scale {scaler.scale_value():g}, skipped steps {recipe.skipped_steps} of "

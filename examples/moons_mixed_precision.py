@@ -55,6 +55,7 @@ from common import (
     foreign_problem,
     integer,
     make_context,
+    no_checkpoint_yet,
     output_path,
     real,
     recipe_extra,
@@ -96,6 +97,7 @@ FIXED = {
     "init-scale": "the loss scale continues from the checkpoint (--init-scale sets step 0's)",
 }
 OVERRIDABLE = ("lr", "momentum", "check-interval", "inject-nonfinite")
+CHECK_INTERVAL = 16  # the fused gate's, when --check-interval is not given
 
 
 def build_parser() -> ExampleParser:
@@ -103,8 +105,9 @@ def build_parser() -> ExampleParser:
     ap.add_argument("--gate", choices=["host", "fused"], default="fused",
                     help="skip overflowing steps on the host after each step, or on the device "
                          "in one fused routine")
-    ap.add_argument("--check-interval", type=integer(1, 2**24), default=16,
-                    help="fused gate: steps between two host reads of the skipped-step count")
+    ap.add_argument("--check-interval", type=integer(1, 2**24), default=None,
+                    help=f"--gate fused only (the host gate reads every step): steps between two "
+                         f"host reads of the skipped-step count (default: {CHECK_INTERVAL})")
     ap.add_argument("--steps", type=integer(1, 10**18), default=600, help="training steps")
     ap.add_argument("--batch", type=integer(1, TRAIN_POINTS), default=64,
                     help=f"batch size (at most the {TRAIN_POINTS} training points)")
@@ -164,6 +167,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if bad:
         ap.error(f"--inject-nonfinite {bad[0]}: steps run from 0 to {args.steps - 1} "
                  f"(--steps {args.steps})")
+    if args.check_interval is not None and args.gate == "host":
+        ap.error(f"--check-interval {args.check_interval} applies to --gate fused only: the "
+                 f"host gate reads the skip count after every step")
+    if args.check_interval is None and args.gate == "fused":
+        args.check_interval = CHECK_INTERVAL
     if args.resume and args.checkpoint is None:
         ap.error("--resume needs --checkpoint PATH")
     problem = output_path(args.checkpoint, "--checkpoint")
@@ -384,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
         for note in notes:
             print(note, flush=True)
     elif args.resume:
-        print(f"no checkpoint at {args.checkpoint} yet: starting from step 0", flush=True)
+        print(no_checkpoint_yet(args.checkpoint), flush=True)
 
     def save(step: int) -> None:
         # Before the window is flushed: the resumed run samples it where this one would.

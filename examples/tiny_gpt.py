@@ -27,7 +27,9 @@ the host from the logits of the model built over one sequence (greedy with
 ``--compare-torch`` also trains the same architecture in PyTorch (f32) from the same initial
 weights on the same batches, and prints both validation losses and their relative difference:
 with the defaults (f16 twins, 2000 steps) 1.8059 against 1.8040, 0.11% (measured on a 2-core
-AMD EPYC).
+AMD EPYC at commit 2ae35bb, when evaluations still closed the loss-scale window early; the
+README's "Reproducibility" says what the bits depend on). Evaluating and saving read the
+parameters only: the training is the same at any --eval-every and --checkpoint-every.
 A checkpoint records the run's settings (and the corpus's digest); a resume under other ones
 stops, naming each. The step budget may always grow.
 """
@@ -48,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     BACKENDS,
     F32_MAX,
+    RESUME_HELP,
     ExampleParser,
     SkipReport,
     batch_indices,
@@ -60,7 +63,9 @@ from common import (  # noqa: E402
     refuse_mpi_launch,
     restore_recipe,
     resume_problem,
+    resuming,
     saved,
+    twins_said,
 )
 
 import ocannl.tensor as T  # noqa: E402
@@ -126,7 +131,8 @@ def build_parser() -> ExampleParser:
     ap.add_argument("--corpus-chars", type=integer(10_000, 10**9), default=400_000,
                     help="characters of standard-library source to read")
     ap.add_argument("--eval-every", type=integer(1), default=500,
-                    help="steps between two evaluations of the train and validation loss")
+                    help="steps between two evaluations of the train and validation loss (they "
+                         "read the parameters: the training is the same at any value)")
     ap.add_argument("--eval-batches", type=integer(1, 10**6), default=8,
                     help="batches of fixed windows each loss is averaged over")
     ap.add_argument("--prompt", default="def ", help="the text sampling starts from")
@@ -138,9 +144,8 @@ def build_parser() -> ExampleParser:
                     help="also train the same model in PyTorch (f32) and compare the losses")
     ap.add_argument("--checkpoint", type=Path, help="save the training state to this file")
     ap.add_argument("--checkpoint-every", type=integer(1), default=250,
-                    help="steps between checkpoints")
-    ap.add_argument("--resume", action="store_true",
-                    help="continue from --checkpoint when it exists")
+                    help="steps between checkpoints (the training is the same at any value)")
+    ap.add_argument("--resume", action="store_true", help=RESUME_HELP)
     ap.add_argument("--backend", choices=list(BACKENDS), default="auto",
                     help="auto: the GPU when CuPy sees one, else the CPU")
     ap.add_argument("--blas-threads", type=integer(1, 1024), default=1,
@@ -285,7 +290,8 @@ def run(args: argparse.Namespace) -> int:
     train_eval = eval_sets(x_train, y_train, args.eval_batches, args.batch, rng)
     val_eval = eval_sets(x_val, y_val, args.eval_batches, args.batch, rng)
     config = run_config(args, corpus)
-    if args.resume and args.checkpoint.exists():
+    resume = resuming(args)
+    if resume:
         problem = resume_problem(args.checkpoint, PROGRAM, config, CONFIG_KEYS, args.steps,
                                  {"corpus-sha256": "the corpus text (its sha256)"})
         if problem is not None:
@@ -318,7 +324,7 @@ def run(args: argparse.Namespace) -> int:
     state = checkpoint.training_state(loss, adam) + recipe.state_nodes()
 
     start = 0
-    if args.resume and args.checkpoint.exists():
+    if resume:
         try:
             ctx, progress = checkpoint.load(args.checkpoint, ctx, state)
             ctx = restore_recipe(ctx, progress, scaler, recipe)
@@ -355,24 +361,25 @@ def run(args: argparse.Namespace) -> int:
                 bar.set_postfix(loss=f"{ctx.get_value(loss):.4f}",
                                 scale=f"{scaler.scale_value():g}")
             bar.update(1)
+        # Saving and evaluating read the parameters and leave the gate's window open: the
+        # scale changes at the same steps whatever --checkpoint-every and --eval-every are (a
+        # checkpoint holds the window's position and its skip count: a resume closes it where
+        # this run would).
         if args.checkpoint is not None and (step + 1) % args.checkpoint_every == 0:
-            ctx = recipe.flush(ctx)
-            skips.say(step, say)
             save(step + 1)
         if (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
-            ctx = recipe.flush(ctx)
-            skips.say(step, say)
             say(f"step {step + 1}: train loss {mean_loss(train_eval):.4f}, "
                 f"validation loss {mean_loss(val_eval):.4f}")
     if bar is not None:
         bar.close()
     train_s = time.perf_counter() - t1
-    ctx = recipe.flush(ctx)
     if args.checkpoint is not None and start < args.steps:
-        save(args.steps)
+        save(args.steps)  # before the last window is sampled: a longer resume continues it
+    ctx = recipe.flush(ctx)
+    skips.say(args.steps - 1, say)
     train_loss, val_loss = mean_loss(train_eval), mean_loss(val_eval)
 
-    precision = "f32, no twins" if args.prec == "f32" else f"{args.prec} twins"
+    precision = twins_said(args.prec)
     print(f"backend {ctx.backend_name()}, {precision}, compile {compile_s:.1f} s, "
           f"{args.steps - start} steps in {train_s:.1f} s")
     ran = recipe.applied_steps + recipe.skipped_steps

@@ -6,16 +6,22 @@ the loss-scale tensors) are not in it; the loop records whatever host state it n
 ``Loss_scaler.save_state`` string, a data position) in :class:`Progress`'s ``extra``, which
 travels in the file's metadata. Saving is atomic, so a crash mid-save leaves the previous
 checkpoint intact; loading checks every name, shape and precision before it changes anything.
+A host state in ``extra`` may name nodes it cannot be resumed without (a recipe's between two
+micro-batches: its gradient sums); saving and loading refuse a checkpoint without them.
+:func:`load` resumes (exactly the saved nodes); :func:`load_weights` takes some of them (the
+parameters, for evaluation or fine-tuning) from a checkpoint that holds more.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import re
 import secrets
-from collections.abc import Iterable, Sequence
+import urllib.parse
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,7 +41,8 @@ from ocannl.ir.tnode import Tnode
 from ocannl.optim import Optimizer
 from ocannl.tensor.tensor import Tensor
 
-__all__ = ["Progress", "load", "node_names", "read_progress", "save", "training_state"]
+__all__ = ["Progress", "load", "load_weights", "node_names", "read_progress", "save",
+           "training_state"]
 
 _FORMAT = "ocannl.checkpoint/2"  # /2: SHA-256 of every tensor's bytes and of the header
 _FORMAT_1 = "ocannl.checkpoint/1"  # no digests: refused, its bytes cannot be verified
@@ -49,6 +56,15 @@ _DTYPES = {Precision.f64: "F64", Precision.f32: "F32", Precision.f16: "F16",
 _SPEC_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 _NUMPY = {"F64": np.dtype(np.float64), "F32": np.dtype(np.float32),
           "F16": np.dtype(np.float16), "BF16": np.dtype(ml_dtypes.bfloat16)}
+# A host state line of ocannl's in ``Progress.extra`` ("ocannl.NAME/VERSION ...") may end with
+# " needs=NAMES": the checkpoint names (percent-encoded, comma-separated) of the nodes it cannot
+# be resumed without (``mixed_prec.Recipe.save_state`` between two micro-batches or inside a
+# window).
+_NEEDS = re.compile(r"ocannl\.[A-Za-z_][A-Za-z0-9_]*/[0-9]{1,6} .* needs=([A-Za-z0-9_.~%-]+"
+                    r"(?:,[A-Za-z0-9_.~%-]+)*)", re.ASCII | re.DOTALL)
+_NEEDS_HINT = ("a recipe between two micro-batches needs its gradient sums, and the fused gate "
+               "inside a window its skip count and flags: a checkpoint holds "
+               "checkpoint.training_state(loss, opt) + recipe.state_nodes()")
 
 
 @dataclass
@@ -126,6 +142,20 @@ def _as_nodes(nodes: Iterable[Tnode | Tensor]) -> list[Tnode]:
         dup = sorted({n.name for n in out if ids.count(n.id) > 1})
         raise ValueError(f"checkpoint nodes list {dup} more than once")
     return out
+
+
+def _unmet_needs(extra: dict[str, str], names: Collection[str]) -> list[str]:
+    """For each host state in ``extra`` that names nodes it needs (`` needs=``) and ``names``
+    lacks some of: ``extra[KEY] needs [...]``."""
+    unmet = []
+    for key in sorted(extra):
+        m = _NEEDS.fullmatch(extra[key])
+        if m is None:
+            continue
+        needed = [urllib.parse.unquote(n) for n in m[1].split(",")]
+        if any(n not in names for n in needed):
+            unmet.append(f"extra[{key!r}] needs {needed}")
+    return unmet
 
 
 def node_names(nodes: Sequence[Tnode]) -> list[str]:
@@ -258,9 +288,18 @@ def save(path: str | os.PathLike, ctx: Context, nodes: Iterable[Tnode | Tensor],
     if not isinstance(progress, Progress):
         raise TypeError(f"progress must be a checkpoint.Progress, got {type(progress).__name__}")
     meta = {"format": _FORMAT, "progress": progress.to_json()}
+    names = node_names(nodes)
+    unmet = _unmet_needs(progress.extra, names)
+    if unmet:
+        raise Failure(f"checkpoint.save {os.fspath(path)!r}: " + "; ".join(unmet)
+                      + f", which this save does not hold ({_NEEDS_HINT}); nothing was written")
+    path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(errno.EISDIR, f"checkpoint.save {str(path)!r} is a folder: give "
+                                              f"a file name; nothing was written")
     arrays: dict[str, np.ndarray] = {}
     dtypes: dict[str, str] = {}
-    for name, node in zip(node_names(nodes), nodes, strict=True):
+    for name, node in zip(names, nodes, strict=True):
         arr = np.ascontiguousarray(ctx.get_values(node), dtype=node.prec.numpy_dtype)
         arrays[name] = arr.reshape(node.dims)
         dtypes[name] = _DTYPES[node.prec]
@@ -271,7 +310,6 @@ def save(path: str | os.PathLike, ctx: Context, nodes: Iterable[Tnode | Tensor],
     specs = {k: _spec(a, dtypes[k]) for k, a in arrays.items()}
     data = bytes(safetensors.serialize(specs, metadata=meta))
     del specs  # the arrays it points into were alive until here
-    path = Path(path)
     folder = path.parent if str(path.parent) else Path(".")
     if not folder.is_dir():
         raise FileNotFoundError(f"checkpoint.save {str(path)!r}: the folder {str(folder)!r} "
@@ -302,7 +340,11 @@ def _write_atomically(path: Path, folder: Path, data: bytes) -> None:
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
-        os.replace(tmp, path)
+        try:
+            os.replace(tmp, path)
+        except OSError as err:  # named by the path given, not by the temporary's
+            raise type(err)(err.errno, f"checkpoint.save {str(path)!r}: cannot write it: "
+                                       f"{err.strerror or err}") from None
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -390,20 +432,60 @@ def read_progress(path: str | os.PathLike) -> Progress:
 
 def load(path: str | os.PathLike, ctx: Context,
          nodes: Iterable[Tnode | Tensor]) -> tuple[Context, Progress]:
-    """Write the values saved in ``path`` into ``nodes`` on ``ctx``; returns the context and
-    the saved progress.
+    """Write the values saved in ``path`` into ``nodes`` on ``ctx``, to resume training;
+    returns the context and the saved progress.
 
     Every tensor's bytes and the header are checked against the SHA-256 digests :func:`save`
     recorded: a flipped bit anywhere raises ``ocannl.Failure`` naming the tensor (or the
     header). A file of another format version (``ocannl.checkpoint/1``, without digests, or a
     later one) is refused with ``Failure`` naming it. The file must hold exactly these nodes'
     names (see :func:`node_names`: nodes of a repeated label are refused, ``ValueError``), each
-    with the node's dims and precision; otherwise ``ocannl.Failure`` lists every mismatch. On
-    any failure the context is left as it was.
+    with the node's dims and precision, and every node a host state of its progress needs
+    (``needs=``, e.g. a recipe's gradient sums between two micro-batches); otherwise
+    ``ocannl.Failure`` lists every mismatch. On any failure the context is left as it was.
+    :func:`load_weights` takes some of the nodes (parameters) from a file that holds more.
 
     When no save of ``path`` is running (its lock is free), temporaries left by killed saves of
     ``path`` are removed first.
     """
+    path, nodes, names, arrays, progress = _open(path, nodes)
+    problems = _mismatches(arrays, names, nodes)
+    extra = sorted(set(arrays) - set(names))
+    if extra:
+        problems.insert(1 if problems and problems[0].startswith("missing") else 0,
+                        f"not in this model {extra}")
+    unmet = _unmet_needs(progress.extra, names)
+    if unmet:
+        problems.append("; ".join(unmet) + f", which this load does not hold ({_NEEDS_HINT})")
+    if problems:
+        raise Failure(f"checkpoint {str(path)!r} does not match the model: " + "; ".join(problems))
+    return _put(ctx, arrays, names, nodes), progress
+
+
+def load_weights(path: str | os.PathLike, ctx: Context,
+                 nodes: Iterable[Tnode | Tensor]) -> tuple[Context, Progress]:
+    """Write the values saved in ``path`` into ``nodes`` on ``ctx`` and leave the rest of the
+    file alone: the parameters alone (``[p.value for p in loss.params]``), for evaluation or
+    fine-tuning, from a checkpoint that also holds optimizer state or a recipe's. Returns the
+    context and the saved progress.
+
+    The file is verified as by :func:`load`. Each node must be in the file under its name
+    (:func:`node_names`) with its dims and precision; otherwise ``ocannl.Failure`` names every
+    one that is not, and the context is left as it was. Nothing is resumed: a host state's
+    ``needs=`` is not checked, and the optimizer starts from its own state.
+    """
+    path, nodes, names, arrays, progress = _open(path, nodes)
+    problems = _mismatches(arrays, names, nodes)
+    if problems:
+        raise Failure(f"checkpoint {str(path)!r} does not hold these weights as asked: "
+                      + "; ".join(problems))
+    return _put(ctx, arrays, names, nodes), progress
+
+
+def _open(path: str | os.PathLike, nodes: Iterable[Tnode | Tensor]
+          ) -> tuple[Path, list[Tnode], list[str], dict[str, np.ndarray], Progress]:
+    """The checked nodes and their names, then the verified file's tensors and progress
+    (temporaries of killed saves removed first, when no save is running)."""
     nodes = _as_nodes(nodes)
     names = node_names(nodes)  # a repeated label is refused before the file is looked at
     path = Path(path)
@@ -414,14 +496,17 @@ def load(path: str | os.PathLike, ctx: Context,
         finally:
             _release(path, lock)
     arrays, meta = _read(path)
-    progress = Progress.from_json(meta.get("progress", ""))
+    return path, nodes, names, arrays, Progress.from_json(meta.get("progress", ""))
+
+
+def _mismatches(arrays: dict[str, np.ndarray], names: list[str],
+                nodes: list[Tnode]) -> list[str]:
+    """The nodes the file lacks (one entry), then each one saved with other dims or
+    precision."""
     problems = []
     missing = [n for n in names if n not in arrays]
-    extra = sorted(set(arrays) - set(names))
     if missing:
         problems.append(f"missing {missing}")
-    if extra:
-        problems.append(f"not in this model {extra}")
     for name, node in zip(names, nodes, strict=True):
         arr = arrays.get(name)
         if arr is None:
@@ -432,8 +517,11 @@ def load(path: str | os.PathLike, ctx: Context,
             problems.append(f"{name}: precision {got}, this model has {want}")
         if tuple(arr.shape) != tuple(node.dims):
             problems.append(f"{name}: shape {tuple(arr.shape)}, this model has {node.dims}")
-    if problems:
-        raise Failure(f"checkpoint {str(path)!r} does not match the model: " + "; ".join(problems))
+    return problems
+
+
+def _put(ctx: Context, arrays: dict[str, np.ndarray], names: list[str],
+         nodes: list[Tnode]) -> Context:
     for name, node in zip(names, nodes, strict=True):
         ctx = ctx.set_values(node, arrays[name])
-    return ctx, progress
+    return ctx

@@ -28,11 +28,9 @@ by the clipped optimizer update.
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass
 
-import numpy as np
-
+from ocannl.errors import f32_positive, is_real
 from ocannl.ir.assignments import Accum, Comp, Const, Expr, Get, apply
 from ocannl.ir.ops import Precision
 from ocannl.ir.tnode import Tnode
@@ -54,33 +52,20 @@ NORM_EPS = 1e-6
 _ROW = 8
 
 
-def _positive(name: str, x: object) -> float:
-    """``x`` as a float if it is a finite real number > 0, else ``ValueError`` naming it."""
-    if not isinstance(x, numbers.Real) or isinstance(x, (bool, np.bool_)):
-        raise ValueError(f"{name} must be a finite number > 0, got {type(x).__name__}: {x!r}")
-    try:
-        v = float(x)
-    except (OverflowError, ValueError):
-        raise ValueError(f"{name} must be a finite number > 0, got {x!r:.60}") from None
-    if not math.isfinite(v) or not v > 0:
-        raise ValueError(f"{name} must be a finite number > 0, got {x!r}")
-    return v
-
-
 @dataclass(frozen=True)
 class ClipNorm:
     """Clip by the global norm (``torch.nn.utils.clip_grad_norm_``): ``max_norm`` a finite
-    number > 0, ``norm_type`` 2 or ``float('inf')``."""
+    number > 0 that stays one in f32 (1e-50 is 0 in the f32 code: no step would move a
+    parameter), ``norm_type`` 2 or ``float('inf')``; NumPy scalars are numbers, bools not."""
 
     max_norm: float
     norm_type: float = 2.0
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "max_norm", _positive("ClipNorm: max_norm", self.max_norm))
+        object.__setattr__(self, "max_norm", f32_positive("ClipNorm: max_norm", self.max_norm))
         t = self.norm_type
         try:
-            v = float(t) if isinstance(t, numbers.Real) and \
-                not isinstance(t, (bool, np.bool_)) else None
+            v = float(t) if is_real(t) else None
         except OverflowError:
             v = None
         if v not in NORM_TYPES:
@@ -92,13 +77,14 @@ class ClipNorm:
 @dataclass(frozen=True)
 class ClipValue:
     """Clamp each gradient element to ``[-clip_value, clip_value]``
-    (``torch.nn.utils.clip_grad_value_``); ``clip_value`` a finite number > 0."""
+    (``torch.nn.utils.clip_grad_value_``); ``clip_value`` a finite number > 0 that stays one
+    in f32, as :class:`ClipNorm`'s ``max_norm``."""
 
     clip_value: float
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "clip_value",
-                           _positive("ClipValue: clip_value", self.clip_value))
+                           f32_positive("ClipValue: clip_value", self.clip_value))
 
 
 Clip = ClipNorm | ClipValue

@@ -33,7 +33,7 @@ import numpy as np
 
 from ocannl.backends.rounding import to_precision
 from ocannl.context import Context
-from ocannl.errors import Failure
+from ocannl.errors import Failure, require_bool
 from ocannl.tensor.data import ClassIds, _checked_ids
 from ocannl.tensor.tensor import Tensor
 
@@ -76,7 +76,7 @@ class Loader:
     array's rows (a :class:`~ocannl.tensor.ClassIds` input takes integer ids). ``ValueError``,
     before anything is allocated, for arrays of unequal lengths, a row shape or node shape that
     does not match, a batch larger than the data set (or not divisible by ``world``), an
-    unknown ``last`` policy, or a rank outside ``[0, world)``."""
+    unknown ``last`` policy, a rank outside ``[0, world)``, or an input node given twice."""
 
     def __init__(self, arrays: Sequence[Any], inputs: Sequence[Tensor], *, batch: int,
                  seed: int = 0, last: str = "drop", shuffle: bool = True, rank: int = 0,
@@ -86,9 +86,14 @@ class Loader:
         if not arrays or len(arrays) != len(inputs):
             raise ValueError(f"Loader: give one input tensor per array, got {len(arrays)} arrays "
                              f"and {len(inputs)} inputs")
-        for t in inputs:
+        first: dict[int, int] = {}  # node id -> its first position in inputs
+        for k, t in enumerate(inputs):
             if not isinstance(t, Tensor):
                 raise TypeError(f"Loader: inputs must be Tensors, got {type(t).__name__}: {t!r}")
+            j = first.setdefault(t.value.id, k)
+            if j != k:  # every batch would write one array, then the other, into it
+                raise ValueError(f"Loader: inputs[{j}] and inputs[{k}] are the same node "
+                                 f"{t.value.name}: each array needs an input node of its own")
         n = len(arrays[0]) if arrays[0].ndim else 0
         for a, t in zip(arrays, inputs, strict=True):
             if a.ndim == 0 or len(a) != n:
@@ -105,8 +110,7 @@ class Loader:
             raise ValueError(f"Loader: rank {rank} is not in [0, world={world})")
         if last not in LAST_POLICIES:
             raise ValueError(f"Loader: last must be one of {LAST_POLICIES}, got {last!r}")
-        if not isinstance(shuffle, bool):
-            raise TypeError(f"Loader: shuffle must be True or False, got {shuffle!r}")
+        shuffle = require_bool("Loader: shuffle", shuffle)
         if self.batch > n:
             raise ValueError(f"Loader: batch {batch} is larger than the data set's {n} rows")
         if self.batch % self.world:

@@ -28,7 +28,7 @@ import numbers
 import re
 import urllib.parse
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from fractions import Fraction
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
@@ -562,6 +562,9 @@ _RECIPE_STATE_VERSION = "3"
 _NUM = r"(0|[1-9][0-9]{0,18})"
 _NAME = r"[A-Za-z0-9_.~%-]+"  # a parameter's name, percent-encoded (urllib.parse.quote)
 _NAMES = rf"((?:{_NAME}(?:,{_NAME})*)?)"
+# The state nodes a position inside a window or an accumulation cannot resume without, by
+# checkpoint name: ``checkpoint.save`` and ``checkpoint.load`` refuse a file without them.
+_NEEDS = rf"(?: needs=({_NAME}(?:,{_NAME})*))?"
 
 
 class Recipe:
@@ -605,7 +608,10 @@ class Recipe:
     A checkpoint holds ``checkpoint.training_state(loss, optimizer) + recipe.state_nodes()``
     and, in ``Progress.extra``, ``scaler.save_state()`` and ``recipe.save_state()``; with
     ``accumulate > 1`` the state nodes include the parameters' gradients (the partial sum), so
-    a checkpoint between micro-batches resumes exactly.
+    a checkpoint between micro-batches resumes exactly. A state saved there records that they
+    must be in the checkpoint (``needs=``): ``checkpoint.save`` and ``checkpoint.load`` refuse a
+    file without them, and :meth:`restore_state` a state between micro-batches that does not
+    record them.
 
     ``reducer`` (a :class:`GradReducer`): run between the gradient routine and the checksum
     and optimizer step (data-parallel training; with accumulation, once per optimizer step);
@@ -696,14 +702,15 @@ class Recipe:
     def state_nodes(self) -> list[Tnode]:
         """Device state beyond the optimizer's that a checkpoint must hold to resume exactly:
         with ``accumulate > 1``, the parameters' gradients (the micro-batches' partial sum)."""
-        if self.accumulate == 1:
-            return []
-        return [p.grad for p in self.loss.params if p.grad is not None]
+        return self._grad_sums()
 
     def save_state(self) -> str:
         """The host's position and counters as one line, for ``checkpoint.Progress.extra``:
         the window's position, the counters, the position inside an accumulation, and
-        :attr:`last_overflow` (percent-encoded names, comma-separated).
+        :attr:`last_overflow` (percent-encoded names, comma-separated); then, inside a window
+        or an accumulation, ``needs=`` and the checkpoint names of the state nodes that
+        position cannot resume without (:meth:`needed_nodes`), which ``checkpoint.save`` and
+        ``checkpoint.load`` then require.
 
         With a reducer, only at an optimizer step's boundary (``micro == 0``): between
         micro-batches each process holds its own partial sums, which one checkpoint cannot
@@ -716,18 +723,34 @@ class Recipe:
         vals = (self.pending, self.applied_steps, self.skipped_steps, self.windows,
                 self.skipped_windows, self.micro)
         fields = " ".join(f"{k}={v}" for k, v in zip(_COUNTERS, vals, strict=True))
-        names = ",".join(urllib.parse.quote(n, safe="") for n in self.last_overflow)
-        return f"ocannl.{type(self).__name__}/{_RECIPE_STATE_VERSION} {fields} overflow={names}"
+        names = _encoded(self.last_overflow)
+        needs = _encoded(n.label for n in self.needed_nodes(self.pending, self.micro))
+        return (f"ocannl.{type(self).__name__}/{_RECIPE_STATE_VERSION} {fields} overflow={names}"
+                + (f" needs={needs}" if needs else ""))
+
+    def needed_nodes(self, pending: int, micro: int) -> list[Tnode]:
+        """The state nodes a checkpoint at this position (``pending`` steps into a window,
+        ``micro`` micro-batches into an accumulation) cannot resume without: inside an
+        accumulation, the gradients (the partial sum)."""
+        return self._grad_sums() if micro else []
+
+    def _grad_sums(self) -> list[Tnode]:
+        if self.accumulate == 1:
+            return []
+        return [p.grad for p in self.loss.params if p.grad is not None]
 
     def restore_state(self, s: str) -> None:
         """Restore what :meth:`save_state` wrote; raises ``ocannl.Failure`` (and changes
-        nothing) on anything else, on a position past the window or the accumulation, or on an
-        overflow name that is none of this recipe's parameters. A state of another format
+        nothing) on anything else, on a position past the window or the accumulation, on an
+        overflow name that is none of this recipe's parameters, on ``needs=`` naming other
+        nodes than :meth:`needed_nodes`, or on a state inside an accumulation without it
+        (written by the previous version, which did not record that its checkpoint held the
+        gradient sums). A state of another format
         version (``ocannl.GatedStep/1``: a position only; ``/2``: no accumulation position nor
         overflow names) is refused, naming its version and the one expected."""
         name = type(self).__name__
         expected = f"'ocannl.{name}/{_RECIPE_STATE_VERSION} " + " ".join(
-            f"{k}=<int>" for k in _COUNTERS) + " overflow=<names>'"
+            f"{k}=<int>" for k in _COUNTERS) + " overflow=<names>[ needs=<names>]'"
         version = re.match(rf"ocannl\.{name}/([0-9]{{1,6}})(?: |$)", s, re.ASCII) \
             if isinstance(s, str) else None
         if version is not None and version[1] != _RECIPE_STATE_VERSION:
@@ -735,13 +758,13 @@ class Recipe:
                           f"ocannl.{name}/{version[1]}, which this version does not read: "
                           f"expected format version {_RECIPE_STATE_VERSION}, {expected}")
         pattern = rf"ocannl\.{name}/{_RECIPE_STATE_VERSION} " + " ".join(
-            f"{k}={_NUM}" for k in _COUNTERS) + rf" overflow={_NAMES}"
+            f"{k}={_NUM}" for k in _COUNTERS) + rf" overflow={_NAMES}{_NEEDS}"
         m = re.fullmatch(pattern, s, re.ASCII) if isinstance(s, str) else None
         if m is None:
             raise Failure(f"{name}.restore_state: {s!r:.200} is not a {name} state: expected "
                           f"{expected}")
-        pending, applied, skipped, windows, skipped_windows, micro = (
-            int(v) for v in m.groups()[:-1])
+        *counts, overflow, needs = m.groups()
+        pending, applied, skipped, windows, skipped_windows, micro = (int(v) for v in counts)
         if pending >= self.check_interval:
             raise Failure(f"{name}.restore_state: pending={pending} is not below "
                           f"check_interval={self.check_interval}")
@@ -751,10 +774,28 @@ class Recipe:
         if skipped_windows > windows or skipped_windows > skipped:
             raise Failure(f"{name}.restore_state: skipped_windows={skipped_windows} exceeds "
                           f"windows={windows} or skipped={skipped}")
-        names = self._decode_names(m.groups()[-1])
+        names = self._decode_names(overflow)
+        self._check_needs(needs, pending, micro)
         self.pending, self.applied_steps, self.skipped_steps = pending, applied, skipped
         self.windows, self.skipped_windows, self.micro = windows, skipped_windows, micro
         self.last_overflow = names
+
+    def _check_needs(self, needs: str | None, pending: int, micro: int) -> None:
+        """Refuse a ``needs=`` field other than this recipe's at that position, and a state
+        inside an accumulation without one (the previous version wrote none, and saved such
+        checkpoints without the gradient sums when asked to). A state inside a window without
+        one is read: the examples' checkpoints of that version hold the gate's counter."""
+        name = type(self).__name__
+        want = _encoded(n.label for n in self.needed_nodes(pending, micro))
+        if needs is None and micro:
+            raise Failure(f"{name}.restore_state: a state at micro={micro} does not record that "
+                          f"its gradient sums are in the checkpoint (expected needs={want}): "
+                          f"it was written by an older version, which saved them only when "
+                          f"asked to; resume from a checkpoint taken at micro=0, or restart")
+        if needs is not None and needs != want:
+            raise Failure(f"{name}.restore_state: the state needs {needs}, expected "
+                          f"needs={want or '(none)'} (this recipe's state nodes at "
+                          f"pending={pending}, micro={micro})")
 
     def _decode_names(self, field: str) -> tuple[str, ...]:
         name = type(self).__name__
@@ -940,6 +981,11 @@ class ScaledStep(Recipe):
         return ctx
 
 
+def _encoded(names: Iterable[str]) -> str:
+    """Names as a state line writes them: percent-encoded, comma-separated."""
+    return ",".join(urllib.parse.quote(n, safe="") for n in names)
+
+
 # A recipe's step on a small model takes a few microseconds, and its own Python is most of
 # what a recipe adds to the routines' time: module-level names are the cheapest to reach.
 _isfinite = math.isfinite
@@ -1053,6 +1099,12 @@ class GatedStep(Recipe):
         """The skipped-step counter and the sticky overflow flags (a checkpoint taken
         mid-window must hold them), then the gradients when accumulating."""
         return [self.nonfinite_seen.value, self.overflow_seen, *super().state_nodes()]
+
+    def needed_nodes(self, pending: int, micro: int) -> list[Tnode]:
+        """Inside a window, the skipped-step counter and the sticky overflow flags; then,
+        inside an accumulation, the gradients."""
+        gate = [self.nonfinite_seen.value, self.overflow_seen] if pending else []
+        return gate + super().needed_nodes(pending, micro)
 
 
 def gated_step(scaler: Loss_scaler, loss: Tensor, optimizer: Optimizer, *,

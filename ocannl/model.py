@@ -24,7 +24,8 @@ from typing import Any, Generic, TypeVar
 
 import numpy as np
 
-from ocannl.context import Context, Routine
+from ocannl.context import Context, Routine, _as_node
+from ocannl.errors import require_bool
 from ocannl.ir.assignments import Comp
 from ocannl.ir.lowering import effects
 from ocannl.tensor.sharing import ParamScope, active_scope
@@ -56,8 +57,7 @@ class Model(Generic[R]):
 
     def __call__(self, *inputs: Any, train: bool, **kwargs: Any) -> R:
         """``build(*inputs, train=train, **kwargs)`` over this model's parameters."""
-        if not isinstance(train, bool):
-            raise TypeError(f"{self.name}: train must be True or False, got {train!r}")
+        train = require_bool(f"{self.name}: train", train)
         if self.builds:
             self.scope.begin_reuse()
         token = active_scope.set(self.scope)
@@ -96,10 +96,25 @@ class Evaluation:
     def __init__(self, routine: Routine, outputs: tuple[Tensor, ...]) -> None:
         self.routine = routine
         self.outputs = outputs
+        self._reads = {n.id for n in routine.inputs}
 
     def run(self, ctx: Context, inputs: Mapping[Tensor, Any] | None = None
             ) -> tuple[Context, list[np.ndarray]]:
-        for t, values in (inputs or {}).items():
+        """Write ``inputs`` (tensor -> values), run, return the outputs' values. An input the
+        graph does not read is refused, naming it and what the graph reads, before anything
+        is written: the training input given by mistake would be overwritten, and the outputs
+        computed from whatever the graph's own input held."""
+        inputs = inputs or {}
+        unread = [(t, n) for t in inputs if (n := _as_node(t)).id not in self._reads]
+        if unread:
+            params = {p.value.id for o in self.outputs for p in o.params}
+            reads = [n.name for n in self.routine.inputs if n.id not in params]
+            names = ", ".join(f"{getattr(t, 'label', n.label)} (node {n.name})"
+                              for t, n in unread)
+            raise ValueError(f"{self!r}.run: the graph does not read {names}: it reads "
+                             f"{', '.join(reads) or 'no input'}, and {len(params)} "
+                             f"parameters; nothing was written")
+        for t, values in inputs.items():
             ctx = ctx.set_values(t, values)
         ctx = ctx.run(self.routine)
         return ctx, [ctx.get_values(t) for t in self.outputs]

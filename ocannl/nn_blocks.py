@@ -11,9 +11,11 @@ from typing import Any, NamedTuple, TypeVar
 import numpy as np
 
 import ocannl.tensor as T
+from ocannl.errors import f32_positive, is_int, real, require_bool
 from ocannl.ir.assignments import Accum, Const, Fixed, Get, apply
 from ocannl.ir.ops import Precision, precision_of
 from ocannl.ir.tnode import MemoryMode, Tnode, ids_issued
+from ocannl.tensor.data import dropout_rate
 from ocannl.tensor.shape import Shape, int_dims, int_value
 from ocannl.tensor.sharing import current_blocks, shared_state
 from ocannl.tensor.tensor import Tensor
@@ -272,13 +274,20 @@ def batch_norm(
     s`` with the batch mean and the *unbiased* batch variance. ``train=False``: normalizes with
     the running statistics (mean from 0, variance from 1). Build the evaluation graph with the
     training graph's ``params`` to share parameters and statistics. Returns
-    ``(y, BatchNormParams)``."""
+    ``(y, BatchNormParams)``. ``train`` must be a bool (a truthy ``"no"`` would build the
+    training graph); ``eps`` a finite number > 0 that stays one in f32 (a negative or NaN eps
+    makes every output NaN)."""
+    train = require_bool(f"batch_norm {label}: train", train)
+    eps = f32_positive(f"batch_norm {label}: eps", eps)
+    m = real(f"batch_norm {label}: momentum", momentum, "a number in [0, 1]")
+    if not 0.0 <= m <= 1.0:
+        raise ValueError(f"batch_norm {label}: momentum must be a number in [0, 1], got "
+                         f"{momentum!r}")
+    momentum = m
     ax = _last_output_axis(x, f"batch_norm {label}")
     c = x.dims[ax]
     axes = [k for k in range(len(x.dims)) if k != ax]
     count = math.prod(x.dims[k] for k in axes)
-    if not 0.0 <= momentum <= 1.0:
-        raise ValueError(f"batch_norm {label}: momentum must be in [0, 1], got {momentum!r}")
     if params is None:
         stat_shape = Shape((), (c,), ())
 
@@ -329,10 +338,10 @@ def dropout(x: Tensor, *, rate: float, train: bool, rng: T.Rng | None = None) ->
     """Inverted dropout while training (``train=True``: each element zeroed with probability
     ``rate``, the rest scaled by ``1 / (1 - rate)``, a new mask every step, drawn on the device
     from ``rng``); the identity otherwise. One ``rng`` can serve every dropout of a model: each
-    draw advances its counter."""
+    draw advances its counter. ``train`` must be a bool, ``rate`` a number (NumPy's too)."""
+    train = require_bool("dropout: train", train)
+    rate = dropout_rate(rate)
     if not train or rate == 0.0:
-        if not isinstance(rate, (int, float)) or not 0.0 <= rate < 1.0:
-            raise ValueError(f"dropout: rate must be a number in [0, 1), got {rate!r}")
         return x
     if rng is None:
         raise ValueError("dropout: training needs an rng (ocannl.tensor.Rng(seed)) to draw "
@@ -392,9 +401,10 @@ def multi_head_attention(
         raise ValueError(f"multi_head_attention {label}: expected x with batch row "
                          f"(..., seq), output row (d_model,) and no input axes, got {x.shape}")
     for name, v in (("num_heads", num_heads), ("d_k", d_k), ("d_v", d_v)):
-        if not isinstance(v, int) or v < 1:
+        if not is_int(v) or v < 1:
             raise ValueError(f"multi_head_attention {label}: {name} must be an integer >= 1, "
                              f"got {v!r}")
+    num_heads, d_k, d_v = int(num_heads), int(d_k), int(d_v)
     d_model = x.shape.output[0]
     seq = x.shape.batch[-1]
     pre = _LETTERS[:len(x.shape.batch) - 1]
@@ -534,9 +544,9 @@ def gpt(
     what = f"gpt {label}"
     for name, v in (("vocab", vocab), ("context", context), ("d_model", d_model),
                     ("heads", heads), ("layers", layers)):
-        if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
+        if not is_int(v) or v < 1:
             raise ValueError(f"{what}: {name} must be an integer >= 1, got {v!r}")
-    if d_ff is not None and (not isinstance(d_ff, (int, np.integer)) or d_ff < 1):
+    if d_ff is not None and (not is_int(d_ff) or d_ff < 1):
         raise ValueError(f"{what}: d_ff must be an integer >= 1, got {d_ff!r}")
     if d_model % heads:
         raise ValueError(f"{what}: d_model {d_model} is not a multiple of heads {heads}")

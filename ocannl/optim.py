@@ -24,12 +24,14 @@ scalars, :meth:`Optimizer._prologue`).
 from __future__ import annotations
 
 import math
-import numbers
+import warnings
 from collections.abc import MutableMapping, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ocannl.backends.rounding import to_precision
+from ocannl.errors import is_real, real
 from ocannl.ir.assignments import Accum, Comp, Const, Expr, Fixed, Get, apply
 from ocannl.ir.ops import Precision
 from ocannl.ir.tnode import Tnode
@@ -39,8 +41,8 @@ from ocannl.tensor.tensor import Tensor
 if TYPE_CHECKING:
     from ocannl.clipping import GradClipper
 
-__all__ = ["SGD", "Adam", "AdamW", "LearningRate", "Optimizer", "Scalar", "gated_store",
-           "scalar_expr"]
+__all__ = ["SGD", "Adam", "AdamW", "FiniteRate", "LearningRate", "Optimizer", "Scalar",
+           "gated_store", "scalar_expr"]
 
 Scalar = float | Tensor
 LearningRate = float | Tensor | Schedule
@@ -55,10 +57,11 @@ def scalar_expr(x: Scalar, what: str) -> Expr:
         if x.const is not None:
             return Const(x.const)
         return Get(x.value, tuple(Fixed(0) for _ in x.dims))
-    if isinstance(x, (int, float)) and not isinstance(x, bool):
-        if not math.isfinite(x):
+    if is_real(x):
+        v = real(what, x)
+        if not math.isfinite(v):
             raise ValueError(f"{what} must be finite, got {x!r}")
-        return Const(float(x))
+        return Const(v)
     raise TypeError(f"{what} must be a float or a one-element Tensor, got {type(x).__name__}")
 
 
@@ -80,12 +83,60 @@ def gated_store(node: Tnode, idx: tuple[int, ...], new: Expr, gate: Expr | None)
 
 
 def _real(name: str, x: object) -> float:
-    if not isinstance(x, numbers.Real) or isinstance(x, (bool, np.bool_)):
-        raise ValueError(f"{name} must be a real number, got {type(x).__name__}: {x!r}")
-    x = float(x)
-    if not math.isfinite(x):
+    v = real(name, x)
+    if not math.isfinite(v):
         raise ValueError(f"{name} must be finite, got {x!r}")
-    return x
+    return v
+
+
+class FiniteRate:
+    """A node's ``check_values`` (see :class:`~ocannl.ir.tnode.Tnode`) for a node an optimizer
+    reads as a rate: ``Context.set_values`` refuses a value that is not finite in the node's
+    precision, naming the node, before writing anything. A NaN written there would be applied
+    to every weight: the gates check only the gradients, and skipping such steps instead would
+    stall the run silently. The rule is the node's, so it holds in every context. Any check the
+    node had already runs first."""
+
+    def __init__(self, node: Tnode, reader: str) -> None:
+        self.node, self.reader, self.previous = node, reader, node.check_values
+
+    @classmethod
+    def register(cls, node: Tnode, reader: str, owner: str) -> None:
+        """Give ``node`` this check (once: a rate shared by two optimizers keeps the first);
+        ``ValueError`` naming the node when its host values (copied into every context that
+        allocates it) are not finite already."""
+        if isinstance(node.check_values, cls):
+            return
+        check = cls(node, reader)
+        if node.host_data is not None:
+            bad = check.first_bad(np.asarray(node.host_data))
+            if bad is not None:
+                raise ValueError(f"{owner}: {node.name}, {reader}, holds {bad}: expected a "
+                                 f"finite number")
+        node.check_values = check
+
+    def first_bad(self, values: np.ndarray) -> str | None:
+        """The first value that is not finite once rounded to the node's precision, described
+        (``nan``; ``1e+39 (inf in f32)``), or None."""
+        with warnings.catch_warnings(), np.errstate(over="ignore", invalid="ignore"):
+            warnings.simplefilter("ignore", RuntimeWarning)
+            stored = to_precision(values, self.node.prec).astype(np.float64)
+        ok = np.isfinite(stored)
+        if ok.all():
+            return None
+        k = int(np.argmin(ok.ravel()))
+        given = float(np.asarray(values, np.float64).ravel()[k])
+        rounded = float(stored.ravel()[k])
+        return repr(given) if not math.isfinite(given) else \
+            f"{given!r} ({rounded!r} in {self.node.prec.value})"
+
+    def __call__(self, values: np.ndarray) -> None:
+        if self.previous is not None:
+            self.previous(values)
+        bad = self.first_bad(values)
+        if bad is not None:
+            raise ValueError(f"set_values on {self.node.name}: {self.reader} must be finite, "
+                             f"got {bad}; nothing was written")
 
 
 def _learning_rate_argument(owner: str, learning_rate: LearningRate | None,
@@ -115,11 +166,12 @@ class Optimizer:
     by parameter, created on first use), and :meth:`update`'s walk over a loss's parameters.
 
     ``learning_rate``: a float (folded into the code), a one-element tensor (read from its
-    buffer at every step, so the host can change it without recompiling) or a schedule
-    (:mod:`ocannl.schedules`). ``buffers``: the per-parameter buffer table to use instead of a
-    fresh one, for optimizers that must share their buffers (``train.sgd_update`` passes one,
-    so repeated calls on one model share its momentum, as OCANNL's functional ``sgd_update``
-    does).
+    buffer at every step, so the host can change it without recompiling, to finite values
+    only: see :class:`FiniteRate`) or a schedule (:mod:`ocannl.schedules`). Floats may be any
+    real number type, NumPy scalars included, but not bool. ``buffers``: the per-parameter
+    buffer table to use instead of a fresh one, for optimizers that must share their buffers
+    (``train.sgd_update`` passes one, so repeated calls on one model share its momentum, as
+    OCANNL's functional ``sgd_update`` does).
 
     With a schedule, the optimizer owns :attr:`schedule_counter`, a one-element f32 device node
     (zero-started, exact up to 2**24) counting the loop's iterations, applied and skipped, as a
@@ -135,6 +187,7 @@ class Optimizer:
 
     def __init__(self, learning_rate: LearningRate, *,
                  buffers: MutableMapping[Tensor, dict[str, Tnode]] | None = None) -> None:
+        owner = type(self).__name__
         self.schedule: Schedule | None = None
         self.schedule_counter: Tnode | None = None
         self.lr_f64: Tnode | None = None
@@ -145,6 +198,8 @@ class Optimizer:
                                           zero_start=True)
             self.lr_f64 = Tnode(f"{self.label}_lr_f64", (), Precision.f64)
             self.lr_node = Tnode(f"{self.label}_lr", (), Precision.f32)
+            FiniteRate.register(self.schedule_counter,
+                                f"the step counter {owner}'s schedule reads its rate from", owner)
         else:
             try:
                 scalar_expr(learning_rate, "learning_rate")  # type and finiteness
@@ -153,8 +208,11 @@ class Optimizer:
                                 f"schedule (ocannl.schedules), got "
                                 f"{type(learning_rate).__name__}: {learning_rate!r:.80}") \
                     from None
-            if not isinstance(learning_rate, Tensor) and learning_rate < 0:
-                raise ValueError(f"learning_rate must be >= 0, got {learning_rate!r}")
+            if not isinstance(learning_rate, Tensor):
+                if learning_rate < 0:
+                    raise ValueError(f"learning_rate must be >= 0, got {learning_rate!r}")
+            elif learning_rate.const is None:  # a buffer the host writes: finite values only
+                FiniteRate.register(learning_rate.value, f"the learning rate of {owner}", owner)
         self.learning_rate = learning_rate
         self._state: MutableMapping[Tensor, dict[str, Tnode]] = {} if buffers is None \
             else buffers
@@ -290,17 +348,15 @@ class SGD(Optimizer):
                  lr: LearningRate | None = None, momentum: float = 0.0,
                  weight_decay: float = 0.0, nesterov: bool = False,
                  buffers: MutableMapping[Tensor, dict[str, Tnode]] | None = None) -> None:
-        super().__init__(_learning_rate_argument("SGD", learning_rate, lr, None),
-                         buffers=buffers)
-        for name, x in (("momentum", momentum), ("weight_decay", weight_decay)):
-            if not isinstance(x, numbers.Real) or isinstance(x, (bool, np.bool_)):
-                raise ValueError(f"{name} must be a real number, got {type(x).__name__}: {x!r}")
-        m, wd = float(momentum), float(weight_decay)
+        rate = _learning_rate_argument("SGD", learning_rate, lr, None)
+        m, wd = real("momentum", momentum), real("weight_decay", weight_decay)
         if not 0.0 <= m < 1.0 or not math.isfinite(wd) or wd < 0:
             raise ValueError(f"momentum must be in [0, 1) and weight_decay >= 0, got "
                              f"momentum={momentum!r}, weight_decay={weight_decay!r}")
         if _flag("nesterov", nesterov) and m == 0.0:
             raise ValueError(f"nesterov momentum needs momentum > 0, got momentum={momentum!r}")
+        # the rate last: a refused construction leaves a rate tensor as it was
+        super().__init__(rate, buffers=buffers)
         self.momentum, self.weight_decay, self.nesterov = m, wd, bool(nesterov)
 
     def buffer_names(self) -> tuple[str, ...]:
@@ -347,7 +403,7 @@ class Adam(Optimizer):
                  lr: LearningRate | None = None,
                  betas: Sequence[float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, amsgrad: bool = False) -> None:
-        super().__init__(_learning_rate_argument(type(self).__name__, learning_rate, lr, 1e-3))
+        rate = _learning_rate_argument(type(self).__name__, learning_rate, lr, 1e-3)
         if not isinstance(betas, Sequence) or isinstance(betas, str) or len(betas) != 2:
             raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
         b1, b2 = _real("betas[0]", betas[0]), _real("betas[1]", betas[1])
@@ -360,9 +416,12 @@ class Adam(Optimizer):
         wd = _real("weight_decay", weight_decay)
         if wd < 0:
             raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
+        ams = _flag("amsgrad", amsgrad)
+        # the rate last: a refused construction leaves a rate tensor as it was
+        super().__init__(rate)
         self.betas = (b1, b2)
         self.eps, self.weight_decay = e, wd
-        self.amsgrad = _flag("amsgrad", amsgrad)
+        self.amsgrad = ams
         self.step_counter = Tnode(f"{self.label}_step", (), Precision.f32, zero_start=True)
         # scratch scalars, recomputed by every update before they are read: (f64, f32) pairs
         self._scalars = {name: (Tnode(f"{self.label}_{name}_f64", (), Precision.f64),

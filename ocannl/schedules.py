@@ -37,11 +37,9 @@ a run longer than that stops advancing the counter at ``2**24`` (``2**24 + 1`` r
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Sequence
 
-import numpy as np
-
+from ocannl.errors import is_int, real
 from ocannl.ir.assignments import Const, Expr, apply
 
 __all__ = ["MAX_STEPS", "CosineAnnealingLR", "Constant", "LinearLR", "Schedule", "SequentialLR",
@@ -52,13 +50,7 @@ MAX_STEPS = 2**24
 
 
 def _real(owner: str, name: str, x: object) -> float:
-    if not isinstance(x, numbers.Real) or isinstance(x, (bool, np.bool_)):
-        raise ValueError(f"{owner}: {name} must be a real number, got {type(x).__name__}: "
-                         f"{x!r:.80}")
-    try:
-        v = float(x)
-    except (OverflowError, ValueError):
-        raise ValueError(f"{owner}: {name} must be a finite real number, got {x!r:.80}") from None
+    v = real(f"{owner}: {name}", x)
     if not math.isfinite(v):
         raise ValueError(f"{owner}: {name} must be finite, got {x!r}")
     return v
@@ -66,7 +58,7 @@ def _real(owner: str, name: str, x: object) -> float:
 
 def _steps(owner: str, name: str, x: object, *, low: int = 1) -> int:
     """An integer step count in ``[low, MAX_STEPS]``, or ``ValueError`` naming it."""
-    if not isinstance(x, numbers.Integral) or isinstance(x, (bool, np.bool_)):
+    if not is_int(x):
         raise ValueError(f"{owner}: {name} must be an integer number of steps, got "
                          f"{type(x).__name__}: {x!r:.80}")
     v = int(x)

@@ -4,6 +4,7 @@ update per ``k`` micro-batches; the position inside an accumulation survives a c
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -147,6 +148,78 @@ def test_resume_inside_an_accumulation_continues_exactly(tmp_path: Path, gate: s
         assert save_run(tmp_path, gate, stop, 17) == whole
 
 
+GRADS = [f"grad_mlp_{w}{k}" for k in range(3) for w in "wb"]  # the rig's gradient sums
+
+
+def two_into_an_accumulation() -> tuple[Recipe, Context, list]:
+    """A recipe (k=3) two micro-batches into an accumulation, its context and its training
+    state without the recipe's state nodes."""
+    rig = make_rig()
+    opt = optim.SGD(0.1, momentum=0.9)
+    recipe = scaled_step(Loss_scaler.create(), rig.loss, opt, accumulate=3)
+    ctx = recipe.compile(rig.ctx)
+    for i in range(5):
+        ctx = recipe.step(rig.feed(ctx, i))
+    assert recipe.micro == 2 and [n.label for n in recipe.state_nodes()] == GRADS
+    return recipe, ctx, checkpoint.training_state(rig.loss, opt)
+
+
+def test_a_save_mid_accumulation_without_the_gradient_sums_is_refused(tmp_path: Path) -> None:
+    """The recipe's state says that its gradient sums must be in the checkpoint: a save
+    without ``recipe.state_nodes()`` is refused, naming them, and writes nothing."""
+    recipe, ctx, state = two_into_an_accumulation()
+    line = recipe.save_state()
+    assert line.endswith(" micro=2 overflow= needs=" + ",".join(GRADS)), line
+    progress = checkpoint.Progress(step=5, extra={"recipe": line})
+    with pytest.raises(Failure) as err:
+        checkpoint.save(tmp_path / "c.safetensors", ctx, state, progress)
+    said = str(err.value)
+    assert f"extra['recipe'] needs {GRADS}, which this save does not hold" in said, said
+    assert "recipe.state_nodes()" in said and "nothing was written" in said
+    assert os.listdir(tmp_path) == []
+    checkpoint.save(tmp_path / "c.safetensors", ctx, state + recipe.state_nodes(), progress)
+
+
+def test_a_load_mid_accumulation_without_the_gradient_sums_is_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file whose writer skipped the save's check (its recipe state needs the gradient sums,
+    its tensors lack them): the load refuses it, naming them, the context as it was."""
+    recipe, ctx, state = two_into_an_accumulation()
+    path = tmp_path / "c.safetensors"
+    with monkeypatch.context() as m:
+        m.setattr(checkpoint, "_unmet_needs", lambda *_: [], raising=False)  # a writer without it
+        checkpoint.save(path, ctx, state, checkpoint.Progress(
+            step=5, extra={"recipe": recipe.save_state()}))
+    _, fresh, fresh_state = two_into_an_accumulation()
+    before = [fresh.get_values(n).tobytes() for n in fresh_state]
+    with pytest.raises(Failure) as err:
+        checkpoint.load(path, fresh, fresh_state)
+    said = str(err.value)
+    assert f"extra['recipe'] needs {GRADS}, which this load does not hold" in said, said
+    assert [fresh.get_values(n).tobytes() for n in fresh_state] == before
+
+
+def test_restore_refuses_a_mid_accumulation_state_without_its_gradient_sums() -> None:
+    """A state between two micro-batches that does not record that its gradient sums are in
+    the checkpoint (as the previous version wrote it), or records other nodes, is refused
+    naming them; the recipe keeps its position."""
+    rig = make_rig()
+    recipe = gated_step(Loss_scaler.create(), rig.loss, optim.SGD(0.1), accumulate=3)
+    unsaid = recipe.save_state().replace("micro=0", "micro=2")
+    with pytest.raises(Failure) as err:
+        recipe.restore_state(unsaid)
+    assert "micro=2 does not record that its gradient sums are in the checkpoint" in \
+        str(err.value) and f"needs={','.join(GRADS)}" in str(err.value), str(err.value)
+    other = unsaid + " needs=" + ",".join(GRADS[:-1])
+    with pytest.raises(Failure, match=r"needs grad_mlp_w0,.*grad_mlp_w2, expected needs=.*"
+                                      r"grad_mlp_b2 \(this recipe's state nodes at pending=0, "
+                                      r"micro=2\)"):
+        recipe.restore_state(other)
+    assert recipe.micro == 0
+    recipe.restore_state(unsaid + " needs=" + ",".join(GRADS))
+    assert recipe.micro == 2
+
+
 @pytest.mark.parametrize("bad", [0, -1, 2.5, True, "4", None, np.float64(2.0)])
 def test_bad_accumulate_refused_by_name(bad: object) -> None:
     rig = make_rig()
@@ -159,7 +232,7 @@ def test_bad_accumulate_refused_by_name(bad: object) -> None:
 def test_restore_refuses_a_position_past_the_accumulation() -> None:
     rig = make_rig()
     recipe = gated_step(Loss_scaler.create(), rig.loss, optim.SGD(0.1), accumulate=3)
-    good = recipe.save_state().replace("micro=0", "micro=2")
+    good = recipe.save_state().replace("micro=0", "micro=2") + " needs=" + ",".join(GRADS)
     recipe.restore_state(good)
     assert recipe.micro == 2
     with pytest.raises(Failure, match="micro=3 is not below accumulate=3"):

@@ -181,6 +181,62 @@ def test_save_into_a_missing_folder_names_the_path_given(tmp_path: Path) -> None
     assert os.listdir(tmp_path) == ["plain"]
 
 
+def test_save_onto_a_folder_names_the_path_given(tmp_path: Path) -> None:
+    ctx, nodes = make_nodes(Context.cpu())
+    folder = tmp_path / "runs"
+    folder.mkdir()
+    with pytest.raises(IsADirectoryError) as err:
+        checkpoint.save(folder, ctx, nodes, Progress())
+    text = str(err.value)
+    assert f"checkpoint.save {str(folder)!r} is a folder: give a file name" in text, text
+    assert ".tmp" not in text
+    assert os.listdir(tmp_path) == ["runs"] and os.listdir(folder) == []
+
+
+def saved_with_optimizer_state(tmp_path: Path) -> tuple[Path, list[Tnode], list[Tnode]]:
+    """A checkpoint of two "parameters" and an "optimizer buffer"; (its path, the parameters,
+    everything saved)."""
+    ctx = Context.cpu()
+    w = Tnode("w", (2, 3), Precision.f32)
+    b = Tnode("b", (3,), Precision.bf16)
+    m = Tnode("adam_m_w", (2, 3), Precision.f32)
+    for k, node in enumerate((w, b, m)):
+        ctx = ctx.set_values(node, np.arange(node.size) * 0.5 + k)
+    path = tmp_path / "ck.safetensors"
+    checkpoint.save(path, ctx, [w, b, m], Progress(step=9, extra={"note": "x"}))
+    return path, [w, b], [w, b, m]
+
+
+def test_load_weights_takes_the_parameters_of_a_checkpoint_holding_more(tmp_path: Path) -> None:
+    """For evaluation or fine-tuning: the parameters alone, the optimizer state left in the
+    file (``load``, which resumes, needs exactly the saved set)."""
+    path, params, everything = saved_with_optimizer_state(tmp_path)
+    w, b = Tnode("w", (2, 3), Precision.f32), Tnode("b", (3,), Precision.bf16)
+    ctx, progress = checkpoint.load_weights(path, Context.cpu(), [w, b])
+    assert progress.step == 9 and progress.extra == {"note": "x"}
+    assert values(ctx, [w, b]) == [(np.arange(6) * 0.5).astype(np.float32).tobytes(),
+                                   (np.arange(3) * 0.5 + 1).astype(ml_dtypes.bfloat16).tobytes()]
+    with pytest.raises(Failure, match=r"not in this model \['adam_m_w'\]"):
+        checkpoint.load(path, Context.cpu(), [w, b])
+
+
+@pytest.mark.parametrize(("node", "said"), [
+    (Tnode("v", (2, 3), Precision.f32), "missing ['v']"),
+    (Tnode("w", (3, 2), Precision.f32), "w: shape (2, 3), this model has (3, 2)"),
+    (Tnode("w", (2, 3), Precision.f16), "w: precision F32, this model has F16"),
+])
+def test_load_weights_refuses_a_parameter_not_saved_as_asked_naming_it(
+        tmp_path: Path, node: Tnode, said: str) -> None:
+    path, _, _ = saved_with_optimizer_state(tmp_path)
+    b = Tnode("b", (3,), Precision.bf16)
+    ctx = Context.cpu().set_values(b, np.full(3, 7.0)).set_values(node, np.full(6, 5.0))
+    with pytest.raises(Failure) as err:
+        checkpoint.load_weights(path, ctx, [b, node])
+    assert said in str(err.value) and str(path) in str(err.value), str(err.value)
+    assert values(ctx, [b, node]) == [np.full(3, 7.0, ml_dtypes.bfloat16).tobytes(),
+                                      np.full(6, 5.0, node.prec.numpy_dtype).tobytes()]
+
+
 @pytest.mark.parametrize("fail_at", ["fsync", "replace", "write"])
 def test_crash_mid_save_keeps_previous_checkpoint(tmp_path: Path, fail_at: str,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:

@@ -252,3 +252,29 @@ def test_plain_update_skips_on_a_non_finite_gradient(norm_type: float, bad: floa
         norm = ctx.get_value(clipper.norm)
         assert math.isnan(norm) if math.isnan(bad) else norm == INF
         assert [ctx.get_values(n).tobytes() for n in nodes] == before
+
+
+@pytest.mark.parametrize(("make", "named"), [
+    (lambda: ClipValue(1e-50), "ClipValue: clip_value=1e-50"),
+    (lambda: ClipNorm(1e-50), "ClipNorm: max_norm=1e-50"),
+    (lambda: ClipNorm(np.float64(1e-46), INF), "ClipNorm: max_norm=np.float64(1e-46)"),
+])
+def test_a_threshold_that_rounds_to_zero_in_f32_is_refused(make, named: str) -> None:  # noqa: ANN001
+    """Issue 38, 7: ``ClipValue(1e-50)`` passed as "> 0" but is 0 in the f32 code: every
+    "applied" step moved no parameter. Refused as ``Loss_scaler.create`` refuses such a scale;
+    a clip is a constructor, so there is nothing else to leave unchanged."""
+    with pytest.raises(ValueError, match=r"rounds to 0.0 in f32: expected a value that f32 "
+                                         r"holds as a finite number > 0 \(from 1.4"):
+        make()
+    with pytest.raises(ValueError) as err:
+        make()
+    assert named in str(err.value)
+
+
+def test_numpy_scalars_are_numbers_in_clips() -> None:
+    """One rule: a NumPy real scalar is a number (stored as a float), a bool is not."""
+    assert ClipNorm(np.float32(0.5), np.float64(INF)) == ClipNorm(0.5, INF)
+    assert type(ClipValue(np.int64(2)).clip_value) is float
+    with pytest.raises(ValueError, match="clip_value must be a finite number > 0 \\(in f32\\), got "
+                                         "bool: np.True_"):
+        ClipValue(np.True_)

@@ -188,3 +188,21 @@ def test_train_must_be_a_bool():
     model = Model(lambda x, *, train: x)
     with pytest.raises(TypeError, match="train must be True or False, got 1"):
         model(T.term(XS, label="x"), train=1)
+
+
+def test_an_input_the_graph_does_not_read_is_refused_and_nothing_is_written():
+    """Issue 38, 1: the training input given to the evaluation routine (which reads
+    ``x_eval``) would overwrite the training batch and return the logits of ``x_eval``'s
+    construction values without a word. Refused, naming it and what the graph reads, before
+    any value is written (not even the input the graph does read)."""
+    model, loss, opt, rng, ctx, _ = _trained()
+    x = next(t for t in loss.topo() if t.label == "x")
+    x_eval = T.term(np.zeros((5, 4)), label="x_eval")
+    ctx, ev = compile_eval(ctx, model(x_eval, train=False))
+    before = _state_bits(ctx, loss, opt, model, rng)
+    inputs_before = (ctx.get_values(x).tobytes(), ctx.get_values(x_eval).tobytes())
+    with pytest.raises(ValueError, match=r"Evaluation\(\w+\)\.run: the graph does not read "
+                                         r"x \(node x_\d+\): it reads x_eval_\d+, "):
+        ev.run(ctx, {x_eval: X_EVAL, x: np.ones((16, 4))})
+    assert (ctx.get_values(x).tobytes(), ctx.get_values(x_eval).tobytes()) == inputs_before
+    assert _state_bits(ctx, loss, opt, model, rng) == before

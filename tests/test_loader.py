@@ -188,3 +188,14 @@ def test_without_shuffling_every_epoch_walks_the_rows_in_order():
         ctx = loader.next(ctx)
         start = (k % 4) * B
         np.testing.assert_array_equal(ctx.get_values(x), DATA[start:start + B])
+
+
+def test_a_target_node_given_twice_is_refused_naming_it():
+    """Issue 38, 2: ``Loader([a, b], [x, x])`` would write ``a``, then ``b``, into ``x`` at
+    every batch. Refused at construction, naming the node; its values are untouched."""
+    x = T.term(np.zeros((B, 3)), label="x")
+    ctx = Context.cpu().set_values(x, np.full((B, 3), 7.0))
+    with pytest.raises(ValueError, match=r"Loader: inputs\[0\] and inputs\[1\] are the same "
+                                         r"node x_\d+: each array needs an input node of its own"):
+        Loader([DATA, DATA[::-1]], [x, x], batch=B)
+    np.testing.assert_array_equal(ctx.get_values(x), np.full((B, 3), 7.0))

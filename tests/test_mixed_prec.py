@@ -754,7 +754,8 @@ def test_recipe_validation_and_state() -> None:
     gs.windows, gs.skipped_windows = 11, 2
     s = gs.save_state()
     assert s == ("ocannl.GatedStep/3 pending=3 applied=40 skipped=5 windows=11 skipped_windows=2 "
-                 "micro=0 overflow=")
+                 f"micro=0 overflow= needs=nonfinite_seen_{rig.loss.value.label},"
+                 f"overflow_seen_{rig.loss.value.label}")
     gs.pending = gs.applied_steps = gs.skipped_steps = gs.windows = gs.skipped_windows = 0
     gs.restore_state(s)
     assert (gs.pending, gs.applied_steps, gs.skipped_steps, gs.windows,
@@ -782,12 +783,35 @@ def test_recipe_validation_and_state() -> None:
                                  "skipped_windows=0 micro=0 overflow=")
     with pytest.raises(Failure, match="check_interval=1"):
         host.restore_state(s.replace("GatedStep", "ScaledStep"))  # pending=3: past its window
-    host.restore_state(s.replace("GatedStep", "ScaledStep").replace("pending=3", "pending=0"))
+    at_zero = s.replace("GatedStep", "ScaledStep").replace("pending=3", "pending=0")
+    with pytest.raises(Failure, match=r"needs nonfinite_seen_.*, expected needs=\(none\)"):
+        host.restore_state(at_zero)  # the fused gate's nodes: none of the host gate's
+    host.restore_state(at_zero.split(" needs=")[0])
     assert (host.applied_steps, host.skipped_steps) == (40, 5)
     other = Context.cpu()
     rig.ctx = host.compile(rig.ctx)
     with pytest.raises(ValueError, match="compiled on"):
         host.step(other)
+
+
+def test_a_save_inside_a_window_without_the_gates_nodes_is_refused(tmp_path) -> None:
+    """Two steps into a window of 4, the fused gate's skip count and flags are part of the
+    position: its state says so (``needs=``), and a save without ``recipe.state_nodes()`` is
+    refused naming them, writing nothing."""
+    rig = make_rig()
+    opt = sgd()
+    gs = gated_step(Loss_scaler.create(), rig.loss, opt, check_interval=4)
+    ctx = gs.compile(rig.ctx)
+    for _ in range(2):
+        ctx = gs.step(ctx)
+    gate = [gs.nonfinite_seen.value.label, gs.overflow_seen.label]
+    progress = checkpoint.Progress(step=2, extra={"recipe": gs.save_state()})
+    with pytest.raises(Failure) as err:
+        checkpoint.save(tmp_path / "c", ctx, checkpoint.training_state(rig.loss, opt), progress)
+    assert f"extra['recipe'] needs {gate}, which this save does not hold" in str(err.value)
+    assert list(tmp_path.iterdir()) == []
+    checkpoint.save(tmp_path / "c", ctx, checkpoint.training_state(rig.loss, opt)
+                    + gs.state_nodes(), progress)
 
 
 # --- master weights -----------------------------------------------------------------------------

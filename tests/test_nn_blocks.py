@@ -157,3 +157,65 @@ def test_conv2d_same_padding_keeps_the_size_as_torch_does(k):
         torch.from_numpy(xv).permute(0, 3, 1, 2), torch.from_numpy(kv).permute(0, 3, 1, 2),
         torch.from_numpy(bv), padding="same").permute(0, 2, 3, 1).numpy()
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
+# --- issue 38: flags and numbers ----------------------------------------------------------------
+
+
+def _bn_input() -> T.Tensor:
+    return T.term(np.random.default_rng(2).normal(size=(6, 3)), label="bx")
+
+
+@pytest.mark.parametrize(("block", "kw"), [
+    (nn_blocks.batch_norm, {"train": "no"}),
+    (nn_blocks.dropout, {"rate": 0.5, "train": "false"}),
+    (nn_blocks.dropout, {"rate": 0.5, "train": 1}),
+])
+def test_train_must_be_a_bool_in_the_blocks(block, kw):
+    """Issue 38, 3: any truthy ``train`` built a training graph (statistics updated, dropout
+    active). Refused as ``Model.__call__`` refuses it; nothing is built (no node issued)."""
+    from ocannl.ir.tnode import ids_issued
+
+    x = _bn_input()
+    rng = T.Rng(5)
+    issued = ids_issued()
+    with pytest.raises(TypeError, match=rf"train must be True or False, got {kw['train']!r} "
+                                        rf"\({type(kw['train']).__name__}\)"):
+        block(x, rng=rng, **kw) if block is nn_blocks.dropout else block(x, **kw)
+    assert ids_issued() == issued
+
+
+@pytest.mark.parametrize("eps", [-1.0, float("nan"), float("inf"), 0.0, 1e-50, "1e-5", True])
+def test_batch_norm_eps_must_be_a_finite_number_above_zero_in_f32(eps):
+    """Issue 38, 4: ``eps=-1.0`` or ``nan`` made every output NaN; ``1e-50`` rounds to 0 in
+    f32. Refused naming the value; nothing is built."""
+    from ocannl.ir.tnode import ids_issued
+
+    x = _bn_input()
+    issued = ids_issued()
+    with pytest.raises(ValueError, match=r"batch_norm bn: eps( must be a finite number > 0 "
+                                         r"\(in f32\), got |=1e-50 rounds to 0.0 in f32)") as err:
+        nn_blocks.batch_norm(x, train=True, eps=eps)
+    assert repr(eps) in str(err.value)
+    assert ids_issued() == issued
+
+
+def test_numpy_scalars_are_numbers_in_the_blocks():
+    """Issue 38, friction: ``dropout(rate=np.float32(0.5))`` said "must be in [0, 1)". A NumPy
+    real scalar is a number; a bool is not."""
+    x = _bn_input()
+    rng = T.Rng(5)
+    y = nn_blocks.dropout(x, rate=np.float32(0.5), train=True, rng=rng)
+    assert set(T.buffers(y)) == {rng.seed, rng.counter}
+    assert nn_blocks.dropout(x, rate=np.float64(0.25), train=False) is x
+    y, _ = nn_blocks.batch_norm(x, train=True, eps=np.float32(1e-5), momentum=np.float64(0.1),
+                                label="bn_np")
+    nn_blocks.layer_norm(x, eps=np.float32(1e-5), label="ln_np")
+    seq = T.term(np.zeros((2, 3, 4)), batch_dims=(2, 3), output_dims=(4,), label="seq")
+    a, _ = nn_blocks.multi_head_attention(seq, num_heads=np.int64(2), d_k=np.int32(2))
+    assert a.dims == (2, 3, 4)
+    with pytest.raises(ValueError, match=r"dropout: rate must be a number in \[0, 1\), got "
+                                         r"bool: False"):
+        nn_blocks.dropout(x, rate=False, train=False)
+    with pytest.raises(ValueError, match=r"momentum must be a number in \[0, 1\], got bool"):
+        nn_blocks.batch_norm(x, train=True, momentum=True, label="bn_bool")

@@ -431,3 +431,21 @@ def test_the_checksum_finds_one_bad_gradient_cell_anywhere(bad: float) -> None:
         ctx.set_values(w.grad, grad)
         ctx.run(r)
         assert math.isnan(ctx.get_value(flag)), cell
+
+
+def test_numpy_real_scalars_are_numbers() -> None:
+    """Issue 38, friction: ``Adam(np.float32(0.01))`` was refused (``got float32``) where the
+    schedules and clips took NumPy scalars. One rule: a NumPy real scalar is a number, folded
+    as its exact value; a bool is not."""
+    from ocannl import schedules
+
+    opt = optim.Adam(np.float32(0.01), betas=(np.float32(0.9), np.float64(0.999)),
+                     eps=np.float32(1e-8), weight_decay=np.int64(0))
+    assert (opt.betas, opt.weight_decay) == ((float(np.float32(0.9)), 0.999), 0.0)
+    assert optim.scalar_expr(np.float32(0.01), "lr").value == float(np.float32(0.01))
+    sgd = optim.SGD(lr=np.float16(0.5), momentum=np.float32(0.5), weight_decay=np.int32(1))
+    assert (sgd.momentum, sgd.weight_decay) == (0.5, 1.0)
+    assert schedules.StepLR(np.float32(0.5), step_size=np.int64(3)).lr_at(3) == 0.05
+    for bad in (True, np.True_):
+        with pytest.raises(TypeError, match="learning_rate must be a float or a one-element"):
+            optim.Adam(bad)

@@ -291,3 +291,54 @@ def test_fuzz_good_values_are_stored_rounded_once(values: np.ndarray, prec: Prec
     else:  # f64: every tested dtype but long double widens exactly
         if values.dtype.itemsize <= 8 or values.dtype.kind != "f":
             np.testing.assert_array_equal(got, flat.astype(np.float64))
+
+
+# --- issue 38, 7: the nodes an optimizer reads as rates take finite values only ----------------
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf, 1e39])
+def test_a_non_finite_learning_rate_is_refused_naming_the_node(bad: float) -> None:
+    """``ctx.set_values(lr, [nan])`` then a (gated) step applied the NaN to every weight: the
+    gate checks only gradients. Refused, naming the node; the rate keeps its value, and a
+    context that never held it allocates nothing (the rule is the node's, in every context).
+    1e39 is finite in f64 but overflows the f32 node."""
+    from ocannl import optim
+
+    lr = T.term([0.01], label="lr")
+    opt = optim.SGD(lr, momentum=0.9)
+    ctx = Context.cpu().set_values(lr, [0.02])
+    with pytest.raises(ValueError, match=r"set_values on lr_\d+: the learning rate of "
+                                         r"SGD must be finite, got ") as err:
+        ctx.set_values(lr, [bad])
+    assert repr(bad) in str(err.value)
+    assert ctx.get_value(lr, (0,)) == np.float32(0.02)
+    fresh = Context.cpu()
+    with pytest.raises(ValueError, match=r"the learning rate of SGD must be finite"):
+        fresh.set_value(lr, bad, (0,))
+    assert not fresh.is_allocated(lr)
+    assert opt.learning_rate is lr
+
+
+def test_a_non_finite_schedule_counter_is_refused_naming_the_node() -> None:
+    """The step counter a schedule reads its rate from: a NaN there is a NaN rate."""
+    from ocannl import optim, schedules
+
+    opt = optim.Adam(schedules.StepLR(0.1, step_size=3))
+    node = opt.schedule_counter
+    ctx = Context.cpu().set_values(node, 4.0)
+    with pytest.raises(ValueError, match=rf"set_values on {node.name}: the step counter "
+                                         rf"Adam's schedule reads its rate from must be finite, "
+                                         rf"got nan"):
+        ctx.set_values(node, math.nan)
+    assert ctx.get_value(node) == 4.0
+
+
+def test_a_learning_rate_tensor_holding_nan_is_refused_by_the_optimizer() -> None:
+    """A term built over a NaN would be copied into every context that allocates it."""
+    from ocannl import optim
+
+    lr = T.term([math.nan], label="lr_nan")
+    with pytest.raises(ValueError, match=r"Adam: lr_nan_\d+, the learning rate of Adam, holds nan: "
+                                         r"expected a finite number"):
+        optim.Adam(lr)
+    assert lr.value.check_values is None

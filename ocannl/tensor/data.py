@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ocannl.errors import real
 from ocannl.ir.assignments import Accum, Const, Expr, Get, apply
 from ocannl.ir.ops import HASH_MIX, Precision, precision_of
 from ocannl.ir.tnode import Tnode
@@ -262,12 +263,20 @@ def _uniform(rng: Rng, shape: Shape, label: str) -> Tensor:
     return out
 
 
+def dropout_rate(rate: object) -> float:
+    """``rate`` as a float in [0, 1), or ``ValueError`` naming it; the one check of both
+    dropouts (this op and ``nn_blocks.dropout``): NumPy scalars are numbers, bools are not."""
+    v = real("dropout: rate", rate, "a number in [0, 1)")
+    if not 0.0 <= v < 1.0:
+        raise ValueError(f"dropout: rate must be a number in [0, 1), got {rate!r}")
+    return v
+
+
 def dropout(x: Tensor, *, rate: float, rng: Rng) -> Tensor:
     """Inverted dropout: each element kept with probability ``1 - rate`` and scaled by
     ``1 / (1 - rate)``, else 0; a new mask every time it runs (drawn from ``rng``). The
     gradient flows through the kept elements, scaled alike."""
-    if not isinstance(rate, (int, float)) or not 0.0 <= rate < 1.0:
-        raise ValueError(f"dropout: rate must be a number in [0, 1), got {rate!r}")
+    rate = dropout_rate(rate)
     if not isinstance(rng, Rng):
         raise TypeError(f"dropout: rng must be an ocannl.tensor.Rng, got {rng!r}")
     u = rng.uniform_like(x, label=f"{x.label}_dropout_u")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from ocannl.errors import real
 from ocannl.ir.assignments import Accum, Const, Fixed, Get, Index, apply
 from ocannl.ir.ops import Precision
 from ocannl.ir.tnode import MemoryMode, Tnode
@@ -82,7 +83,8 @@ def standardize(x: Tensor, axes: None | str | int | Sequence[int], eps: float = 
     values are those of the composition. Its intermediates are local to the routines computing
     them."""
     x = _lift(x)
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < math.inf:
+    e = real("standardize: eps", eps, "a finite number >= 0")
+    if not 0 <= e < math.inf:
         raise ValueError(f"standardize: eps must be a finite number >= 0, got {eps!r}")
     cells, kept, kept_dims, per_row = _rows(x, axes)
     count = Const(float(per_row))
@@ -98,7 +100,7 @@ def standardize(x: Tensor, axes: None | str | int | Sequence[int], eps: float = 
               apply("sub", _read(x, cells), apply("div", Get(total, kept), count)), x.dims),
         Accum(squares, kept, "+", apply("mul", xc, xc), x.dims, reset=True),
         Accum(std, _all(len(kept_dims)), "=", apply("sqrt", apply("add", apply(
-            "div", Get(squares, _all(len(kept_dims))), count), Const(float(eps)))), kept_dims),
+            "div", Get(squares, _all(len(kept_dims))), count), Const(e))), kept_dims),
         Accum(out.value, cells, "=", apply("div", xc, deviation), x.dims),
     )
     if out.grad is not None and x.grad is not None:

@@ -53,8 +53,8 @@ def test_a_resumed_run_ends_as_the_uninterrupted_one(tmp_path):
 
 
 def test_the_summary_survives_checkpoints_more_often_than_samples(tmp_path):
-    """--checkpoint-every below --check-interval: each save flushes the window before it ends,
-    so no window ever ended on its own (the summary line was lost)."""
+    """--checkpoint-every below --check-interval: the summary is there (when each save flushed
+    the window before it ended, no window ever ended on its own and the line was lost)."""
     done = _run("--steps", "8", "--check-interval", "8", "--checkpoint-every", "4",
                 "--checkpoint", str(tmp_path / "c.safetensors"))
     assert len(_summary(done.stdout)) == 2, done.stdout
@@ -136,3 +136,43 @@ def test_held_out_accuracy_in_one_call_equals_the_padded_evaluation():
     assert one_call.shape == (360, 10) and run.x_eval.dims[0] == 360
     assert accuracy == padded_accuracy > 0.5, (accuracy, padded_accuracy)
     np.testing.assert_allclose(one_call, padded_logits, rtol=1e-3, atol=1e-3)
+
+
+def _checkpointed(path: Path, every: str) -> tuple[list[str], dict[str, bytes]]:
+    """A run of 20 steps whose loss scale backs off (f16 twins from 1e6, sampled every 8
+    steps), checkpointing every ``every`` steps: its summary and its last checkpoint's
+    tensors."""
+    from safetensors import safe_open
+
+    done = _run("--steps", "20", "--check-interval", "8", "--init-scale", "1e6",
+                "--checkpoint", str(path), "--checkpoint-every", every)
+    with safe_open(str(path), "np") as f:
+        tensors = {k: f.get_tensor(k).tobytes() for k in f.keys()}  # noqa: SIM118
+    return [line for line in done.stdout.splitlines() if "loss scale" in line
+            or line.startswith("accuracy")], tensors
+
+
+def test_checkpointing_every_3_steps_trains_as_checkpointing_once(tmp_path):
+    """A save reads the parameters and leaves the gate's window open (issue 38): the scale
+    backs off at the same steps whatever --checkpoint-every is."""
+    once = _checkpointed(tmp_path / "once.safetensors", "1000")
+    often = _checkpointed(tmp_path / "often.safetensors", "3")
+    assert "skipped steps 0 of" not in once[0][0], once[0]
+    assert often == once
+
+
+def test_f32_says_it_has_no_twins():
+    done = _run("--prec", "f32", "--steps", "2")
+    assert ", f32, no twins, compile" in done.stdout and "f32 twins" not in done.stdout
+
+
+def test_resume_from_a_checkpoint_not_there_yet_says_so(tmp_path):
+    path = tmp_path / "typo.safetensors"
+    done = _run("--steps", "2", "--checkpoint", str(path), "--resume")
+    assert done.stdout.splitlines()[0] == f"no checkpoint at {path} yet: starting from step 0"
+    assert "resumed" not in done.stdout and path.exists()
+    refused = _run("--steps", "2", "--checkpoint", str(tmp_path / "typo" / "d.safetensors"),
+                   "--resume", check=False)
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+    assert f"the folder '{tmp_path / 'typo'}' does not exist" in refused.stderr
+    assert refused.stdout == "" and sorted(os.listdir(tmp_path)) == ["typo.safetensors"]

@@ -109,6 +109,15 @@ def test_bad_flag_is_a_one_line_usage_error(argv: list[str], flag: str) -> None:
     assert_clean_usage_error(argv, flag)
 
 
+def test_check_interval_with_the_host_gate_is_refused() -> None:
+    """The interval belongs to the fused gate; the host gate samples every step and would
+    ignore it without a word."""
+    err = assert_clean_usage_error(["--gate", "host", "--check-interval", "4"])
+    assert "--check-interval 4 applies to --gate fused only" in err, err
+    assert ex.parse_args(["--gate", "host"]).check_interval is None
+    assert ex.parse_args([]).check_interval == 16
+
+
 def test_batch_past_the_training_set_fails_before_any_work() -> None:
     done = run("--batch", "1000")
     assert done.returncode == 2, done.stderr
@@ -398,9 +407,9 @@ def test_killed_and_resumed_run_reports_what_the_uninterrupted_one_does(tmp_path
                                                                        gate: str) -> None:
     # 300 steps: the fused gate's last window (288..299) is partial; steps 40, 41 and 250 get
     # an infinity, so both segments skip steps.
-    common = ["--gate", gate, "--steps", "300", "--check-interval", "16",
-              "--checkpoint-every", "100", "--inject-nonfinite", "40,41,250",
-              "--growth-interval", "20"]
+    common = ["--gate", gate, "--steps", "300", "--checkpoint-every", "100",
+              "--inject-nonfinite", "40,41,250", "--growth-interval", "20",
+              *(["--check-interval", "16"] if gate == "fused" else [])]
     whole = run(*common, "--checkpoint", str(tmp_path / "whole.safetensors"))
     assert whole.returncode == 0, whole.stderr
     want = summary(whole.stdout)

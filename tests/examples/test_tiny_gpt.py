@@ -110,3 +110,49 @@ def _contents(path: Path) -> tuple[dict[str, str], dict[str, bytes]]:
 
     with safe_open(str(path), "np") as f:
         return f.metadata(), {k: f.get_tensor(k).tobytes() for k in f.keys()}  # noqa: SIM118
+
+
+# --- evaluation and saving read the parameters; they do not change the training (issue 38) ----
+
+# f16 twins from a loss scale of 1e7: about half the steps of 32 are skipped, so a window cut
+# short anywhere moves the scale's back-offs to other steps.
+SKIPPING = ("--steps", "32", "--init-scale", "1e7", "--check-interval", "4")
+
+
+def _trained(path: Path, *args: str) -> tuple[str, tuple[dict[str, str], dict[str, bytes]]]:
+    """The run's summary and its final checkpoint's contents."""
+    done = _run(*SKIPPING, "--sample-chars", "0", "--checkpoint", str(path), *args)
+    return _summary(done.stdout), _contents(path)
+
+
+def test_evaluating_every_3_steps_trains_as_evaluating_never(tmp_path):
+    rare = _trained(tmp_path / "rare.safetensors", "--eval-every", "1000")
+    often = _trained(tmp_path / "often.safetensors", "--eval-every", "3")
+    assert "skipped steps 0 of" not in rare[0] and "skipped steps 32 of" not in rare[0], rare[0]
+    assert often == rare
+
+
+def test_checkpointing_every_3_steps_trains_as_checkpointing_once(tmp_path):
+    once = _trained(tmp_path / "once.safetensors", "--eval-every", "1000",
+                    "--checkpoint-every", "1000")
+    often = _trained(tmp_path / "often.safetensors", "--eval-every", "1000",
+                     "--checkpoint-every", "3")
+    assert often == once
+
+
+def test_a_resume_under_another_eval_every_trains_as_the_uninterrupted_run(tmp_path):
+    """Stopped at step 13 (inside a window of 4, a checkpoint every 5, evaluating every 3),
+    then resumed to 32 evaluating every 7: the run that never evaluates, to the bit."""
+    whole = _trained(tmp_path / "whole.safetensors", "--eval-every", "1000")
+    path = tmp_path / "split.safetensors"
+    _run(*SKIPPING, "--steps", "13", "--sample-chars", "0", "--checkpoint", str(path),
+         "--checkpoint-every", "5", "--eval-every", "3")
+    resumed = _trained(path, "--resume", "--eval-every", "7")
+    assert resumed == whole
+
+
+def test_resume_from_a_checkpoint_not_there_yet_says_so(tmp_path):
+    path = tmp_path / "typo.safetensors"
+    done = _run("--steps", "1", "--checkpoint", str(path), "--resume")
+    assert done.stdout.splitlines()[0] == f"no checkpoint at {path} yet: starting from step 0"
+    assert "resumed" not in done.stdout and path.exists()
