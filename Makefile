@@ -14,7 +14,7 @@ TEST_STAMP := $(VENV)/.installed-test
 DIST_STAMP := $(VENV)/.installed-dist
 NP ?= 2
 
-.PHONY: demo demo-f32 demo-dp test bench gpu-check
+.PHONY: demo demo-f32 demo-dp test test-serial bench gpu-check
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -43,8 +43,20 @@ demo-f32: $(DEMO_STAMP)
 demo-dp: $(DIST_STAMP)
 	$(VENV)/bin/mpiexec -n $(NP) $(PY) -m mpi4py examples/moons_mixed_precision.py --data-parallel
 
+# The suite on every core (pytest-xdist, WORKERS of them), then the tests marked whole_machine
+# alone in one process (more processes than cores, timing another test would upset). A pass
+# that selects no test fails (pytest's exit 5): nothing is skipped silently.
+WORKERS ?= auto
+LINT := $(PY) -m ruff check ocannl tests examples benchmarks scripts
+
 test: $(TEST_STAMP)
-	$(PY) -m ruff check ocannl tests examples benchmarks scripts
+	$(LINT)
+	$(PY) -m pytest -q -n $(WORKERS) -m "not whole_machine"
+	$(PY) -m pytest -q -p no:xdist -m whole_machine
+
+# The whole suite in one process, as before pytest-xdist.
+test-serial: $(TEST_STAMP)
+	$(LINT)
 	$(PY) -m pytest -q
 
 bench: $(TEST_STAMP)

@@ -429,6 +429,7 @@ def test_an_inf_in_one_shard_makes_every_rank_skip_and_back_off(two: Path,
 
 
 @needs_mpi
+@pytest.mark.whole_machine  # three ranks on two cores: no other test's processes beside them
 def test_three_ranks_on_two_cores(refs: dict, tmp_path: Path) -> None:
     """Oversubscribed. (``refs`` compiled the code of these 16-row shards already.)"""
     job = ok(mpirun(3, "train", "--out", tmp_path, "--tag", "three", "--global-batch", "48",

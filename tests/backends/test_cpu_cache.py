@@ -217,3 +217,50 @@ def test_a_cache_file_of_the_former_layout_is_compiled_again(monkeypatch, tmp_pa
     packed = jit._pack([body])
     assert jit._unpack(packed) == [body]
     assert json.loads(packed.partition(b"\n")[0])["format"] == jit.CACHE_FORMAT
+
+
+# Two writers of one key, made to meet: each compiles, writes its temporary file whole, then
+# waits at the rename (``os.replace``) until the other has written its own too.
+MEETING = """
+import os, sys, time
+from pathlib import Path
+mine, theirs = Path(sys.argv[1]), Path(sys.argv[2])
+rename = os.replace
+def meet(src, dst):
+    if str(dst).endswith(".objects"):
+        mine.touch()
+        deadline = time.monotonic() + 240
+        while not theirs.exists():
+            if time.monotonic() > deadline:
+                raise SystemExit("the other writer never reached its rename")
+            time.sleep(0.01)
+    rename(src, dst)
+os.replace = meet
+""" + COMPILE
+
+
+def test_two_processes_writing_one_routine_at_once_leave_one_valid_object(tmp_path):
+    """The cache is shared by the test suite's workers: two processes compiling the same
+    routine into one cache, both with their objects written before either renames, leave one
+    whole file under the key (no temporaries), which a third process loads and runs."""
+    cache = tmp_path / "cache"
+    env = {**os.environ, "PYTHONPATH": str(PACKAGE.parent), "OCANNL_CACHE_DIR": str(cache),
+           "OCANNL_THREADS": "2"}
+    env.pop("OCANNL_BLAS", None)
+    flags = [tmp_path / "a.ready", tmp_path / "b.ready"]
+    writers = [subprocess.Popen([sys.executable, "-c", MEETING, str(me), str(other)],
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+               for me, other in (flags, flags[::-1])]
+    results = []
+    for proc in writers:
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-3000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    assert all(flag.exists() for flag in flags)  # both reached the rename
+    assert [r["from_disk"] for r in results] == [False, False]  # both compiled and wrote
+    files = sorted((cache / "llvm").iterdir())
+    assert [f.suffix for f in files] == [".objects"], files  # one file, no temporaries
+    assert len(jit._unpack(files[0].read_bytes())) >= 1  # whole: its digest matches
+    third = _compile(PACKAGE.parent, cache)
+    assert third["from_disk"] is True

@@ -37,6 +37,9 @@ def test_a_bound_routine_is_a_builtin_that_runs_on_its_buffers() -> None:
     call()
 
 
+# A core of its own for the stamping thread: another test beside it would take that core and
+# leave gaps in the stamps that are the scheduler's, not the GIL's.
+@pytest.mark.whole_machine
 def test_other_python_threads_run_while_a_routine_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     """The GIL is released around the compiled code, as ctypes released it: a thread stamping
     the time in Python keeps stamping during one long call. A builtin holding the GIL would

@@ -443,8 +443,15 @@ def _collect(pid: int, read: int) -> bytes | None:
 
 
 def _write(path: Path, data: bytes) -> None:
+    """``data`` into ``path`` whole or not at all: written to a temporary file of this
+    process's own, then renamed over ``path`` (atomic), so processes writing one key at once
+    (the test suite's workers share a cache) leave one whole file, the last renamed."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(data)
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
