@@ -3,6 +3,7 @@ from its seeded spec and stored as safetensors, so every runner trains from the 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -167,10 +168,17 @@ def path_of(w: Workload, folder: Path = FIXTURE_DIR) -> Path:
 
 
 def write(w: Workload, folder: Path = FIXTURE_DIR) -> Path:
-    """Generate ``w``'s fixture and save it (hyperparameters in the file's metadata)."""
+    """Generate ``w``'s fixture and save it (hyperparameters in the file's metadata), whole or
+    not at all: written under a name of this process's own, then renamed (processes that
+    generate one fixture at once, the test suite's workers, never read a half-written file)."""
     folder.mkdir(parents=True, exist_ok=True)
     path = path_of(w, folder)
-    save_file(generate(w), str(path), metadata=w.to_meta())
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        save_file(generate(w), str(tmp), metadata=w.to_meta())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
     return path
 
 

@@ -56,6 +56,25 @@ def test_fixture_is_seeded_and_round_trips(tmp_path: Path) -> None:
     assert not np.array_equal(fixtures.load(other, tmp_path).x, fx.x)
 
 
+
+def test_a_fixture_write_is_whole_or_nothing(tmp_path: Path, monkeypatch) -> None:
+    """The suite's workers may generate one fixture at once: each writes a file of its own
+    and renames it, so a reader never sees half a file, and a write that fails leaves the
+    fixture there before as it was, with no temporary."""
+    path = fixtures.write(TINY, tmp_path)
+    before = path.read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]
+
+    def half_written(tensors: object, filename: str, metadata: object = None) -> None:
+        Path(filename).write_bytes(before[:100])
+        raise OSError("disk full")
+
+    monkeypatch.setattr(fixtures, "save_file", half_written)
+    with pytest.raises(OSError, match="disk full"):
+        fixtures.write(TINY, tmp_path)
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]
+
 class _Off:
     """A runner whose losses are PyTorch's times (1 + 1e-3): must fail the f32 gate."""
 
