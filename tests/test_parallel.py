@@ -18,6 +18,7 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,8 @@ from ocannl.ir.ops import Precision
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "parallel_worker.py"
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
+# How long a job given a ``ready`` test may take to get ready before it counts as hung.
+START_S = 120.0
 F32 = [v for v in W.VARIANTS if v.endswith("f32")]
 
 _no_mpi = None
@@ -91,10 +94,11 @@ class Job:
 
 
 def mpirun(n: int, *args: str | Path, timeout: float = 90.0, grace: float = 3.0,
-           script: Path = WORKER) -> Job:
+           script: Path = WORKER, ready: Callable[[], bool] | None = None) -> Job:
     """``mpiexec -n N python -m mpi4py SCRIPT ARGS`` (the worker by default), in a new
     session; on timeout SIGTERM to its process group and every process of the job, then
-    SIGKILL."""
+    SIGKILL. ``ready``: the timeout counts from when it first holds (what the job wrote, not
+    how long its start took on a busy machine), and ``Job.seconds`` too."""
     mpiexec = str(MPIEXEC) if MPIEXEC.exists() else str(shutil.which("mpiexec"))
     cmd = [mpiexec, "-n", str(n), sys.executable, "-m", "mpi4py", str(script),
            *map(str, args)]
@@ -105,13 +109,20 @@ def mpirun(n: int, *args: str | Path, timeout: float = 90.0, grace: float = 3.0,
                                 start_new_session=True)
         known: dict[int, str] = {}
         timed_out = False
-        while proc.poll() is None:
-            _descendants(proc.pid, known)
-            if time.monotonic() - t0 > timeout:
-                timed_out = True
-                _stop(proc, known, grace)
-                break
-            time.sleep(0.1)
+        waiting = ready is not None  # for the job to be ready, at most START_S
+        try:
+            while proc.poll() is None:
+                _descendants(proc.pid, known)
+                if waiting and ready():  # type: ignore[misc]
+                    waiting, t0 = False, time.monotonic()
+                if time.monotonic() - t0 > (START_S if waiting else timeout):
+                    timed_out = True
+                    _stop(proc, known, grace)
+                    break
+                time.sleep(0.1)
+        except BaseException:  # pytest-timeout's failure, Ctrl-C: the job goes too
+            _stop(proc, known, grace)
+            raise
         proc.wait()
         seconds = time.monotonic() - t0
         deadline = time.monotonic() + grace
@@ -482,9 +493,14 @@ def test_sigkill_of_one_rank_aborts_and_a_resume_is_bit_identical(two: Path, ref
 
 @needs_mpi
 def test_a_hung_job_is_terminated_then_killed_leaving_nothing(tmp_path: Path) -> None:
-    job = mpirun(2, "hang", "--out", tmp_path, timeout=6, grace=2)
-    assert job.timed_out and job.left == [] and job.seconds < 12
-    pids = [int((tmp_path / f"hang-rank{r}.pid").read_text()) for r in range(2)]  # they ran
+    """Both ranks started (their pid files written), then hung, ignoring SIGTERM: stopped by
+    SIGKILL within the grace, nothing left. The timeout counts from their start, however
+    long a busy machine took to start them."""
+    files = [tmp_path / f"hang-rank{r}.pid" for r in range(2)]
+    job = mpirun(2, "hang", "--out", tmp_path, timeout=1, grace=2,
+                 ready=lambda: all(f.exists() for f in files))
+    assert job.timed_out and job.left == [] and job.seconds < 8
+    pids = [int(f.read_text()) for f in files]  # they ran
     procs = _procs()
     assert [p for p in pids if p in procs and procs[p][2] != "Z"] == []
 
