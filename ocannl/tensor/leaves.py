@@ -74,32 +74,81 @@ def term(
     *,
     label: str = "term",
     batch_dims: Sequence[int] | None = None,
-    input_dims: Sequence[int] = (),
+    input_dims: Sequence[int] | None = None,
     output_dims: Sequence[int] | None = None,
     prec: Precision | str = Precision.f32,
 ) -> Tensor:
     """A non-differentiable, data-backed tensor (inputs, targets, a learning rate, a scale).
 
-    Without explicit rows, a 1-D array is an output row and a 2-D or wider array has its last
-    axis as the output row and the rest as batch axes.
+    With ``values``, the rows not given come from the array's shape, laid out batch, output,
+    input: with none given, a 1-D array is an output row and a wider one has its last axis as
+    the output row and the rest as batch axes; with ``batch_dims`` (and ``input_dims``) given,
+    the axes between them are the output row; with ``output_dims`` (and ``input_dims``) given,
+    the axes before them are the batch row. ``input_dims`` defaults to none. The array must then
+    have exactly those dims, or be flat (or a scalar) with their number of values, as
+    ``set_values`` takes them: rows given that re-cut another shape are refused, naming both,
+    as are values that are not numbers (strings are not converted). Without ``values``,
+    ``output_dims`` is needed.
     """
     prec = precision_of(prec)
-    arr = None if values is None else np.asarray(values, dtype=np.float64)
-    if arr is not None and arr.dtype.kind not in "biuf":
-        raise ValueError(f"term {label}: values must be numeric, got dtype {arr.dtype}")
-    if output_dims is None:
-        if arr is None:
+    rows = {"batch": _dims_row("batch", batch_dims), "output": _dims_row("output", output_dims),
+            "input": _dims_row("input", input_dims)}
+    arr = None if values is None else _numbers(label, values)
+    if arr is None:
+        if rows["output"] is None:
             raise ValueError(f"term {label}: give values or output_dims")
-        output_dims = arr.shape[-1:] if arr.ndim >= 1 else ()
-        if batch_dims is None:
-            batch_dims = arr.shape[:-1]
-    shape = Shape(_dims_row("batch", batch_dims or ()), _dims_row("output", output_dims),
-                  _dims_row("input", input_dims))
-    if arr is not None and arr.size != int(np.prod(shape.dims)):
-        raise ValueError(f"term {label}: {arr.size} values (shape {arr.shape}) do not fill {shape}")
+        batch, output, inp = (rows[k] or () for k in ("batch", "output", "input"))
+    else:
+        batch, output, inp = _rows_of(label, arr.shape, rows)
+    shape = Shape(batch, output, inp)
+    if arr is not None and arr.shape != shape.dims and not (
+            arr.ndim <= 1 and arr.size == int(np.prod(shape.dims))):
+        raise ValueError(f"term {label}: values of shape {arr.shape} do not have the dims "
+                         f"{shape.dims} of {shape} (give values shaped so, or flat)")
     host = None if arr is None else arr.reshape(shape.dims).astype(prec.numpy_dtype)
     node = Tnode(label, shape.dims, prec, host_data=host, needs_init=True)
     return Tensor(node, shape, kind="term", differentiable=False)
+
+
+def _numbers(label: str, values: object) -> np.ndarray:
+    """``values`` as an f64 array, or ``ValueError`` naming the term: real numbers (or
+    booleans) only, as ``set_values`` takes them; a string is not converted."""
+    try:
+        raw = np.asarray(values)
+    except (ValueError, TypeError) as err:
+        raise ValueError(f"term {label}: the values are not an array of numbers ({err})") \
+            from None
+    if raw.dtype.kind not in "biuf" and raw.dtype.name != "bfloat16":
+        raise ValueError(f"term {label}: values must be real numbers, got dtype {raw.dtype}")
+    return raw.astype(np.float64)
+
+
+def _rows_of(label: str, shape: tuple[int, ...], rows: dict[str, tuple[int, ...] | None]
+             ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """The batch, output and input rows of a term over values of ``shape``: those given, and
+    the rest read from the shape (see :func:`term`); ``ValueError`` naming both where the
+    shape does not hold the rows given."""
+    batch, output, inp = rows["batch"], rows["output"], rows["input"]
+    if batch is output is inp is None:
+        return shape[:-1], shape[-1:], ()
+    if batch is None and output is None:
+        raise ValueError(f"term {label}: input_dims {inp} alone leave the batch and output "
+                         f"rows of values of shape {shape} ambiguous: give batch_dims or "
+                         f"output_dims too")
+    if output is None:  # batch given: the output row lies between it and the input row
+        inp = inp or ()
+        cut = len(shape) - len(inp)
+        if len(batch) <= cut and shape[:len(batch)] == batch and shape[cut:] == inp:
+            return batch, shape[len(batch):cut], inp
+    else:
+        inp = inp or ()
+        if batch is None:  # the batch row is what lies before the output and input rows
+            tail = len(output) + len(inp)
+            batch = shape[:len(shape) - tail] if tail <= len(shape) else ()
+        return batch, output, inp
+    given = ", ".join(f"{k}_dims {v}" for k, v in rows.items() if v is not None)
+    raise ValueError(f"term {label}: values of shape {shape} do not hold {given} (laid out "
+                     f"batch, output, input)")
 
 
 def number(value: float, *, prec: Precision | str = Precision.f32) -> Tensor:

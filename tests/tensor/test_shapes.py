@@ -3,6 +3,8 @@ any code is compiled), each naming the shapes involved."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -153,7 +155,8 @@ def test_leaf_errors():
         T.param("p", output_dims=(0,))
     with pytest.raises(ValueError, match="unknown init 'foo'"):
         T.param("p", output_dims=(2,), init="foo")
-    with pytest.raises(ValueError, match=r"6 values \(shape \(6,\)\) do not fill"):
+    with pytest.raises(ValueError, match=r"term term: values of shape \(6,\) do not have the "
+                                         r"dims \(4,\)"):
         T.term(np.zeros(6), output_dims=(4,))
     with pytest.raises(ValueError, match="give values or output_dims"):
         T.term()
@@ -184,3 +187,45 @@ def test_result_precisions():
     assert (h16 + a32).prec is Precision.f32
     assert T.cast(a64, "bf16").prec is Precision.bf16
     assert T.sum(h16).prec is Precision.f16
+
+
+# --- a term's rows from its array (issue 39, 6) -------------------------------------------------
+
+
+@pytest.mark.parametrize(("shape", "rows", "want"), [
+    ((12, 8, 8, 1), {"batch_dims": (12,)}, ((12,), (8, 8, 1), ())),
+    ((5, 3, 2), {"output_dims": (2,)}, ((5, 3), (2,), ())),
+    ((5, 3, 2), {"batch_dims": (5,), "input_dims": (2,)}, ((5,), (3,), (2,))),
+    ((5, 3, 2), {"output_dims": (3,), "input_dims": (2,)}, ((5,), (3,), (2,))),
+    ((5, 3), {}, ((5,), (3,), ())),
+    ((6,), {"batch_dims": (2,), "output_dims": (3,)}, ((2,), (3,), ())),  # flat, as set_values
+], ids=["batch-given", "output-given", "batch-and-input", "output-and-input", "none",
+        "flat"])
+def test_a_terms_other_rows_come_from_its_array(shape, rows, want):
+    """The rows not given are the array's other axes, laid out batch, output, input; the
+    values keep their place (no re-cut)."""
+    values = np.arange(math.prod(shape), dtype=np.float64).reshape(shape)
+    t = T.term(values, label="x", **rows)
+    assert (t.shape.batch, t.shape.output, t.shape.input) == want
+    assert t.value.host_data.reshape(-1).tolist() == values.reshape(-1).tolist()
+
+
+@pytest.mark.parametrize(("values", "rows", "message"), [
+    (np.arange(8.).reshape(4, 2), {"batch_dims": [2], "output_dims": [4]},
+     r"term x: values of shape \(4, 2\) do not have the dims \(2, 4\) of \[batch \(2\) \| "
+     r"input \(\) -> output \(4\)\]"),
+    (np.zeros((5, 3, 2)), {"output_dims": [3]},
+     r"term x: values of shape \(5, 3, 2\) do not have the dims \(5, 3, 3\)"),
+    (np.zeros((4, 2)), {"batch_dims": [2]},
+     r"term x: values of shape \(4, 2\) do not hold batch_dims \(2,\)"),
+    (np.zeros((4, 2)), {"input_dims": [2]},
+     r"term x: input_dims \(2,\) alone leave the batch and output rows of values of shape "
+     r"\(4, 2\) ambiguous: give batch_dims or output_dims too"),
+    (["1.5", "2"], {}, r"term x: values must be real numbers, got dtype <U3"),
+    ([1, "2"], {}, r"term x: values must be real numbers, got dtype <U21"),
+], ids=["re-cut", "output-not-last", "batch-not-leading", "input-alone", "strings", "mixed"])
+def test_rows_that_do_not_fit_the_array_and_non_numbers_are_refused(values, rows, message):
+    """``T.term(np.arange(8.).reshape(4, 2), batch_dims=[2], output_dims=[4])`` re-cut the rows
+    by size, a shape ``set_values`` refuses; strings were converted to numbers."""
+    with pytest.raises(ValueError, match=message):
+        T.term(values, label="x", **rows)
