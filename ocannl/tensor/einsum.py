@@ -117,6 +117,7 @@ def einsum(spec: str, a: Tensor, b: Tensor | None = None) -> Tensor:
     rows_of: list[dict[str, list[_Axis]]] = []
     ellipsis = 0
     for t, op in zip(ts, ops, strict=True):
+        t.shape.require_inferred(t.label, f"einsum {spec!r}")
         rows: dict[str, list[_Axis]] = {}
         for row in ROW_NAMES:
             has_ell, axes = op[row]

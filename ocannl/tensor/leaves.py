@@ -42,6 +42,9 @@ def param(
             raise ValueError(f"unknown init {init!r}: expected one of {INIT_KINDS}")
         init = Init(init)
     prec = precision_of(prec)
+    if output_dims is None:  # not inferred from use (yet): refused here, not at the first `@`
+        raise ValueError(f"param {label}: output_dims=None: give the output dims (only the "
+                         f"input axes are inferred, from the parameter's first `@`)")
     shape = Shape(_dims_row("batch", batch_dims), _dims_row("output", output_dims),
                   _dims_row("input", input_dims))
 

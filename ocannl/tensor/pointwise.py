@@ -26,6 +26,8 @@ def pointwise(label: str, xs: Sequence[Operand | Const], forward: Callable[[list
     operand given as a ``Const`` is a literal (pow's exponent), not a tensor."""
     ts = [x if isinstance(x, Const) else _lift(x) for x in xs]
     tensors = [t for t in ts if isinstance(t, Tensor)]
+    for t in tensors:
+        t.shape.require_inferred(t.label, label)
     shape = broadcast([t.shape for t in tensors], label)
     prec = prec or _result_prec(tensors)
     children = tuple(t for t in tensors if t.kind != "number")

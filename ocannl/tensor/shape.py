@@ -36,6 +36,15 @@ class Shape:
             raise ValueError(f"shape {self} has input axes not yet inferred")
         return r
 
+    def require_inferred(self, owner: str, what: str) -> None:
+        """``ValueError`` naming ``what`` (the op or spec), ``owner`` (the tensor) and the fix
+        when the input row is still open (a parameter made without ``input_dims``)."""
+        if self.input is None:
+            raise ValueError(f"{what}: {owner} {self} has input axes not yet inferred: a "
+                             f"parameter made without input_dims takes them from its first use "
+                             f"on the left of `@`; give it input_dims, or use it in an `@` "
+                             f"first")
+
     def row_offsets(self) -> dict[str, int]:
         """Position of each row's first axis in ``dims``."""
         return {"batch": 0, "output": len(self.batch), "input": len(self.batch) + len(self.output)}
@@ -63,7 +72,11 @@ def broadcast(shapes: list[Shape], what: str) -> Shape:
                     out[j] = d
                 elif d not in (1, out[j]):
                     listed = " and ".join(str(x) for x in shapes)
-                    raise ValueError(f"{what}: shapes {listed} do not broadcast in the {name} row")
+                    hint = (" (`*` is pointwise here, OCANNL's `*.`; OCANNL's `*`, the "
+                            "product contracting a's input axes with b's output axes, is `@`)"
+                            if what == "mul" else "")
+                    raise ValueError(f"{what}: shapes {listed} do not broadcast in the {name} "
+                                     f"row{hint}")
         rows[name] = tuple(out)
     return Shape(**rows)
 

@@ -229,3 +229,21 @@ def test_rows_that_do_not_fit_the_array_and_non_numbers_are_refused(values, rows
     by size, a shape ``set_values`` refuses; strings were converted to numbers."""
     with pytest.raises(ValueError, match=message):
         T.term(values, label="x", **rows)
+
+
+def test_shape_errors_name_the_tensor_the_op_and_the_fix():
+    """Issue 39's errors met on the way: an open input row named with its tensor, its op or
+    spec and the fix; OCANNL's `*` left in place hints at `@`; ``output_dims=None`` refused at
+    the parameter, not as a ``TypeError`` at its first ``@``."""
+    w = T.param("w", output_dims=(4,))
+    for build, what in ((lambda: T.einsum("i=>i", w), "einsum 'i=>i'"), (lambda: w + 1.0, "add")):
+        with pytest.raises(ValueError, match=rf"{what}: w \[batch \(\) \| input \? -> output "
+                                             rf"\(4\)\] has input axes not yet inferred: .* "
+                                             rf"give it input_dims, or use it in an `@` first"):
+            build()
+    a = T.term(np.zeros((3, 2)), label="a")
+    with pytest.raises(ValueError, match=r"do not broadcast in the output row \(`\*` is "
+                                         r"pointwise here, OCANNL's `\*\.`; .* is `@`\)"):
+        a * T.term(np.zeros((3, 5)), label="b")
+    with pytest.raises(ValueError, match=r"param v: output_dims=None: give the output dims"):
+        T.param("v", output_dims=None)
