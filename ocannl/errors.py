@@ -9,7 +9,8 @@ import numbers
 
 import numpy as np
 
-__all__ = ["Failure", "f32_positive", "is_int", "is_real", "real", "require_bool"]
+__all__ = ["Failure", "f32_positive", "finite_real", "is_int", "is_real", "real",
+           "require_bool"]
 
 
 class Failure(ValueError):
@@ -37,6 +38,14 @@ def real(what: str, x: object, expected: str = "a real number") -> float:
     except (OverflowError, ValueError):
         raise ValueError(f"{what} must be {expected}, got {x!r:.60}, which is too large for a "
                          f"float") from None
+
+
+def finite_real(what: str, x: object) -> float:
+    """``x`` as a float if it is a finite real number, else ``ValueError`` naming ``what``."""
+    v = real(what, x)
+    if not math.isfinite(v):
+        raise ValueError(f"{what} must be finite, got {x!r}")
+    return v
 
 
 def f32_positive(what: str, x: object) -> float:

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ocannl.backends.rounding import to_precision
-from ocannl.errors import is_real, real
+from ocannl.errors import finite_real, is_real, real
 from ocannl.ir.assignments import Accum, Comp, Const, Expr, Fixed, Get, apply
 from ocannl.ir.ops import Precision
 from ocannl.ir.tnode import Tnode
@@ -58,10 +58,7 @@ def scalar_expr(x: Scalar, what: str) -> Expr:
             return Const(x.const)
         return Get(x.value, tuple(Fixed(0) for _ in x.dims))
     if is_real(x):
-        v = real(what, x)
-        if not math.isfinite(v):
-            raise ValueError(f"{what} must be finite, got {x!r}")
-        return Const(v)
+        return Const(finite_real(what, x))
     raise TypeError(f"{what} must be a float or a one-element Tensor, got {type(x).__name__}")
 
 
@@ -80,13 +77,6 @@ def gated_store(node: Tnode, idx: tuple[int, ...], new: Expr, gate: Expr | None)
     if gate is not None:
         new = apply("where", gate, new, Get(node, idx))
     return Accum(node, idx, "=", new, node.dims)
-
-
-def _real(name: str, x: object) -> float:
-    v = real(name, x)
-    if not math.isfinite(v):
-        raise ValueError(f"{name} must be finite, got {x!r}")
-    return v
 
 
 class FiniteRate:
@@ -406,14 +396,14 @@ class Adam(Optimizer):
         rate = _learning_rate_argument(type(self).__name__, learning_rate, lr, 1e-3)
         if not isinstance(betas, Sequence) or isinstance(betas, str) or len(betas) != 2:
             raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
-        b1, b2 = _real("betas[0]", betas[0]), _real("betas[1]", betas[1])
+        b1, b2 = finite_real("betas[0]", betas[0]), finite_real("betas[1]", betas[1])
         for k, b in enumerate((b1, b2)):
             if not 0.0 <= b < 1.0:
                 raise ValueError(f"betas[{k}] must be in [0, 1), got {b!r}")
-        e = _real("eps", eps)
+        e = finite_real("eps", eps)
         if e < 0:
             raise ValueError(f"eps must be >= 0, got {eps!r}")
-        wd = _real("weight_decay", weight_decay)
+        wd = finite_real("weight_decay", weight_decay)
         if wd < 0:
             raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
         ams = _flag("amsgrad", amsgrad)

@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from ocannl.errors import is_int, real
+from ocannl.errors import finite_real, is_int
 from ocannl.ir.assignments import Const, Expr, apply
 
 __all__ = ["MAX_STEPS", "CosineAnnealingLR", "Constant", "LinearLR", "Schedule", "SequentialLR",
@@ -50,10 +50,7 @@ MAX_STEPS = 2**24
 
 
 def _real(owner: str, name: str, x: object) -> float:
-    v = real(f"{owner}: {name}", x)
-    if not math.isfinite(v):
-        raise ValueError(f"{owner}: {name} must be finite, got {x!r}")
-    return v
+    return finite_real(f"{owner}: {name}", x)
 
 
 def _steps(owner: str, name: str, x: object, *, low: int = 1) -> int:
