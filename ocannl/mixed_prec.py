@@ -41,7 +41,6 @@ from ocannl.ir.assignments import Accum, Comp, Const, Get, apply
 from ocannl.ir.ops import Precision, precision_of
 from ocannl.ir.tnode import MemoryMode, Tnode
 from ocannl.optim import Optimizer
-from ocannl.tensor.shape import Shape
 from ocannl.tensor.tensor import Tensor, active_param_postprocess
 
 if TYPE_CHECKING:
@@ -88,8 +87,8 @@ def cast_param(p: Tensor, *, prec: Precision | str, placement: str = "auto") -> 
 
     ``p`` stays the master: ``loss.params`` lists it (not the twin), so the optimizer updates it
     and checkpoints save it at full precision, while the twin is recomputed from it by every
-    forward pass. The twin's gradient accumulates into ``p``'s gradient. A parameter whose input
-    axes are still to be inferred gets them, with its twin's code, at the twin's first ``@``.
+    forward pass. The twin's gradient accumulates into ``p``'s gradient. A parameter whose dims
+    are still to be inferred shares its open rows with its twin: the twin's uses infer both.
     A non-differentiable tensor is returned unchanged.
     """
     if not isinstance(p, Tensor):
@@ -106,20 +105,11 @@ def cast_param(p: Tensor, *, prec: Precision | str, placement: str = "auto") -> 
                          f"or f64 (create the parameter at full precision)")
     node = Tnode(f"{p.label}_{prec.value}", p.value.dims_if_known, prec,
                  memory_mode=_TWIN_MODES[placement])
-    twin = Tensor(node, p.shape, kind="op", children=(p,))
+    # An open master's twin shares its rows: whatever the twin meets fixes the master's dims,
+    # and the twin never has other dims than its master's.
+    twin = Tensor(node, p.sym if p.sym is not None else p.shape, kind="op", children=(p,))
     twin.master = p
-    if p.shape.input is not None:
-        _link_twin(twin, p)
-    else:
-        def complete(tw: Tensor) -> None:
-            p.shape = Shape(p.shape.batch, p.shape.output, tw.shape.input)
-            p.value.set_dims(p.shape.dims)
-            assert p.grad is not None
-            p.grad.set_dims(p.shape.dims)
-            _link_twin(tw, p)
-            tw.on_input_inferred = None
-
-        twin.on_input_inferred = complete
+    twin.defer(lambda: _link_twin(twin, p))
     return twin
 
 

@@ -54,7 +54,7 @@ class Tnode:
     """
 
     __slots__ = ("id", "label", "_dims", "prec", "memory_mode", "host_data", "zero_start",
-                 "needs_init", "check_values", "__weakref__")
+                 "needs_init", "check_values", "resolve", "__weakref__")
 
     def __init__(
         self,
@@ -77,11 +77,15 @@ class Tnode:
         self.zero_start = zero_start
         self.needs_init = needs_init
         self.check_values: Callable[[np.ndarray], object] | None = None
+        # Set by a tensor whose shape is still inferred: reading dims closes its inference.
+        self.resolve: Callable[[], None] | None = None
 
     @property
     def dims(self) -> tuple[int, ...]:
+        if self._dims is None and self.resolve is not None:
+            self.resolve()
         if self._dims is None:
-            raise ValueError(f"node {self.name} has dims not yet inferred: use it in an `@` first")
+            raise ValueError(f"node {self.name} has dims not yet inferred")
         return self._dims
 
     @property

@@ -3,15 +3,16 @@ operands become tensors and reads: every op module builds on these."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from ocannl.ir.assignments import Const, Expr, Get, Index
 from ocannl.ir.ops import Precision, precision_of, promote
 from ocannl.ir.tnode import MemoryMode, Tnode
-from ocannl.tensor import sharing
+from ocannl.tensor import inference, sharing
 from ocannl.tensor import tensor as _t
+from ocannl.tensor.inference import ROW_NAMES, Constraint, Origin, Owner, SymShape, open_row
 from ocannl.tensor.shape import Shape, int_dims
 from ocannl.tensor.tensor import INIT_KINDS, Init, Tensor
 
@@ -30,26 +31,32 @@ def _dims_row(name: str, dims: Sequence[int] | None) -> tuple[int, ...] | None:
 def param(
     label: str,
     *,
-    output_dims: Sequence[int],
+    output_dims: Sequence[int] | None = None,
     input_dims: Sequence[int] | None = None,
     batch_dims: Sequence[int] = (),
     init: str | Init = "kaiming_uniform",
     prec: Precision | str = Precision.f32,
 ) -> Tensor:
-    """A trainable tensor. ``input_dims=None`` infers the input axes from its first ``@``."""
+    """A trainable tensor. A row left ``None`` is inferred from the parameter's uses, as
+    upstream's ``{w}``: ``w @ x`` gives ``w`` the input axes ``x`` has as output, ``w + y``
+    gives it ``y``'s rows; closed when the dims are first needed (compiling), and refused
+    there, naming the parameter and the row, if nothing it meets fixes them. The batch row is
+    empty unless given."""
     if isinstance(init, str):
         if init not in INIT_KINDS:
             raise ValueError(f"unknown init {init!r}: expected one of {INIT_KINDS}")
         init = Init(init)
     prec = precision_of(prec)
-    if output_dims is None:  # not inferred from use (yet): refused here, not at the first `@`
-        raise ValueError(f"param {label}: output_dims=None: give the output dims (only the "
-                         f"input axes are inferred, from the parameter's first `@`)")
-    shape = Shape(_dims_row("batch", batch_dims), _dims_row("output", output_dims),
-                  _dims_row("input", input_dims))
+    rows = {"batch": _dims_row("batch", batch_dims) or (),
+            "output": _dims_row("output", output_dims), "input": _dims_row("input", input_dims)}
 
     def make() -> Tensor:
-        node = Tnode(label, shape.dims if shape.input is not None else None, prec,
+        if rows["output"] is None or rows["input"] is None:
+            shape: Shape | SymShape = SymShape(
+                *(open_row(Owner(label, r, terminal=True), rows[r]) for r in ROW_NAMES))
+        else:
+            shape = Shape(rows["batch"], rows["output"], rows["input"])
+        node = Tnode(label, shape.dims if isinstance(shape, Shape) else None, prec,
                      needs_init=True)
         seed = (_t._seed["base"], next(_t._param_counter))
 
@@ -64,11 +71,10 @@ def param(
     if scope is None:
         t = make()
     else:  # a model built again over other inputs gets its first build's parameter back
-        spec = (shape.batch, shape.output, shape.input, prec, init)
-        shown = (f"batch {shape.batch}, output {shape.output}, input "
-                 f"{'inferred' if shape.input is None else shape.input}, {prec.value}, "
-                 f"init {init.kind}")
-        t = scope.param(label, spec, shown, make)
+        spec = (rows["batch"], rows["output"], rows["input"], prec, init)
+        shown = ", ".join(f"{r} {'inferred' if rows[r] is None else rows[r]}"
+                          for r in ("batch", "output", "input"))
+        t = scope.param(label, spec, f"{shown}, {prec.value}, init {init.kind}", make)
     return _t.param_postprocess(t)
 
 
@@ -180,6 +186,29 @@ def _result_prec(ts: Sequence[Tensor]) -> Precision:
 
 def _new(label: str, shape: Shape, prec: Precision, children: tuple[Tensor, ...]) -> Tensor:
     return Tensor(Tnode(label, shape.dims, prec), shape, kind="op", children=children)
+
+
+def open_result(label: str, prec: Precision, children: tuple[Tensor, ...],
+                operands: Sequence[Tensor], differentiable: bool | None,
+                constraints: Callable[[SymShape, list[SymShape]], list[Constraint]]) -> Tensor:
+    """An op's result whose shape is inferred: fresh open rows, and ``constraints(result,
+    operands' rows)``, solved as far as they can be now (a conflict raises here, naming the op
+    and the operands' shapes)."""
+    res = SymShape(*(open_row(Owner("", r, terminal=False), None) for r in ROW_NAMES))
+    out = Tensor(Tnode(label, None, prec), res, kind="op", children=children,
+                 differentiable=differentiable)
+    cons = constraints(res, [sym_of(t) for t in operands])
+    origin = Origin(label, tuple(operands))
+    for c in cons:
+        c.origin = origin
+    inference.add(cons, [out])
+    out.shape_inferred()
+    return out
+
+
+def sym_of(t: Tensor) -> SymShape:
+    """``t``'s rows for the inference: its open ones, or its known shape as rows."""
+    return t.sym if t.sym is not None else SymShape.of(t.shape)
 
 
 def _all(n: int) -> tuple[int, ...]:

@@ -12,7 +12,8 @@ from collections.abc import Callable, Sequence
 from ocannl.ir.assignments import Accum, Const, Expr, Get, apply
 from ocannl.ir.ops import OPS, GradRule, Precision, precision_of
 from ocannl.ir.tnode import MemoryMode, Tnode
-from ocannl.tensor.leaves import Operand, _all, _lift, _read, _result_prec
+from ocannl.tensor.inference import ROW_NAMES, Origin, RowIneq
+from ocannl.tensor.leaves import Operand, _all, _lift, _read, _result_prec, open_result
 from ocannl.tensor.shape import broadcast, broadcast_projection
 from ocannl.tensor.tensor import Tensor
 
@@ -26,25 +27,36 @@ def pointwise(label: str, xs: Sequence[Operand | Const], forward: Callable[[list
     operand given as a ``Const`` is a literal (pow's exponent), not a tensor."""
     ts = [x if isinstance(x, Const) else _lift(x) for x in xs]
     tensors = [t for t in ts if isinstance(t, Tensor)]
-    for t in tensors:
-        t.shape.require_inferred(t.label, label)
-    shape = broadcast([t.shape for t in tensors], label)
     prec = prec or _result_prec(tensors)
     children = tuple(t for t in tensors if t.kind != "number")
-    out = Tensor(Tnode(label, shape.dims, prec), shape, kind="op", children=children,
-                 differentiable=None if grad is not None else False)
-    space = shape.dims
-    res = _all(len(space))
-    projs = [None if isinstance(t, Const) else broadcast_projection(t.shape, shape) for t in ts]
-    args = [t if isinstance(t, Const) else _read(t, p) for t, p in zip(ts, projs, strict=True)]
-    out.forward_code = (Accum(out.value, res, "=", forward(args), space),)
-    if out.grad is not None and grad is not None:
-        ds = grad(args, Get(out.value, res), Get(out.grad, res))
-        out.backprop_code = tuple(
-            Accum(t.grad, p, "+", d, space)
-            for t, p, d in zip(ts, projs, ds, strict=True)
-            if isinstance(t, Tensor) and t.grad is not None and d is not None
-        )
+    differentiable = None if grad is not None else False
+    if all(t.shape_known for t in tensors):
+        shape = broadcast([t.shape for t in tensors], label)
+        out = Tensor(Tnode(label, shape.dims, prec), shape, kind="op", children=children,
+                     differentiable=differentiable)
+    else:  # the result refines every operand, row by row (upstream's inequalities)
+        out = open_result(label, prec, children, tensors, differentiable,
+                          lambda res, ops: [RowIneq(res.row(r), o.row(r), Origin(label))
+                                            for o in ops for r in ROW_NAMES])
+
+    def build() -> None:
+        shape = out.shape
+        space = shape.dims
+        res = _all(len(space))
+        projs = [None if isinstance(t, Const) else broadcast_projection(t.shape, shape)
+                 for t in ts]
+        args = [t if isinstance(t, Const) else _read(t, p) for t, p in zip(ts, projs,
+                                                                           strict=True)]
+        out.forward_code = (Accum(out.value, res, "=", forward(args), space),)
+        if out.grad is not None and grad is not None:
+            ds = grad(args, Get(out.value, res), Get(out.grad, res))
+            out.backprop_code = tuple(
+                Accum(t.grad, p, "+", d, space)
+                for t, p, d in zip(ts, projs, ds, strict=True)
+                if isinstance(t, Tensor) and t.grad is not None and d is not None
+            )
+
+    out.defer(build)
     return out
 
 

@@ -12,58 +12,91 @@ import numpy as np
 from ocannl.ir.assignments import Accum, Const, Fixed, Get, Index, apply, iterators_of
 from ocannl.ir.ops import Precision
 from ocannl.ir.tnode import Tnode
-from ocannl.tensor.leaves import _all, _lift, _new, _read, _result_prec
+from ocannl.tensor.inference import Constraint, Origin, RowIneq, SymShape
+from ocannl.tensor.leaves import _all, _lift, _new, _read, _result_prec, open_result
 from ocannl.tensor.pointwise import div
-from ocannl.tensor.shape import ROWS, Shape, broadcast, broadcast_projection
+from ocannl.tensor.shape import (
+    BCAST_ONE,
+    ROWS,
+    Shape,
+    broadcast,
+    broadcast_projection,
+    stretches,
+)
 from ocannl.tensor.tensor import Tensor
 
 # --- contractions -----------------------------------------------------------------------------
 
 
-def _infer_input(a: Tensor, dims: tuple[int, ...]) -> None:
-    """Fix a parameter's input axes at its first ``@``."""
-    a.shape = Shape(a.shape.batch, a.shape.output, dims)
-    a.value.set_dims(a.shape.dims)
-    if a.grad is not None:
-        a.grad.set_dims(a.shape.dims)
-    hook = a.on_input_inferred  # a cast twin completes its master
-    if hook is not None:
-        hook(a)
-
-
 def matmul(a: Tensor, b: Tensor) -> Tensor:
-    """OCANNL's ``*``: contract a's input axes with b's output axes, broadcasting batches."""
+    """OCANNL's ``*``: contract a's input axes with b's output axes, broadcasting batches.
+
+    As upstream's ``Compose``: ``a.input ⊑ b.output`` (b's output axes broadcast into a's
+    input axes, which the contraction runs over), the result's batch refines both batches,
+    its input row is b's and its output row a's; a shape left open is inferred from these."""
     a, b = _lift(a), _lift(b)
-    if a.shape.input is None:
-        _infer_input(a, b.shape.output)
-    if b.shape.input is None:
-        raise ValueError(f"matmul: right operand {b.label} {b.shape} has input axes not inferred")
-    if a.shape.input != b.shape.output:
+    if a.shape_known and b.shape_known:
+        _check_contracted(a, b)
+        batch = broadcast([Shape(batch=a.shape.batch), Shape(batch=b.shape.batch)],
+                          "matmul").batch
+        out = _new("matmul", Shape(batch, a.shape.output, b.shape.input),
+                   _result_prec([a, b]), (a, b))
+    else:
+        def rules(res: SymShape, ops: list[SymShape]) -> list[Constraint]:
+            sa, sb = ops
+            o = Origin("matmul")
+            return [RowIneq(res.batch, sa.batch, o), RowIneq(res.output, sa.output, o),
+                    RowIneq(sa.input, sb.output, o), RowIneq(res.batch, sb.batch, o),
+                    RowIneq(res.input, sb.input, o)]
+
+        out = open_result("matmul", _result_prec([a, b]), (a, b), [a, b], None, rules)
+
+    def build() -> None:
+        shape = out.shape
+        batch = shape.batch
+        n_res = len(shape.dims)
+        k_its = tuple(range(n_res, n_res + len(a.shape.input)))
+        space = shape.dims + a.shape.input
+        res_o = tuple(range(len(batch), len(batch) + len(shape.output)))
+        res_i = tuple(range(len(batch) + len(shape.output), n_res))
+
+        def batch_proj(t: Tensor) -> tuple[Index, ...]:
+            return broadcast_projection(Shape(batch=t.shape.batch), Shape(batch=batch))
+
+        contracted = broadcast_projection(Shape(output=b.shape.output),
+                                          Shape(output=a.shape.input))
+        pa = batch_proj(a) + res_o + k_its
+        pb = batch_proj(b) + tuple(k_its[i] if isinstance(i, int) else i
+                                   for i in contracted) + res_i
+        _contract_code(out, a, b, pa, pb, space)
+
+    out.defer(build)
+    return out
+
+
+def _check_contracted(a: Tensor, b: Tensor) -> None:
+    """``a.input ⊑ b.output`` over known shapes: b's output axes, aligned right, equal to a's
+    input axes or a 1 that stretches."""
+    ai, bo = a.shape.input, b.shape.output
+    ok = len(bo) <= len(ai) and all(stretches(y) or int(x) == int(y)
+                                    for x, y in zip(ai[len(ai) - len(bo):], bo, strict=True))
+    if not ok:
         raise ValueError(
-            f"matmul: the left operand's input axes {a.shape.input} (shape {a.shape}) do not match "
-            f"the right operand's output axes {b.shape.output} (shape {b.shape})"
-        )
-    batch = broadcast([Shape(batch=a.shape.batch), Shape(batch=b.shape.batch)], "matmul").batch
-    shape = Shape(batch, a.shape.output, b.shape.input)
-    n_res = len(shape.dims)
-    k_its = tuple(range(n_res, n_res + len(a.shape.input)))
-    space = shape.dims + a.shape.input
-    res_o = tuple(range(len(batch), len(batch) + len(shape.output)))
-    res_i = tuple(range(len(batch) + len(shape.output), n_res))
-
-    def batch_proj(t: Tensor) -> tuple[Index, ...]:
-        return broadcast_projection(Shape(batch=t.shape.batch), Shape(batch=batch))
-
-    pa = batch_proj(a) + res_o + k_its
-    pb = batch_proj(b) + k_its + res_i
-    return _contract("matmul", a, b, pa, pb, shape, space)
+            f"matmul: the left operand's input axes {ai} ({a.label} {a.shape}) do not match "
+            f"the right operand's output axes {bo} ({b.label} {b.shape})")
 
 
 def _contract(label: str, a: Tensor, b: Tensor, pa: tuple[Index, ...], pb: tuple[Index, ...],
               shape: Shape, space: tuple[int, ...]) -> Tensor:
     """``out[res] += a[pa] * b[pb]`` over ``space`` (result iterators first)."""
     out = _new(label, shape, _result_prec([a, b]), (a, b))
-    res = _all(len(shape.dims))
+    _contract_code(out, a, b, pa, pb, space)
+    return out
+
+
+def _contract_code(out: Tensor, a: Tensor, b: Tensor, pa: tuple[Index, ...],
+                   pb: tuple[Index, ...], space: tuple[int, ...]) -> None:
+    res = _all(len(out.shape.dims))
     x, y = _read(a, pa), _read(b, pb)
     out.forward_code = (Accum(out.value, res, "+", apply("mul", x, y), space, reset=True),)
     if out.grad is not None:
@@ -72,7 +105,6 @@ def _contract(label: str, a: Tensor, b: Tensor, pa: tuple[Index, ...], pb: tuple
             Accum(t.grad, p, "+", apply("mul", g, other), space)
             for t, p, other in ((a, pa, y), (b, pb, x)) if t.grad is not None
         )
-    return out
 
 
 Tensor.__matmul__ = lambda a, b: matmul(a, b)  # type: ignore[assignment]
@@ -174,7 +206,8 @@ def _kept_shape(t: Tensor, red: set[int]) -> Shape:
     off = t.shape.row_offsets()
     rows = {}
     for row in ROWS:
-        rows[row] = tuple(1 if off[row] + j in red else d for j, d in enumerate(t.shape.row(row)))
+        rows[row] = tuple(BCAST_ONE if off[row] + j in red else d
+                          for j, d in enumerate(t.shape.row(row)))
     return Shape(**rows)
 
 

@@ -1,8 +1,11 @@
 """Shapes: three rows of axes (batch, input, output), laid out as batch, output, input.
 
-Pointwise ops broadcast row by row, aligning axes to the right (a missing axis or an axis of
-size 1 broadcasts). ``a @ b`` contracts a's input row with b's output row: the result has the
-broadcast batch row, b's input row and a's output row, as function composition does.
+Pointwise ops broadcast row by row, aligning axes to the right: a missing axis broadcasts, and
+so does a 1 that *stretches* (:data:`BCAST_ONE`: a reduction's kept axis, the project's own);
+a 1 the user gave (a term's or a parameter's dims, an array's shape) does not, as at upstream
+OCANNL's HEAD: it is a size like any other. ``a @ b`` contracts a's input row with b's output
+row: the result has the broadcast batch row, b's input row and a's output row, as function
+composition does. A shape with dims still to infer is ``ocannl.tensor.inference``'s.
 """
 
 from __future__ import annotations
@@ -15,6 +18,21 @@ import numpy as np
 from ocannl.ir.assignments import Fixed, Index
 
 ROWS = ("batch", "output", "input")
+
+
+class _Stretch(int):
+    """A size 1 that broadcasts: equal to 1 everywhere (a buffer's dims drop the mark)."""
+
+    def __repr__(self) -> str:
+        return "1*"
+
+
+BCAST_ONE = _Stretch(1)
+
+
+def stretches(d: object) -> bool:
+    """Whether ``d`` is a 1 that broadcasts (rather than a size the user gave)."""
+    return type(d) is _Stretch
 
 
 @dataclass(frozen=True)
@@ -63,18 +81,21 @@ def broadcast(shapes: list[Shape], what: str) -> Shape:
     rows = {}
     for name in ROWS:
         width = max(len(s.row(name)) for s in shapes)
-        out = [1] * width
+        out: list[int] = [BCAST_ONE] * width
         for s in shapes:
             r = s.row(name)
             for k, d in enumerate(r):
                 j = width - len(r) + k
-                if out[j] == 1:
+                if stretches(out[j]):
                     out[j] = d
-                elif d not in (1, out[j]):
+                elif not stretches(d) and d != out[j]:
                     listed = " and ".join(str(x) for x in shapes)
                     hint = (" (`*` is pointwise here, OCANNL's `*.`; OCANNL's `*`, the "
                             "product contracting a's input axes with b's output axes, is `@`)"
                             if what == "mul" else "")
+                    if 1 in (d, out[j]):
+                        hint += (" (a 1 given by the user does not stretch: reduce with "
+                                 "keepdims, or give the matching size)")
                     raise ValueError(f"{what}: shapes {listed} do not broadcast in the {name} "
                                      f"row{hint}")
         rows[name] = tuple(out)
@@ -92,7 +113,7 @@ def broadcast_projection(operand: Shape, result: Shape) -> tuple[Index, ...]:
         r, rr = operand.row(name), result.row(name)
         for k, d in enumerate(r):
             j = res_off[name] + len(rr) - len(r) + k
-            idx.append(Fixed(0) if d == 1 and rr[len(rr) - len(r) + k] != 1 else j)
+            idx.append(Fixed(0) if stretches(d) and rr[len(rr) - len(r) + k] != 1 else j)
     return tuple(idx)
 
 

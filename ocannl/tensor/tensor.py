@@ -18,6 +18,8 @@ import numpy as np
 from ocannl.ir.assignments import Accum, Comp, Const, Get
 from ocannl.ir.ops import Precision
 from ocannl.ir.tnode import MemoryMode, Tnode
+from ocannl.tensor import inference
+from ocannl.tensor.inference import SymShape
 from ocannl.tensor.shape import Shape
 
 InitFn = Callable[[tuple[int, ...], int, np.random.Generator], np.ndarray]
@@ -26,17 +28,18 @@ InitFn = Callable[[tuple[int, ...], int, np.random.Generator], np.ndarray]
 class Tensor:
     """A node of the model graph. Build tensors with the functions of ``ocannl.tensor``.
 
-    Cast twins (``mixed_prec.cast_param``) are tensors too: ``master`` is the full-precision
-    parameter a twin is a rounded copy of (None for every other tensor), and
-    ``on_input_inferred``, when set, is called with the tensor once its input axes have been
-    inferred (at its first ``@``): a twin of a parameter whose input axes were left open
-    completes its master then.
+    Its shape is a :class:`Shape` once every dim is known. Until then (a parameter made
+    without some dims, an op over one) ``sym`` holds its open rows, and its code waits: reading
+    ``shape``, ``dims`` or its code (compiling it) closes the inference first (see
+    ``ocannl.tensor.inference``). Cast twins (``mixed_prec.cast_param``) are tensors too:
+    ``master`` is the full-precision parameter a twin is a rounded copy of (None for every
+    other tensor).
     """
 
     def __init__(
         self,
         value: Tnode,
-        shape: Shape,
+        shape: Shape | SymShape,
         *,
         kind: str,
         children: tuple[Tensor, ...] = (),
@@ -45,15 +48,16 @@ class Tensor:
         init: InitFn | None = None,
     ) -> None:
         self.value = value
-        self.shape = shape
+        self._shape: Shape | None = shape if isinstance(shape, Shape) else None
+        self.sym: SymShape | None = shape if isinstance(shape, SymShape) else None
         self.kind = kind  # "param", "term", "number" or "op"
         self.children = children
         self.const = const
         self.init = init
-        self.forward_code: tuple[Accum, ...] = ()
-        self.backprop_code: tuple[Accum, ...] = ()
+        self._forward_code: tuple[Accum, ...] = ()
+        self._backprop_code: tuple[Accum, ...] = ()
+        self._build: Callable[[], None] | None = None
         self.master: Tensor | None = None
-        self.on_input_inferred: Callable[[Tensor], None] | None = None
         if differentiable is None:
             differentiable = any(c.grad is not None for c in children)
         # A parameter's gradient is materialized (optimizers and the host read it); any other
@@ -64,6 +68,90 @@ class Tensor:
                   memory_mode=MemoryMode.materialized if kind == "param" else MemoryMode.local)
             if differentiable else None
         )
+        if self.sym is not None:
+            inference.register(self)
+            value.resolve = self._resolve
+            if self.grad is not None:
+                self.grad.resolve = self._resolve
+
+    # --- shape and code: known, or inferred when first needed ---------------------------------
+
+    @property
+    def shape(self) -> Shape:
+        """The concrete shape; closes the shape inference of an open one (see the class)."""
+        if self._shape is None:
+            inference.close(self)
+            if self._shape is None:  # pragma: no cover - close fixes every variable
+                raise ValueError(f"{self.label}: shape {self.sym} left open")
+        return self._shape
+
+    @property
+    def shape_known(self) -> bool:
+        """Whether every dim is known (without closing anything)."""
+        if self._shape is None:
+            self.shape_inferred()
+        return self._shape is not None
+
+    def shape_text(self) -> str:
+        """The shape as upstream writes it, ``batch|input->output``, with the row variables
+        of an open one: printing finalizes nothing."""
+        if self._shape is not None:
+            s = self._shape
+            return f"{_row_text(s.batch)}|{_row_text(s.input)}->{_row_text(s.output)}"
+        return str(self.sym)
+
+    def shape_inferred(self) -> None:
+        """Called when inference closed this tensor's rows: fix its shape and its nodes' dims."""
+        if self.sym is None:
+            return
+        shape = self.sym.concrete()
+        if shape is None:
+            return
+        self._shape, self.sym = shape, None
+        for node in (self.value, self.grad):
+            if node is not None:
+                node.set_dims(shape.dims)
+                node.resolve = None
+
+    def _resolve(self) -> None:
+        _ = self.shape
+
+    def defer(self, build: Callable[[], None]) -> None:
+        """Generate this tensor's code with ``build`` once every shape it reads is known: at
+        once if they are, else when its code is first asked for."""
+        if self.sym is None and all(c.sym is None for c in self.children):
+            build()
+        else:
+            self._build = build
+
+    def _built(self) -> None:
+        build, self._build = self._build, None
+        if build is not None:
+            for t in (self, *self.children):
+                _ = t.shape
+            try:
+                build()
+            except BaseException:
+                self._build = build
+                raise
+
+    @property
+    def forward_code(self) -> tuple[Accum, ...]:
+        self._built()
+        return self._forward_code
+
+    @forward_code.setter
+    def forward_code(self, code: tuple[Accum, ...]) -> None:
+        self._forward_code = code
+
+    @property
+    def backprop_code(self) -> tuple[Accum, ...]:
+        self._built()
+        return self._backprop_code
+
+    @backprop_code.setter
+    def backprop_code(self, code: tuple[Accum, ...]) -> None:
+        self._backprop_code = code
 
     def retain_grad(self) -> Tensor:
         """Keep this tensor's gradient materialized, so the host can read it after a routine
@@ -85,6 +173,8 @@ class Tensor:
 
     @property
     def dims(self) -> tuple[int, ...]:
+        if self._shape is None:
+            _ = self.shape
         return self.value.dims
 
     def topo(self) -> list[Tensor]:
@@ -129,13 +219,17 @@ class Tensor:
     # --- operators (defined in ocannl.tensor.pointwise and .reductions) -------------------------
 
     def __repr__(self) -> str:
-        return f"Tensor({self.label}, {self.shape}, {self.prec.value}, {self.kind})"
+        return f"Tensor({self.label}, {self.shape_text()}, {self.prec.value}, {self.kind})"
 
     def __hash__(self) -> int:
         return id(self)
 
     def __eq__(self, other: object) -> bool:
         return self is other
+
+
+def _row_text(row: tuple[int, ...]) -> str:
+    return ",".join(str(int(d)) for d in row)
 
 
 def _backprop_order(order: list[Tensor]) -> list[Tensor]:
