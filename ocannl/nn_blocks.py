@@ -16,6 +16,7 @@ from ocannl.ir.assignments import Accum, Const, Fixed, Get, apply
 from ocannl.ir.ops import Precision, precision_of
 from ocannl.ir.tnode import MemoryMode, Tnode, ids_issued
 from ocannl.tensor.data import dropout_rate
+from ocannl.tensor.leaves import expect_shape
 from ocannl.tensor.shape import Shape, int_dims, int_value
 from ocannl.tensor.sharing import current_blocks, shared_state
 from ocannl.tensor.tensor import Tensor
@@ -71,7 +72,7 @@ def block(fn: F) -> F:
 def mlp(
     x: Tensor,
     hidden: Sequence[int],
-    out_dim: int,
+    out_dim: int | None = None,
     *,
     label: str = "mlp",
     prec: Precision | str = Precision.f32,
@@ -79,18 +80,22 @@ def mlp(
     """A relu MLP over ``x``'s output axes: ``w_k @ h + b_k`` per layer, no relu on the last.
 
     Returns the logits and the (weight, bias) pair of every layer, first layer first. Weights
-    are laid out (out, in), as torch.nn.Linear's, and start kaiming-uniform like torch's.
+    are laid out (out, in), as torch.nn.Linear's, and start kaiming-uniform like torch's. The
+    first layer's input width is ``x``'s; ``out_dim=None`` leaves the last layer's width to
+    what the logits meet (a loss's target).
     """
-    dims = [*int_dims(f"mlp {label}: hidden", hidden), int_value(f"mlp {label}: out_dim", out_dim)]
-    bad = [d for d in dims if d < 1]
+    dims: list[int | None] = [*int_dims(f"mlp {label}: hidden", hidden)]
+    dims.append(None if out_dim is None else int_value(f"mlp {label}: out_dim", out_dim))
+    bad = [d for d in dims if d is not None and d < 1]
     if bad:
         raise ValueError(f"mlp {label}: layer widths must be >= 1, got hidden {list(hidden)} and "
                          f"out_dim {out_dim}")
     h = x
     layers = []
     for k, d in enumerate(dims):
-        w = T.param(f"{label}_w{k}", output_dims=[d], prec=prec)
-        b = T.param(f"{label}_b{k}", output_dims=[d], input_dims=(), init="zeros", prec=prec)
+        out = None if d is None else [d]
+        w = T.param(f"{label}_w{k}", output_dims=out, prec=prec)
+        b = T.param(f"{label}_b{k}", output_dims=out, input_dims=(), init="zeros", prec=prec)
         h = w @ h + b
         layers.append((w, b))
         if k < len(dims) - 1:
@@ -109,11 +114,9 @@ def softmax_cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
     if not isinstance(targets, Tensor) or not isinstance(logits, Tensor):
         raise TypeError(f"softmax_cross_entropy: logits and targets must be Tensors, got "
                         f"{type(logits).__name__} and {type(targets).__name__}")
-    if targets.shape != logits.shape:
-        raise ValueError(f"softmax_cross_entropy: targets {targets.label} {targets.shape} do "
-                         f"not match logits {logits.label} {logits.shape}: expected the same "
-                         f"shape (one-hot rows or probabilities per class; integer labels go "
-                         f"to nn_blocks.cross_entropy with T.class_ids)")
+    expect_shape(logits, targets, "softmax_cross_entropy: the logits and the targets must have "
+                 "the same shape (one-hot rows or probabilities per class; integer labels go "
+                 "to nn_blocks.cross_entropy with T.class_ids)")
     z = logits - T.max(logits, "output")
     log_norm = T.log(T.sum(T.exp(z), "output"))
     return T.mean(T.sum(targets * (log_norm - z), "output"))
@@ -208,7 +211,7 @@ def lenet(
 
 
 def _last_output_axis(x: Tensor, what: str) -> int:
-    if x.shape.input is None or not x.shape.output:
+    if not x.shape.output:
         raise ValueError(f"{what}: {x.label} {x.shape} has no output axis to normalize over")
     return x.shape.row_offsets()["output"] + len(x.shape.output) - 1
 
@@ -493,10 +496,9 @@ def cross_entropy(logits: Tensor, class_ids: T.ClassIds) -> Tensor:
     if not isinstance(class_ids, T.ClassIds):
         raise TypeError(f"cross_entropy: targets must come from ocannl.tensor.class_ids, "
                         f"got {class_ids!r}")
-    expect = Shape(class_ids.shape.batch, (class_ids.num_classes,), ())
-    if logits.shape != expect:
-        raise ValueError(f"cross_entropy: logits {logits.label} {logits.shape} do not match "
-                         f"the targets: expected {expect}")
+    expect_shape(logits, Shape(class_ids.shape.batch, (class_ids.num_classes,), ()),
+                 "cross_entropy: the logits must have the targets' batch axes and one output "
+                 "axis of num_classes")
     picked = T.sum(T.one_hot(class_ids, prec=logits.prec) * T.log_softmax(logits, "output"),
                    "output")
     return -T.mean(picked)

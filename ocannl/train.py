@@ -175,8 +175,8 @@ def init_params(ctx: Context, t: Tensor) -> Context:
     """Draw the initial values of ``t``'s parameters not yet on the context."""
     for p in t.params:
         if not ctx.is_initialized(p):
-            fan_in = math.prod(p.shape.input or ())
-            ctx = ctx.set_values(p, p.init(p.dims, fan_in))
+            fan_in, fan_out = math.prod(p.shape.input), math.prod(p.shape.output)
+            ctx = ctx.set_values(p, p.init(p.dims, fan_in, None, fan_out))
     return ctx
 
 

@@ -72,14 +72,16 @@ from ocannl.tensor.reductions import (
     sum,
 )
 from ocannl.tensor.shape import Shape
-from ocannl.tensor.tensor import Init, Tensor, set_seed
+from ocannl.tensor.sharing import op
+from ocannl.tensor.tensor import Init, Tensor, set_default_init, set_seed
 
 __all__ = [
     "ClassIds", "Rng", "abs", "buffers", "class_ids", "dropout", "embedding", "eq", "erf", "ge",
     "gelu", "gt", "le", "log_softmax", "lt", "maximum", "min", "minimum", "ne", "one_hot",
     "reduce", "register_buffers", "set_class_ids", "softmax", "standardize", "uniform_expr",
     "where", "cos", "sin", "floor",
-    "Init", "Shape", "Tensor", "add", "cast", "div", "einsum", "exp", "log", "matmul", "max",
+    "Init", "Shape", "Tensor", "op", "set_default_init",
+    "add", "cast", "div", "einsum", "exp", "log", "matmul", "max",
     "mean", "mul", "neg", "number", "param", "pow_const", "relu", "set_seed", "sigmoid", "sqrt",
     "sub", "sum", "tanh", "term",
 ]

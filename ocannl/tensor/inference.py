@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ _ids = itertools.count(1)
 
 # --- undo: every change a solve makes is logged, so a failed one is rolled back ----------------
 
-_trail: list[tuple[Any, str, Any]] | None = None
+_trail: list[tuple[Any, str, Any] | Callable[[], object]] | None = None
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -68,8 +69,12 @@ def _transaction() -> Iterator[None]:
     try:
         yield
     except BaseException:
-        for obj, attr, old in reversed(_trail):
-            setattr(obj, attr, old)
+        for entry in reversed(_trail):
+            if callable(entry):
+                entry()
+            else:
+                obj, attr, old = entry
+                setattr(obj, attr, old)
         raise
     finally:
         _trail = None
@@ -277,7 +282,17 @@ def _fail(origin: Origin, msg: str) -> ShapeError:
 
 
 class Constraint:
+    """A relation among rows or dims; ``done`` once it holds whatever the variables become."""
+
     origin: Origin
+    done: bool = False
+
+    @property
+    def watched(self) -> set[int]:
+        w = self.__dict__.get("_watched")
+        if w is None:
+            w = self.__dict__["_watched"] = set()
+        return w
 
     def rows_and_dims(self) -> Iterable[Row | Dim]:
         raise NotImplementedError
@@ -309,6 +324,7 @@ def _bind_dim(v: DimVar, value: Dim, origin: Origin) -> None:
         raise _fail(origin, f"dimension {int(value)} for {_where(v)} is below {v.at_least}, "
                             f"the least a fixed index there needs")
     _set(v, "value", value)
+    _wake(v)
 
 
 def _bind_row(v: RowVar, value: Row, origin: Origin) -> None:
@@ -324,6 +340,7 @@ def _bind_row(v: RowVar, value: Row, origin: Origin) -> None:
             _set(u, "owner", v.owner)
         _union(v.group, u.group)
     _set(v, "value", value)
+    _wake(v)
 
 
 def _where(v: DimVar | RowVar) -> str:
@@ -651,52 +668,68 @@ def _group_of(items: Iterable[Row | Dim]) -> Group | None:
     return g
 
 
-def _run(cons: list[Constraint]) -> list[Constraint]:
-    """Step the constraints until none makes progress; the ones left pending."""
-    pending = list(cons)
-    progress = True
-    while progress:
-        progress = False
-        nxt: list[Constraint] = []
-        work = pending
-        while work:
-            c = work.pop()
-            before = _bindings()
-            done, new = c.step()
-            if new:
-                progress = True
-                work.extend(new)
-            if done:
-                progress = True
-            else:
-                nxt.append(c)
-                if _bindings() != before:
-                    progress = True
-        pending = nxt
-    return pending
+# A pending constraint is stepped again only when a variable it mentions is bound: each
+# variable's watchers, and the constraints woken since the last step.
+_watchers: dict[int, list[Constraint]] = {}
+_woken: list[Constraint] = []
 
 
-def _bindings() -> int:
-    return len(_trail) if _trail is not None else 0
+def _wake(v: DimVar | RowVar) -> None:
+    _woken.extend(_watchers.get(v.id, ()))
+
+
+def _watch(c: Constraint) -> None:
+    for v in _vars_in(c.rows_and_dims()):
+        if v.id not in c.watched:
+            c.watched.add(v.id)
+            _watchers.setdefault(v.id, []).append(c)
+
+
+def _run(cons: Iterable[Constraint]) -> list[Constraint]:
+    """Step the constraints, and those their bindings wake, until none is left to step; the
+    ones left pending (each watching its variables)."""
+    queue = deque(cons)
+    queue.extend(_woken)
+    _woken.clear()
+    pending: dict[int, Constraint] = {}
+    while queue:
+        c = queue.popleft()
+        if c.done:
+            continue
+        done, new = c.step()
+        queue.extend(new)
+        if done:
+            _set(c, "done", True)
+            pending.pop(id(c), None)
+        else:
+            _watch(c)
+            pending[id(c)] = c
+        if _woken:
+            queue.extend(_woken)
+            _woken.clear()
+    return [c for c in pending.values() if not c.done]
 
 
 def add(cons: list[Constraint], tensors: Iterable[Tensor] = ()) -> None:
-    """Solve ``cons`` with the pending constraints they meet; keep what is left pending in
-    their group, with ``tensors`` (open results to fix when the group is closed)."""
+    """Solve ``cons`` as far as they can be now (with the pending constraints their bindings
+    wake); keep what is left pending in its group, with ``tensors`` (open results to fix
+    when the group is closed). Undone whole if it raises."""
     with _transaction():
-        items = [x for c in cons for x in c.rows_and_dims()]
-        g = _group_of(items)
+        left = _run(cons)
+        for c in left:
+            _attach(c)
         for t in tensors:
-            assert t.sym is not None
-            g2 = _group_of(list(t.sym.rows()))
-            if g2 is not None:
-                g = g2 if g is None else _union(g, g2)
-        if g is None:  # nothing open: solving checks them
-            _run(cons)
-            return
-        left = _run(g.cons + cons)
-        g = _regroup(left, g)
-        _set(g, "tensors", g.tensors + [t for t in tensors if t not in g.tensors])
+            if t.sym is not None:
+                register(t)
+
+
+def _attach(c: Constraint) -> None:
+    """Keep pending ``c`` in its group (appended; the undo pops it)."""
+    g = _group_of(c.rows_and_dims())
+    if g is not None:
+        g.cons.append(c)
+        if _trail is not None:
+            _trail.append(g.cons.pop)
 
 
 def register(t: Tensor) -> None:
@@ -707,17 +740,6 @@ def register(t: Tensor) -> None:
             g = v.group.root()
             if t not in g.tensors:
                 g.tensors.append(t)
-
-
-def _regroup(left: list[Constraint], g: Group) -> Group:
-    g = g.root()
-    for c in left:
-        g2 = _group_of(c.rows_and_dims())
-        if g2 is not None:
-            g = _union(g, g2)
-    g = g.root()
-    _set(g, "cons", left)
-    return g
 
 
 def close(t: Tensor) -> None:
@@ -737,59 +759,70 @@ def close_vars(vs: Iterable[DimVar | RowVar]) -> None:
             _close_group(g.root())
     for g in groups.values():
         g = g.root()
-        for u in g.tensors:
+        for u in list(g.tensors):
             u.shape_inferred()
         g.tensors = [u for u in g.tensors if u.sym is not None]
+        g.cons = [c for c in g.cons if not c.done]
 
 
 def _open_vars(g: Group) -> list[DimVar | RowVar]:
+    """The variables of ``g`` (a tensor of ``g`` may have others, in other groups)."""
     seen: dict[int, DimVar | RowVar] = {}
-    for c in g.cons:
-        for v in _vars_in(c.rows_and_dims()):
-            seen.setdefault(v.id, v)
-    for t in g.tensors:
+    for c in g.root().cons:
+        if not c.done:
+            for v in _vars_in(c.rows_and_dims()):
+                seen.setdefault(v.id, v)
+    for t in g.root().tensors:
         if t.sym is not None:
             for r in t.sym.rows():
                 for v in vars_of(r):
                     seen.setdefault(v.id, v)
-    return sorted(seen.values(), key=lambda v: v.id)
+    root = g.root()
+    return sorted((v for v in seen.values() if v.group.root() is root), key=lambda v: v.id)
 
 
 def _close_group(g: Group) -> None:
-    cons = _run(g.cons)
-    g = _regroup(cons, g)
-    # 1. the greatest lower bounds flow along the variable-to-variable inequalities
-    _propagate_glbs(g)
-    # 2. a parameter's variables take what they meet
-    for v in _open_vars(g):
-        if v.owner.terminal and v.value is None and v.glb is not None:
-            _close_var(v, g, use_glb=True)
-    # 3. what is left: rows empty, dims their bound or 1; a parameter's open row or dim refused
-    while True:
-        cons = _run(g.root().cons)
-        g = _regroup(cons, g)
+    """Upstream's closing stages, in short: (1) a parameter's variables take their greatest
+    lower bound, what they meet; (2) a parameter's output row or dim that nothing fixes is
+    refused (its batch and input rows, and a row variable beside known axes, are empty: a
+    bias's input row); (3) every other row variable is its bound or empty, every other dim
+    its bound, its least size, or 1."""
+    _run([c for c in g.cons if not c.done])
+    for _ in range(2):
         _propagate_glbs(g)
-        left = [v for v in _open_vars(g) if v.value is None]
-        if not left:
-            break
-        _close_var(left[0], g, use_glb=True)
-    if g.cons:
-        raise _fail(g.cons[0].origin, f"shapes left unsolved: {g.cons}")
+        for v in _open_vars(g):
+            if v.owner.terminal and v.value is None and v.glb is not None:
+                _close_var(v, g)
+                _run(())
+    for terminal in (True, False):
+        for _ in range(64):
+            left = [v for v in _open_vars(g) if v.value is None and v.owner.terminal == terminal]
+            if not left:
+                break
+            if not terminal:
+                _propagate_glbs(g)
+            for v in left:
+                if v.value is None:
+                    _close_var(v, g)
+                    _run(())
+    pending = [c for c in g.root().cons if not c.done]
+    if pending:
+        raise _fail(pending[0].origin, f"shapes left unsolved: {pending}")
 
 
-def _close_var(v: DimVar | RowVar, g: Group, *, use_glb: bool) -> None:
+def _close_var(v: DimVar | RowVar, g: Group) -> None:
     origin = Origin(f"closing {v.owner.label or 'the shapes'}")
     if isinstance(v, RowVar):
-        if v.glb is not None and use_glb:
+        if v.glb is not None:
             _bind_row(v, Row((), None, v.glb), origin)
             return
-        if v.owner.terminal and v.owner.row != "batch" and _bare(v, g):
+        if v.owner.terminal and v.owner.row == "output" and _bare(v, g):
             raise ShapeError(f"specify the {v.owner.row} dims of {v.owner.label}: nothing it "
                              f"meets fixes them (You forgot to specify the hidden dimension(s) "
                              f"of parameter {v.owner.label})")
         _bind_row(v, Row(), origin)
         return
-    if v.glb is not None and use_glb and int(v.glb) >= v.at_least:
+    if v.glb is not None and int(v.glb) >= v.at_least:
         _bind_dim(v, v.glb, origin)
         return
     if v.at_least:
@@ -804,7 +837,7 @@ def _close_var(v: DimVar | RowVar, g: Group, *, use_glb: bool) -> None:
 
 def _bare(v: RowVar, g: Group) -> bool:
     """Whether ``v`` is a whole row of a tensor of ``g`` (not the middle of a row with axes)."""
-    for t in g.tensors:
+    for t in g.root().tensors:
         if t.sym is None:
             continue
         for r in t.sym.rows():
@@ -815,12 +848,16 @@ def _bare(v: RowVar, g: Group) -> bool:
 
 
 def _propagate_glbs(g: Group) -> None:
-    """Each variable's greatest lower bound meets those of the variables below it."""
+    """Each variable's greatest lower bound meets those of the variables below it (a row
+    with no axes and no bound yet claims nothing)."""
+    cons = [c for c in g.root().cons if not c.done]
     for _ in range(64):
         changed = False
-        for c in g.root().cons:
+        for c in cons:
             if isinstance(c, _VarIneq) and c.var.value is None:
                 r = norm(c.res)
+                if r.var is not None and r.var.glb is None and not r.beg and not r.dims:
+                    continue
                 mid = () if r.var is None or r.var.glb is None else r.var.glb
                 lo = tuple(_glb_dim(d) for d in r.beg) + mid + tuple(_glb_dim(d) for d in r.dims)
                 new = _meet_row(c.var.glb, lo)

@@ -14,7 +14,7 @@ from ocannl.tensor import inference, sharing
 from ocannl.tensor import tensor as _t
 from ocannl.tensor.inference import ROW_NAMES, Constraint, Origin, Owner, SymShape, open_row
 from ocannl.tensor.shape import Shape, int_dims
-from ocannl.tensor.tensor import INIT_KINDS, Init, Tensor
+from ocannl.tensor.tensor import Init, Tensor
 
 Operand = Tensor | float | int
 
@@ -34,19 +34,19 @@ def param(
     output_dims: Sequence[int] | None = None,
     input_dims: Sequence[int] | None = None,
     batch_dims: Sequence[int] = (),
-    init: str | Init = "kaiming_uniform",
+    init: str | Init | None = None,
     prec: Precision | str = Precision.f32,
 ) -> Tensor:
-    """A trainable tensor. A row left ``None`` is inferred from the parameter's uses, as
+    """A trainable tensor, drawn by ``init`` (None: the default, ``T.set_default_init``).
+
+    A row left ``None`` is inferred from the parameter's uses, as
     upstream's ``{w}``: ``w @ x`` gives ``w`` the input axes ``x`` has as output, ``w + y``
     gives it ``y``'s rows; closed when the dims are first needed (compiling), and refused
     there, naming the parameter and the row, if nothing it meets fixes them. The batch row is
     empty unless given."""
-    if isinstance(init, str):
-        if init not in INIT_KINDS:
-            raise ValueError(f"unknown init {init!r}: expected one of {INIT_KINDS}")
-        init = Init(init)
+    init = _t.default_init() if init is None else _t.as_init(init)
     prec = precision_of(prec)
+    label = sharing.param_prefix.get() + label
     rows = {"batch": _dims_row("batch", batch_dims) or (),
             "output": _dims_row("output", output_dims), "input": _dims_row("input", input_dims)}
 
@@ -60,8 +60,9 @@ def param(
                      needs_init=True)
         seed = (_t._seed["base"], next(_t._param_counter))
 
-        def draw(dims: tuple[int, ...], fan_in: int, _rng: object = None) -> np.ndarray:
-            return init.draw(dims, fan_in, np.random.default_rng(list(seed)))
+        def draw(dims: tuple[int, ...], fan_in: int, _rng: object = None,
+                 fan_out: int = 1) -> np.ndarray:
+            return init.draw(dims, fan_in, np.random.default_rng(list(seed)), fan_out)
 
         t = Tensor(node, shape, kind="param", differentiable=True, init=draw)
         sharing.record_block_path(t)
@@ -204,6 +205,23 @@ def open_result(label: str, prec: Precision, children: tuple[Tensor, ...],
     inference.add(cons, [out])
     out.shape_inferred()
     return out
+
+
+def expect_shape(t: Tensor, want: Tensor | Shape, what: str) -> None:
+    """Require ``t``'s rows to equal ``want``'s (another tensor's, or a shape): an open row
+    of either is inferred from the other (a model's last layer takes its width from the
+    loss's target); ``ValueError`` naming ``what`` and both shapes where they differ."""
+    if t.shape_known and (isinstance(want, Shape) or want.shape_known):
+        other = want if isinstance(want, Shape) else want.shape
+        if tuple(map(int, t.shape.dims)) == tuple(map(int, other.dims)) and all(
+                len(t.shape.row(r)) == len(other.row(r)) for r in ROW_NAMES):
+            return
+        shown = other if isinstance(want, Shape) else f"{want.label} {other}"
+        raise ValueError(f"{what}: {t.label} {t.shape} does not match {shown}")
+    a = sym_of(t)
+    b = SymShape.of(want) if isinstance(want, Shape) else sym_of(want)
+    origin = Origin(what, (t,) if isinstance(want, Shape) else (t, want))
+    inference.add([inference.RowEq(a.row(r), b.row(r), origin) for r in ROW_NAMES])
 
 
 def sym_of(t: Tensor) -> SymShape:

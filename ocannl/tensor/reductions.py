@@ -12,7 +12,8 @@ import numpy as np
 from ocannl.ir.assignments import Accum, Const, Fixed, Get, Index, apply, iterators_of
 from ocannl.ir.ops import Precision
 from ocannl.ir.tnode import Tnode
-from ocannl.tensor.inference import Constraint, Origin, RowIneq, SymShape
+from ocannl.tensor import inference
+from ocannl.tensor.inference import Constraint, Origin, Row, RowIneq, SymShape
 from ocannl.tensor.leaves import _all, _lift, _new, _read, _result_prec, open_result
 from ocannl.tensor.pointwise import div
 from ocannl.tensor.shape import (
@@ -35,6 +36,8 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
     input axes, which the contraction runs over), the result's batch refines both batches,
     its input row is b's and its output row a's; a shape left open is inferred from these."""
     a, b = _lift(a), _lift(b)
+    if b.shape_known and not a.shape_known:
+        _take_input_row(a, b)
     if a.shape_known and b.shape_known:
         _check_contracted(a, b)
         batch = broadcast([Shape(batch=a.shape.batch), Shape(batch=b.shape.batch)],
@@ -72,6 +75,20 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
 
     out.defer(build)
     return out
+
+
+def _take_input_row(a: Tensor, b: Tensor) -> None:
+    """A parameter's open input row (a bare row variable) meeting a known output row in ``@``
+    becomes that row at once: closing would give it no other axes, and knowing it now keeps
+    the rest of the graph off inference (a layer's weight ``T.param(output_dims=[d])``)."""
+    assert a.sym is not None
+    row = inference.norm(a.sym.input)
+    v = row.var
+    if v is None or row.beg or row.dims or not v.owner.terminal:
+        return
+    known = Row((), None, tuple(int(d) for d in b.shape.output))
+    inference.add([inference.RowEq(a.sym.input, known, Origin("matmul", (a, b)))])
+    a.shape_inferred()
 
 
 def _check_contracted(a: Tensor, b: Tensor) -> None:

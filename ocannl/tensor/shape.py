@@ -37,43 +37,32 @@ def stretches(d: object) -> bool:
 
 @dataclass(frozen=True)
 class Shape:
+    """A shape whose every dim is known (an open one is ``inference.SymShape``)."""
+
     batch: tuple[int, ...] = ()
     output: tuple[int, ...] = ()
-    input: tuple[int, ...] | None = ()  # None: to be inferred from the first `@`
+    input: tuple[int, ...] = ()
 
     @property
     def dims(self) -> tuple[int, ...]:
         """The buffer's dims: batch axes, then output axes, then input axes."""
-        if self.input is None:
-            raise ValueError(f"shape {self} has input axes not yet inferred")
         return self.batch + self.output + self.input
 
     def row(self, name: str) -> tuple[int, ...]:
-        r = getattr(self, name)
-        if r is None:
-            raise ValueError(f"shape {self} has input axes not yet inferred")
-        return r
-
-    def require_inferred(self, owner: str, what: str) -> None:
-        """``ValueError`` naming ``what`` (the op or spec), ``owner`` (the tensor) and the fix
-        when the input row is still open (a parameter made without ``input_dims``)."""
-        if self.input is None:
-            raise ValueError(f"{what}: {owner} {self} has input axes not yet inferred: a "
-                             f"parameter made without input_dims takes them from its first use "
-                             f"on the left of `@`; give it input_dims, or use it in an `@` "
-                             f"first")
+        return getattr(self, name)
 
     def row_offsets(self) -> dict[str, int]:
         """Position of each row's first axis in ``dims``."""
         return {"batch": 0, "output": len(self.batch), "input": len(self.batch) + len(self.output)}
 
     def __str__(self) -> str:
-        inp = "?" if self.input is None else _fmt(self.input)
-        return f"[batch {_fmt(self.batch)} | input {inp} -> output {_fmt(self.output)}]"
+        """As upstream OCANNL writes a shape: ``batch|input->output``, axes comma-separated
+        (a 1 that stretches is ``1*``)."""
+        return f"{_fmt(self.batch)}|{_fmt(self.row('input'))}->{_fmt(self.output)}"
 
 
 def _fmt(row: tuple[int, ...]) -> str:
-    return "(" + ",".join(str(d) for d in row) + ")"
+    return ",".join(f"{int(d)}*" if stretches(d) else str(int(d)) for d in row)
 
 
 def broadcast(shapes: list[Shape], what: str) -> Shape:

@@ -19,7 +19,8 @@ from typing import Any
 
 from ocannl.tensor.tensor import Tensor
 
-__all__ = ["ParamScope", "active_scope", "block_path", "current_blocks", "shared_state"]
+__all__ = ["InlineParams", "ParamScope", "active_scope", "block_path", "current_blocks", "op",
+           "param_prefix", "shared_state"]
 
 
 class ParamScope:
@@ -119,3 +120,60 @@ def shared_state(label: str, make: Callable[[], Tensor], *, dims: tuple[int, ...
     p = getattr(prec, "value", prec)
     spec = (tuple(dims), p)
     return scope.state(label, spec, f"dims {tuple(dims)}, {p}", make)
+
+
+class InlineParams:
+    """A function whose parameters are written inline (``T.param("w")`` in its body), made
+    once and shared by every call: upstream's ``%op``. The first call creates them; each
+    later call gets the same ones back, by label, as a :class:`~ocannl.model.Model`'s later
+    builds do (a label created twice in one call, or one the first call did not create, is
+    refused, naming it). Two layers of one function are two instances: ``layer.fresh("l2")``
+    (its parameters' labels prefixed ``l2_``)."""
+
+    def __init__(self, fn: Callable[..., Any], *, label: str | None = None) -> None:
+        if not callable(fn):
+            raise TypeError(f"op: expected a function, got {type(fn).__name__}: {fn!r:.60}")
+        self.fn = fn
+        self.label = label
+        self.name = label or getattr(fn, "__name__", "op")
+        self.scope = ParamScope(f"op {self.name}")
+        self.calls = 0
+        self.__doc__ = getattr(fn, "__doc__", None)
+
+    def fresh(self, label: str) -> InlineParams:
+        """Another instance of this function, with parameters of its own labelled
+        ``{label}_{param}``."""
+        return InlineParams(self.fn, label=label)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.calls:
+            self.scope.begin_reuse()
+        token = active_scope.set(self.scope)
+        prefix = param_prefix.set(f"{param_prefix.get()}{self.label}_" if self.label else
+                                  param_prefix.get())
+        try:
+            out = self.fn(*args, **kwargs)
+        except BaseException:
+            if not self.calls:  # a failed first call records nothing
+                self.scope = ParamScope(f"op {self.name}")
+            raise
+        finally:
+            param_prefix.reset(prefix)
+            active_scope.reset(token)
+        self.calls += 1
+        return out
+
+    @property
+    def params(self) -> list[Tensor]:
+        """The parameters its first call created, in creation order."""
+        return list(self.scope.params.values())
+
+
+# The label prefix of the inline parameters being made (an ``InlineParams.fresh`` instance's).
+param_prefix: ContextVar[str] = ContextVar("param_prefix", default="")
+
+
+def op(fn: Callable[..., Any]) -> InlineParams:
+    """Decorator: ``fn``'s inline parameters are made at its first call and shared by every
+    later one (see :class:`InlineParams`)."""
+    return InlineParams(fn)

@@ -22,7 +22,7 @@ from ocannl.tensor import inference
 from ocannl.tensor.inference import SymShape
 from ocannl.tensor.shape import Shape
 
-InitFn = Callable[[tuple[int, ...], int, np.random.Generator], np.ndarray]
+InitFn = Callable[..., np.ndarray]  # (dims, fan_in, rng, fan_out) -> values
 
 
 class Tensor:
@@ -95,10 +95,7 @@ class Tensor:
     def shape_text(self) -> str:
         """The shape as upstream writes it, ``batch|input->output``, with the row variables
         of an open one: printing finalizes nothing."""
-        if self._shape is not None:
-            s = self._shape
-            return f"{_row_text(s.batch)}|{_row_text(s.input)}->{_row_text(s.output)}"
-        return str(self.sym)
+        return str(self._shape) if self._shape is not None else str(self.sym)
 
     def shape_inferred(self) -> None:
         """Called when inference closed this tensor's rows: fix its shape and its nodes' dims."""
@@ -228,10 +225,6 @@ class Tensor:
         return self is other
 
 
-def _row_text(row: tuple[int, ...]) -> str:
-    return ",".join(str(int(d)) for d in row)
-
-
 def _backprop_order(order: list[Tensor]) -> list[Tensor]:
     """The tensors of ``order`` (a topological order, the loss last) in the order their
     backprop code runs: each once every tensor whose backprop writes its gradient has run,
@@ -312,11 +305,13 @@ def set_seed(seed: int) -> None:
 class Init:
     """How a parameter's values are drawn (on the host, by ``train.init_params``)."""
 
-    kind: str = "kaiming_uniform"  # "uniform", "normal", "zeros", "constant", "kaiming_uniform"
+    kind: str = "kaiming_uniform"  # one of INIT_KINDS
     a: float = -1.0
     b: float = 1.0
 
-    def draw(self, dims: tuple[int, ...], fan_in: int, rng: np.random.Generator) -> np.ndarray:
+    def draw(self, dims: tuple[int, ...], fan_in: int, rng: np.random.Generator,
+             fan_out: int = 1) -> np.ndarray:
+        """``fan_in``: the product of the input row's dims; ``fan_out``: the output row's."""
         if self.kind == "uniform":
             return rng.uniform(self.a, self.b, dims)
         if self.kind == "normal":
@@ -325,8 +320,37 @@ class Init:
             return np.zeros(dims)
         if self.kind == "constant":
             return np.full(dims, self.a)
+        if self.kind == "uniform1":  # upstream OCANNL's uniform1: [0, 1)
+            return rng.uniform(0.0, 1.0, dims)
+        if self.kind == "xavier_uniform":  # Glorot: variance 2 / (fan_in + fan_out)
+            bound = np.sqrt(6.0 / max(fan_in + fan_out, 1))
+            return rng.uniform(-bound, bound, dims)
         bound = 1.0 / np.sqrt(max(fan_in, 1))
         return rng.uniform(-bound, bound, dims)
 
 
-INIT_KINDS = ("uniform", "normal", "zeros", "constant", "kaiming_uniform")
+INIT_KINDS = ("uniform", "normal", "zeros", "constant", "kaiming_uniform", "uniform1",
+              "xavier_uniform")
+
+# The init of a parameter made without ``init=`` (upstream's ``default_param_init``).
+_default_init = {"init": Init()}
+
+
+def set_default_init(init: str | Init) -> None:
+    """The init ``T.param`` uses when given none (``kaiming_uniform`` until set)."""
+    _default_init["init"] = as_init(init)
+
+
+def default_init() -> Init:
+    return _default_init["init"]
+
+
+def as_init(init: str | Init) -> Init:
+    """``init`` as an :class:`Init`, or ``ValueError`` naming the unknown kind."""
+    if isinstance(init, Init):
+        if init.kind not in INIT_KINDS:
+            raise ValueError(f"unknown init {init.kind!r}: expected one of {INIT_KINDS}")
+        return init
+    if not isinstance(init, str) or init not in INIT_KINDS:
+        raise ValueError(f"unknown init {init!r}: expected one of {INIT_KINDS}")
+    return Init(init)
