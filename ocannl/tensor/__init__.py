@@ -22,7 +22,7 @@ from ocannl.tensor.data import (
     set_class_ids,
     uniform_expr,
 )
-from ocannl.tensor.einsum import einsum
+from ocannl.tensor.einsum import Dims, einsum
 from ocannl.tensor.leaves import (
     number,
     param,
@@ -80,7 +80,7 @@ __all__ = [
     "gelu", "gt", "le", "log_softmax", "lt", "maximum", "min", "minimum", "ne", "one_hot",
     "reduce", "register_buffers", "set_class_ids", "softmax", "standardize", "uniform_expr",
     "where", "cos", "sin", "floor",
-    "Init", "Shape", "Tensor", "op", "set_default_init",
+    "Dims", "Init", "Shape", "Tensor", "op", "set_default_init",
     "add", "cast", "div", "einsum", "exp", "log", "matmul", "max",
     "mean", "mul", "neg", "number", "param", "pow_const", "relu", "set_seed", "sigmoid", "sqrt",
     "sub", "sum", "tanh", "term",

@@ -292,7 +292,7 @@ def einsum(spec: str, *operands: Tensor | float, accum: str = "+", combine: str 
                      for k in range(3)))
     for t, slot in zip(ts, slots, strict=True):
         sym = sym_of(t)
-        env.cons += [RowEq(sym.row(r), slot.row(r), origin) for r in ROW_NAMES]
+        env.cons += [RowEq(sym.row(r), slot.row(r), origin, r) for r in ROW_NAMES]
     for c in env.cons:
         c.origin = origin
     prec = _result_prec(ts)

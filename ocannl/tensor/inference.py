@@ -357,6 +357,10 @@ def _fresh_dims(v: RowVar, n: int) -> tuple[DimVar, ...]:
     return tuple(DimVar(v.owner, v.group) for _ in range(n))
 
 
+def _in_row(row: str) -> str:
+    return f" in the {row} row" if row else ""
+
+
 def _named(*ds: Dim) -> str:
     """`` 'i'``: the first label a chain of these dims passes through (for messages)."""
     for d in ds:
@@ -532,6 +536,7 @@ class RowEq(Constraint):
     a: Row
     b: Row
     origin: Origin
+    row: str = ""  # which row (for messages)
 
     def rows_and_dims(self) -> Iterable[Row | Dim]:
         return (self.a, self.b)
@@ -566,15 +571,15 @@ class RowEq(Constraint):
             return True, out
         if a.var is None and b.var is None:
             if a.dims or b.dims:
-                raise _fail(self.origin, f"Number of axes mismatch: [{norm(self.a)}] and "
-                                         f"[{norm(self.b)}]")
+                raise _fail(self.origin, f"Number of axes mismatch{_in_row(self.row)}: "
+                                         f"[{norm(self.a)}] and [{norm(self.b)}]")
             return True, out
         if a.var is None:
             a, b = b, a
         # a has the variable, b is all right-anchored axes: a.beg from b's left, var the rest
         if len(b.dims) < len(a.beg) + len(a.dims):
-            raise _fail(self.origin, f"Number of axes mismatch: [{norm(self.a)}] has more axes "
-                                     f"than [{norm(self.b)}]")
+            raise _fail(self.origin, f"Number of axes mismatch{_in_row(self.row)}: "
+                                     f"[{norm(self.a)}] has more axes than [{norm(self.b)}]")
         out += [DimEq(x, y, self.origin) for x, y in zip(a.beg, b.dims, strict=False)]
         assert a.var is not None
         _bind_row(a.var, Row((), None, b.dims[len(a.beg):]), self.origin)

@@ -221,7 +221,7 @@ def expect_shape(t: Tensor, want: Tensor | Shape, what: str) -> None:
     a = sym_of(t)
     b = SymShape.of(want) if isinstance(want, Shape) else sym_of(want)
     origin = Origin(what, (t,) if isinstance(want, Shape) else (t, want))
-    inference.add([inference.RowEq(a.row(r), b.row(r), origin) for r in ROW_NAMES])
+    inference.add([inference.RowEq(a.row(r), b.row(r), origin, r) for r in ROW_NAMES])
 
 
 def sym_of(t: Tensor) -> SymShape:
