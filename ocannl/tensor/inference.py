@@ -143,12 +143,15 @@ class DimVar:
 class RowVar:
     """The middle of a row, of unknown length (upstream's ``Row_var``)."""
 
-    __slots__ = ("id", "value", "glb", "owner", "group", "name")
+    __slots__ = ("id", "value", "glb", "total", "owner", "group", "name")
 
     def __init__(self, owner: Owner, group: Group | None = None, name: str = "") -> None:
         self.id = next(_ids)
         self.value: Row | None = None
         self.glb: tuple[int, ...] | None = None
+        # The cells its axes must hold (``set_dim`` on a row variable): closing makes it one
+        # axis of that many, before any bound is taken (upstream protects such numerators).
+        self.total: int | None = None
         self.owner = owner
         self.group = group or Group()
         self.name = name
@@ -528,6 +531,8 @@ class RowTotal(Constraint):
                 new.append(DimEq(open_dims[0], want // known, self.origin))
             elif n.var is not None and not open_dims and want == known:
                 _bind_row(n.var, Row(), self.origin)
+            elif n.var is not None and not open_dims and want % known == 0:
+                _set(n.var, "total", want // known)
         return all(t is not None for t in totals), new
 
 
@@ -607,6 +612,8 @@ class RowIneq(Constraint):
             if res.var is None:
                 raise _fail(self.origin, f"Too many axes in an operand: [{opnd}] has more axes "
                                          f"than the result's [{res}]{_matmul_hint(self.origin)}")
+            if res.beg:  # its variable or its leading axes may hold them: wait until known
+                return False, []
             fresh = _fresh_like(res.var)
             extra = _fresh_dims(res.var, len(opnd.dims) - len(res.dims))
             _bind_row(res.var, Row((), fresh, extra), self.origin)
@@ -619,6 +626,8 @@ class RowIneq(Constraint):
             return True, out
         # opnd's left-anchored axes: from res's left (its beg, then what lies right of it)
         if res.var is not None and len(res.beg) < len(opnd.beg):
+            if rest:  # its variable or its trailing axes may hold them: wait until known
+                return False, out
             fresh = _fresh_like(res.var)
             extra = _fresh_dims(res.var, len(opnd.beg) - len(res.beg))
             _bind_row(res.var, Row(extra, fresh, ()), self.origin)
@@ -793,6 +802,10 @@ def _close_group(g: Group) -> None:
     bias's input row); (3) every other row variable is its bound or empty, every other dim
     its bound, its least size, or 1."""
     _run([c for c in g.cons if not c.done])
+    for v in _open_vars(g):  # a row variable of a known total: one axis of that total
+        if isinstance(v, RowVar) and v.value is None and v.total is not None:
+            _bind_row(v, Row((), None, (v.total,)), Origin(f"closing {v!r}"))
+            _run(())
     for _ in range(2):
         _propagate_glbs(g)
         for v in _open_vars(g):

@@ -95,7 +95,12 @@ def _check_contracted(a: Tensor, b: Tensor) -> None:
     """``a.input ⊑ b.output`` over known shapes: b's output axes, aligned right, equal to a's
     input axes or a 1 that stretches."""
     ai, bo = a.shape.input, b.shape.output
-    ok = len(bo) <= len(ai) and all(stretches(y) or int(x) == int(y)
+    if len(bo) > len(ai):
+        raise ValueError(
+            f"matmul: Too many axes in an operand: the right operand's output axes {bo} "
+            f"({b.label} {b.shape}) outnumber the left operand's input axes {ai} ({a.label} "
+            f"{a.shape}); maybe using @ instead of * (`@` is OCANNL's `*`, `*` its `*.`)?")
+    ok = all(stretches(y) or int(x) == int(y)
                                     for x, y in zip(ai[len(ai) - len(bo):], bo, strict=True))
     if not ok:
         raise ValueError(
@@ -125,6 +130,7 @@ def _contract_code(out: Tensor, a: Tensor, b: Tensor, pa: tuple[Index, ...],
 
 
 Tensor.__matmul__ = lambda a, b: matmul(a, b)  # type: ignore[assignment]
+Tensor.__rmatmul__ = lambda a, b: matmul(b, a)  # type: ignore[assignment]
 
 
 # --- reductions -------------------------------------------------------------------------------
