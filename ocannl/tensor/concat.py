@@ -114,7 +114,7 @@ def concat(spec: str, *xs: Operand, sizes: Mapping[str, int] | None = None,
     out = Tensor(Tnode("concat", None, _result_prec(ts)), res, kind="op",
                  children=tuple(t for t in ts if t.kind != "number"))
     concats = _concat_axes(parsed, env)
-    with _naming(origin):
+    with _naming(origin, spec):
         inference.add(env.cons, [out])
         if all(t.shape_known for t in ts):  # nothing outside the spec is open: close it now
             _check_fixed(env, concats, discard, origin)
@@ -161,9 +161,10 @@ def _plan(parsed: EinsumSpec) -> tuple[list[_Part], list[str]]:
         return True
 
     def names(s: OperandSpec, k: str) -> set[str]:
-        out = {ax.name for ax in _axes(s) if isinstance(ax, Label)}
-        out |= {k for ax in _axes(s) if isinstance(ax, Concat)}
-        return out | {f"..{rs.var}.." for rs in s.rows if rs.var is not None}
+        out = {repr(ax.name) for ax in _axes(s) if isinstance(ax, Label)}
+        out |= {repr(k) for ax in _axes(s) if isinstance(ax, Concat)}
+        return out | {f"the {rs.var[3:]} row's '...'" if rs.var.startswith("...")
+                      else f"'..{rs.var}..'" for rs in s.rows if rs.var is not None}
 
     plan: list[_Part] = []
     for k in comps:
@@ -234,15 +235,18 @@ def _check_fixed(env: _Env, concats: list[tuple[DimVar, tuple[str, ...]]],
 
 
 @contextmanager
-def _naming(origin: Origin) -> Iterator[None]:
+def _naming(origin: Origin, spec: str) -> Iterator[None]:
     """Re-raise a shape error that does not name the spec and the operands' shapes with them
     (einsum's rule for a ``^`` axis names the spec only)."""
     try:
         yield
     except ShapeError as err:
-        if str(err).startswith(origin.what + " over"):
+        msg = str(err)
+        if msg.startswith(origin.what + " over"):
             raise
-        raise ShapeError(f"{origin.describe()}: {err}") from None
+        inner = f"einsum {spec!r}: "  # the wording of einsum's rule for a '^' axis
+        msg = msg[len(inner):] if msg.startswith(inner) else msg
+        raise ShapeError(f"{origin.describe()}: {msg}") from None
 
 
 def _build(out: Tensor, ts: list[Tensor], parsed: EinsumSpec, env: _Env,

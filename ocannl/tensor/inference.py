@@ -430,6 +430,7 @@ class DimIneq(Constraint):
     res: Dim
     opnd: Dim
     origin: Origin
+    where: str = ""  # which axis (for messages)
 
     def rows_and_dims(self) -> Iterable[Row | Dim]:
         return (self.res, self.opnd)
@@ -448,8 +449,9 @@ class DimIneq(Constraint):
         if not _same_dim(res, opnd):
             hint = (" (a 1 given by the user does not stretch: make it a number, or give the "
                     "matching size)" if int(opnd) == 1 else "")
-            raise _fail(self.origin, f"dimension comparison for axis: mismatch: {int(opnd)} "
-                                     f"does not broadcast to {int(res)}{hint}")
+            where = f" ({self.where})" if self.where else ""
+            raise _fail(self.origin, f"dimension comparison for axis{where}: mismatch: "
+                                     f"{int(opnd)} does not broadcast to {int(res)}{hint}")
         return True, []
 
 
@@ -600,6 +602,7 @@ class RowIneq(Constraint):
     res: Row
     opnd: Row
     origin: Origin
+    row: str = ""  # which row (for messages)
 
     def rows_and_dims(self) -> Iterable[Row | Dim]:
         return (self.res, self.opnd)
@@ -619,7 +622,8 @@ class RowIneq(Constraint):
             _bind_row(res.var, Row((), fresh, extra), self.origin)
             res = norm(res)
         n = len(opnd.dims)
-        out += [DimIneq(res.dims[len(res.dims) - k], opnd.dims[n - k], self.origin)
+        out += [DimIneq(res.dims[len(res.dims) - k], opnd.dims[n - k], self.origin,
+                        f"the {self.row} row's axis {-k} from the right")
                 for k in range(1, n + 1)]
         rest = res.dims[:len(res.dims) - n]
         if opnd.var is None:
@@ -637,7 +641,8 @@ class RowIneq(Constraint):
         if len(left) < len(opnd.beg):
             raise _fail(self.origin, f"Too many axes in an operand: [{opnd}] has more axes than "
                                      f"the result's [{norm(self.res)}]")
-        out += [DimIneq(x, y, self.origin) for x, y in zip(left, opnd.beg, strict=False)]
+        out += [DimIneq(x, y, self.origin, f"the {self.row} row's axis {k} from the left")
+                for k, (x, y) in enumerate(zip(left, opnd.beg, strict=False))]
         middle = (Row((), None, left[len(opnd.beg):]) if res.var is None
                   else Row(res.beg[len(opnd.beg):], res.var, rest))
         out.append(_VarIneq(middle, opnd.var, self.origin))

@@ -36,7 +36,7 @@ def pointwise(label: str, xs: Sequence[Operand | Const], forward: Callable[[list
                      differentiable=differentiable)
     else:  # the result refines every operand, row by row (upstream's inequalities)
         out = open_result(label, prec, children, tensors, differentiable,
-                          lambda res, ops: [RowIneq(res.row(r), o.row(r), Origin(label))
+                          lambda res, ops: [RowIneq(res.row(r), o.row(r), Origin(label), r)
                                             for o in ops for r in ROW_NAMES])
 
     def build() -> None:

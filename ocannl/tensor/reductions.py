@@ -48,9 +48,11 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
         def rules(res: SymShape, ops: list[SymShape]) -> list[Constraint]:
             sa, sb = ops
             o = Origin("matmul")
-            return [RowIneq(res.batch, sa.batch, o), RowIneq(res.output, sa.output, o),
-                    RowIneq(sa.input, sb.output, o), RowIneq(res.batch, sb.batch, o),
-                    RowIneq(res.input, sb.input, o)]
+            return [RowIneq(res.batch, sa.batch, o, "batch"),
+                    RowIneq(res.output, sa.output, o, "output"),
+                    RowIneq(sa.input, sb.output, o, "contracted (left input, right output)"),
+                    RowIneq(res.batch, sb.batch, o, "batch"),
+                    RowIneq(res.input, sb.input, o, "input")]
 
         out = open_result("matmul", _result_prec([a, b]), (a, b), [a, b], None, rules)
 
