@@ -1,4 +1,5 @@
-"""A model's summary in one call: its parameters by block, with their shapes, element counts
+"""A model's summary in one call: its parameters by block, with their shapes (as upstream
+OCANNL writes them, ``batch|input->output``; an open one with its row variables), element counts
 and bytes, and the bytes by precision, f32 masters and their 16-bit cast twins both shown (a
 twin placed ``"auto"`` or ``"virtual"`` holds no buffer of its own between routines: it is
 counted as what a routine reads, and said so).
@@ -51,24 +52,26 @@ def summary(t: Tensor, *, file: TextIO | None = sys.stdout) -> str:
         block = "/".join(block_path(p)) or "(no block)"
         shown_block = block if block != last_block else ""
         last_block = block
-        count = math.prod(p.dims)
+        # Printing closes no inference: an open shape shows its row variables, uncounted.
+        count = math.prod(p.value.dims_if_known) if p.shape_known else 0
         nbytes = count * p.prec.itemsize
         mine = twins.get(p.value.id, [])
         kind = "master" if mine else "param"
-        rows.append((shown_block, p.label, _dims(p.dims), f"{count:,}",
-                     f"{p.prec.value} {kind}", f"{nbytes:,}"))
+        shown = (f"{count:,}", f"{nbytes:,}") if p.shape_known else ("?", "?")
+        rows.append((shown_block, p.label, p.shape_text(), shown[0],
+                     f"{p.prec.value} {kind}", shown[1]))
         acc = masters.setdefault((p.prec.value, kind), [0, 0])
         acc[0] += count
         acc[1] += nbytes
         for tw in mine:
             tb = count * tw.prec.itemsize
-            rows.append(("", f"  {tw.label}", _dims(tw.dims), f"{count:,}",
-                         f"{tw.prec.value} twin", f"{tb:,}"))
+            rows.append(("", f"  {tw.label}", tw.shape_text(), shown[0],
+                         f"{tw.prec.value} twin", f"{tb:,}" if p.shape_known else "?"))
             acc = copies.setdefault(tw.prec.value, [0, 0])
             acc[0] += count
             acc[1] += tb
             places.setdefault(tw.prec.value, set()).add(_PLACES[tw.value.memory_mode])
-    head = ("block", "parameter", "shape", "count", "precision", "bytes")
+    head = ("block", "parameter", "shape (batch|input->output)", "count", "precision", "bytes")
     widths = [max(len(r[k]) for r in [head, *rows]) for k in range(6)]
     right = {3, 5}
 

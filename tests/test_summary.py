@@ -32,16 +32,16 @@ def test_summary_lists_parameters_by_block_with_shapes_counts_and_bytes():
     assert lines[0].endswith(": 6 parameters, 59 values")  # 30 + 5 + 15 + 3 + 3 + 3
     rows = [line.split() for line in lines[3:-1]]
     assert rows == [
-        ["net", "net_w0", "(5,", "6)", "30", "f32", "master", "120"],
-        ["net_w0_f16", "(5,", "6)", "30", "f16", "twin", "60"],
-        ["net_b0", "(5,)", "5", "f32", "master", "20"],
-        ["net_b0_f16", "(5,)", "5", "f16", "twin", "10"],
-        ["net_w1", "(3,", "5)", "15", "f32", "master", "60"],
-        ["net_w1_f16", "(3,", "5)", "15", "f16", "twin", "30"],
-        ["net_b1", "(3,)", "3", "f32", "master", "12"],
-        ["net_b1_f16", "(3,)", "3", "f16", "twin", "6"],
-        ["ln", "ln_gamma", "(3,)", "3", "f32", "param", "12"],
-        ["ln_beta", "(3,)", "3", "f32", "param", "12"],
+        ["net", "net_w0", "|6->5", "30", "f32", "master", "120"],
+        ["net_w0_f16", "|6->5", "30", "f16", "twin", "60"],
+        ["net_b0", "|->5", "5", "f32", "master", "20"],
+        ["net_b0_f16", "|->5", "5", "f16", "twin", "10"],
+        ["net_w1", "|5->3", "15", "f32", "master", "60"],
+        ["net_w1_f16", "|5->3", "15", "f16", "twin", "30"],
+        ["net_b1", "|->3", "3", "f32", "master", "12"],
+        ["net_b1_f16", "|->3", "3", "f16", "twin", "6"],
+        ["ln", "ln_gamma", "|->3", "3", "f32", "param", "12"],
+        ["ln_beta", "|->3", "3", "f32", "param", "12"],
     ]
     assert lines[-1] == ("bytes by precision: f32 masters 212 bytes (53 values); f32 params "
                          "24 bytes (6 values); f16 twins 106 bytes (53 values; local to "
@@ -53,7 +53,7 @@ def test_nested_blocks_are_joined_and_state_buffers_listed():
     logits, _ = nn_blocks.lenet(x, num_classes=10, channels=(2, 3), hidden=4, label="le")
     y, _ = nn_blocks.batch_norm(logits, train=True, label="bn")
     text = summary(y, file=None)
-    assert "le/le_conv0  le_conv0_kernel  (2, 3, 3, 1)" in text
+    assert "le/le_conv0  le_conv0_kernel  |3,3,1->2" in text
     assert "le/le_fc     le_fc_w0" in text
     assert text.splitlines()[-1] == "state buffers: bn_running_mean (10,) f32, " \
                                     "bn_running_var (10,) f32"
