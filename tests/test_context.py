@@ -27,11 +27,12 @@ def _unique() -> float:
 
 
 def _scaled(n: int = 6):
-    """``y = x * s * c`` with ``s`` a one-element term the host sets, ``c`` a folded constant
-    unique to this call."""
+    """``y = x * s * c`` with ``s`` a scalar term the host sets (a scalar broadcasts; a term of
+    shape [1] would not: a 1 the user gives does not stretch), ``c`` a folded constant unique
+    to this call."""
     c = _unique()
     x = T.term(np.arange(n, dtype=np.float64), label="x")
-    s = T.term([2.0], label="s")
+    s = T.term(2.0, label="s")
     y = x * s * c
     return x, s, y, c
 

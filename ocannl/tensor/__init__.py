@@ -10,6 +10,7 @@ contraction is a sum of products), ``normalisations`` (``softmax``, ``log_softma
 backprop assignments, each next to the other.
 """
 
+from ocannl.tensor.concat import block, concat
 from ocannl.tensor.data import (
     ClassIds,
     Rng,
@@ -80,7 +81,7 @@ __all__ = [
     "gelu", "gt", "le", "log_softmax", "lt", "maximum", "min", "minimum", "ne", "one_hot",
     "reduce", "register_buffers", "set_class_ids", "softmax", "standardize", "uniform_expr",
     "where", "cos", "sin", "floor",
-    "Dims", "Init", "Shape", "Tensor", "op", "set_default_init",
+    "Dims", "Init", "block", "concat", "Shape", "Tensor", "op", "set_default_init",
     "add", "cast", "div", "einsum", "exp", "log", "matmul", "max",
     "mean", "mul", "neg", "number", "param", "pow_const", "relu", "set_seed", "sigmoid", "sqrt",
     "sub", "sum", "tanh", "term",

@@ -97,7 +97,7 @@ def concat(spec: str, *xs: Operand, sizes: Mapping[str, int] | None = None,
     res = SymShape(*(_slot_row(env, parsed.result.rows[k], ROW_NAMES[k], True)
                      for k in range(3)))
     for name in discard:
-        _close_first_to_zero(env.labels[name])
+        env.labels[name].discardable = True
     for name, size in (sizes or {}).items():
         if name not in env.labels:
             raise ValueError(f"concat {spec!r}: sizes names {name!r}, not a label of the spec "
@@ -189,15 +189,6 @@ def _plan(parsed: EinsumSpec) -> tuple[list[_Part], list[str]]:
     plain = {ax.name for s in parsed.specs for ax in _axes(s) if isinstance(ax, Label)}
     discard = [k for k in comps if k not in plain and not holds(parsed.result, k)]
     return plan, discard
-
-
-def _close_first_to_zero(v: DimVar) -> None:
-    """Make a discardable component close to 0 when nothing fixes it, before the others of its
-    group (which then take what the total leaves): the closing takes variables in id order and
-    closes a dim to its bound. The variable is one of this spec's, met by nothing but its
-    ``^`` axis's rule, so the bound 0 meets no other."""
-    v.id = -v.id
-    v.glb = 0
 
 
 def _concat_axes(parsed: EinsumSpec, env: _Env) -> list[tuple[DimVar, tuple[str, ...]]]:

@@ -125,13 +125,16 @@ class Owner:
 class DimVar:
     """One axis of unknown size."""
 
-    __slots__ = ("id", "value", "glb", "at_least", "owner", "group", "name")
+    __slots__ = ("id", "value", "glb", "at_least", "discardable", "owner", "group", "name")
 
     def __init__(self, owner: Owner, group: Group | None = None, name: str = "") -> None:
         self.id = next(_ids)
         self.value: int | DimVar | None = None
         self.glb: int | None = None  # the meet of the sizes bounding it from below
         self.at_least = 0
+        # A concatenation's component that may be empty (``a^b => a``'s ``b``): closed to 0
+        # when nothing bounds it, after the dims that have a bound (upstream's stage 5).
+        self.discardable = False
         self.owner = owner
         self.group = group or Group()
         self.name = name
@@ -817,6 +820,15 @@ def _close_group(g: Group) -> None:
             if v.owner.terminal and v.value is None and v.glb is not None:
                 _close_var(v, g)
                 _run(())
+    for v in _open_vars(g):  # dims with a bound first, then discardable components to 0
+        if isinstance(v, DimVar) and v.value is None and not v.owner.terminal \
+                and v.glb is not None:
+            _close_var(v, g)
+            _run(())
+    for v in _open_vars(g):
+        if isinstance(v, DimVar) and v.value is None and v.discardable:
+            _bind_dim(v, 0, Origin(f"closing {v!r}"))
+            _run(())
     for terminal in (True, False):
         for _ in range(64):
             left = [v for v in _open_vars(g) if v.value is None and v.owner.terminal == terminal]

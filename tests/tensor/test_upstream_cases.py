@@ -261,13 +261,13 @@ def case_28(c):  # sin ((x1, x2, x3) ++^ "a; b; c => a^b^c"), x2 of size 1
 
 def case_29(c):  # [ x1; x2 ] / [| x3; x4 |] / (x1, x2): stack on a new output / batch / input axis
     x1, x2, x3, x4 = (_input(c, n) for n in ("x1", "x2", "x3", "x4"))
-    out = T.block([x1, x2], row="output")
+    out = T.block([x1, x2], axis="output")
     assert _rows(out) == _shape(output=(2, 3))
     np.testing.assert_allclose(_values(out), [[1, 2, 3], [4, 5, 6]])
-    bat = T.block([x3, x4], row="batch")
+    bat = T.block([x3, x4], axis="batch")
     assert _rows(bat) == _shape(batch=(2,), output=(2,))
     np.testing.assert_allclose(_values(bat), [[10, 20], [30, 40]])
-    inp = T.block([x1, x2], row="input")
+    inp = T.block([x1, x2], axis="input")
     assert _rows(inp) == _shape(input=(2,), output=(3,))
     np.testing.assert_allclose(_values(inp), [[1, 4], [2, 5], [3, 6]])
     return None
@@ -371,12 +371,8 @@ CASES: dict[int, Case] = {
     25: Case("conv2d-stride2", case_25, "conv2d ~kernel_size:3"),
     26: Case("max-pool2d", case_26, "max_pool2d () x"),
     27: Case("max-pool2d-window3", case_27, "max_pool2d ~stride:2 ~window_size:3 () x"),
-    28: Case("concat-unit-component", case_28, '(x1, x2, x3) ++^ "a; b; c => a^b^c"',
-              missing="concatenation: no T.concat(spec, *operands) (upstream's `++^`; "
-                      "einsum refuses a^b^c axes)"),
-    29: Case("block-literals", case_29, "[ x1; x2 ]",
-              missing="block-tensor literals: no T.block(tensors, row='output'|'batch'|"
-                      "'input') (upstream's [a; b], [|a; b|], (a, b))"),
+    28: Case("concat-unit-component", case_28, '(x1, x2, x3) ++^ "a; b; c => a^b^c"'),
+    29: Case("block-literals", case_29, "[ x1; x2 ]"),
     30: Case("where-spec", case_30, 'Operation.where ~spec:"ij;ij;ij=>i"'),
     31: Case("compose-logic", case_31, '~logic:"@"'),
     # Upstream (HEAD): "solved dimensions for axis: different bases". The port may word a user
