@@ -126,8 +126,7 @@ class Run:
         ctx = make_context(args.backend)
         eye = np.eye(CLASSES, dtype=np.float32)
         T.set_seed(args.seed)
-        self.x = T.term(np.zeros((args.batch, 8, 8, 1)), label="x", batch_dims=(args.batch,),
-                        output_dims=(8, 8, 1))
+        self.x = T.term(np.zeros((args.batch, 8, 8, 1)), label="x", batch_dims=(args.batch,))
         self.y = T.term(np.zeros((args.batch, CLASSES)), label="y")
 
         def build(x: T.Tensor, *, train: bool) -> T.Tensor:
@@ -151,7 +150,7 @@ class Run:
         t0 = time.perf_counter()
         ctx = self.recipe.compile(ctx)
         self.x_eval = T.term(np.zeros((len(self.x_test), 8, 8, 1)), label="x_eval",
-                             batch_dims=(len(self.x_test),), output_dims=(8, 8, 1))
+                             batch_dims=(len(self.x_test),))
         ctx, self.evaluation = compile_eval(ctx, self.model(self.x_eval, train=False))
         self.compile_s = time.perf_counter() - t0
         self.ctx = ctx

@@ -73,14 +73,17 @@ def main(argv: list[str] | None = None) -> int:
     y = T.term(onehot[: args.batch], label="y", prec=args.prec)
     lr = T.term(np.array(args.lr), label="lr")
     h: Tensor = x
-    dims = [args.dim, *args.hidden, args.classes]
-    for k in range(1, len(dims)):
-        w = T.param(f"w{k}", output_dims=[dims[k]], input_dims=[dims[k - 1]])
-        b = T.param(f"b{k}", output_dims=[dims[k]], input_dims=(), init="zeros")
+    # Each weight's input row comes from what it multiplies, each bias's input row is empty,
+    # and the last layer's width comes from the targets (through the loss).
+    widths: list[int | None] = [*args.hidden, None]
+    for k, width in enumerate(widths, start=1):
+        out = None if width is None else [width]
+        w = T.param(f"w{k}", output_dims=out)
+        b = T.param(f"b{k}", output_dims=out, init="zeros")
         if args.prec != "f32":
             w, b = T.cast(w, args.prec), T.cast(b, args.prec)
         h = w @ h + b
-        if k < len(dims) - 1:
+        if k < len(widths):
             h = T.relu(h)
     logits = h
     loss = softmax_cross_entropy(logits, y)

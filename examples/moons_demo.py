@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> float:
     y = T.term(label="y", batch_dims=[args.batch], output_dims=[2])
     # The model as a function of its input: built again (over the same parameters) to
     # classify any number of points in one call.
-    model = Model(lambda inputs, *, train: nn_blocks.mlp(inputs, [16, 16], 2)[0],
+    model = Model(lambda inputs, *, train: nn_blocks.mlp(inputs, [16, 16])[0],
                   name="moons mlp")
     logits = model(x, train=True)
     loss = nn_blocks.softmax_cross_entropy(logits, y)

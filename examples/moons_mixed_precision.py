@@ -329,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def build(inputs: T.Tensor, *, train: bool) -> T.Tensor:
         return mixed_prec.with_master_weights(
-            prec="f16", f=lambda: nn_blocks.mlp(inputs, [16, 16], 2))[0]
+            prec="f16", f=lambda: nn_blocks.mlp(inputs, [16, 16]))[0]
 
     model = Model(build, name="moons mlp")
     logits = model(x, train=True)
