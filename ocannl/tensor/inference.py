@@ -28,7 +28,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ocannl.tensor.shape import BCAST_ONE, Shape, stretches
+from ocannl.tensor.shape import BCAST_ONE, Shape, same_dim, stretches
 
 if TYPE_CHECKING:
     from ocannl.tensor.tensor import Tensor
@@ -378,7 +378,7 @@ def _named(*ds: Dim) -> str:
 
 
 def _same_dim(a: int, b: int) -> bool:
-    return int(a) == int(b)
+    return same_dim(a, b)
 
 
 def _meet_dim(a: int | None, b: int | None) -> int | None:
@@ -390,7 +390,7 @@ def _meet_dim(a: int | None, b: int | None) -> int | None:
         return a
     if stretches(a):
         return b
-    return a if int(a) == int(b) else BCAST_ONE
+    return a if same_dim(a, b) else BCAST_ONE
 
 
 def _meet_row(a: tuple[int, ...] | None, b: tuple[int, ...] | None) -> tuple[int, ...] | None:
@@ -421,8 +421,9 @@ class DimEq(Constraint):
         elif isinstance(b, DimVar):
             _bind_dim(b, a, self.origin)
         elif not _same_dim(a, b):
+            what = "different bases" if int(a) == int(b) else "mismatch"
             raise _fail(self.origin, f"solved dimensions for axis{_named(self.a, self.b)}: "
-                                     f"mismatch: {int(a)} and {int(b)} must be equal")
+                                     f"{what}: {a!r} and {b!r} must be equal")
         return True, []
 
 
@@ -453,6 +454,9 @@ class DimIneq(Constraint):
             hint = (" (a 1 given by the user does not stretch: make it a number, or give the "
                     "matching size)" if int(opnd) == 1 else "")
             where = f" ({self.where})" if self.where else ""
+            if int(res) == int(opnd):
+                raise _fail(self.origin, f"solved dimensions for axis{where}: different bases: "
+                                         f"{opnd!r} and {res!r}")
             raise _fail(self.origin, f"dimension comparison for axis{where}: mismatch: "
                                      f"{int(opnd)} does not broadcast to {int(res)}{hint}")
         return True, []

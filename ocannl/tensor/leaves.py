@@ -13,13 +13,27 @@ from ocannl.ir.tnode import MemoryMode, Tnode
 from ocannl.tensor import inference, sharing
 from ocannl.tensor import tensor as _t
 from ocannl.tensor.inference import ROW_NAMES, Constraint, Origin, Owner, SymShape, open_row
-from ocannl.tensor.shape import Shape, int_dims
+from ocannl.tensor.shape import Based, Shape, int_dims
 from ocannl.tensor.tensor import Init, Tensor
 
 Operand = Tensor | float | int
 
 
-def _dims_row(name: str, dims: Sequence[int] | None) -> tuple[int, ...] | None:
+def _dims_row(name: str, dims: Sequence[int] | None,
+              axes: Sequence[tuple[str, int]] | None = None) -> tuple[int, ...] | None:
+    """A row from ``dims`` (sizes) or ``axes`` (upstream's ``("rgb", 3)`` pairs: a size with
+    a basis, which must agree wherever the axis meets another); at most one of them."""
+    if axes is not None:
+        if dims is not None:
+            raise ValueError(f"give {name}_dims or {name}_axes, not both: {name}_dims "
+                             f"{dims!r:.40}, {name}_axes {axes!r:.40}")
+        if isinstance(axes, (str, bytes)) or not all(
+                isinstance(a, tuple) and len(a) == 2 and isinstance(a[0], str) for a in axes):
+            raise TypeError(f"{name}_axes must be (basis, size) pairs such as [('rgb', 3)], "
+                            f"got {axes!r:.60}")
+        sizes = _dims_row(name, [size for _, size in axes])
+        assert sizes is not None
+        return tuple(Based(d, basis) for (basis, _), d in zip(axes, sizes, strict=True))
     if dims is None:
         return None
     out = int_dims(f"{name}_dims", dims)
@@ -36,6 +50,8 @@ def param(
     batch_dims: Sequence[int] = (),
     init: str | Init | None = None,
     prec: Precision | str = Precision.f32,
+    output_axes: Sequence[tuple[str, int]] | None = None,
+    input_axes: Sequence[tuple[str, int]] | None = None,
 ) -> Tensor:
     """A trainable tensor, drawn by ``init`` (None: the default, ``T.set_default_init``).
 
@@ -48,7 +64,8 @@ def param(
     prec = precision_of(prec)
     label = sharing.param_prefix.get() + label
     rows = {"batch": _dims_row("batch", batch_dims) or (),
-            "output": _dims_row("output", output_dims), "input": _dims_row("input", input_dims)}
+            "output": _dims_row("output", output_dims, output_axes),
+            "input": _dims_row("input", input_dims, input_axes)}
 
     def make() -> Tensor:
         if rows["output"] is None or rows["input"] is None:
@@ -87,6 +104,9 @@ def term(
     input_dims: Sequence[int] | None = None,
     output_dims: Sequence[int] | None = None,
     prec: Precision | str = Precision.f32,
+    batch_axes: Sequence[tuple[str, int]] | None = None,
+    input_axes: Sequence[tuple[str, int]] | None = None,
+    output_axes: Sequence[tuple[str, int]] | None = None,
 ) -> Tensor:
     """A non-differentiable, data-backed tensor (inputs, targets, a learning rate, a scale).
 
@@ -101,8 +121,9 @@ def term(
     ``output_dims`` is needed.
     """
     prec = precision_of(prec)
-    rows = {"batch": _dims_row("batch", batch_dims), "output": _dims_row("output", output_dims),
-            "input": _dims_row("input", input_dims)}
+    rows = {"batch": _dims_row("batch", batch_dims, batch_axes),
+            "output": _dims_row("output", output_dims, output_axes),
+            "input": _dims_row("input", input_dims, input_axes)}
     arr = None if values is None else _numbers(label, values)
     if arr is None:
         if rows["output"] is None:

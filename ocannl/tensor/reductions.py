@@ -22,6 +22,7 @@ from ocannl.tensor.shape import (
     Shape,
     broadcast,
     broadcast_projection,
+    same_dim,
     stretches,
 )
 from ocannl.tensor.tensor import Tensor
@@ -102,7 +103,7 @@ def _check_contracted(a: Tensor, b: Tensor) -> None:
             f"matmul: Too many axes in an operand: the right operand's output axes {bo} "
             f"({b.label} {b.shape}) outnumber the left operand's input axes {ai} ({a.label} "
             f"{a.shape}); maybe using @ instead of * (`@` is OCANNL's `*`, `*` its `*.`)?")
-    ok = all(stretches(y) or int(x) == int(y)
+    ok = all(stretches(y) or same_dim(x, y)
                                     for x, y in zip(ai[len(ai) - len(bo):], bo, strict=True))
     if not ok:
         raise ValueError(

@@ -35,6 +35,34 @@ def stretches(d: object) -> bool:
     return type(d) is _Stretch
 
 
+class Based(int):
+    """A size with a *basis*, upstream's dim label (``("rgb", 3)``): a unit that must agree
+    wherever the axis meets another (a buffer's dims drop it)."""
+
+    basis: str
+
+    def __new__(cls, size: int, basis: str) -> Based:
+        out = super().__new__(cls, size)
+        out.basis = basis
+        return out
+
+    def __repr__(self) -> str:
+        return f"{int(self)}_{self.basis}"
+
+    def __reduce__(self) -> tuple:
+        return (Based, (int(self), self.basis))
+
+
+def basis_of(d: object) -> str | None:
+    """``d``'s basis (None: a plain size)."""
+    return getattr(d, "basis", None)
+
+
+def same_dim(a: int, b: int) -> bool:
+    """Equal sizes of the same basis (a 1 that stretches is a plain 1 here)."""
+    return int(a) == int(b) and basis_of(a) == basis_of(b)
+
+
 @dataclass(frozen=True)
 class Shape:
     """A shape whose every dim is known (an open one is ``inference.SymShape``)."""
@@ -62,7 +90,8 @@ class Shape:
 
 
 def _fmt(row: tuple[int, ...]) -> str:
-    return ",".join(f"{int(d)}*" if stretches(d) else str(int(d)) for d in row)
+    return ",".join(f"{int(d)}*" if stretches(d) else repr(d) if basis_of(d) else str(int(d))
+                    for d in row)
 
 
 def broadcast(shapes: list[Shape], what: str) -> Shape:
@@ -77,7 +106,7 @@ def broadcast(shapes: list[Shape], what: str) -> Shape:
                 j = width - len(r) + k
                 if stretches(out[j]):
                     out[j] = d
-                elif not stretches(d) and d != out[j]:
+                elif not stretches(d) and not same_dim(d, out[j]):
                     listed = " and ".join(str(x) for x in shapes)
                     hint = (" (`*` is pointwise here, OCANNL's `*.`; OCANNL's `*`, the "
                             "product contracting a's input axes with b's output axes, is `@`)"
@@ -85,6 +114,9 @@ def broadcast(shapes: list[Shape], what: str) -> Shape:
                     if 1 in (d, out[j]):
                         hint += (" (a 1 given by the user does not stretch: reduce with "
                                  "keepdims, or give the matching size)")
+                    if int(d) == int(out[j]):
+                        hint += (f" (solved dimensions for axis: different bases: {d!r} and "
+                                 f"{out[j]!r})")
                     raise ValueError(f"{what}: shapes {listed} do not broadcast in the {name} "
                                      f"row{hint}")
         rows[name] = tuple(out)

@@ -270,3 +270,19 @@ def test_shape_errors_name_the_tensor_the_op_and_the_fix():
     with pytest.raises(ValueError, match=r"do not broadcast in the output row \(`\*` is "
                                          r"pointwise here, OCANNL's `\*\.`; .* is `@`\)"):
         a * T.term(np.zeros((3, 5)), label="b")
+
+
+def test_dim_bases_must_agree_where_axes_meet():
+    """Upstream's dim labels: ``output_axes=[("rgb", 3)]`` is a size with a basis; it meets
+    only the same basis (a plain 3 is another unit), through inference too."""
+    rgb = T.term(np.ones(3), label="rgb", output_axes=[("rgb", 3)])
+    assert rgb.shape_text() == "|->3_rgb" and rgb.dims == (3,)
+    assert (rgb * 2.0).shape_text() == "|->3_rgb"
+    with pytest.raises(ValueError, match=r"different bases: 3 and 3_rgb"):
+        rgb + T.term(np.ones(3), label="plain")
+    w = T.param("w")
+    assert (w + rgb).shape_text() == "|->3_rgb" and w.shape_text() == "|->3_rgb"
+    with pytest.raises(ValueError, match=r"einsum 'i;i=>i' .*different bases"):
+        T.einsum("i;i=>i", rgb, T.term(np.ones(3), label="plain3"))
+    with pytest.raises(ValueError, match="give output_dims or output_axes, not both"):
+        T.term(np.ones(3), output_dims=[3], output_axes=[("rgb", 3)])

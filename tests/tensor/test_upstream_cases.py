@@ -378,9 +378,7 @@ CASES: dict[int, Case] = {
     # Upstream (HEAD): "solved dimensions for axis: different bases". The port may word a user
     # 1 that does not stretch its own way ("does not stretch"); either names the op, add.
     32: Case("user-one-vs-based-five", case_32, "one + five",
-              raises=r"add: .*(different bases|does not stretch)",
-              missing="dim labels (bases): no T.term(..., output_axes=[('rgb', 5)])",
-              missing_raises=TypeError),
+              raises=r"add: .*(different bases|does not stretch)"),
     33: Case("set-scale", case_33, "Shape.set_scale ~factor:2 hidden input"),
     34: Case("number-tensor-product", case_34, "2 * hey", raises=re.escape(_TOO_MANY_AXES)),
 }
