@@ -28,7 +28,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ocannl.tensor.shape import BCAST_ONE, Shape, same_dim, stretches
+from ocannl.tensor.shape import BCAST_ONE, Shape, basis_of, same_dim, stretches
 
 if TYPE_CHECKING:
     from ocannl.tensor.tensor import Tensor
@@ -186,7 +186,7 @@ def _dim_text(d: Dim) -> str:
     d = find(d)
     if isinstance(d, DimVar):
         return repr(d)
-    return f"{int(d)}" + ("*" if stretches(d) else "")
+    return f"{int(d)}*" if stretches(d) else repr(d) if basis_of(d) else f"{int(d)}"
 
 
 def find(d: Dim) -> Dim:
