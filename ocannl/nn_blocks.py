@@ -114,9 +114,14 @@ def softmax_cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
     if not isinstance(targets, Tensor) or not isinstance(logits, Tensor):
         raise TypeError(f"softmax_cross_entropy: logits and targets must be Tensors, got "
                         f"{type(logits).__name__} and {type(targets).__name__}")
+    if logits.shape_known and targets.shape_known and targets.shape != logits.shape:
+        raise ValueError(f"softmax_cross_entropy: targets {targets.label} {targets.shape} do "
+                         f"not match logits {logits.label} {logits.shape}: expected the same "
+                         f"shape (one-hot rows or probabilities per class; integer labels go "
+                         f"to nn_blocks.cross_entropy with T.class_ids)")
+    # An open logits shape (a last layer left to inference) takes the targets' shape.
     expect_shape(logits, targets, "softmax_cross_entropy: the logits and the targets must have "
-                 "the same shape (one-hot rows or probabilities per class; integer labels go "
-                 "to nn_blocks.cross_entropy with T.class_ids)")
+                 "the same shape")
     z = logits - T.max(logits, "output")
     log_norm = T.log(T.sum(T.exp(z), "output"))
     return T.mean(T.sum(targets * (log_norm - z), "output"))
@@ -496,9 +501,13 @@ def cross_entropy(logits: Tensor, class_ids: T.ClassIds) -> Tensor:
     if not isinstance(class_ids, T.ClassIds):
         raise TypeError(f"cross_entropy: targets must come from ocannl.tensor.class_ids, "
                         f"got {class_ids!r}")
-    expect_shape(logits, Shape(class_ids.shape.batch, (class_ids.num_classes,), ()),
-                 "cross_entropy: the logits must have the targets' batch axes and one output "
-                 "axis of num_classes")
+    expect = Shape(class_ids.shape.batch, (class_ids.num_classes,), ())
+    if logits.shape_known and logits.shape != expect:
+        raise ValueError(f"cross_entropy: logits {logits.label} {logits.shape} do not match "
+                         f"the targets: expected {expect}")
+    # An open logits shape (a last layer left to inference) takes the targets' batch axes
+    # and one output axis of num_classes.
+    expect_shape(logits, expect, "cross_entropy: the logits must match the targets")
     picked = T.sum(T.one_hot(class_ids, prec=logits.prec) * T.log_softmax(logits, "output"),
                    "output")
     return -T.mean(picked)

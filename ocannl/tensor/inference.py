@@ -421,6 +421,8 @@ class DimEq(Constraint):
         elif isinstance(b, DimVar):
             _bind_dim(b, a, self.origin)
         elif not _same_dim(a, b):
+            if _named(self.b) and not _named(self.a):  # the label's size first
+                a, b = b, a
             what = "different bases" if int(a) == int(b) else "mismatch"
             raise _fail(self.origin, f"solved dimensions for axis{_named(self.a, self.b)}: "
                                      f"{what}: {a!r} and {b!r} must be equal")

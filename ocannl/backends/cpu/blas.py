@@ -171,7 +171,9 @@ def _mkl_libraries(folder: Path) -> list[Path] | None:
     common = set.intersection(*versions)
     if not common:
         return None
-    newest = max(common, key=lambda v: tuple(int(x) for x in v.split(".") if x.isdigit()))
+    # a tie of numbers (``.2`` and ``.2.x``) goes by the name: the same library whatever
+    # the set's order (which the hash seed decides)
+    newest = max(common, key=lambda v: (tuple(int(x) for x in v.split(".") if x.isdigit()), v))
     return [folder / f"{part}.so{newest}" for part in _MKL_PARTS]
 
 
