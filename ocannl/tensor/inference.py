@@ -782,14 +782,20 @@ def close(t: Tensor) -> None:
 def close_vars(vs: Iterable[DimVar | RowVar]) -> None:
     """Close the groups of ``vs`` (see :func:`close`)."""
     groups = {id(g): g for g in (v.group.root() for v in vs)}
+    seen = [v.id for g in groups.values() for v in _open_vars(g)]
     with _transaction():
         for g in groups.values():
             _close_group(g.root())
+    for vid in seen:
+        _watchers.pop(vid, None)
     for g in groups.values():
         g = g.root()
         for u in list(g.tensors):
             u.shape_inferred()
         g.tensors = [u for u in g.tensors if u.sym is not None]
+        for c in g.cons:  # every variable is bound: nothing is left to wake
+            for vid in c.watched:
+                _watchers.pop(vid, None)
         g.cons = [c for c in g.cons if not c.done]
 
 
