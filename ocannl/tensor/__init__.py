@@ -23,7 +23,7 @@ from ocannl.tensor.data import (
     set_class_ids,
     uniform_expr,
 )
-from ocannl.tensor.einsum import Dims, einsum
+from ocannl.tensor.einsum import Dims, assign, einsum
 from ocannl.tensor.leaves import (
     number,
     param,
@@ -81,7 +81,7 @@ __all__ = [
     "gelu", "gt", "le", "log_softmax", "lt", "maximum", "min", "minimum", "ne", "one_hot",
     "reduce", "register_buffers", "set_class_ids", "softmax", "standardize", "uniform_expr",
     "where", "cos", "sin", "floor",
-    "Dims", "Init", "block", "concat", "Shape", "Tensor", "op", "set_default_init",
+    "Dims", "Init", "assign", "block", "concat", "Shape", "Tensor", "op", "set_default_init",
     "add", "cast", "div", "einsum", "exp", "log", "matmul", "max",
     "mean", "mul", "neg", "number", "param", "pow_const", "relu", "set_seed", "sigmoid", "sqrt",
     "sub", "sum", "tanh", "term",

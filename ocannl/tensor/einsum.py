@@ -22,7 +22,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ocannl.ir.assignments import Accum, Affine, Fixed, Get, Index, apply
+from ocannl.ir.assignments import Accum, Affine, Comp, Fixed, Get, Index, apply
 from ocannl.ir.ops import OPS, Precision
 from ocannl.ir.tnode import Tnode
 from ocannl.tensor import inference
@@ -310,8 +310,16 @@ def einsum(spec: str, *operands: Tensor | float, accum: str = "+", combine: str 
 
 def _build(out: Tensor, ts: list[Tensor], parsed: EinsumSpec, slots: list[SymShape],
            res: SymShape, env: _Env, accum: str, combine: str) -> None:
-    """The assignment, with every dim now known: one iterator per label and per axis of each
-    row variable; a reduced one is an iterator the result's projection lacks."""
+    """The assignment, with every dim now known."""
+    res_idx, projs, space = _projections(parsed, slots, res, env)
+    _code(out, ts, projs, res_idx, space, accum, combine)
+
+
+def _projections(parsed: EinsumSpec, slots: list[SymShape], res: SymShape, env: _Env
+                 ) -> tuple[tuple[Index, ...], list[tuple[Index, ...]], tuple[int, ...]]:
+    """The result's and each operand's projection and the product space: one iterator per
+    label and per axis of each row variable; a reduced one is an iterator the result's
+    projection lacks."""
     it: dict[object, int] = {}
     space: list[int] = []
 
@@ -361,7 +369,64 @@ def _build(out: Tensor, ts: list[Tensor], parsed: EinsumSpec, slots: list[SymSha
 
     res_idx = proj(parsed.result, res, True)
     projs = [proj(op, slot, False) for op, slot in zip(parsed.operands, slots, strict=True)]
-    _code(out, ts, projs, res_idx, tuple(space), accum, combine)
+    return res_idx, projs, tuple(space)
+
+
+# Upstream's ``%cd ~logic`` shorthands, as specs: pointwise (no broadcasting), compose (``@``:
+# the left operand's input row contracted with the right's output row), transpose.
+LOGIC = {
+    ".": "..b..|..i..->..o..;..b..|..i..->..o..=>..b..|..i..->..o..",
+    "@": "..b..|..k..->..o..;..b..|..i..->..k..=>..b..|..i..->..o..",
+    "T": "..b..|..i..->..o..=>..b..|..o..->..i..",
+}
+
+
+def assign(lhs: Tensor, accum: str, *operands: Tensor | float, logic: str,
+           op: str | None = None, reset: bool = True) -> Comp:
+    """One assignment ``lhs (accum)= op(operands)`` whose projections a spec gives: upstream's
+    ``%cd lhs =:+ a * b ~logic:"spec"`` (``"."``, ``"@"``, ``"T"`` or any einsum spec, ``lhs``
+    its result). ``accum``: ``"="``, ``"+"`` or ``"max"``; ``reset`` fills ``lhs`` with the
+    accumulator's neutral element first (``=:+``; False: ``=+``, adding to what is there).
+    ``op``: the op combining several operands (default ``"mul"``). The shapes meet the spec
+    as einsum's do (an open one is inferred, then closed); the result is a computation to
+    compile or add to a step."""
+    if accum not in ACCUMS_OF_ASSIGN:
+        raise ValueError(f"assign: accum must be one of {ACCUMS_OF_ASSIGN}, got {accum!r}")
+    if not isinstance(lhs, Tensor) or lhs.kind == "number":
+        raise TypeError(f"assign: the left-hand side must be a tensor with a buffer, got "
+                        f"{lhs!r:.60}")
+    spec = LOGIC.get(logic, logic)
+    parsed = parse(spec)
+    ts = [_lift(x) for x in operands]
+    if len(parsed.operands) != len(ts):
+        raise ValueError(f"assign ~logic:{logic!r} into {lhs.label}: the spec names "
+                         f"{len(parsed.operands)} operands, got {len(ts)}")
+    combine = op or ("mul" if len(ts) > 1 else "id")
+    if len(ts) > 1 and OPS[combine].arity != len(ts):
+        raise ValueError(f"assign: op {combine!r} takes {OPS[combine].arity} operands, got "
+                         f"{len(ts)}")
+    origin = Origin(f"assign ~logic:{logic!r} into {lhs.label}", tuple(ts))
+    env = _Env(parsed, origin)
+    slots = [SymShape(*(_slot_row(env, o.rows[k], ROW_NAMES[k], False) for k in range(3)))
+             for o in parsed.operands]
+    res = SymShape(*(_slot_row(env, parsed.result.rows[k], ROW_NAMES[k], True)
+                     for k in range(3)))
+    for t, slot in [*zip(ts, slots, strict=True), (lhs, res)]:
+        env.cons += [RowEq(sym_of(t).row(r), slot.row(r), origin, r) for r in ROW_NAMES]
+    for c in env.cons:
+        c.origin = origin
+    inference.add(env.cons)
+    for t in (lhs, *ts):
+        _ = t.shape  # the code needs every dim: close what is open
+    inference.close_vars([*env.labels.values(), *env.rows.values()])
+    res_idx, projs, space = _projections(parsed, slots, res, env)
+    args = [_read(t, p) for t, p in zip(ts, projs, strict=True)]
+    expr = args[0] if len(args) == 1 else apply(combine, *args)
+    return Comp((Accum(lhs.value, res_idx, accum, expr, space, reset=reset),),
+                f"assign_{lhs.label}")
+
+
+ACCUMS_OF_ASSIGN = ("=", "+", "max")
 
 
 def _code(out: Tensor, ts: list[Tensor], projs: list[tuple[Index, ...]],

@@ -95,3 +95,27 @@ def test_a_repeated_label_reads_or_writes_a_diagonal(spec, want):
     av = np.arange(6.0).reshape(2, 3)
     a = T.term(av, label="a")
     np.testing.assert_allclose(_values(T.einsum(spec, a), Context.cpu()), want(av))
+
+
+def test_assign_is_upstreams_cd_logic():
+    """``T.assign(c, accum, a, b, logic=...)``: one assignment whose projections a spec (or
+    upstream's "@", "." or "T") gives; ``reset=False`` adds to what ``c`` holds (``=+``)."""
+    av = np.arange(6.0).reshape(2, 3)
+    a = T.term(av, label="a", batch_dims=(), output_dims=[2], input_dims=[3])
+    b = T.term(np.ones((3, 4)), label="b", batch_dims=(), output_dims=[3], input_dims=[4])
+    c = T.param("c", init="zeros")
+    ctx, compose = Context.cpu().compile(T.assign(c, "+", a, b, logic="@"))
+    ctx = ctx.run(compose)
+    np.testing.assert_allclose(ctx.get_values(c), av @ np.ones((3, 4)))
+    ctx, again = ctx.compile(T.assign(c, "+", a, b, logic="@", reset=False))
+    np.testing.assert_allclose(ctx.run(again).get_values(c), 2 * (av @ np.ones((3, 4))))
+    t = T.param("t", init="zeros")
+    ctx, tr = ctx.compile(T.assign(t, "=", a, logic="T"))
+    np.testing.assert_allclose(ctx.run(tr).get_values(t), av.T)
+    m = T.param("m", init="zeros")
+    ctx, mx = ctx.compile(T.assign(m, "max", a, logic="|i->o => o"))
+    np.testing.assert_allclose(ctx.run(mx).get_values(m), av.max(axis=1))
+    with pytest.raises(ValueError, match=r"assign ~logic:'@' into c: the spec names 2 operands"):
+        T.assign(c, "+", a, logic="@")
+    with pytest.raises(ValueError, match=r"assign ~logic:'@' into bad over a .*; b .*"):
+        T.assign(T.term(np.zeros((5, 5)), label="bad"), "+", a, b, logic="@")

@@ -278,9 +278,14 @@ def case_30(c):  # Operation.where ~spec:"ij;ij;ij=>i" pred a b
                     combine="where")
 
 
-def case_31(c):  # %cd { c } =:+ a * b ~logic:"@": here simply a @ b
-    t = _input(c, "a") @ _input(c, "b")
+def case_31(c):  # %cd { c } =:+ a * b ~logic:"@": T.assign, c's shape inferred from it
+    a, b = _input(c, "a"), _input(c, "b")
+    t = a @ b  # the same product as an op
     assert _rows(t) == _shape(input=(1,), output=(2,))
+    out = T.param("c", init="zeros")
+    ctx, routine = Context.cpu().compile(T.assign(out, "+", a, b, logic="@"))
+    np.testing.assert_allclose(ctx.run(routine).get_values(out).ravel(), [4.0, 10.0])
+    assert _rows(out) == _shape(input=(1,), output=(2,))
     return t
 
 
