@@ -160,7 +160,12 @@ class RowVar:
         self.name = name
 
     def __repr__(self) -> str:
-        return f"..{self.name or 'r' + str(self.id)}.."
+        """``..v..`` (a spec's name), ``..w.input..`` (a parameter's row), else ``..r7..``."""
+        if self.name:
+            return f"..{self.name}.."
+        if self.owner.terminal and self.owner.label:
+            return f"..{self.owner.label}.{self.owner.row}.."
+        return f"..r{self.id}.."
 
 
 Dim = int | DimVar
@@ -622,8 +627,9 @@ class RowIneq(Constraint):
         # res must have at least opnd's right-anchored axes: its variable grows to give them
         if len(res.dims) < len(opnd.dims):
             if res.var is None:
-                raise _fail(self.origin, f"Too many axes in an operand: [{opnd}] has more axes "
-                                         f"than the result's [{res}]{_matmul_hint(self.origin)}")
+                raise _fail(self.origin, f"Too many axes in an operand{_in_row(self.row)}: "
+                                         f"[{opnd}] has more axes than [{res}]"
+                                         f"{_matmul_hint(self.origin)}")
             if res.beg:  # its variable or its leading axes may hold them: wait until known
                 return False, []
             fresh = _fresh_like(res.var)
@@ -648,8 +654,8 @@ class RowIneq(Constraint):
             rest = res.dims
         left = res.beg + rest if res.var is None else res.beg
         if len(left) < len(opnd.beg):
-            raise _fail(self.origin, f"Too many axes in an operand: [{opnd}] has more axes than "
-                                     f"the result's [{norm(self.res)}]")
+            raise _fail(self.origin, f"Too many axes in an operand{_in_row(self.row)}: [{opnd}] "
+                                     f"has more axes than [{norm(self.res)}]")
         out += [DimIneq(x, y, self.origin, f"the {self.row} row's axis {k} from the left")
                 for k, (x, y) in enumerate(zip(left, opnd.beg, strict=False))]
         middle = (Row((), None, left[len(opnd.beg):]) if res.var is None
