@@ -5,10 +5,10 @@ and every dim upstream leaves to inference left out here too.
 The translation: OCaml's ``*`` (tensor product) is ``@``, ``*.`` is ``*``; ``{w}`` is
 ``T.param("w")`` inside a ``@T.op`` function (made at its first call, shared by the next);
 ``{b; o = [16]}`` is ``T.param("b", output_dims=[16])``; ``x ++ "spec"`` is
-``T.einsum("spec", x)``; ``!..n`` is the number ``n``. Upstream slices a batch out of data held
-whole with ``moons_flat @| batch_n``, a static index bound when the routine runs; this port
-has no batch slicing yet, so ``ocannl.loader.Loader`` writes each batch into the input terms
-(the same batches, in order, as upstream's loop over ``batch_n``).
+``T.einsum("spec", x)``; ``!..n`` is the number ``n``; ``TDSL.rebatch`` is ``T.rebatch`` and
+``moons_flat @| batch_n`` is ``T.batch_slice(moons_flat, batch_n)``, ``batch_n`` a
+``T.static_index`` the loop sets before each run (upstream's ``Train.sequential_loop`` over
+the routine's bindings): the data stays whole on the device, one routine reads each batch.
 
 Run: ``python examples/upstream_moons_demo.py`` (prints the loss every 10 epochs, then the
 training accuracy).
@@ -22,7 +22,6 @@ import numpy as np
 
 import ocannl.tensor as T
 from ocannl import Context, datasets, train
-from ocannl.loader import Loader
 
 
 def main(epochs: int = 80, seed: int = 2) -> float:
@@ -33,9 +32,9 @@ def main(epochs: int = 80, seed: int = 2) -> float:
     steps = epochs * 2 * len_ // batch_size
     coordinates, labels = datasets.half_moons(2 * len_, noise=0.1, seed=seed)
     classes = (2.0 * labels - 1.0).astype(np.float32).reshape(-1, 1)  # upstream's ±1 labels
-    # upstream: let moons_flat = TDSL.rebatch ~l:"moons_flat" moons_flat_ndarray ()
-    moons_input = T.term(coordinates[:batch_size], label="moons_input")
-    moons_class = T.term(classes[:batch_size], label="moons_class")
+    batch_n = T.static_index("batch_n", range=n_batches)
+    moons_flat = T.rebatch(coordinates, batch=batch_size, label="moons_flat")
+    moons_classes = T.rebatch(classes, batch=batch_size, label="moons_classes")
 
     @T.op
     def mlp(x: T.Tensor) -> T.Tensor:
@@ -43,6 +42,8 @@ def main(epochs: int = 80, seed: int = 2) -> float:
         return T.param("w3") @ T.relu(T.param("b2", output_dims=[16]) + (
             T.param("w2") @ T.relu(T.param("b1", output_dims=[16]) + (T.param("w1") @ x))))
 
+    moons_input = T.batch_slice(moons_flat, batch_n)
+    moons_class = T.batch_slice(moons_classes, batch_n)
     margin_loss = T.relu(1 - (moons_class * mlp(moons_input)))
     weight_decay = 0.0001
     scalar_loss = T.einsum("...|... => 0", margin_loss) / batch_size
@@ -53,15 +54,12 @@ def main(epochs: int = 80, seed: int = 2) -> float:
                            weight_decay=weight_decay)
     ctx = train.init_params(Context.cpu(), scalar_loss)
     ctx, sgd_routine = ctx.compile(update + sgd)
-    loader = Loader([coordinates, classes], [moons_input, moons_class], batch=batch_size,
-                    shuffle=False)
-    assert loader.steps_per_epoch == n_batches
     step = 0
     for epoch in range(1, epochs + 1):
         epoch_loss = 0.0
-        for _ in range(n_batches):
+        for batch in range(n_batches):
             ctx = ctx.set_values(learning_rate, [0.1 * (2 * steps - step) / steps])
-            ctx = loader.next(ctx).run(sgd_routine)
+            ctx = ctx.set_values(batch_n, [batch]).run(sgd_routine)
             epoch_loss += float(ctx.get_values(scalar_loss)[0])
             step += 1
         if epoch % 10 == 0 or epoch == 1:

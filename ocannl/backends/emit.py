@@ -10,9 +10,10 @@ spelling: C for CUDA; the CPU's own is LLVM IR, built elsewhere.)
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ocannl.ir.assignments import Affine, Apply, Const, Expr, Fixed, Get, Projection
+from ocannl.ir.assignments import Affine, Apply, Const, Dynamic, Expr, Fixed, Get, Projection
 from ocannl.ir.lowered import LoopNest
 from ocannl.ir.ops import ACCUMS, OPS, Precision
 from ocannl.ir.tnode import Tnode
@@ -87,12 +88,19 @@ def _affine(a: Affine, iters: dict[int, str]) -> str:
     return "(" + " + ".join(terms).replace("+ -", "- ") + ")"
 
 
-def offset(node: Tnode, idx: Projection, iters: dict[int, str]) -> str:
-    """The flat row-major offset of ``node[idx]`` as an expression over loop variables."""
+def offset(node: Tnode, idx: Projection, iters: dict[int, str],
+           buffer: Callable[[Tnode], str] | None = None) -> str:
+    """The flat row-major offset of ``node[idx]`` as an expression over loop variables
+    (``buffer`` names a dynamic index's node, whose value is read when the code runs)."""
     terms: list[str] = []
     const = 0
     for i, stride, dim in zip(idx, node.strides, node.dims, strict=True):
-        if isinstance(i, Fixed):
+        if isinstance(i, Dynamic):
+            if buffer is None:
+                raise ValueError(f"a dynamic index into {node.name} needs its node's buffer")
+            at = f"((long long)({buffer(i.node)}[0]))"
+            terms.append(at if stride == 1 else f"{at} * {stride}")
+        elif isinstance(i, Fixed):
             const += i.pos * stride
         elif dim == 1:
             continue  # in bounds, the position is 0 (out of bounds, nothing is accessed)
@@ -156,7 +164,7 @@ class BodyWriter:
 
     def load(self, node: Tnode, idx: Projection) -> str:
         """``node[idx]``, or 0 where an affine index falls outside the node (padding)."""
-        value = self.flavour.load(node, offset(node, idx, self.iters))
+        value = self.flavour.load(node, offset(node, idx, self.iters, self.flavour.buffer))
         conds = in_bounds(node, idx, self.space, self.iters)
         if not conds:
             return value

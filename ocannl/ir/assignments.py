@@ -18,7 +18,8 @@ from ocannl.ir.tnode import Tnode
 
 # The expressions (``expr.py``) and their checked constructor (``ops.apply``), re-exported:
 # the IR's users import them from here.
-__all__ = ["ACCUMS", "Accum", "Affine", "Apply", "Comp", "Const", "Expr", "Fixed", "Get",
+__all__ = ["ACCUMS", "Accum", "Affine", "Apply", "Comp", "Const", "Dynamic", "Expr", "Fixed",
+           "Get",
            "Index", "Projection", "apply", "iterators_of", "reads"]
 
 
@@ -27,6 +28,16 @@ class Fixed:
     """A fixed position along an axis (a broadcast dimension of size 1, an element pick)."""
 
     pos: int
+
+
+@dataclass(frozen=True)
+class Dynamic(Fixed):
+    """A position read when the routine runs from ``node``, a one-cell index node the host
+    sets (``Context.set_values``): a static index, as upstream's batch slicing ``x @| i``
+    binds. Every analysis treats it as a fixed position (``pos`` is unused); the code loads
+    it. Reads only: the node's ``check_values`` keeps it inside the axis."""
+
+    node: Tnode | None = None
 
 
 @dataclass(frozen=True)
@@ -79,6 +90,8 @@ class Accum:
     reset: bool = False
 
     def __post_init__(self) -> None:
+        if any(isinstance(i, Dynamic) for i in self.lhs_idx):
+            raise ValueError(f"a dynamic index may only read, not write {self.lhs.name}")
         if self.accum not in ACCUMS:
             raise ValueError(f"unknown accumulation {self.accum!r}: expected one of {list(ACCUMS)}")
         if len(self.lhs_idx) != len(self.lhs.dims):

@@ -49,8 +49,13 @@ Expr = Get | Const | Apply
 
 
 def reads(expr: Expr) -> Iterator[Get]:
-    """Every buffer read in an expression."""
+    """Every buffer read in an expression, a dynamic index's node too (read when the code
+    runs, as a one-cell ``Get``)."""
     if isinstance(expr, Get):
+        for i in expr.idx:
+            node = getattr(i, "node", None)  # ``assignments.Dynamic``
+            if node is not None:
+                yield Get(node, ())
         yield expr
     elif isinstance(expr, Apply):
         for a in expr.args:

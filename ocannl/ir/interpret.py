@@ -39,7 +39,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from ocannl.ir.assignments import Affine, Apply, Const, Expr, Fixed, Get, reads
+from ocannl.ir.assignments import Affine, Apply, Const, Dynamic, Expr, Fixed, Get, reads
 from ocannl.ir.lowering import Fill, Gemm, LoopGroup, LoopNest, Lowered, MatrixView, effects
 from ocannl.ir.ops import ACCUMS, OPS, Precision, reference
 from ocannl.ir.tnode import MemoryMode, Tnode
@@ -335,7 +335,9 @@ class _Machine:
         out: list[np.ndarray] = []
         ok: np.ndarray | bool = True
         for i, dim in zip(idx, node.dims, strict=True):
-            if isinstance(i, Fixed):
+            if isinstance(i, Dynamic):
+                at = np.asarray(int(self.values[i.node.id].reshape(-1)[0]))
+            elif isinstance(i, Fixed):
                 at = np.asarray(i.pos)
             elif isinstance(i, Affine):
                 at = np.asarray(i.offset)

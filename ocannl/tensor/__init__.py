@@ -74,6 +74,7 @@ from ocannl.tensor.reductions import (
 )
 from ocannl.tensor.shape import Shape
 from ocannl.tensor.sharing import op
+from ocannl.tensor.slicing import StaticIndex, batch_slice, rebatch, static_index
 from ocannl.tensor.tensor import Init, Tensor, set_default_init, set_seed
 
 __all__ = [
@@ -81,7 +82,8 @@ __all__ = [
     "gelu", "gt", "le", "log_softmax", "lt", "maximum", "min", "minimum", "ne", "one_hot",
     "reduce", "register_buffers", "set_class_ids", "softmax", "standardize", "uniform_expr",
     "where", "cos", "sin", "floor",
-    "Dims", "Init", "assign", "block", "concat", "Shape", "Tensor", "op", "set_default_init",
+    "Dims", "Init", "StaticIndex", "assign", "batch_slice", "block", "concat", "rebatch",
+    "static_index", "Shape", "Tensor", "op", "set_default_init",
     "add", "cast", "div", "einsum", "exp", "log", "matmul", "max",
     "mean", "mul", "neg", "number", "param", "pow_const", "relu", "set_seed", "sigmoid", "sqrt",
     "sub", "sum", "tanh", "term",

@@ -45,7 +45,17 @@ from ocannl.backends.cpu.scalar import (
     f32_to_f16_soft,
     like,
 )
-from ocannl.ir.assignments import Affine, Apply, Const, Expr, Fixed, Get, Projection, reads
+from ocannl.ir.assignments import (
+    Affine,
+    Apply,
+    Const,
+    Dynamic,
+    Expr,
+    Fixed,
+    Get,
+    Projection,
+    reads,
+)
 from ocannl.ir.lowered import (
     Fill,
     Gemm,
@@ -312,7 +322,10 @@ class RoutineIR:
         terms: list[ir.Value] = []
         const = 0
         for i, stride, dim in zip(idx, node.strides, node.dims, strict=True):
-            if isinstance(i, Fixed):
+            if isinstance(i, Dynamic):  # the index node's value, loaded when the code runs
+                at = b.fptosi(convert(b, b.load(self.buffer(i.node)), F32), I64)
+                terms.append(at if stride == 1 else b.mul(at, const_int(stride), flags=["nsw"]))
+            elif isinstance(i, Fixed):
                 const += i.pos * stride
             elif dim > 1:  # along an axis of one cell, an in-bounds position is 0
                 at = self.affine(i, iters) if isinstance(i, Affine) else iters[i]
