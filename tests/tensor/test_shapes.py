@@ -288,3 +288,17 @@ def test_dim_bases_must_agree_where_axes_meet():
         T.einsum("i;i=>i", rgb, T.term(np.ones(3), label="plain3"))
     with pytest.raises(ValueError, match="give output_dims or output_axes, not both"):
         T.term(np.ones(3), output_dims=[3], output_axes=[("rgb", 3)])
+
+
+def test_a_parameter_left_open_is_refused_at_compile_before_any_allocation():
+    from ocannl import Context, train
+
+    w = T.param("mlp_w0")
+    y = w * 2.0
+    ctx = Context.cpu()
+    with pytest.raises(ValueError, match="specify the output dims of mlp_w0: nothing it meets "
+                                         "fixes them"):
+        ctx.compile(train.forward(y))
+    assert not ctx.is_allocated(y) and not w.shape_known  # nothing allocated, nothing closed
+    z = y + T.term(np.ones(3), label="three")  # still open: a later use fixes it
+    assert str(z.shape) == str(w.shape) == "|->3"
