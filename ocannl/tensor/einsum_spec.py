@@ -4,7 +4,7 @@ It builds only the syntax: which axes each row names, where its row variable sit
 convolution or concatenation an axis spells. Shape inference reads these structures; keeping the
 grammar here (no tensors, no NumPy) lets it be tested and reused on its own.
 
-Grammar (upstream ``tensor/shape.mli``; see ``/work/shared/ocannl-shapes/README.md`` §2)::
+Grammar (upstream ``tensor/shape.mli``; see the project's ``shared/ocannl-shapes/README.md`` §2)::
 
     einsum_spec := labels_spec (';' labels_spec)* '=>' labels_spec
     labels_spec := row | row '|' row | row '->' row | row '|' row '->' row

@@ -1,6 +1,6 @@
-"""The einsum / shape-spec parser against every example of the upstream reference
-(``/work/shared/ocannl-shapes/README.md`` §1.3, §1.6-§1.8, §2), the specs this project already
-writes, and the errors upstream raises."""
+"""The einsum / shape-spec parser against every example of the upstream reference (the
+project's ``shared/ocannl-shapes/README.md`` §1.3, §1.6-§1.8, §2), the specs this project
+already writes, and the errors upstream raises."""
 
 from __future__ import annotations
 
