@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from ocannl.ir import expr as expr_module
 from ocannl.ir.expr import Apply, Const, Expr, Get, reads
 from ocannl.ir.ops import ACCUMS, apply
 from ocannl.ir.tnode import Tnode
@@ -38,6 +39,9 @@ class Dynamic(Fixed):
     it. Reads only: the node's ``check_values`` keeps it inside the axis."""
 
     node: Tnode | None = None
+
+    def __post_init__(self) -> None:
+        expr_module.dynamic_seen = True
 
 
 @dataclass(frozen=True)

@@ -48,14 +48,20 @@ class Apply:
 Expr = Get | Const | Apply
 
 
+# Set once an ``assignments.Dynamic`` index exists: until then no read looks for one (this is
+# the hottest function of lowering).
+dynamic_seen = False
+
+
 def reads(expr: Expr) -> Iterator[Get]:
     """Every buffer read in an expression, a dynamic index's node too (read when the code
     runs, as a one-cell ``Get``)."""
     if isinstance(expr, Get):
-        for i in expr.idx:
-            node = getattr(i, "node", None)  # ``assignments.Dynamic``
-            if node is not None:
-                yield Get(node, ())
+        if dynamic_seen:
+            for i in expr.idx:
+                node = getattr(i, "node", None)  # ``assignments.Dynamic``
+                if node is not None:
+                    yield Get(node, ())
         yield expr
     elif isinstance(expr, Apply):
         for a in expr.args:
