@@ -42,12 +42,13 @@ _trail: list[tuple[Any, str, Any] | Callable[[], object]] | None = None
 
 
 def _same(a: Any, b: Any) -> bool:
-    """Equal, with the same stretch marks (``BCAST_ONE == 1``, yet they differ)."""
+    """Equal, with the same stretch marks and bases (``BCAST_ONE == 1``, yet they differ)."""
     if a is b:
         return True
     if isinstance(a, tuple) and isinstance(b, tuple):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
-    return type(a) is type(b) and not isinstance(a, (Row, DimVar, RowVar)) and a == b
+    return (type(a) is type(b) and not isinstance(a, (Row, DimVar, RowVar)) and a == b
+            and basis_of(a) == basis_of(b))
 
 
 def _set(obj: Any, attr: str, value: Any) -> None:
