@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from ocannl.ir.assignments import Accum, Affine, Fixed, Get, Index
 from ocannl.ir.tnode import Tnode
 from ocannl.tensor import inference
-from ocannl.tensor.einsum import Dims, _Env, _slot_row
+from ocannl.tensor.einsum import Dims, _Env, _spec_shapes
 from ocannl.tensor.einsum_spec import (
     Concat,
     EinsumSpec,
@@ -91,11 +91,7 @@ def concat(spec: str, *xs: Operand, sizes: Mapping[str, int] | None = None,
                          f"{len(ts)}")
     plan, discard = _plan(parsed)
     origin = Origin(f"concat {spec!r}", tuple(ts))
-    env = _Env(parsed, origin)
-    slots = [SymShape(*(_slot_row(env, op.rows[k], ROW_NAMES[k], False) for k in range(3)))
-             for op in parsed.operands]
-    res = SymShape(*(_slot_row(env, parsed.result.rows[k], ROW_NAMES[k], True)
-                     for k in range(3)))
+    env, slots, res = _spec_shapes(parsed, ts, origin)
     for name in discard:
         env.labels[name].discardable = True
     for name, size in (sizes or {}).items():
@@ -106,11 +102,6 @@ def concat(spec: str, *xs: Operand, sizes: Mapping[str, int] | None = None,
             raise ValueError(f"concat {spec!r}: the size of {name!r} must be an integer >= 0, "
                              f"got {size!r}")
         env.cons.append(DimEq(env.labels[name], size, origin))
-    for t, slot in zip(ts, slots, strict=True):
-        sym = sym_of(t)
-        env.cons += [RowEq(sym.row(r), slot.row(r), origin) for r in ROW_NAMES]
-    for c in env.cons:
-        c.origin = origin
     out = Tensor(Tnode("concat", None, _result_prec(ts)), res, kind="op",
                  children=tuple(t for t in ts if t.kind != "number"))
     concats = _concat_axes(parsed, env)

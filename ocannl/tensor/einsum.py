@@ -101,6 +101,8 @@ class Dims:
     def set_dim(self, name: str, size: int) -> None:
         """Fix a label's size, or a row variable's total number of cells."""
         v = self.var(name)
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"set_dim {name}: the size must be an integer >= 1, got {size!r}")
         origin = Origin(f"set_dim {name}={size} of einsum {self.spec!r}")
         if isinstance(v, RowVar):
             inference.add([inference.RowTotal((Row((), v, ()),), lambda t: [size], origin)])
@@ -251,6 +253,22 @@ def _concat_solve(spec: str) -> Callable[[list[int | None]], list[int | None]]:
     return solve
 
 
+def _spec_shapes(parsed: EinsumSpec, ts: list[Tensor], origin: Origin,
+                 result: Tensor | None = None) -> tuple[_Env, list[SymShape], SymShape]:
+    """The spec's variables, each operand's slot and the result's, and (in ``env.cons``) the
+    equations tying each operand, and ``result`` when given, to its slot."""
+    env = _Env(parsed, origin)
+    slots = [SymShape(*(_slot_row(env, op.rows[k], ROW_NAMES[k], False) for k in range(3)))
+             for op in parsed.operands]
+    res = SymShape(*(_slot_row(env, parsed.result.rows[k], ROW_NAMES[k], True)
+                     for k in range(3)))
+    tied = [*zip(ts, slots, strict=True), *([(result, res)] if result is not None else [])]
+    for t, slot in tied:
+        sym = sym_of(t)
+        env.cons += [RowEq(sym.row(r), slot.row(r), origin, r) for r in ROW_NAMES]
+    return env, slots, res
+
+
 def _slot_row(env: _Env, rs: RowSpec, row: str, in_result: bool) -> Row:
     var = None if rs.var is None else env.row_var(rs.var, row)
     beg = tuple(_occurrence(env, ax, in_result) for ax in rs.beg)
@@ -284,17 +302,7 @@ def einsum(spec: str, *operands: Tensor | float, accum: str = "+", combine: str 
     if len(ts) > 1 and OPS[combine].arity != len(ts):
         raise ValueError(f"einsum {spec!r}: combine {combine!r} takes {OPS[combine].arity} "
                          f"operands, got {len(ts)}")
-    origin = Origin(f"einsum {spec!r}", tuple(ts))
-    env = _Env(parsed, origin)
-    slots = [SymShape(*(_slot_row(env, op.rows[k], ROW_NAMES[k], False) for k in range(3)))
-             for op in parsed.operands]
-    res = SymShape(*(_slot_row(env, parsed.result.rows[k], ROW_NAMES[k], True)
-                     for k in range(3)))
-    for t, slot in zip(ts, slots, strict=True):
-        sym = sym_of(t)
-        env.cons += [RowEq(sym.row(r), slot.row(r), origin, r) for r in ROW_NAMES]
-    for c in env.cons:
-        c.origin = origin
+    env, slots, res = _spec_shapes(parsed, ts, Origin(f"einsum {spec!r}", tuple(ts)))
     prec = _result_prec(ts)
     out = Tensor(Tnode("einsum", None, prec), res, kind="op",
                  children=tuple(t for t in ts if t.kind != "number"))
@@ -406,15 +414,7 @@ def assign(lhs: Tensor, accum: str, *operands: Tensor | float, logic: str,
         raise ValueError(f"assign: op {combine!r} takes {OPS[combine].arity} operands, got "
                          f"{len(ts)}")
     origin = Origin(f"assign ~logic:{logic!r} into {lhs.label}", tuple(ts))
-    env = _Env(parsed, origin)
-    slots = [SymShape(*(_slot_row(env, o.rows[k], ROW_NAMES[k], False) for k in range(3)))
-             for o in parsed.operands]
-    res = SymShape(*(_slot_row(env, parsed.result.rows[k], ROW_NAMES[k], True)
-                     for k in range(3)))
-    for t, slot in [*zip(ts, slots, strict=True), (lhs, res)]:
-        env.cons += [RowEq(sym_of(t).row(r), slot.row(r), origin, r) for r in ROW_NAMES]
-    for c in env.cons:
-        c.origin = origin
+    env, slots, res = _spec_shapes(parsed, ts, origin, result=lhs)
     inference.add(env.cons)
     for t in (lhs, *ts):
         _ = t.shape  # the code needs every dim: close what is open

@@ -54,7 +54,9 @@ def rebatch(values: object, *, batch: int, label: str = "data",
     divide into whole batches (a partial last batch is refused, not dropped)."""
     arr = np.asarray(values)
     batch = int_value(f"rebatch {label}: batch", batch)
-    if arr.ndim < 1 or batch < 1 or arr.shape[0] % batch:
+    if batch < 1:
+        raise ValueError(f"rebatch {label}: batch must be >= 1, got {batch}")
+    if arr.ndim < 1 or arr.shape[0] % batch:
         raise ValueError(f"rebatch {label}: {arr.shape[0] if arr.ndim else 0} rows do not "
                          f"divide into batches of {batch}")
     shaped = arr.reshape(arr.shape[0] // batch, batch, *arr.shape[1:])

@@ -96,3 +96,12 @@ def test_bad_uses_are_refused_naming_them():
     w = T.param("w", output_dims=[2], input_dims=[])
     with pytest.raises(ValueError, match="depends on parameters"):
         T.batch_slice(x * w, i)
+
+
+def test_a_batch_below_one_and_a_size_below_one_are_refused():
+    with pytest.raises(ValueError, match="rebatch data: batch must be >= 1, got 0"):
+        T.rebatch(_data(), batch=0)
+    d = T.Dims()
+    T.einsum("i;i=>i", T.param("p"), T.param("q"), capture=d)
+    with pytest.raises(ValueError, match="set_dim i: the size must be an integer >= 1, got -1"):
+        d.set_dim("i", -1)
