@@ -48,15 +48,19 @@ demo-dp: $(DIST_STAMP)
 # that selects no test fails (pytest's exit 5): nothing is skipped silently.
 WORKERS ?= auto
 LINT := $(PY) -m ruff check ocannl tests examples benchmarks scripts
+# The layering contracts of pyproject.toml ([tool.importlinter]), from the venv's import-linter.
+IMPORTS := $(VENV)/bin/lint-imports
 
 test: $(TEST_STAMP)
 	$(LINT)
+	$(IMPORTS)
 	$(PY) -m pytest -q -n $(WORKERS) -m "not whole_machine"
 	$(PY) -m pytest -q -p no:xdist -m whole_machine
 
 # The whole suite in one process, as before pytest-xdist.
 test-serial: $(TEST_STAMP)
 	$(LINT)
+	$(IMPORTS)
 	$(PY) -m pytest -q
 
 bench: $(TEST_STAMP)

@@ -34,7 +34,7 @@ from ocannl.errors import f32_positive, is_real
 from ocannl.ir.assignments import Accum, Comp, Const, Expr, Get, apply
 from ocannl.ir.ops import Precision
 from ocannl.ir.tnode import Tnode
-from ocannl.optim import Optimizer, Scalar, scalar_expr
+from ocannl.optim import Optimizer, Scalar, UpdateClip, scalar_expr
 from ocannl.tensor.shape import Shape
 from ocannl.tensor.tensor import Tensor, copy_into
 
@@ -104,7 +104,7 @@ def _same_scalar(a: Scalar | None, b: Scalar | None) -> bool:
     return a == b
 
 
-class GradClipper:
+class GradClipper(UpdateClip):
     """A clip bound to the gradients of one loss (build it with :func:`clipper`).
 
     ``norm`` and ``coef`` (clip by norm only, else ``None``) are one-element f32 tensors that

@@ -151,6 +151,24 @@ def _flag(name: str, x: object) -> bool:
     return bool(x)
 
 
+class UpdateClip:
+    """What :meth:`Optimizer.update` takes as ``clip=``: a rewrite of each unscaled gradient and
+    of the update's gate. :class:`ocannl.clipping.GradClipper` is the one implementation; the
+    interface lives here so that optim, a layer below clipping, never imports it."""
+
+    def check_for(self, loss: Tensor, grad_unscale: Scalar | None) -> None:
+        """``ValueError`` unless the rewrite was built for ``loss`` and ``grad_unscale``."""
+        raise NotImplementedError
+
+    def gate(self, gate: Expr | None) -> Expr | None:
+        """``gate`` with the rewrite's own condition folded in."""
+        raise NotImplementedError
+
+    def apply(self, g: Expr) -> Expr:
+        """The rewritten form of one unscaled gradient element ``g``."""
+        raise NotImplementedError
+
+
 class Optimizer:
     """What every optimizer shares: the learning rate, the per-parameter buffers (a dict keyed
     by parameter, created on first use), and :meth:`update`'s walk over a loss's parameters.
@@ -307,9 +325,7 @@ class Optimizer:
         lr_code, lr_wide, lr = self._learning_rate()  # with a schedule: advances its counter
         unscale = None if grad_unscale is None else scalar_expr(grad_unscale, "grad_unscale")
         if clip is not None:
-            from ocannl.clipping import GradClipper
-
-            if not isinstance(clip, GradClipper):
+            if not isinstance(clip, UpdateClip):
                 raise TypeError(f"clip must be a clipping.GradClipper (clipping.clipper(spec, "
                                 f"loss)), got {type(clip).__name__}: {clip!r:.80}; "
                                 f"clipping.clipped_update builds both")
