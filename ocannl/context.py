@@ -24,7 +24,14 @@ import numpy as np
 from ocannl.backends.arena import views
 from ocannl.backends.base import Backend, Buffer
 from ocannl.ir.assignments import Comp
-from ocannl.ir.lowering import Effects, Lowered, effects, item_nodes, lower, stored_nodes
+from ocannl.ir.lowering import (
+    AccessIndex,
+    Effects,
+    Lowered,
+    effects,
+    lower,
+    stored_nodes,
+)
 from ocannl.ir.ops import Precision
 from ocannl.ir.tnode import MemoryMode, Tnode
 
@@ -179,11 +186,7 @@ class Context:
         """Buffers for a routine's local nodes: views of one arena per precision, each node
         placed apart from those in use at the same items (``arena.pack``), or (``shared``
         False) one arena each."""
-        spans: dict[int, list[int]] = {}
-        for k, item in enumerate(code):
-            for n in item_nodes(item):
-                span = spans.setdefault(n.id, [k, k])
-                span[1] = k
+        index = AccessIndex(code)
         out: dict[int, Buffer] = {}
         for prec in dict.fromkeys(n.prec for n in local):
             group = [n for n in local if n.prec is prec]
@@ -193,7 +196,7 @@ class Context:
                 self._local_bytes += node.size * prec.itemsize
                 return self._backend.alloc(node)
 
-            placed = views([(n.size, *spans[n.id]) for n in group], arena, prec.itemsize,
+            placed = views([(n.size, *index.span(n.id)) for n in group], arena, prec.itemsize,
                            shared)
             out.update((n.id, v) for n, v in zip(group, placed, strict=True))
         return out

@@ -1,192 +1,233 @@
-"""C-like code emission: expressions, offsets, accumulation, literals of loop-nest bodies.
+"""C's spelling of the renderer core: loop-nest bodies as lines of C.
 
-A :class:`Flavour` says how the target language spells a literal, a buffer load and a buffer
-store, and which op templates it uses; this module renders the lowered loop-nest bodies with
-it. The CUDA backend wraps those bodies in threads; the CPU backend builds LLVM IR instead
-(:mod:`ocannl.backends.cpu.codegen`), with the same cases. (A flavour is a language's
-spelling: C for CUDA; the CPU's own is LLVM IR, built elsewhere.)
+:class:`CSpelling` gives the renderer core (``ocannl.backends.core``: offsets, padded reads,
+expressions, accumulations, a nest's cases) its words in C, the op table's rows as
+:data:`C_TEMPLATES`; a C-family language (CUDA C, ``ocannl.backends.cuda.plan``) adds its
+conversions and literals and wraps the bodies in threads. The CPU's spelling is LLVM IR
+(``ocannl.backends.cpu.codegen``, its ops in ``ocannl.backends.cpu.op_builders``).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from ocannl.ir.assignments import Affine, Apply, Const, Dynamic, Expr, Fixed, Get, Projection
+from ocannl.backends import core
 from ocannl.ir.lowered import LoopNest
-from ocannl.ir.ops import ACCUMS, OPS, Precision
+from ocannl.ir.ops import HASH_BITS, HASH_G, Precision
 from ocannl.ir.tnode import Tnode
 
-_ACCUM_OPS = {"+": "add", "max": "max"}
+# --- the C spelling of every op, by the op table's row name ------------------------------------
+#
+# A template is one C expression: ``{0}``, ``{1}``, ``{2}`` stand for the already-rendered
+# operands, ``{zero}`` and ``{one}`` for literals of the computation's precision, so f32 code
+# stays f32. Written so that NaN and infinities propagate the way PyTorch's ops do (``relu(nan)``
+# is ``nan``). The CPU renderer's spelling is ``ocannl.backends.cpu.op_builders.BUILDERS``;
+# ``tests/backends/test_op_spellings.py`` checks both have exactly the op table's rows.
+
+_M = f"{(1 << HASH_BITS) - 1:#x}"
 
 
-class Flavour:
-    """How one target language spells the pieces of a loop body."""
+def _u_c(k: int) -> str:
+    """Operand ``k`` truncated to an unsigned integer; 0 for a negative, non-finite or >= 2**53
+    one (no operand is undefined behaviour). See ``ocannl.ir.ops.HASH_BITS``."""
+    x = "{" + str(k) + "}"
+    return f"(({x} >= 0 && {x} < 9007199254740992.0f) ? (unsigned long long)({x}) : 0ULL)"
 
-    name: str  # key of the op templates: "py" or "c"
+
+C_TEMPLATES: dict[str, str] = {
+    # binary
+    "add": "({0} + {1})",
+    "sub": "({0} - {1})",
+    "mul": "({0} * {1})",
+    "div": "({0} / {1})",
+    "pow": "pow({0}, {1})",
+    "max": "(({0} >= {1} || {0} != {0}) ? {0} : {1})",
+    "eq": "(({0} == {1}) ? {one} : {zero})",
+    "gt": "(({0} > {1}) ? {one} : {zero})",
+    # unary
+    "neg": "(-{0})",
+    "relu": "(({0} < {zero}) ? {zero} : {0})",
+    "exp": "exp({0})",
+    "log": "log({0})",
+    "tanh": "tanh({0})",
+    "sigmoid": "({one} / ({one} + exp(-{0})))",
+    "sqrt": "sqrt({0})",
+    "isfinite": "(isfinite({0}) ? {one} : {zero})",
+    # ternary: where(cond != 0, a, b); a select, never a multiply (inf * 0 is nan)
+    "where": "(({0} != {zero}) ? {1} : {2})",
+    # comparisons beyond eq / gt: 0 or 1 (false against NaN, but ne)
+    "lt": "(({0} < {1}) ? {one} : {zero})",
+    "le": "(({0} <= {1}) ? {one} : {zero})",
+    "ge": "(({0} >= {1}) ? {one} : {zero})",
+    "ne": "(({0} != {1}) ? {one} : {zero})",
+    # minimum mirrors max: a NaN on either side propagates (torch.minimum)
+    "min": "(({0} <= {1} || {0} != {0}) ? {0} : {1})",
+    "abs": "fabs({0})",
+    "erf": "erf({0})",
+    # CUDA's
+    "cos": "cos({0})",
+    "sin": "sin({0})",
+    "floor": "floor({0})",
+    # integer hashing for counter-based random draws; a template is a single expression and
+    # a CUDA C kernel may hold no lambda (NVRTC treats one as host code), so the emitter binds
+    # an operand used several times to a local
+    "hash_add": f"({{one}} * (({_u_c(0)} + ({_u_c(1)} + 1ULL) * {HASH_G:#x}ULL) & {_M}ULL))",
+    "hash_xsm": (f"({{one}} * ((({_u_c(0)} ^ ({_u_c(0)} >> ({_u_c(1)} & 63ULL))) * {_u_c(2)}) "
+                 f"& {_M}ULL))"),
+    "hash_unit": f"(({{one}} * ({_u_c(0)} >> {HASH_BITS - 24})) / 16777216)",
+}
+
+
+class CSpelling:
+    """C's words for the renderer core (``ocannl.backends.core.Spelling``): values are C
+    expressions, statements lines of text. A language of the C family (CUDA C) gives the
+    16-bit conversions (``widen``, ``narrow``), literals and declarations; buffers are named
+    by position (``b0``, ``b1``...), so the same code over other nodes is the same source.
+
+    One nest's body is rendered into three lists of lines (:class:`NestBody`): those before
+    its reduction loops (``init``), inside them (``inner``) and after (``final``); a nest with
+    no reduction loops puts every line in ``inner``. ``registers``: the nodes handed over in
+    locals (``LoopGroup.registers``), by id: the local's name, holding the value a load would
+    give (a 16-bit node's rounded, then widened)."""
+
+    templates: dict[str, str] = C_TEMPLATES
+    widen: dict[Precision, str]
+    narrow: dict[Precision, str]
+    cell = None  # no ``flat`` groups: a GPU's threads take cells as they come
 
     def __init__(self, nodes: list[Tnode], registers: dict[int, str] | None = None) -> None:
-        # Buffers are named by position, so the same code over other nodes is the same source.
         self.names = {n.id: f"b{k}" for k, n in enumerate(nodes)}
-        # Nodes handed over in locals (``LoopGroup.registers``), by id: the local's name. It
-        # holds the value a load would give (a 16-bit node's rounded, then widened).
         self.registers = registers or {}
+        self.lines: list[str] = []
+        self.init: list[str] | None = None  # set once the reduction loops are rendered
+        self.inner: list[str] = []
+        self._n = 0
 
     def buffer(self, node: Tnode) -> str:
         return self.names[node.id]
 
-    # Per language: the functions converting 16-bit storage to f32 and back, the statement end.
-    widen: dict[Precision, str]
-    narrow: dict[Precision, str]
-    end: str = ""
-
+    # Per language: literals, declarations, the 16-bit conversions.
     def literal(self, value: float, compute: Precision) -> str:
         raise NotImplementedError
 
-    def load(self, node: Tnode, offset: str) -> str:
-        if node.id in self.registers:
-            return self.registers[node.id]
-        ref = f"{self.buffer(node)}[{offset}]"
-        return f"{self.widen[node.prec]}({ref})" if node.prec.is_narrow else ref
+    def declare(self, name: str, value: str, compute: Precision) -> str:
+        raise NotImplementedError
 
-    def rounded(self, value: str, prec: Precision) -> str:
+    def convert(self, ref: str, node: Tnode, compute: Precision) -> str:
+        """A loaded value in ``compute`` (a language may need a cast)."""
+        return ref
+
+    # -- integers --
+
+    def index(self, n: int) -> str:
+        return str(n)
+
+    def index_add(self, a: str, b: str) -> str:
+        return b if a == "0" else a if b == "0" else f"{a} + {b}"
+
+    def index_scale(self, a: str, c: int) -> str:
+        if c == 1:
+            return a
+        return f"{c} * {a}" if _is_name(a) else f"{c} * ({a})"
+
+    def dynamic(self, node: Tnode) -> str:
+        return f"((long long)({self.buffer(node)}[0]))"
+
+    def at_least_zero(self, a: str) -> str:
+        return f"{a} >= 0"
+
+    def below(self, a: str, n: int) -> str:
+        return f"{a} < {n}"
+
+    def both(self, a: str, b: str) -> str:
+        return f"{a} && {b}"
+
+    # -- values --
+
+    def held(self, node: Tnode) -> str | None:
+        return self.registers.get(node.id)
+
+    def read(self, node: Tnode, off: str, compute: Precision) -> str:
+        ref = f"{self.buffer(node)}[{off}]"
+        ref = f"{self.widen[node.prec]}({ref})" if node.prec.is_narrow else ref
+        return self.convert(ref, node, compute)
+
+    def rounded(self, value: str, source: Tnode, prec: Precision) -> str:
         """``value`` rounded to a 16-bit precision as a store would round it, widened back as
         a load would (a read of a virtual node through its source: ``Get.rounded``)."""
         return f"{self.widen[prec]}({self.narrow[prec]}({value}))"
 
-    def store(self, node: Tnode, offset: str, value: str) -> str:
-        if node.id in self.registers:
-            held = self.rounded(value, node.prec) if node.prec.is_narrow else value
-            return f"{self.registers[node.id]} = {held}{self.end}"
-        if node.prec.is_narrow:
-            value = f"{self.narrow[node.prec]}({value})"
-        return f"{self.buffer(node)}[{offset}] = {value}{self.end}"
+    def pad(self, cond: str, value: str, compute: Precision) -> str:
+        """Only the chosen branch of C's conditional runs: the read outside is never made."""
+        return f"(({cond}) ? {value} : {self.literal(0.0, compute)})"
 
-    def declare(self, name: str, value: str, compute: Precision) -> str:
-        """A statement binding a fresh local to a value."""
-        raise NotImplementedError
+    def guard_offset(self, cond: str, off: str) -> str:
+        return off
 
-    def assign(self, name: str, value: str) -> str:
-        return f"{name} = {value}{self.end}"
+    def op(self, name: str, compute: Precision, args: list[str]) -> str:
+        """The op's template over its operands; an operand it uses twice is bound to a local
+        first (evaluated once: a template is one expression)."""
+        template = self.templates[name]
+        for k, a in enumerate(args):
+            if template.count("{" + str(k) + "}") > 1 and not _is_name(a):
+                args[k] = self.to_local(a, compute)
+        lit = self.literal
+        return template.format(*args, zero=lit(0.0, compute), one=lit(1.0, compute))
 
-    # Per language: a conditional expression (only the chosen branch is evaluated), a
-    # conjunction, and a statement run only when a condition holds.
-    def select(self, cond: str, then: str, other: str) -> str:
-        raise NotImplementedError
+    def any_order_add(self, acc: str, value: str, compute: Precision) -> str:
+        return self.op("add", compute, [acc, value])
 
-    conj: str
-
-    def guarded(self, cond: str, statement: str) -> str:
-        raise NotImplementedError
-
-
-def _affine(a: Affine, iters: dict[int, str]) -> str:
-    terms = [iters[i] if c == 1 else f"{c} * {iters[i]}" for c, i in a.terms if c]
-    if a.offset or not terms:
-        terms.append(str(a.offset))
-    return "(" + " + ".join(terms).replace("+ -", "- ") + ")"
-
-
-def offset(node: Tnode, idx: Projection, iters: dict[int, str],
-           buffer: Callable[[Tnode], str] | None = None) -> str:
-    """The flat row-major offset of ``node[idx]`` as an expression over loop variables
-    (``buffer`` names a dynamic index's node, whose value is read when the code runs)."""
-    terms: list[str] = []
-    const = 0
-    for i, stride, dim in zip(idx, node.strides, node.dims, strict=True):
-        if isinstance(i, Dynamic):
-            if buffer is None:
-                raise ValueError(f"a dynamic index into {node.name} needs its node's buffer")
-            at = f"((long long)({buffer(i.node)}[0]))"
-            terms.append(at if stride == 1 else f"{at} * {stride}")
-        elif isinstance(i, Fixed):
-            const += i.pos * stride
-        elif dim == 1:
-            continue  # in bounds, the position is 0 (out of bounds, nothing is accessed)
-        else:
-            at = _affine(i, iters) if isinstance(i, Affine) else iters[i]
-            terms.append(at if stride == 1 else f"{at} * {stride}")
-    if const or not terms:
-        terms.append(str(const))
-    return " + ".join(terms)
-
-
-def in_bounds(node: Tnode, idx: Projection, space: tuple[int, ...],
-              iters: dict[int, str]) -> list[str]:
-    """Conditions under which every affine index of ``node[idx]`` is inside its axis, leaving
-    out those that hold over the whole product space (no padding there)."""
-    conds = []
-    for i, dim in zip(idx, node.dims, strict=True):
-        if isinstance(i, Affine):
-            lo, hi = i.bounds(space)
-            at = _affine(i, iters)
-            if lo < 0:
-                conds.append(f"{at} >= 0")
-            if hi >= dim:
-                conds.append(f"{at} < {dim}")
-    return conds
-
-
-@dataclass
-class BodyWriter:
-    """Renders expressions of one loop nest into statements and a final value expression."""
-
-    flavour: Flavour
-    compute: Precision
-    iters: dict[int, str]
-    space: tuple[int, ...]
-    lines: list[str] = field(default_factory=list)
-    _n: int = 0
-
-    def to_local(self, value: str) -> str:
-        """Bind ``value`` to a new local and return its name (for an operand used twice)."""
+    def to_local(self, value: str, compute: Precision) -> str:
         name = f"t{self._n}"
         self._n += 1
-        self.lines.append(self.flavour.declare(name, value, self.compute))
+        self.lines.append(self.declare(name, value, compute))
         return name
 
-    def expr(self, e: Expr) -> str:
-        if isinstance(e, Const):
-            return self.flavour.literal(e.value, self.compute)
-        if isinstance(e, Get):
-            value = self.load(e.node, e.idx)
-            return value if e.rounded is None else self.flavour.rounded(value, e.rounded)
-        assert isinstance(e, Apply)
-        template = getattr(OPS[e.op], self.flavour.name)
-        args = []
-        for k, a in enumerate(e.args):
-            s = self.expr(a)
-            if template.count("{" + str(k) + "}") > 1 and not _is_name(s):
-                s = self.to_local(s)
-            args.append(s)
-        return self.fill(template, args)
+    # -- statements --
 
-    def load(self, node: Tnode, idx: Projection) -> str:
-        """``node[idx]``, or 0 where an affine index falls outside the node (padding)."""
-        value = self.flavour.load(node, offset(node, idx, self.iters, self.flavour.buffer))
-        conds = in_bounds(node, idx, self.space, self.iters)
-        if not conds:
-            return value
-        return self.flavour.select(self.flavour.conj.join(conds), value,
-                                   self.flavour.literal(0.0, self.compute))
+    def store_text(self, node: Tnode, off: str, value: str, exact: bool = False) -> str:
+        """``node[off] = value``: rounded once into a 16-bit node (an ``exact`` store,
+        ``LoopNest.exact_store``, has rounding's bits: C's rounding conversion serves it);
+        into a register, the value a load would give."""
+        if node.id in self.registers:
+            held = self.rounded(value, node, node.prec) if node.prec.is_narrow else value
+            return f"{self.registers[node.id]} = {held};"
+        if node.prec.is_narrow:
+            value = f"{self.narrow[node.prec]}({value})"
+        return f"{self.buffer(node)}[{off}] = {value};"
 
-    def fill(self, template: str, args: list[str]) -> str:
-        lit = self.flavour.literal
-        return template.format(*args, zero=lit(0.0, self.compute), one=lit(1.0, self.compute))
+    def store(self, node: Tnode, off: str, value: str, exact: bool) -> None:
+        self.lines.append(self.store_text(node, off, value, exact))
 
-    def combine(self, accum: str, old: str, new: str) -> str:
-        """``old (accum) new``: the accumulation as an op-table application."""
-        template = getattr(OPS[_ACCUM_OPS[accum]], self.flavour.name)
-        if template.count("{0}") > 1 and not _is_name(old):
-            old = self.to_local(old)
-        if template.count("{1}") > 1 and not _is_name(new):
-            new = self.to_local(new)
-        return self.fill(template, [old, new])
+    def accumulator(self, value: str, compute: Precision) -> str:
+        self.lines.append(self.declare("acc", value, compute))
+        return "acc"
 
-    def neutral(self, accum: str) -> str:
-        v = ACCUMS[accum]
-        return self.flavour.literal(0.0 if v is None else v, self.compute)
+    def get(self, acc: str) -> str:
+        return acc
+
+    def set(self, acc: str, value: str) -> None:
+        self.lines.append(f"{acc} = {value};")
+
+    def over(self, nest: LoopNest, iters: dict[int, str], body: Callable[[], None]) -> None:
+        """The body's lines go inside the reduction loops (the kernel writes the loops)."""
+        self.init, self.lines = self.lines, []
+        body()
+        self.inner, self.lines = self.lines, []
+
+    def when(self, cond: str, body: Callable[[], None]) -> None:
+        outer, self.lines = self.lines, []
+        body()
+        inside, self.lines = self.lines, outer
+        self.lines.append(f"if ({cond}) {{ {' '.join(inside)} }}")
+
+    def body(self) -> NestBody:
+        """The lines rendered so far, by where they go."""
+        if self.init is None:
+            return NestBody([], self.lines, [])
+        return NestBody(self.init, self.inner, self.lines)
 
 
 def _is_name(s: str) -> bool:
@@ -204,33 +245,11 @@ class NestBody:
     final: list[str]
 
 
-def nest_body(nest: LoopNest, flavour: Flavour, iters: dict[int, str]) -> NestBody:
-    """Render ``lhs (accum)= expr``: a reduction accumulates in a local, stored once; a
-    scatter combines into its (moving) cell at every point, skipping cells outside the node."""
-    a, has_reduction = nest.assign, bool(nest.red)
-    compute = a.lhs.prec.compute
-    w = BodyWriter(flavour, compute, iters, a.space)
-    off = offset(a.lhs, a.lhs_idx, iters)
-    value = w.expr(a.expr)
-    if nest.scatter:
-        new = value if a.accum == "=" else w.combine(a.accum, w.load(a.lhs, a.lhs_idx), value)
-        store = flavour.store(a.lhs, off, new)
-        conds = in_bounds(a.lhs, a.lhs_idx, a.space, iters)
-        w.lines.append(flavour.guarded(flavour.conj.join(conds), store) if conds else store)
-        return NestBody([], w.lines, [])
-    if a.accum == "=" or (a.reset and not has_reduction):
-        w.lines.append(flavour.store(a.lhs, off, value))
-        return NestBody([], w.lines, [])
-    if not has_reduction:
-        combined = w.combine(a.accum, flavour.load(a.lhs, off), value)
-        w.lines.append(flavour.store(a.lhs, off, combined))
-        return NestBody([], w.lines, [])
-    w.lines.append(flavour.assign("acc", w.combine(a.accum, "acc", value)))
-    inner, w.lines = w.lines, []
-    init = [flavour.declare("acc", w.neutral(a.accum), compute)]
-    result = "acc" if a.reset else w.combine(a.accum, flavour.load(a.lhs, off), "acc")
-    w.lines.append(flavour.store(a.lhs, off, result))
-    return NestBody(init, inner, w.lines)
+def nest_body(nest: LoopNest, spelling: CSpelling, iters: dict[int, str]) -> NestBody:
+    """``lhs (accum)= expr`` at the point named by ``iters``, by the renderer core
+    (``core.nest``), as lines of C."""
+    core.nest(spelling, nest, iters)
+    return spelling.body()
 
 
 def float_literal(value: float) -> str:

@@ -1,5 +1,9 @@
 """The expression language of the IR: reads, literals and op applications.
 
+:func:`reads` lists an expression's reads (lowering's hottest function, kept apart),
+:func:`walk` every sub-expression, and :func:`rewrite_reads` is the one rewriter (a function
+from a read to an expression, applied over an expression).
+
 It sits below the op table (``ops.py``), whose gradient rules build expressions, and above
 nothing of the IR: an application names its op by a string, and :func:`ocannl.ir.ops.apply`
 (re-exported by ``assignments``), the way applications are built, checks the name and the
@@ -8,7 +12,7 @@ arity against the table. ``assignments`` builds assignments over these expressio
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -66,3 +70,22 @@ def reads(expr: Expr) -> Iterator[Get]:
     elif isinstance(expr, Apply):
         for a in expr.args:
             yield from reads(a)
+
+
+def walk(expr: Expr) -> Iterator[Expr]:
+    """Every sub-expression of ``expr``, itself first, then each operand's, in order
+    (pre-order): the one generic walker, for questions about every node of an expression."""
+    yield expr
+    if isinstance(expr, Apply):
+        for a in expr.args:
+            yield from walk(a)
+
+
+def rewrite_reads(expr: Expr, read: Callable[[Get], Expr]) -> Expr:
+    """``expr`` with every read ``g`` replaced by ``read(g)`` (an expression): the one rewriter
+    of expressions. Applications are rebuilt around the rewritten operands; literals stay."""
+    if isinstance(expr, Get):
+        return read(expr)
+    if isinstance(expr, Apply):
+        return Apply(expr.op, tuple(rewrite_reads(x, read) for x in expr.args))
+    return expr

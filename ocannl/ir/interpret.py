@@ -2,7 +2,8 @@
 as lowering wrote them.
 
 Why it exists: it is the oracle both renderers (LLVM IR on the CPU, CUDA C) are tested
-against. It reads only the meaning of the lowered items, never a renderer's choices, so a
+against. It reads only the lowered items (their meaning, and scheduling's choices where they
+change bits), never a renderer's own, so a
 lowering bug shows against hand values here and a rendering bug shows as a difference between
 a backend and this module, each in tests of their own.
 
@@ -25,6 +26,11 @@ may be from that reference.
   values from before the nest. A scatter (an affine target) reads, combines and writes point by
   point in loop order (``par`` then ``red``); a 16-bit target accumulates in f32 and rounds once
   at the end, as a reduction's local does.
+- It reads scheduling's choices where they bear on bits, as the renderers do: a nest's exact
+  bf16 stores (``LoopNest.exact_store``: the top half, rounding's bits), a sum in any order
+  (``any_order``: NumPy's order, the same bits), a product's TF32 operands (``Gemm.tf32``).
+  Its conversions keep a NaN's payload everywhere, which is what ``keeps_payload`` and
+  ``payload_rounds`` promise; elsewhere a renderer's payload is unspecified.
 - A :class:`~ocannl.ir.lowering.Gemm` is, by default, the in-order sum over the inner dimension
   from +0 of products rounded one by one (what the loops and the inline small products compute),
   then ``old + sum`` when it accumulates; ``gemm="matmul"`` uses ``np.matmul`` (BLAS: fast, its
@@ -40,7 +46,16 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 
 from ocannl.ir.assignments import Affine, Apply, Const, Dynamic, Expr, Fixed, Get, reads
-from ocannl.ir.lowering import Fill, Gemm, LoopGroup, LoopNest, Lowered, MatrixView, effects
+from ocannl.ir.lowering import (
+    Fill,
+    Gemm,
+    LoopGroup,
+    LoopNest,
+    Lowered,
+    MatrixView,
+    batch_offsets,
+    effects,
+)
 from ocannl.ir.ops import ACCUMS, OPS, Precision, reference
 from ocannl.ir.tnode import MemoryMode, Tnode
 
@@ -141,6 +156,15 @@ def stored(value: np.ndarray, prec: Precision) -> np.ndarray:
         return np.asarray(value).astype(prec.numpy_dtype)
 
 
+def exactly(value: np.ndarray) -> np.ndarray:
+    """An f32 value bf16 represents, stored as the renderers store it
+    (``LoopNest.exact_store``): its top half, a NaN its sign's quiet NaN (rounding's bits)."""
+    bits = (np.asarray(value, np.float32).view(np.uint32) >> np.uint32(16)).astype(np.uint16)
+    nan = np.isnan(np.asarray(value, np.float32))
+    bits = np.where(nan, (bits & np.uint16(0x8000)) | np.uint16(0x7FC0), bits)
+    return bits.astype(np.uint16).view(Precision.bf16.numpy_dtype)
+
+
 def _dtype(prec: Precision) -> np.dtype:
     """The dtype a load of ``prec`` storage gives: 16-bit values widen to f32."""
     return np.dtype(np.float32) if prec.is_narrow else prec.numpy_dtype
@@ -196,6 +220,16 @@ class _Machine:
             arr = self.values[nid]
             arr[...] = np.nan
 
+    @staticmethod
+    def store(nest: LoopNest, value: np.ndarray) -> np.ndarray:
+        """``value`` as the nest's store into its target leaves it: its top half where
+        scheduling said the value is bf16's (``exact_store``), else rounded once. NumPy's
+        conversions keep a NaN's payload, as a nest that ``keeps_payload`` must; elsewhere
+        the payload is unspecified (LLVM may fold a widening and a narrowing away)."""
+        if nest.exact_store:
+            return exactly(value)
+        return stored(value, nest.assign.lhs.prec)
+
     def nest(self, nest: LoopNest) -> None:
         a = nest.assign
         self.node(a.lhs)
@@ -245,7 +279,7 @@ class _Machine:
             if not (a.accum == "=" or a.reset):
                 old = target[cells].astype(compute)
                 value = _combine(a.accum, old, value)
-            target[cells] = stored(value, lhs.prec)
+            target[cells] = self.store(nest, value)
             return
         value = np.broadcast_to(self.expr(a.expr, compute, iters), shape)
         terms = value.reshape(*par_shape, math.prod(red_shape))
@@ -253,19 +287,23 @@ class _Machine:
             if any(g.node.id == lhs.id for g in reads(a.expr)):
                 raise ValueError(f"{lhs.name} = ... over reduction iterators reads its own "
                                  f"target: each point would see the last one's store")
-            target[cells] = stored(terms[..., -1], lhs.prec)
+            target[cells] = self.store(nest, terms[..., -1])
             return
-        acc = self._reduce(a.accum, terms, compute)
+        acc = self._reduce(a.accum, terms, compute, nest.any_order)
         if not a.reset:
             acc = _combine(a.accum, target[cells].astype(compute), acc)
         target[cells] = stored(acc, lhs.prec)
 
     @staticmethod
-    def _reduce(accum: str, terms: np.ndarray, compute: np.dtype) -> np.ndarray:
+    def _reduce(accum: str, terms: np.ndarray, compute: np.dtype, any_order: bool = False
+                ) -> np.ndarray:
         """The terms (last axis) combined one by one, in order, from the neutral element, each
-        step rounded to the compute precision."""
+        step rounded to the compute precision; ``any_order`` (``LoopNest.any_order``: every
+        term +-0 or NaN), summed in NumPy's order, which gives the same bits."""
         start = np.full(terms.shape[:-1], neutral(accum), compute)
         with np.errstate(all="ignore"):
+            if any_order and terms.dtype == compute:
+                return (start + np.sum(terms, axis=-1, dtype=compute)).astype(compute)
             if accum == "+" and terms.dtype == compute:
                 # accumulate adds strictly in order (it never splits a sum pairwise)
                 both = np.concatenate([start[..., None], terms], axis=-1)
@@ -303,14 +341,16 @@ class _Machine:
         else:
             for cell, v in zip(flat, value, strict=True):
                 wide[cell] = _combine(a.accum, wide[cell], v)
-        target[...] = stored(wide, lhs.prec)
+        target[...] = self.store(nest, wide)
 
     def gemm(self, g: Gemm, ordered: bool) -> None:
         lhs = g.assign.lhs
         compute = _dtype(lhs.prec.compute)
         out = self.values[lhs.id].reshape(-1)
         ops = [self.node(v.node).reshape(-1).astype(compute) for v in (g.a, g.b)]
-        for off_out, off_a, off_b in gemm_offsets(g):
+        if g.tf32:  # operands rounded to TF32 (10 bits of mantissa, nearest even), as cuBLAS's
+            ops = [tf32(x) for x in ops]  # tensor cores take f32 (``Gemm.tf32``)
+        for off_out, off_a, off_b in batch_offsets(g.batch):
             a = gemm_matrix(ops[0], g.a, off_a)
             b = gemm_matrix(ops[1], g.b, off_b)
             cells = (off_out + np.arange(g.rows)[:, None] * g.out_ld
@@ -393,20 +433,20 @@ class _Machine:
         return result
 
 
+def tf32(x: np.ndarray) -> np.ndarray:
+    """f32 values rounded to TF32's 10 bits of mantissa (nearest, ties to even), kept in f32;
+    NaN and infinities as they are."""
+    bits = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    rounded = (bits + 0xFFF + ((bits >> 13) & 1)) & ~np.uint64(0x1FFF)
+    finite = np.isfinite(np.asarray(x, np.float32))
+    return np.where(finite, rounded.astype(np.uint32).view(np.float32), x).astype(np.float32)
+
+
 def gemm_matrix(flat: np.ndarray, v: MatrixView, offset: int) -> np.ndarray:
     """The view's ``rows x cols`` matrix at ``offset`` in the node's flat values."""
     r = np.arange(v.rows)[:, None]
     c = np.arange(v.cols)[None, :]
     return flat[offset + (c * v.ld + r if v.transposed else r * v.ld + c)]
-
-
-def gemm_offsets(g: Gemm) -> list[tuple[int, int, int]]:
-    """The (out, a, b) offsets of each product, batch points in order."""
-    out = [(0, 0, 0)]
-    for axis in g.batch:
-        out = [(o + k * axis.out, a + k * axis.a, b + k * axis.b)
-               for o, a, b in out for k in range(axis.size)]
-    return out
 
 
 def ulp_distance(got: np.ndarray, want: np.ndarray) -> np.ndarray:

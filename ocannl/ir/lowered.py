@@ -3,8 +3,9 @@
 A routine's code is a list of items, run in order: :class:`Fill`, :class:`LoopGroup` (of
 :class:`LoopNest`) and :class:`Gemm`. Their fields say what to compute (the assignments) and
 how (what :mod:`ocannl.ir.schedule` decided from the backend's target record); a renderer reads
-both and decides nothing. :func:`item_nodes` and :func:`accesses` are the one answer to "what
-does this item read and write", which every pass and backend asks.
+both and decides nothing. :func:`access` is the one answer to "what does this item read and
+write", and :class:`AccessIndex` the one table of who reads and writes each node in a routine, which
+every pass and backend asks.
 """
 
 from __future__ import annotations
@@ -18,10 +19,13 @@ from ocannl.ir.tnode import Tnode
 
 @dataclass(frozen=True)
 class Fill:
-    """Set every cell of ``node`` to ``value``."""
+    """Set every cell of ``node`` to ``value``. On a GPU (``Target.gpu_block``), scheduling's
+    launch: ``grid`` blocks of ``block`` threads, striding over the cells."""
 
     node: Tnode
     value: float
+    grid: int = 0
+    block: int = 0
 
 
 @dataclass(frozen=True)
@@ -34,7 +38,18 @@ class LoopNest:
     a row of accumulators (a bias gradient summing ``g[i, j]`` over ``i`` reads rows of ``g``,
     not columns); each cell still accumulates its terms in the same order, so the same bits.
     ``gather``: a scatter lowered as a reduction per target cell (``lowering.gather_of``), whose
-    cells a GPU spreads over enough blocks (``schedule.GATHER_MIN_BLOCKS``)."""
+    cells a GPU spreads over enough blocks (``Target.gpu_sms``).
+
+    How its values convert and store, as scheduling decided (the interpreter reads them too):
+    ``keeps_payload``, the nest copies a value unchanged (a user's cast), so its conversions
+    keep a signalling NaN's bits as NumPy's do (elsewhere arithmetic quiets a NaN whatever the
+    conversion did, and the plain instructions give the same bits); ``payload_rounds``, the
+    ids of the nodes whose rounded reads (``Get.rounded``) round as a cast into a stored twin
+    would, keeping payloads (a virtual twin's master, unless only products read the target);
+    ``exact_store``, every value stored into the bf16 target is one of bf16's, so the store
+    keeps its top half rather than rounding (the same bits, a NaN its sign's quiet NaN);
+    ``any_order``, a sum whose every term is +-0 or NaN (a checksum's), equal in any order:
+    a renderer may reassociate it."""
 
     assign: Accum
     par: tuple[int, ...]
@@ -42,6 +57,10 @@ class LoopNest:
     scatter: bool = False
     walk_rows: bool = False
     gather: bool = False
+    keeps_payload: bool = False
+    payload_rounds: frozenset[int] = frozenset()
+    exact_store: bool = False
+    any_order: bool = False
 
     @property
     def space(self) -> tuple[int, ...]:
@@ -75,7 +94,10 @@ class LoopGroup:
     (``Target.gpu_block``), ``mapping``: ``"map"`` (a thread per cell, nothing to reduce),
     ``"serial"`` (a thread per cell, reducing in a loop: in order) or ``"reduce"`` (a block of
     threads per cell, each cell's terms cut into ``reduce_splits`` chunks of ``reduce_chunk``
-    terms, whose partial results a second pass combines in chunk order)."""
+    terms, whose partial results a second pass combines in chunk order), launched as ``grid``
+    blocks of ``block`` threads; ``lane_store``: a vector of a jammed reduction's cells is
+    stored as one vector (they lie side by side and nothing else stands in for the target),
+    else cell by cell."""
 
     nests: tuple[LoopNest, ...]
     registers: frozenset[int] = frozenset()
@@ -89,6 +111,9 @@ class LoopGroup:
     mapping: str = ""
     reduce_splits: int = 0
     reduce_chunk: int = 0
+    grid: int = 0
+    block: int = 0
+    lane_store: bool = False
 
     @property
     def lead(self) -> LoopNest:
@@ -126,7 +151,12 @@ class Gemm:
     What scheduling decided: ``kernel``, ``"blas"`` (the library) or ``"inline"``
     (register-blocked loops summing each cell's terms in order, as the plain loops would);
     ``split``, how it is shared over threads (``"batch"``: by its first batch axis; ``"rows"``
-    / ``"cols"``: by blocks of ``GEMM_BLOCK``) over ``split_extent`` points or blocks, or None.
+    / ``"cols"``: by blocks of ``GEMM_BLOCK``) over ``split_extent`` points or blocks, or None;
+    ``one_thread``, the library runs single-threaded (the routine shares products over the
+    pool's threads, a part each), else with its own threads; ``strided``, on a GPU, the batch
+    axes as (outer axes looped over, the one axis a strided-batched call covers: its axes
+    folded into one stride where they can be), ``((), None)`` for one plain call; ``tf32``,
+    an f32 product may round its operands to TF32 (tensor cores).
     Its operands' and target's precisions are those of their nodes: a 16-bit one is taken as
     stored (the target's native products, or the inline kernel's right operand)."""
 
@@ -141,6 +171,9 @@ class Gemm:
     kernel: str = "blas"
     split: str | None = None
     split_extent: int = 0
+    one_thread: bool = False
+    strided: tuple[tuple[BatchAxis, ...], BatchAxis | None] = ((), None)
+    tf32: bool = False
 
 
 Lowered = Fill | LoopGroup | Gemm
@@ -194,45 +227,90 @@ def loop_nest(a: Accum) -> LoopNest:
 
 
 
-def item_nodes(item: Lowered) -> list[Tnode]:
-    """Every node ``item`` reads or writes, each once, in order: a fill's node; a product's
-    target then operands; each nest's target then its reads."""
-    if isinstance(item, Fill):
-        return [item.node]
-    if isinstance(item, Gemm):
-        found = [item.assign.lhs, item.a.node, item.b.node]
-    else:
-        found = [n for nest in item.nests
-                 for n in (nest.assign.lhs, *(g.node for g in reads(nest.assign.expr)))]
-    return list({n.id: n for n in found}.values())
+@dataclass(frozen=True)
+class Access:
+    """What one item reads and writes: ``reads`` and ``writes``, node ids (a target that is
+    accumulated into, not overwritten nor reset, is read too: a product's as a nest's);
+    ``nodes``, every node it takes, each once, in order (a fill's node; a product's target then
+    operands; each nest's target then its reads)."""
+
+    reads: frozenset[int]
+    writes: frozenset[int]
+    nodes: tuple[Tnode, ...]
+
+    @property
+    def touched(self) -> frozenset[int]:
+        return self.reads | self.writes
 
 
-def accesses(item: Lowered) -> tuple[set[int], set[int]]:
-    """The ids of the nodes an item reads and those it writes. A target that is accumulated
-    into (not overwritten, not reset) is read too: a product's as a nest's."""
+def access(item: Lowered) -> Access:
+    """The :class:`Access` of one item: the one answer to "what does this item read and
+    write", which :class:`AccessIndex` gathers for a routine and passes that rewrite the code as
+    they go ask of each item."""
     if isinstance(item, Fill):
-        return set(), {item.node.id}
+        return Access(frozenset(), frozenset((item.node.id,)), (item.node,))
     if isinstance(item, Gemm):
         a = item.assign
-        return ({item.a.node.id, item.b.node.id} | (set() if a.reset else {a.lhs.id}),
-                {a.lhs.id})
-    reads_, writes = set(), set()
+        found = {n.id: n for n in (a.lhs, item.a.node, item.b.node)}
+        got = {item.a.node.id, item.b.node.id} | (set() if a.reset else {a.lhs.id})
+        return Access(frozenset(got), frozenset((a.lhs.id,)), tuple(found.values()))
+    read: set[int] = set()
+    write: set[int] = set()
+    taken: dict[int, Tnode] = {}
     for nest in item.nests:
         a = nest.assign
-        reads_ |= {g.node.id for g in reads(a.expr)}
+        taken.setdefault(a.lhs.id, a.lhs)
+        for g in reads(a.expr):
+            read.add(g.node.id)
+            taken.setdefault(g.node.id, g.node)
         if not (a.accum == "=" or a.reset):
-            reads_.add(a.lhs.id)
-        writes.add(a.lhs.id)
-    return reads_, writes
+            read.add(a.lhs.id)
+        write.add(a.lhs.id)
+    return Access(frozenset(read), frozenset(write), tuple(taken.values()))
 
 
-def written(item: Lowered) -> list[Tnode]:
-    """The nodes ``item`` writes, in order."""
-    if isinstance(item, Fill):
-        return [item.node]
-    if isinstance(item, Gemm):
-        return [item.assign.lhs]
-    return list({n.assign.lhs.id: n.assign.lhs for n in item.nests}.values())
+def stored_in(item: Lowered) -> list[Tnode]:
+    """The nodes an item's code takes buffers of: those it reads or writes (in
+    :attr:`Access.nodes` order), but those its group hands over in registers (they have no
+    memory)."""
+    held = item.registers if isinstance(item, LoopGroup) else frozenset()
+    return [n for n in access(item).nodes if n.id not in held]
+
+
+class AccessIndex:
+    """Who reads and writes what in a routine's code, built once: per item its
+    :class:`Access` (``items[k]``), and per node id the items that read it (``readers``), write
+    it (``writers``) and take it (``users``), each in order. A pass that rewrites the code as it
+    goes asks :func:`access` of the items it makes instead."""
+
+    def __init__(self, code: list[Lowered]) -> None:
+        self.code = code
+        self.items = [access(item) for item in code]
+        self.readers: dict[int, list[int]] = {}
+        self.writers: dict[int, list[int]] = {}
+        self.users: dict[int, list[int]] = {}
+        for k, acc in enumerate(self.items):
+            for i in acc.reads:
+                self.readers.setdefault(i, []).append(k)
+            for i in acc.writes:
+                self.writers.setdefault(i, []).append(k)
+            for n in acc.nodes:
+                self.users.setdefault(n.id, []).append(k)
+
+    def span(self, node_id: int) -> tuple[int, int]:
+        """The first and the last item taking the node."""
+        used = self.users[node_id]
+        return used[0], used[-1]
+
+
+def batch_offsets(batch: tuple[BatchAxis, ...]) -> list[tuple[int, int, int]]:
+    """The (output, a, b) offsets of a batched product's products, one per point of its batch
+    axes, the first axis outermost (``((0, 0, 0),)`` for no axis)."""
+    out = [(0, 0, 0)]
+    for axis in batch:
+        out = [(o + k * axis.out, a + k * axis.a, b + k * axis.b)
+               for o, a, b in out for k in range(axis.size)]
+    return out
 
 
 def stored_nodes(code: list[Lowered]) -> list[Tnode]:

@@ -20,9 +20,9 @@
   landing on it, parallel on every backend. See :func:`gather_parts`.
 
 :func:`lower` does this, then hands the items to :func:`ocannl.ir.schedule.schedule`, which
-makes the target's choices (placements, product kernels, widened copies, threads, vectors).
-The items and their fields are in :mod:`ocannl.ir.lowered`. Backends only render what was
-decided here; they never re-decide it.
+makes the target's choices (placements, product kernels, widened copies, threads, vectors,
+conversions and stores, launches). The items and their fields are in
+:mod:`ocannl.ir.lowered`. Backends only render what was decided here; they never re-decide it.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from __future__ import annotations
 import itertools
 import math
 import weakref
+from collections.abc import Set as AbstractSet
 from dataclasses import replace
 
 from ocannl.ir.assignments import (
@@ -46,7 +47,10 @@ from ocannl.ir.assignments import (
     apply,
     reads,
 )
+from ocannl.ir.expr import rewrite_reads
 from ocannl.ir.lowered import (
+    Access,
+    AccessIndex,
     BatchAxis,
     Effects,
     Fill,
@@ -55,17 +59,17 @@ from ocannl.ir.lowered import (
     LoopNest,
     Lowered,
     MatrixView,
-    accesses,
+    access,
+    batch_offsets,
     copy_source,
     covers,
     effects,
-    item_nodes,
     loop_nest,
     nests,
     nodes_of,
     parallel_iterators,
+    stored_in,
     stored_nodes,
-    written,
 )
 from ocannl.ir.ops import ACCUMS, Precision
 from ocannl.ir.schedule import native_operands, product_kernel, schedule
@@ -73,11 +77,11 @@ from ocannl.ir.target import Target
 from ocannl.ir.tnode import MemoryMode, Tnode
 
 __all__ = [
-    "BatchAxis", "Effects", "Fill", "Gemm", "LoopGroup", "LoopNest", "Lowered", "MatrixView",
-    "accesses", "copy_source", "covers", "effects", "gather_nest", "gather_of", "gather_parts",
-    "im2col_items", "item_nodes", "lower", "lower_items", "loop_nest", "nests", "nodes_of",
-    "parallel_iterators",
-    "scatter_as_gather", "stored_nodes", "written",
+    "Access", "AccessIndex", "BatchAxis", "Effects", "Fill", "Gemm", "LoopGroup", "LoopNest",
+    "Lowered", "MatrixView", "access", "batch_offsets", "copy_source", "covers", "effects",
+    "gather_nest", "gather_of", "gather_parts", "im2col_items", "lower", "lower_items",
+    "loop_nest", "nests", "nodes_of", "parallel_iterators", "scatter_as_gather", "stored_in",
+    "stored_nodes",
 ]
 
 # Below this many multiply-adds a GEMM-shaped assignment stays a loop nest: the call into
@@ -178,8 +182,8 @@ def lower_assignment(a: Accum, target: Target) -> list[Fill | LoopNest | Gemm]:
 # runs point by point, each point reading, adding and writing its moving cell: serial within a
 # GPU thread (a kernel of few threads each doing thousands of dependent global updates), shared
 # over CPU threads by its first axis only. Its gathers (:func:`gather_parts`; a strided
-# window's target cut into phases) are reductions per cell. A GPU (``Target.parallel_scatters``
-# off) takes them wherever they take at most ``GPU_GATHER_MAX_WASTE`` times the scatter's
+# window's target cut into phases) are reductions per cell. A GPU (``Target.gpu_block``) takes
+# them wherever they take at most ``GPU_GATHER_MAX_WASTE`` times the scatter's
 # points (not measured on a GPU: an estimate; a point outside costs a guarded read, no memory
 # access).
 # A CPU takes it only where each cell sums at least ``CPU_GATHER_MIN_TERMS`` terms (and within
@@ -204,7 +208,7 @@ def scatter_as_gather(a: Accum, target: Target) -> list[tuple[Accum, tuple[int, 
     wasteful, too short)."""
     if not any(isinstance(i, Affine) for i in a.lhs_idx):
         return None
-    if not target.parallel_scatters:
+    if target.gpu_block:
         return gather_parts(a, GPU_GATHER_MAX_WASTE)
     if CPU_GATHER_MAX_WASTE <= 0:
         return None
@@ -445,11 +449,7 @@ def _substitute(e: Expr, at: dict[int, Index]) -> Expr:
                 offset += c * j.offset
         return Affine(tuple(terms), offset)
 
-    if isinstance(e, Get):
-        return Get(e.node, tuple(index(i) for i in e.idx), e.rounded)
-    if isinstance(e, Apply):
-        return Apply(e.op, tuple(_substitute(x, at) for x in e.args))
-    return e
+    return rewrite_reads(e, lambda g: Get(g.node, tuple(index(i) for i in g.idx), g.rounded))
 
 
 def _strided(i: Affine) -> tuple[int, int, int] | None:
@@ -688,11 +688,12 @@ class _Group:
 HOIST_WINDOW = 96
 
 
-def _touched(item: Fill | Gemm | _Group) -> tuple[set[int], set[int]]:
+def _touched(item: Fill | Gemm | _Group) -> tuple[AbstractSet[int], AbstractSet[int]]:
     """The ids of the nodes an item reads and writes (a group being built: its own sets)."""
     if isinstance(item, _Group):
         return item.read, set(item.written)
-    return accesses(item)
+    acc = access(item)
+    return acc.reads, acc.writes
 
 
 def lower(comp: Comp, target: Target) -> list[Lowered]:
@@ -755,9 +756,9 @@ def _pull_up(code: list[Lowered]) -> list[Lowered]:
               if isinstance(n.assign.expr, Get)
               and n.assign.lhs.memory_mode in (MemoryMode.local, MemoryMode.virtual)}
 
-    def touched(item: Lowered) -> tuple[set[int], set[int]]:
-        item_reads, item_writes = accesses(item)
-        return item_reads | {source[i] for i in item_reads if i in source}, item_writes
+    def touched(item: Lowered) -> tuple[AbstractSet[int], AbstractSet[int]]:
+        acc = access(item)
+        return acc.reads | {source[i] for i in acc.reads if i in source}, acc.writes
 
     def independent(a: Lowered, b: Lowered) -> bool:
         (ra, wa), (rb, wb) = touched(a), touched(b)
@@ -785,14 +786,19 @@ def _alias_copies(code: list[Lowered]) -> list[Lowered]:
     operand's: a linear layer's bias add) and let ``b``'s readers read ``a``: same dims and
     precision, cell for cell, ``b`` written nowhere else and ``a`` nowhere after. A copy
     leading a group of several nests stays (the group's loop is the lead's)."""
-    writers: dict[int, list[tuple[int, int]]] = {}  # node id -> (item, nest) writing it
-    for k, item in enumerate(code):
-        if isinstance(item, LoopGroup):
-            for j, nest in enumerate(item.nests):
-                writers.setdefault(nest.assign.lhs.id, []).append((k, j))
-        else:
-            node = item.node if isinstance(item, Fill) else item.assign.lhs
-            writers.setdefault(node.id, []).append((k, -1))
+    writers = AccessIndex(code).writers
+
+    def only_writer(node_id: int, k: int, group: LoopGroup, j: int) -> bool:
+        """Whether nest ``j`` of ``group`` (item ``k``) is the one nest writing the node."""
+        return writers[node_id] == [k] and [m for m, n in enumerate(group.nests)
+                                            if n.assign.lhs.id == node_id] == [j]
+
+    def written_after(node_id: int, k: int, group: LoopGroup, j: int) -> bool:
+        """Whether an item after ``k``, or a nest of ``group`` (item ``k``) after ``j``,
+        writes the node."""
+        return any(w > k for w in writers.get(node_id, [])) or any(
+            n.assign.lhs.id == node_id for n in group.nests[j + 1:])
+
     alias: dict[int, Tnode] = {}
     dropped: set[tuple[int, int]] = set()
     for k, item in enumerate(code):
@@ -804,23 +810,17 @@ def _alias_copies(code: list[Lowered]) -> list[Lowered]:
                 continue
             dst, src = nest.assign.lhs, alias.get(copied.id, copied)
             if (dst.memory_mode is not MemoryMode.local or src.id == dst.id
-                    or src.prec != dst.prec or writers[dst.id] != [(k, j)]
-                    or any(w > (k, j) for w in writers.get(src.id, []))):
+                    or src.prec != dst.prec or not only_writer(dst.id, k, item, j)
+                    or written_after(src.id, k, item, j)):
                 continue
             alias[dst.id] = src
             dropped.add((k, j))
     if not alias:
         return code
 
-    def rename(e: Expr) -> Expr:
-        if isinstance(e, Get):
-            return Get(alias[e.node.id], e.idx) if e.node.id in alias else e
-        if isinstance(e, Apply):
-            return Apply(e.op, tuple(rename(x) for x in e.args))
-        return e
-
     def renamed(a: Accum) -> Accum:
-        return replace(a, expr=rename(a.expr))
+        return replace(a, expr=rewrite_reads(
+            a.expr, lambda g: Get(alias[g.node.id], g.idx) if g.node.id in alias else g))
 
     def view(v: MatrixView) -> MatrixView:
         return replace(v, node=alias[v.node.id]) if v.node.id in alias else v

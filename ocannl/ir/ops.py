@@ -1,24 +1,24 @@
-"""Precisions and the op table: every op as one row, for every backend and for autodiff.
+"""Precisions and the op table: every op as one row, for autodiff, the tests and every backend.
 
-A row (:class:`Op`) holds all an op is: its arity; its C template (``c``, for the CUDA
-kernels: ``{0}``, ``{1}``, ``{2}`` stand for the already-rendered operands, ``{zero}`` and
-``{one}`` for literals of the computation's precision, so f32 code stays f32); its LLVM IR
-builder (``llvm``, the CPU backend's); its NumPy reference (``ref``, the oracle of the tests);
-its gradient rule (``grad``, what the DSL's pointwise builder writes the backprop from);
-whether vectors run it lane by lane with the scalar's bits (``lanes``); what makes its result
-representable in a precision (``selects``, ``flag``, ``scales``); and how far its builder may
-be from its reference (``ulps``, measured by ``tests/ir/test_ops.py``). A new op is a new row
-(and its tests). Both the template and the builder are written so that NaN and infinities
-propagate the way PyTorch's ops do (``relu(nan)`` is ``nan``), which the non-finite gradient
-checks rely on.
+A row (:class:`Op`) holds what an op is: its arity; its NumPy reference (``ref``, the oracle of
+the tests); its gradient rule (``grad``, what the DSL's pointwise builder writes the backprop
+from); whether vectors run it lane by lane with the scalar's bits (``lanes``); what makes its
+result representable in a precision (``selects``, ``flag``, ``scales``); and how far the CPU
+backend's code for it may be from its reference (``ulps``, measured by
+``tests/ir/test_ops.py``). NaN and infinities propagate the way PyTorch's ops do
+(``relu(nan)`` is ``nan``), which the non-finite gradient checks rely on.
+
+How each backend spells an op lives with that backend's renderer, in a table keyed by the row's
+name: the LLVM IR builders in ``ocannl.backends.cpu.op_builders.BUILDERS``, the C templates in
+``ocannl.backends.emit.C_TEMPLATES`` (for the CUDA kernels). The IR imports no backend. A new
+op is a new row here, a spelling in each of those tables (``tests/backends/test_op_spellings.py``
+checks that every row has both, and that neither table names an op the table lacks), and its
+tests.
 
 Layering, from the bottom: ``expr.py`` (the expression classes; imports nothing of the IR at
 run time) <- this module (its gradient rules build expressions; :func:`apply` checks an
 application against the table) <- ``tnode.py`` and ``assignments.py`` (which re-exports the
-expressions and :func:`apply`). The LLVM builders are made of the pieces in
-``ocannl.backends.cpu.scalar`` (the f32 polynomials, C's conversions), which imports nothing of
-ocannl: importing this module loads ``llvmlite.ir`` (pure Python: no LLVM is initialized) and
-nothing of the backends beyond that module.
+expressions and :func:`apply`).
 """
 
 from __future__ import annotations
@@ -27,16 +27,11 @@ import enum
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import ml_dtypes
 import numpy as np
-from llvmlite import ir
 
-from ocannl.backends.cpu import scalar
 from ocannl.ir.expr import Apply, Const, Expr
-
-Emitter = Any  # the CPU backend's emitter, ``codegen.RoutineIR`` (see ``scalar.py``)
 
 # Host dtypes and promotion ranks, by precision name.
 _HOST_DTYPES = {"f64": np.float64, "f32": np.float32, "f16": np.float16,
@@ -110,10 +105,11 @@ def promote(*precs: Precision) -> Precision:
 # --- counter-based random numbers: integer hashing as op-table rows --------------------------
 #
 # A uniform draw is a pure function of integers (a seed, a step counter, an element index), so
-# CPU and GPU draw identical numbers. Templates are single expressions and CUDA C kernels may
-# hold no lambda (NVRTC treats one as host code), so a hash is a chain of small ops whose
-# operands the emitter binds to locals: each op reads its operands as integers, works modulo
-# 2**52, and returns the result as a float of the computation's precision, exact at f64.
+# CPU and GPU draw identical numbers. C templates (``backends/emit.py``) are single expressions
+# and CUDA C kernels may hold no lambda (NVRTC treats one as host code), so a hash is a chain
+# of small ops whose operands the emitter binds to locals: each op reads its operands as
+# integers, works modulo 2**52, and returns the result as a float of the computation's
+# precision, exact at f64.
 #
 #   u(x)                      x truncated to an unsigned integer; 0 for a negative, non-finite
 #                             or >= 2**53 operand (so no operand is undefined behaviour)
@@ -129,20 +125,6 @@ HASH_G = 0x9E3779B97F4A7C15 & ((1 << HASH_BITS) - 1)
 HASH_MIX = ((26, 0xBF58476D1CE4E5B9 & ((1 << HASH_BITS) - 1)),
             (23, 0x94D049BB133111EB & ((1 << HASH_BITS) - 1)),
             (26, 1))
-_M = f"{(1 << HASH_BITS) - 1:#x}"
-
-
-def _u_c(k: int) -> str:
-    x = "{" + str(k) + "}"
-    return f"(({x} >= 0 && {x} < 9007199254740992.0f) ? (unsigned long long)({x}) : 0ULL)"
-
-
-_HASH_ROWS = {
-    "hash_add": f"({{one}} * (({_u_c(0)} + ({_u_c(1)} + 1ULL) * {HASH_G:#x}ULL) & {_M}ULL))",
-    "hash_xsm": (f"({{one}} * ((({_u_c(0)} ^ ({_u_c(0)} >> ({_u_c(1)} & 63ULL))) * {_u_c(2)}) "
-                 f"& {_M}ULL))"),
-    "hash_unit": f"(({{one}} * ({_u_c(0)} >> {HASH_BITS - 24})) / 16777216)",
-}
 
 
 def _u_np(x: np.ndarray) -> np.ndarray:
@@ -194,8 +176,6 @@ class Op:
 
     name: str
     arity: int
-    c: str  # the C template
-    llvm: Callable[..., ir.Value]  # (emitter, compute type, *operands) -> value
     ref: Callable[..., np.ndarray]  # (*operands) -> NumPy result, of the operands' dtype
     # None: the result is not differentiable (a 0 / 1 flag, a hash)
     grad: GradRule | None = None
@@ -207,8 +187,8 @@ class Op:
     flag: bool = False  # the result is always 0 or 1
     # A product: with one operand a unit (0 or +-1) the result is +-0, NaN or +-the other.
     scales: bool = False
-    # The most the builder's result is from the reference's, in ulps of the computation's
-    # precision (f32 or f64); 0: the same bits (any NaN for a NaN).
+    # The most the CPU backend's result (its builder's) is from the reference's, in ulps of the
+    # computation's precision (f32 or f64); 0: the same bits (any NaN for a NaN).
     ulps: int = 0
 
     def representable(self, args: Sequence[bool], units: Sequence[bool]) -> bool:
@@ -233,72 +213,6 @@ def apply(op: str, *args: Expr) -> Apply:
     if row.arity != len(args):
         raise ValueError(f"op {op} takes {row.arity} operands, got {len(args)}")
     return Apply(op, tuple(args))
-
-
-# --- LLVM builders of single ops (the shared pieces are in backends/cpu/scalar.py) -----------
-
-
-def _pow_ir(r: Emitter, compute: ir.Type, x: ir.Value, y: ir.Value) -> ir.Value:
-    x, y = scalar.unify(r.b, x, y)
-    fn = r.functions.setdefault(("llvm.pow", x.type),
-                                r.module.declare_intrinsic("llvm.pow", [x.type]))
-    return r.b.call(fn, [x, y])
-
-
-def _relu_ir(r: Emitter, compute: ir.Type, x: ir.Value) -> ir.Value:
-    zero = ir.Constant(x.type, 0.0)
-    return r.b.select(r.b.fcmp_ordered("<", x, zero), zero, x)
-
-
-def _sigmoid_ir(r: Emitter, compute: ir.Type, x: ir.Value) -> ir.Value:
-    b = r.b
-    one = ir.Constant(x.type, 1.0)
-    e = scalar.exp(r, compute, b.fneg(x))
-    return b.fdiv(one, b.fadd(one, e))
-
-
-def _isfinite_ir(r: Emitter, compute: ir.Type, x: ir.Value) -> ir.Value:
-    b = r.b
-    magnitude = b.call(r.function("llvm.fabs", x.type), [x])
-    finite = b.fcmp_ordered("!=", magnitude, ir.Constant(x.type, math.inf))
-    return b.select(finite, ir.Constant(compute, 1.0), ir.Constant(compute, 0.0))
-
-
-def _where_ir(r: Emitter, compute: ir.Type, c: ir.Value, x: ir.Value, y: ir.Value) -> ir.Value:
-    b = r.b
-    x, y = scalar.unify(b, x, y)
-    return b.select(b.fcmp_unordered("!=", c, ir.Constant(c.type, 0.0)), x, y)
-
-
-# Integer hashing: operands are read as integers, modulo 2**52.
-_MASK = (1 << HASH_BITS) - 1
-
-
-def _u_ir(b: ir.IRBuilder, x: ir.Value) -> ir.Value:
-    """``x`` truncated to an unsigned integer; 0 for a negative, non-finite or >= 2**53 one."""
-    ok = b.and_(b.fcmp_ordered(">=", x, ir.Constant(x.type, 0.0)),
-                b.fcmp_ordered("<", x, ir.Constant(x.type, 9007199254740992.0)))
-    return b.select(ok, b.fptoui(x, scalar.I64), scalar.const_int(0))
-
-
-def _hash_add_ir(r: Emitter, compute: ir.Type, s: ir.Value, v: ir.Value) -> ir.Value:
-    b, k = r.b, scalar.const_int
-    step = b.mul(b.add(_u_ir(b, v), k(1)), k(HASH_G))
-    return b.uitofp(b.and_(b.add(_u_ir(b, s), step), k(_MASK)), compute)
-
-
-def _hash_xsm_ir(r: Emitter, compute: ir.Type, x: ir.Value, shift: ir.Value,
-                 mult: ir.Value) -> ir.Value:
-    b, k = r.b, scalar.const_int
-    ux = _u_ir(b, x)
-    mixed = b.xor(ux, b.lshr(ux, b.and_(_u_ir(b, shift), k(63))))
-    return b.uitofp(b.and_(b.mul(mixed, _u_ir(b, mult)), k(_MASK)), compute)
-
-
-def _hash_unit_ir(r: Emitter, compute: ir.Type, x: ir.Value) -> ir.Value:
-    b = r.b
-    top = b.uitofp(b.lshr(_u_ir(b, x), scalar.const_int(HASH_BITS - 24)), compute)
-    return b.fdiv(top, ir.Constant(compute, 16777216.0))
 
 
 # --- gradient rules: d(op)/d(operand k) * g, as expressions of the operands ``x``, the
@@ -365,76 +279,53 @@ OPS: dict[str, Op] = {
     op.name: op
     for op in [
         # binary
-        Op("add", 2, "({0} + {1})", scalar.binary("fadd"), lambda a, b: a + b,
-           lambda x, v, g: (g, g), lanes=True),
-        Op("sub", 2, "({0} - {1})", scalar.binary("fsub"), lambda a, b: a - b,
-           lambda x, v, g: (g, apply("neg", g)), lanes=True),
-        Op("mul", 2, "({0} * {1})", scalar.binary("fmul"), lambda a, b: a * b,
+        Op("add", 2, lambda a, b: a + b, lambda x, v, g: (g, g), lanes=True),
+        Op("sub", 2, lambda a, b: a - b, lambda x, v, g: (g, apply("neg", g)), lanes=True),
+        Op("mul", 2, lambda a, b: a * b,
            lambda x, v, g: (apply("mul", g, x[1]), apply("mul", g, x[0])), lanes=True,
            scales=True),
-        Op("div", 2, "({0} / {1})", scalar.binary("fdiv"), lambda a, b: a / b, _div_grad),
-        Op("pow", 2, "pow({0}, {1})", _pow_ir, lambda a, b: a ** b, _pow_grad),
-        Op("max", 2, "(({0} >= {1} || {0} != {0}) ? {0} : {1})", scalar.extremum(">="),
-           np.maximum, _extremum_grad("gt"), lanes=True, selects=(0, 1)),
-        Op("eq", 2, "(({0} == {1}) ? {one} : {zero})", scalar.compare("=="),
-           lambda a, b: _as(a, a == b), flag=True),
-        Op("gt", 2, "(({0} > {1}) ? {one} : {zero})", scalar.compare(">"),
-           lambda a, b: _as(a, a > b), flag=True),
+        Op("div", 2, lambda a, b: a / b, _div_grad),
+        Op("pow", 2, lambda a, b: a ** b, _pow_grad),
+        Op("max", 2, np.maximum, _extremum_grad("gt"), lanes=True, selects=(0, 1)),
+        Op("eq", 2, lambda a, b: _as(a, a == b), flag=True),
+        Op("gt", 2, lambda a, b: _as(a, a > b), flag=True),
         # unary
-        Op("neg", 1, "(-{0})", lambda r, compute, x: r.b.fneg(x), lambda a: -a,
-           lambda x, v, g: (apply("neg", g),), selects=(0,)),
+        Op("neg", 1, lambda a: -a, lambda x, v, g: (apply("neg", g),), selects=(0,)),
         # relu's gradient where the result is positive, as torch's: the input is then not kept
-        Op("relu", 1, "(({0} < {zero}) ? {zero} : {0})", _relu_ir,
-           lambda a: np.where(a < 0, np.zeros_like(a), a),
+        Op("relu", 1, lambda a: np.where(a < 0, np.zeros_like(a), a),
            lambda x, v, g: (apply("mul", g, apply("gt", v, Const(0.0))),), lanes=True,
            selects=(0,)),
-        Op("exp", 1, "exp({0})", scalar.exp, np.exp, lambda x, v, g: (apply("mul", g, v),),
-           ulps=2),
-        Op("log", 1, "log({0})", scalar.call("llvm.log"), np.log,
-           lambda x, v, g: (apply("div", g, x[0]),), ulps=3),
-        Op("tanh", 1, "tanh({0})", scalar.tanh, np.tanh,
+        Op("exp", 1, np.exp, lambda x, v, g: (apply("mul", g, v),), ulps=2),
+        Op("log", 1, np.log, lambda x, v, g: (apply("div", g, x[0]),), ulps=3),
+        Op("tanh", 1, np.tanh,
            lambda x, v, g: (apply("mul", g, apply("sub", Const(1.0), apply("mul", v, v))),),
            ulps=3),
-        Op("sigmoid", 1, "({one} / ({one} + exp(-{0})))", _sigmoid_ir,
-           lambda a: 1 / (1 + np.exp(-a)),
+        Op("sigmoid", 1, lambda a: 1 / (1 + np.exp(-a)),
            lambda x, v, g: (apply("mul", g, apply("mul", v, apply("sub", Const(1.0), v))),),
            ulps=4),
-        Op("sqrt", 1, "sqrt({0})", scalar.call("llvm.sqrt"), np.sqrt,
-           lambda x, v, g: (apply("div", apply("mul", g, Const(0.5)), v),)),
-        Op("isfinite", 1, "(isfinite({0}) ? {one} : {zero})", _isfinite_ir,
-           lambda a: _as(a, np.isfinite(a)), flag=True),
+        Op("sqrt", 1, np.sqrt, lambda x, v, g: (apply("div", apply("mul", g, Const(0.5)), v),)),
+        Op("isfinite", 1, lambda a: _as(a, np.isfinite(a)), flag=True),
         # ternary: where(cond != 0, a, b); a select, never a multiply (inf * 0 is nan)
-        Op("where", 3, "(({0} != {zero}) ? {1} : {2})", _where_ir,
-           lambda c, a, b: np.where(c != 0, a, b), _where_grad, selects=(1, 2)),
+        Op("where", 3, lambda c, a, b: np.where(c != 0, a, b), _where_grad, selects=(1, 2)),
         # comparisons beyond eq / gt: 0 or 1 (false against NaN, but ne)
-        Op("lt", 2, "(({0} < {1}) ? {one} : {zero})", scalar.compare("<"),
-           lambda a, b: _as(a, a < b), flag=True),
-        Op("le", 2, "(({0} <= {1}) ? {one} : {zero})", scalar.compare("<="),
-           lambda a, b: _as(a, a <= b), flag=True),
-        Op("ge", 2, "(({0} >= {1}) ? {one} : {zero})", scalar.compare(">="),
-           lambda a, b: _as(a, a >= b), flag=True),
-        Op("ne", 2, "(({0} != {1}) ? {one} : {zero})", scalar.compare("!=", ordered=False),
-           lambda a, b: _as(a, a != b), flag=True),
+        Op("lt", 2, lambda a, b: _as(a, a < b), flag=True),
+        Op("le", 2, lambda a, b: _as(a, a <= b), flag=True),
+        Op("ge", 2, lambda a, b: _as(a, a >= b), flag=True),
+        Op("ne", 2, lambda a, b: _as(a, a != b), flag=True),
         # minimum mirrors max: a NaN on either side propagates (torch.minimum)
-        Op("min", 2, "(({0} <= {1} || {0} != {0}) ? {0} : {1})", scalar.extremum("<="),
-           np.minimum, _extremum_grad("lt"), lanes=True, selects=(0, 1)),
-        Op("abs", 1, "fabs({0})", scalar.call("llvm.fabs"), np.abs, _abs_grad, selects=(0,)),
-        Op("erf", 1, "erf({0})", scalar.erf, _erf, _erf_grad, ulps=1),
+        Op("min", 2, np.minimum, _extremum_grad("lt"), lanes=True, selects=(0, 1)),
+        Op("abs", 1, np.abs, _abs_grad, selects=(0,)),
+        Op("erf", 1, _erf, _erf_grad, ulps=1),
         # trigonometry (a cosine learning-rate schedule) and floor (a step decay's exponent):
         # libm's on the CPU, CUDA's on the GPU; floor's gradient is zero, as torch's
-        Op("cos", 1, "cos({0})", scalar.call("llvm.cos"), np.cos,
+        Op("cos", 1, np.cos,
            lambda x, v, g: (apply("mul", g, apply("neg", apply("sin", x[0]))),), ulps=1),
-        Op("sin", 1, "sin({0})", scalar.call("llvm.sin"), np.sin,
-           lambda x, v, g: (apply("mul", g, apply("cos", x[0])),), ulps=1),
-        Op("floor", 1, "floor({0})", scalar.call("llvm.floor"), np.floor,
-           lambda x, v, g: (Const(0.0),)),
+        Op("sin", 1, np.sin, lambda x, v, g: (apply("mul", g, apply("cos", x[0])),), ulps=1),
+        Op("floor", 1, np.floor, lambda x, v, g: (Const(0.0),)),
         # integer hashing for counter-based random draws: see the comment above ``HASH_BITS``
-        Op("hash_add", 2, _HASH_ROWS["hash_add"], _hash_add_ir,
-           lambda s, v: _hash_np("hash_add", s, v).astype(s.dtype)),
-        Op("hash_xsm", 3, _HASH_ROWS["hash_xsm"], _hash_xsm_ir,
-           lambda x, s, m: _hash_np("hash_xsm", x, s, m).astype(x.dtype)),
-        Op("hash_unit", 1, _HASH_ROWS["hash_unit"], _hash_unit_ir,
-           lambda x: _hash_np("hash_unit", x).astype(x.dtype)),
+        Op("hash_add", 2, lambda s, v: _hash_np("hash_add", s, v).astype(s.dtype)),
+        Op("hash_xsm", 3, lambda x, s, m: _hash_np("hash_xsm", x, s, m).astype(x.dtype)),
+        Op("hash_unit", 1, lambda x: _hash_np("hash_unit", x).astype(x.dtype)),
     ]
 }
 

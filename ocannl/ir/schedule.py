@@ -25,6 +25,10 @@ items:
   cell, and how a long reduction is cut over blocks); which reductions run several cells at
   once (``jam``) and as vectors of their cells (``lanes``), with which reads packed first;
   which pointwise groups walk their cells in one loop (``flat``).
+- **Conversions, stores and launches** (:func:`rendering`). Which conversions keep a NaN's
+  payload, which bf16 stores are exact, which sums may be reassociated, which vectors are
+  stored whole, whether the library runs single-threaded, TF32 products; on a GPU, each
+  kernel's blocks and threads and how a batched product's axes fold into strided calls.
 
 Every copy is a plain assignment over a node of its own, so the arena planner is the only
 memory planner, and a backend renders a copy as it renders any other nest.
@@ -33,18 +37,22 @@ memory planner, and a backend renders a copy as it renders any other nest.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import replace
 
-from ocannl.ir.assignments import Accum, Affine, Apply, Expr, Get, reads
+import numpy as np
+
+from ocannl.ir.assignments import Accum, Affine, Apply, Const, Expr, Get, reads
+from ocannl.ir.expr import rewrite_reads, walk
 from ocannl.ir.lowered import (
+    AccessIndex,
+    BatchAxis,
     Fill,
     Gemm,
     LoopGroup,
     LoopNest,
     Lowered,
     MatrixView,
-    accesses,
+    access,
     copy_source,
     loop_nest,
     nodes_of,
@@ -65,7 +73,8 @@ def schedule(code: list[Lowered], target: Target) -> list[Lowered]:
                          f"every read), but this code reads it without computing it: compile "
                          f"its cast with its readers, or place it 'auto' or 'materialized'")
     code = in_registers(code)
-    return [_threaded(item, target) for item in code]
+    code = [_threaded(item, target) for item in code]
+    return rendering(code, target)
 
 
 # --- virtual nodes --------------------------------------------------------------------------
@@ -77,15 +86,10 @@ def virtual_twins(code: list[Lowered]) -> dict[int, Tnode]:
     before anything writes the wider node again. Each read can round the wider node as the
     copy would, so the copy is neither run nor stored. A node marked ``MemoryMode.virtual``
     that is such a copy must be one: ``ValueError`` names it otherwise."""
+    index = AccessIndex(code)
+    writes = index.writers
     first: dict[int, tuple[int, Tnode, Tnode]] = {}  # id -> its item, the node, its source
-    writes: dict[int, list[int]] = {}
-    last_read: dict[int, int] = {}
     for k, item in enumerate(code):
-        r_ids, w_ids = accesses(item)
-        for i in w_ids:
-            writes.setdefault(i, []).append(k)
-        for i in r_ids:
-            last_read[i] = k
         if isinstance(item, LoopGroup) and not item.lead.walk_rows:
             for nest in item.nests:
                 lhs, src = nest.assign.lhs, copy_source(nest)
@@ -95,7 +99,7 @@ def virtual_twins(code: list[Lowered]) -> dict[int, Tnode]:
                     first.setdefault(lhs.id, (k, lhs, src))
     out: dict[int, Tnode] = {}
     for i, (k, node, src) in first.items():
-        end = last_read.get(i, k)
+        end = index.readers[i][-1] if i in index.readers else k
         if writes[i] == [k] and not any(k <= w <= end for w in writes.get(src.id, [])):
             out[i] = src
         elif node.memory_mode is MemoryMode.virtual:
@@ -124,15 +128,6 @@ def _substitute(code: list[Lowered], virtual: dict[int, Tnode]) -> list[Lowered]
     return out
 
 
-def _with_reads(e: Expr, read: Callable[[Get], Get]) -> Expr:
-    """``e`` with every read ``g`` replaced by ``read(g)``: the one rewriter of expressions."""
-    if isinstance(e, Get):
-        return read(e)
-    if isinstance(e, Apply):
-        return Apply(e.op, tuple(_with_reads(x, read) for x in e.args))
-    return e
-
-
 def _rounded_reads(e: Expr, sources: dict[int, Tnode]) -> Expr:
     """``e`` reading ``sources[i]`` rounded to the precision of the node of id ``i`` wherever
     it read that node (a virtual node's source, a forwarded product's f32 result)."""
@@ -140,36 +135,30 @@ def _rounded_reads(e: Expr, sources: dict[int, Tnode]) -> Expr:
         src = sources.get(g.node.id)
         return g if src is None else Get(src, g.idx, rounded=g.node.prec)
 
-    return _with_reads(e, read)
+    return rewrite_reads(e, read)
 
 
 def forwarded(code: list[Lowered]) -> set[int]:
     """Local 16-bit targets of products (with reset) that only pointwise nests of the next item
     read: those nests read the product's f32 result rounded as a store would round it, so the
     target is never stored (a cast twin's gradient flowing into its master's)."""
-    made: dict[int, int] = {}  # node id -> the item of its product
-    bad: set[int] = set()
-    read: set[int] = set()
+    index = AccessIndex(code)
+    out: set[int] = set()
     for k, item in enumerate(code):
-        if isinstance(item, Fill):
-            bad.add(item.node.id)
-        elif isinstance(item, Gemm):
-            bad |= {item.a.node.id, item.b.node.id}
-            lhs = item.assign.lhs
-            if (lhs.id in made or not item.assign.reset or not lhs.prec.is_narrow
-                    or lhs.memory_mode is not MemoryMode.local):
-                bad.add(lhs.id)
-            made[lhs.id] = k
-        else:
-            for nest in item.nests:
-                bad.add(nest.assign.lhs.id)
-                got = {g.node.id for g in reads(nest.assign.expr)}
-                if nest.red or nest.scatter:
-                    bad |= got
-                else:  # read by the next item only: the f32 result is held no longer
-                    bad |= {i for i in got if i not in made or made[i] != k - 1}
-                    read |= got
-    return {i for i in made if i not in bad and i in read}
+        if not isinstance(item, Gemm):
+            continue
+        lhs = item.assign.lhs
+        if (not item.assign.reset or not lhs.prec.is_narrow
+                or lhs.memory_mode is not MemoryMode.local or index.writers[lhs.id] != [k]
+                or index.readers.get(lhs.id) != [k + 1]):
+            continue  # read by the next item only: the f32 result is held no longer
+        reader = code[k + 1]
+        if isinstance(reader, LoopGroup) and not any(
+                (nest.red or nest.scatter) and any(g.node.id == lhs.id
+                                                   for g in reads(nest.assign.expr))
+                for nest in reader.nests):
+            out.add(lhs.id)
+    return out
 
 
 # --- registers ----------------------------------------------------------------------------
@@ -181,41 +170,28 @@ def in_registers(code: list[Lowered]) -> list[Lowered]:
     its cell, and read only inside the same group, by later pointwise nests at that cell. A
     chain of pointwise steps (softmax's gradient through its shift and mask) then stores only
     its last value."""
-    home: dict[int, int] = {}  # node id -> the first item touching it
-    write: dict[int, tuple[int, LoopNest]] = {}  # node id -> its one writing nest
-    bad: set[int] = set()
-
-    def touch(node_id: int, k: int) -> None:
-        if home.setdefault(node_id, k) != k:
-            bad.add(node_id)
-
+    users = AccessIndex(code).users  # a node no other item takes may stay in the group
+    out: list[Lowered] = []
     for k, item in enumerate(code):
-        if not isinstance(item, LoopGroup):
-            for n in nodes_of([item]):
-                touch(n.id, k)
-                bad.add(n.id)
+        if not isinstance(item, LoopGroup) or item.lead.walk_rows:
+            out.append(item)
             continue
+        write: dict[int, tuple[int, LoopNest]] = {}  # node id -> its one writing nest
+        bad: set[int] = set()
         for j, nest in enumerate(item.nests):
             a = nest.assign
-            touch(a.lhs.id, k)
             pointwise = not nest.red and not nest.scatter
             if (a.lhs.id in write or not pointwise or not (a.accum == "=" or a.reset)
                     or a.lhs.memory_mode is not MemoryMode.local):
                 bad.add(a.lhs.id)
             write[a.lhs.id] = (j, nest)
             for g in reads(a.expr):
-                touch(g.node.id, k)
                 wrote = write.get(g.node.id)
                 if not pointwise or wrote is None or wrote[0] >= j or \
                         g.idx != wrote[1].assign.lhs_idx:
                     bad.add(g.node.id)
-    out: list[Lowered] = []
-    for k, item in enumerate(code):
-        if isinstance(item, LoopGroup) and not item.lead.walk_rows:
-            held = frozenset(i for i, at in home.items() if at == k and i in write
-                             and i not in bad)
-            item = replace(item, registers=held) if held else item
-        out.append(item)
+        held = frozenset(i for i in write if i not in bad and users[i] == [k])
+        out.append(replace(item, registers=held) if held else item)
     return out
 
 
@@ -273,6 +249,7 @@ def _with_copies(code: list[Lowered], target: Target, virtual: dict[int, Tnode]
     """The copies products, reductions and scatters read in another precision, as items of
     their own before (and roundings after) the items using them."""
     copies = _Copies(virtual)
+    index = AccessIndex(code)
     direct = forwarded(code)
     out: list[Lowered] = []
     pending: dict[int, Tnode] = {}  # a forwarded target -> the f32 result its readers round
@@ -287,7 +264,7 @@ def _with_copies(code: list[Lowered], target: Target, virtual: dict[int, Tnode]
             _widened_reads(item, copies, out)
         else:
             out.append(item)
-        copies.written(accesses(code[k])[1])
+        copies.written(index.items[k].writes)
     return out
 
 
@@ -311,8 +288,7 @@ def _into_reader(item: LoopGroup, pending: dict[int, Tnode], out: list[Lowered])
             and a.reset and a.accum == "+" and a.lhs.prec is wide.prec
             and a.lhs.dims == wide.dims and a.lhs_idx == tuple(range(len(wide.dims)))
             and a.lhs.id not in (g.a.node.id, g.b.node.id)
-            and not any(a.lhs.id in set().union(*accesses(LoopGroup((n,))))
-                        for n in item.nests[:k])):
+            and not any(a.lhs.id in access(LoopGroup((n,))).touched for n in item.nests[:k])):
         return item
     del pending[target_id]
     out[-1] = replace(g, assign=replace(g.assign, lhs=a.lhs))
@@ -378,8 +354,8 @@ def _product(g: Gemm, target: Target, copies: _Copies, direct: set[int], out: li
 
 def _renamed(e: Expr, nodes: dict[int, Tnode]) -> Expr:
     """``e`` reading ``nodes[i]`` wherever it read the node of id ``i``."""
-    return _with_reads(e, lambda g: Get(nodes[g.node.id], g.idx, g.rounded)
-                       if g.node.id in nodes else g)
+    return rewrite_reads(e, lambda g: Get(nodes[g.node.id], g.idx, g.rounded)
+                         if g.node.id in nodes else g)
 
 
 def _widened_reads(item: LoopGroup, copies: _Copies, out: list[Lowered]) -> None:
@@ -422,8 +398,7 @@ def _last_zero_fill(node: Tnode, out: list[Lowered]) -> int | None:
         item = out[k]
         if isinstance(item, Fill) and item.node.id == node.id:
             return k if item.value == 0.0 else None
-        read, wrote = accesses(item)
-        if node.id in read or node.id in wrote:
+        if node.id in access(item).touched:
             return None
     return None
 
@@ -526,7 +501,7 @@ def _threaded(item: Lowered, target: Target) -> Lowered:
     if not isinstance(item, LoopGroup):
         return item
     if target.gpu_block:
-        return gpu_threads(item, target.gpu_block)
+        return gpu_threads(item, target)
     if walks_cells(item):
         size = math.prod(item.lead.space)
         cheap = all(OPS[e.op].lanes for n in item.nests for e in applies(n.assign.expr))
@@ -541,10 +516,8 @@ def _threaded(item: Lowered, target: Target) -> Lowered:
 
 
 def applies(e: Expr) -> list[Apply]:
-    """Every op application in ``e``."""
-    if not isinstance(e, Apply):
-        return []
-    return [e, *(a for x in e.args for a in applies(x))]
+    """Every op application in ``e``, in pre-order."""
+    return [x for x in walk(e) if isinstance(x, Apply)]
 
 
 def walks_cells(item: LoopGroup) -> bool:
@@ -624,16 +597,16 @@ def _in_lanes(e: Expr, compute: Precision, last: int, target: Target) -> bool:
     (``Op.lanes``), reads of ``compute`` values
     (16-bit ones where they widen in a few instructions: bf16's a shift, f16's one conversion
     where the CPU has it), padding that does not move with ``last`` (the jammed iterator)."""
-    if not isinstance(e, Get | Apply):
-        return True
-    if isinstance(e, Apply):
-        return OPS[e.op].lanes and all(_in_lanes(x, compute, last, target) for x in e.args)
-    prec = e.node.prec
-    widens = prec is Precision.bf16 or (prec is Precision.f16 and target.hardware_f16)
-    stored = Precision.f32 if widens else prec
-    return (stored is compute and e.rounded is None
-            and not any(isinstance(i, Affine) and any(it == last and c for c, it in i.terms)
-                        for i in e.idx))
+    def read_in_lanes(g: Get) -> bool:
+        prec = g.node.prec
+        widens = prec is Precision.bf16 or (prec is Precision.f16 and target.hardware_f16)
+        stored = Precision.f32 if widens else prec
+        return (stored is compute and g.rounded is None
+                and not any(isinstance(i, Affine) and any(it == last and c for c, it in i.terms)
+                            for i in g.idx))
+
+    return all(OPS[x.op].lanes if isinstance(x, Apply) else
+               read_in_lanes(x) if isinstance(x, Get) else True for x in walk(e))
 
 
 def lanes(nest: LoopNest, width: int, target: Target) -> tuple[int, ...] | None:
@@ -671,22 +644,22 @@ SERIAL_PAR_MIN = 1024  # ... as does one up to SERIAL_RED_WIDE long when this ma
 SERIAL_RED_WIDE = 256  # keep enough threads busy
 PER_THREAD = 8  # a split reduction gives each thread at least this many terms
 MAX_REDUCE_BLOCKS = 1024  # splitting stops once cells x splits reaches this many blocks
-# A scatter's gather (``LoopNest.gather``: an input gradient) of more than SERIAL_RED_MAX terms
-# a cell reduces in a thread per cell only where those threads fill at least this many blocks
-# (an H200's 132 SMs), else in a block per cell: a thread per cell of a small convnet's input
-# gradient leaves most SMs idle. (A shorter one stays a thread per cell: a block would idle.)
-GATHER_MIN_BLOCKS = 132
 
 
-def gpu_threads(item: LoopGroup, block: int) -> LoopGroup:
+def gpu_threads(item: LoopGroup, target: Target) -> LoopGroup:
     """``item`` mapped onto a GPU's threads (``LoopGroup.mapping``). A scatter moves its target
-    cell within a thread's reduction loop: serial, never split."""
+    cell within a thread's reduction loop: serial, never split. A scatter's gather
+    (``LoopNest.gather``: an input gradient) of more than SERIAL_RED_MAX terms a cell reduces
+    in a thread per cell only where those threads fill the GPU's SMs (``Target.gpu_sms``),
+    else in a block per cell: a thread per cell of a small convnet's input gradient leaves
+    most SMs idle. (A shorter one stays a thread per cell: a block would idle.)"""
     lead = item.lead
+    block = target.gpu_block
     if lead.scatter:
         return replace(item, mapping="serial")
     mapping = gpu_mapping(lead.par_size, lead.red_size, lead.assign.accum, bool(lead.red))
     if (mapping == "serial" and lead.gather and lead.red_size > SERIAL_RED_MAX
-            and -(-lead.par_size // block) < GATHER_MIN_BLOCKS):
+            and -(-lead.par_size // block) < target.gpu_sms):
         mapping = "reduce"
     if mapping != "reduce":
         return replace(item, mapping=mapping)
@@ -721,3 +694,154 @@ def reduce_splits(par_size: int, red_size: int, block: int) -> tuple[int, int]:
     splits = max(1, min(want, room))
     chunk = math.ceil(red_size / splits)
     return math.ceil(red_size / chunk), chunk
+
+
+# --- conversions, stores and launches -----------------------------------------------------------
+
+
+def rendering(code: list[Lowered], target: Target) -> list[Lowered]:
+    """``code`` with the last choices a renderer would otherwise make from its own dataflow
+    written into the items: how each nest converts and stores (``LoopNest.keeps_payload``,
+    ``payload_rounds``, ``exact_store``, ``any_order``), whether a jammed reduction stores its
+    vector whole (``LoopGroup.lane_store``), how products run (``Gemm.one_thread``,
+    ``strided``, ``tf32``) and, on a GPU, every kernel's launch (``grid``, ``block``)."""
+    only_products = products_only(code)
+    shared = target.products_shared and any(
+        isinstance(item, Gemm) and item.split is not None for item in code)
+    out: list[Lowered] = []
+    for item in code:
+        if isinstance(item, Fill):
+            if target.gpu_block:
+                grid, block = gpu_launch(item.node.size, target)
+                item = replace(item, grid=grid, block=block)
+        elif isinstance(item, Gemm):
+            tf32 = target.tf32 and item.a.node.prec is item.b.node.prec is Precision.f32
+            item = replace(item, one_thread=shared, tf32=tf32,
+                           strided=batch_runs(item.batch) if target.gpu_block else ((), None))
+        else:
+            nests = tuple(_conversions(n, item.conversion, only_products) for n in item.nests)
+            item = replace(item, nests=nests, lane_store=item.lanes and lane_store(
+                nests[0], item.registers, target))
+            if target.gpu_block:
+                item = replace(item, **_gpu_launch_of(item, target))
+        out.append(item)
+    return out
+
+
+def products_only(code: list[Lowered]) -> frozenset[int]:
+    """The local nodes of ``code`` that only products read (copies of their operands,
+    im2col's patches): what a copy into one does to a signalling NaN's bits cannot show, as a
+    product quiets it."""
+    local = {n.id for n in nodes_of(code) if n.memory_mode is MemoryMode.local}
+    gemm_read, other_read = set(), set()
+    for item in code:
+        item_reads = set(access(item).reads)
+        if isinstance(item, Gemm):
+            operands = {item.a.node.id, item.b.node.id}
+            gemm_read |= operands
+            item_reads -= operands
+        other_read |= item_reads
+    return frozenset(local & gemm_read - other_read)
+
+
+def _conversions(nest: LoopNest, conversion: bool, only_products: frozenset[int]) -> LoopNest:
+    """``nest`` with how it converts and stores decided (``LoopNest``'s fields say what each
+    means). Only a nest that stores its expression's value as it is (nothing to reduce, or
+    every point overwriting its cell) copies or stores exactly."""
+    a = nest.assign
+    overwrite = a.accum == "=" or a.reset
+    stores_value = not nest.red or (a.accum == "=" and not nest.scatter)
+    plain = a.lhs.id in only_products
+    keeps = (stores_value and overwrite and isinstance(a.expr, Get) and not plain
+             and not conversion)
+    rounds = frozenset() if plain else frozenset(
+        g.node.id for g in reads(a.expr)
+        if g.rounded is not None and g.node.memory_mode is MemoryMode.materialized)
+    exact = (stores_value and a.lhs.prec is Precision.bf16
+             and (overwrite or a.accum in ("max", "min")) and representable(a.expr, a.lhs.prec))
+    any_order = bool(nest.red) and a.accum == "+" and zero_or_nan(a.expr)
+    return replace(nest, keeps_payload=keeps, payload_rounds=rounds, exact_store=exact,
+                   any_order=any_order)
+
+
+def representable(e: Expr, prec: Precision) -> bool:
+    """Whether ``e``'s value is exactly representable in ``prec``: a constant that is, a read
+    of a node of that precision (its loads widen it exactly, or round a wider node to it), a
+    read rounded to it (``Get.rounded``), or ops that select among such values
+    (``ops.representable``)."""
+    if isinstance(e, Const):
+        return bool(np.isfinite(e.value)) and float(
+            np.array(e.value, prec.numpy_dtype)) == e.value
+    if isinstance(e, Get):
+        return (e.rounded or e.node.prec) is prec
+    assert isinstance(e, Apply)
+    units = [(isinstance(a, Const) and a.value in (0.0, 1.0, -1.0))
+             or (isinstance(a, Apply) and OPS[a.op].flag) for a in e.args]
+    return OPS[e.op].representable([representable(a, prec) for a in e.args], units)
+
+
+def zero_or_nan(e: Expr) -> bool:
+    """Whether every value of ``e`` is +-0 or NaN (a product with a constant 0: the gradient
+    checksum's terms). A sum of such terms from +0 is +0 or NaN in any order, so it needs no
+    fixed order of additions."""
+    return isinstance(e, Apply) and e.op == "mul" and any(
+        isinstance(x, Const) and x.value == 0.0 for x in e.args)
+
+
+def lane_store(nest: LoopNest, registers: frozenset[int], target: Target) -> bool:
+    """Whether a jammed reduction's vector of cells is stored as one vector: it overwrites
+    them, they lie side by side, nothing else stands in for the target (a register), and a
+    16-bit target rounds in vectors (bf16's integer rounding, f16's conversion where the CPU
+    has it)."""
+    a = nest.assign
+    lhs = a.lhs
+    return (a.reset and read_stride(Get(lhs, a.lhs_idx), nest.par[-1]) == 1
+            and lhs.id not in registers
+            and (lhs.prec is not Precision.f16 or target.hardware_f16))
+
+
+def batch_runs(batch: tuple[BatchAxis, ...]) -> tuple[tuple[BatchAxis, ...], BatchAxis | None]:
+    """A product's batch axes as (outer axes looped over, the one axis each strided-batched call
+    covers): size-1 axes dropped, each axis folded into the one after it where its strides are
+    that axis' size times its strides in the output and both operands (so the two are one
+    stride). None: no batch axis, a plain product."""
+    axes = [x for x in batch if x.size > 1]
+    merged: list[BatchAxis] = []
+    for x in reversed(axes):
+        if merged:
+            y = merged[-1]
+            if (x.out, x.a, x.b) == (y.size * y.out, y.size * y.a, y.size * y.b):
+                merged[-1] = BatchAxis(x.size * y.size, y.out, y.a, y.b)
+                continue
+        merged.append(x)
+    merged.reverse()
+    if not merged:
+        return (), None
+    return tuple(merged[:-1]), merged[-1]
+
+
+WARP = 32
+MAX_GRID = 65535  # a GPU's grid-stride loops cover anything larger
+
+
+def gpu_launch(n: int, target: Target) -> tuple[int, int]:
+    """``(grid, block)`` for a grid-stride loop over ``n`` items: blocks of
+    ``target.gpu_block`` threads, fewer (whole warps) where that gives a small map
+    ``target.gpu_sms`` blocks (a 16,384-cell map in blocks of 256 threads would leave 68 of an
+    H200's 132 SMs idle: a small convnet's pool gradient), at most :data:`MAX_GRID` blocks."""
+    block = min(target.gpu_block, max(WARP, -(-n // WARP) * WARP))
+    while block > WARP and -(-n // block) < target.gpu_sms:
+        block -= WARP
+    return min(MAX_GRID, max(1, -(-n // block))), block
+
+
+def _gpu_launch_of(group: LoopGroup, target: Target) -> dict[str, int]:
+    """A loop group's launch: a thread per cell in :func:`gpu_launch`'s blocks, or a block of
+    ``target.gpu_block`` threads per cell (``"reduce"``; a split reduction's two passes take
+    their grids from its splits)."""
+    lead = group.lead
+    if group.mapping == "reduce":
+        return {"grid": min(lead.par_size * group.reduce_splits, MAX_GRID),
+                "block": target.gpu_block}
+    grid, block = gpu_launch(lead.par_size, target)
+    return {"grid": grid, "block": block}

@@ -2,8 +2,9 @@
 
 Lowering makes every choice a backend would otherwise make for itself (which products go to a
 library, which stay in registers, which copies are widened, which loops are shared over
-threads and how, which reductions run as vectors) from this record alone, and writes each
-choice into the lowered items. A renderer then reads the items and decides nothing: two
+threads and how, which reductions run as vectors, how values convert and store, how a GPU
+launches each kernel) from this record alone, and writes each choice into the lowered items.
+A renderer then reads the items and decides nothing: two
 backends with the same record get the same lowered code, and a third backend is a new record
 plus a renderer.
 """
@@ -38,11 +39,17 @@ class Target:
     Arithmetic and code: ``hardware_f16``, f16 converts with the CPU's instructions (F16C)
     rather than integer code, which also lets 16-bit reads widen in vectors; ``workers``, how
     many parts a large routine is cut into for the compiler; ``avx``, clear the vector
-    registers' upper halves at each item's start; ``blas_int``, the bits of the BLAS's integer
-    arguments (32, or 64 for an ILP64 build).
+    registers' upper halves at each item's start; ``vector_bits``, the width of the vectors
+    loops are compiled for (256, or 512 where the CPU keeps its clock under them: the same
+    bits either way); ``blas_int``, the bits of the BLAS's integer arguments (32, or 64 for an
+    ILP64 build); ``fma``, the compiler may contract a multiply and an add into one fused
+    operation (CUDA's ``--fmad``: one rounding fewer, other bits than the plain loops);
+    ``tf32``, f32 products may round their operands to TF32 on tensor cores (``Gemm.tf32``).
 
     A GPU: ``gpu_block``, its kernels' threads per block (0: not a GPU); every loop group is
-    then mapped onto threads and blocks (``LoopGroup.mapping``).
+    then mapped onto threads and blocks (``LoopGroup.mapping``, ``grid`` and ``block``);
+    ``gpu_sms``, its multiprocessors: a small map's blocks shrink until they fill as many, and
+    a gather too short to fill them takes a block per cell.
     """
 
     name: str = "cpu"
@@ -61,8 +68,12 @@ class Target:
     hardware_f16: bool = True
     workers: int = 1
     avx: bool = False
+    vector_bits: int = 256
     blas_int: int = 32
+    fma: bool = False
+    tf32: bool = False
     gpu_block: int = 0
+    gpu_sms: int = 0
 
 
 # Reference targets, for lowering without a backend (tests, tools): loops only, no library

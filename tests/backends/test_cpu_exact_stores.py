@@ -1,4 +1,5 @@
-"""bf16 stores of values bf16 already represents (``RoutineIR.representable``): the generated
+"""bf16 stores of values bf16 already represents (``schedule.representable``, decided into
+``LoopNest.exact_store``): the generated
 code keeps their top half instead of rounding them, and every bit, NaN included, must still
 be what rounding gives. Oracle: the op in NumPy f32, rounded by ml_dtypes, over every bf16
 pattern; the values that need rounding (an f32 operand, a constant bf16 lacks, a product by
@@ -13,8 +14,8 @@ import numpy as np
 import pytest
 
 from ocannl import Context
-from ocannl.backends.cpu import codegen, jit
-from ocannl.ir import lowering, ops
+from ocannl.backends.cpu import codegen
+from ocannl.ir import lowering, ops, schedule
 from ocannl.ir.assignments import Accum, Comp, Const, Expr, Get, apply
 from ocannl.ir.ops import Precision
 from ocannl.ir.target import Target
@@ -92,7 +93,7 @@ def test_bf16_stores_of_representable_values_keep_rounding_s_bits(
     got = _run(comp, inputs, outs)
     # The same routine with every store rounding (a code version of its own: another key).
     monkeypatch.setattr(codegen, "_VERSION", codegen._VERSION + " every store rounds")
-    monkeypatch.setattr(codegen.RoutineIR, "representable", lambda *_: False)
+    monkeypatch.setattr(schedule, "representable", lambda *_: False)
     rounded = _run(comp, inputs, outs)
     host = {x.id: hx.astype(np.float32), x2.id: hx2.astype(np.float32), w.id: hw}
     for name, e, bits, want_bits in zip(cases, (e for e, _ in cases.values()), got, rounded,
@@ -112,11 +113,10 @@ def test_bf16_stores_of_representable_values_keep_rounding_s_bits(
 def test_the_rule_calls_exact_only_what_bf16_represents() -> None:
     x, x2, w = (Tnode(n, (4,), p) for n, p in
                 (("x", Precision.bf16), ("x2", Precision.bf16), ("w", Precision.f32)))
-    r = codegen.RoutineIR([x, x2, w], jit.target())
     for name, (e, representable) in _cases(x, x2, w).items():
-        assert r.representable(e, Precision.bf16) is representable, name
+        assert schedule.representable(e, Precision.bf16) is representable, name
     # f16 and bf16 represent different values: a bf16 read is not exact in f16.
-    assert not r.representable(Get(x, (0,)), Precision.f16)
+    assert not schedule.representable(Get(x, (0,)), Precision.f16)
 
 
 def test_a_rounded_twin_read_by_a_pointwise_nest_rounds_the_wide_node() -> None:

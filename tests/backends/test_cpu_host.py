@@ -180,7 +180,8 @@ def test_the_code_decisions_on_each_cpu(cpu, want_f16, want_avx, want_512):
     assert jit.hardware_f16(facts) is want_f16
     assert jit.hardware_f16(facts, soft=True) is False
     assert jit.has_avx(facts) is want_avx
-    features = jit.features(facts)
+    assert jit.vector_bits(facts) == (512 if want_512 else 256)
+    features = jit.features(facts, jit.vector_bits(facts))
     assert features.startswith(facts.llvm_features)
     assert features.endswith(",-prefer-256-bit") is want_512
 

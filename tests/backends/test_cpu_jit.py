@@ -74,7 +74,7 @@ def test_a_routine_sharing_a_product_restores_the_blas_thread_count(monkeypatch)
     import ctypes
 
     from ocannl.backends.cpu import blas
-    from ocannl.backends.cpu.codegen import shares_products
+    from ocannl.backends.cpu.codegen import one_thread_products
     from ocannl.ir.assignments import Accum, Comp, Get, apply
     from ocannl.ir.ops import Precision
     from ocannl.ir.tnode import Tnode
@@ -89,7 +89,7 @@ def test_a_routine_sharing_a_product_restores_the_blas_thread_count(monkeypatch)
     comp = Comp((Accum(c, (0, 1), "+", apply("mul", Get(a, (0, 2)), Get(w, (2, 1))),
                        (m, m, m), True),))
     ctx = Context.cpu()
-    assert shares_products(ctx.lower(comp))
+    assert one_thread_products(ctx.lower(comp))
     ctx.set_values(a, np.ones((m, m)))
     ctx.set_values(w, np.full((m, m), 0.5))
     ctx, r = ctx.compile(comp)
@@ -445,32 +445,32 @@ def test_random_16_bit_nests_write_their_cells_and_nothing_else(case):
 @pytest.mark.skipif(not host.running().llvm_has("avx512f"),
                     reason="512-bit vectors need a CPU with AVX-512 to run")
 def test_512_bit_vectors_give_the_bits_of_256_bit_ones(monkeypatch, tmp_path):
-    """The same bf16 step compiled preferring 512-bit and 256-bit vectors (``jit.features``:
+    """The same bf16 step compiled preferring 512-bit and 256-bit vectors (``Target.vector_bits``:
     each lane computes what a scalar would) gives the same gradients, bit for bit, from code
     on 512-bit registers and code on 256-bit ones."""
     from ocannl.backends.cpu import codegen
     from ocannl.backends.cpu.backend import CpuBackend
 
-    here = host.running().llvm_features
     compile_ = jit._object
     monkeypatch.setattr(jit, "workers", lambda: 1)  # every module compiled here, recorded
     runs = []
     for width in (512, 256):
         monkeypatch.setenv("OCANNL_CACHE_DIR", str(tmp_path / str(width)))
-        monkeypatch.setattr(jit, "features", lambda cpu, w=width: here + (
-            ",-prefer-256-bit" if w == 512 else ",+prefer-256-bit"))
+        monkeypatch.setattr(jit, "vector_bits", lambda cpu, w=width: w)
         monkeypatch.setattr(codegen, "_VERSION", f"{codegen._VERSION}-{width}")
         monkeypatch.setattr(CpuBackend, "_compiled", {})
         registers = {"zmm": 0, "ymm": 0}  # operands on 512-bit and on 256-bit registers
 
-        def recording(text: str, registers: dict[str, int] = registers) -> bytes:
+        def recording(text: str, bits: int = 256, registers: dict[str, int] = registers,
+                      width: int = width) -> bytes:
+            assert bits == width  # the target record's vectors reach the compiler
             module = jit.llvm.parse_assembly(text, context=jit.llvm.create_context())
-            tm = jit._target_machine()
+            tm = jit._target_machine(bits)
             jit._optimize(module, tm)
             asm = tm.emit_assembly(module)
             for r in registers:
                 registers[r] += asm.count(f"%{r}")
-            return compile_(text)
+            return compile_(text, bits)
 
         monkeypatch.setattr(jit, "_object", recording)
         bits, _ = _bf16_mlp_grads(9, f"w{width}", (32, 72), (96, 96), 10)

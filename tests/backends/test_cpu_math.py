@@ -240,10 +240,10 @@ def test_a_silent_compiling_child_is_stopped_and_its_part_compiled_here(monkeypa
     parent = os.getpid()
     compile_here = jit._object
 
-    def stuck_in_children(text: str) -> bytes:
+    def stuck_in_children(text: str, bits: int = 256) -> bytes:
         if os.getpid() != parent:
             time.sleep(60)
-        return compile_here(text)
+        return compile_here(text, bits)
 
     monkeypatch.setenv("OCANNL_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(jit, "_object", stuck_in_children)

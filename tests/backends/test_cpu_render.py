@@ -480,22 +480,25 @@ def test_a_gradient_copied_whole_is_read_where_it_is_with_the_same_bits(monkeypa
 def test_f16_patches_convert_plainly_with_the_bits_of_exact_copies(any_size, monkeypatch,
                                                                    tmp_path):
     """Patches only a product reads convert 16-bit values with the plain instructions, not
-    the copy that keeps a signalling NaN's bits (``codegen._for_gemms``): the product quiets
-    a NaN either way, so the output has the same bits, signalling NaN in the image or not."""
-    from ocannl.backends.cpu import codegen
+    the copy that keeps a signalling NaN's bits (``schedule.products_only``, decided into
+    ``LoopNest.keeps_payload``): the product quiets a NaN either way, so the output has the
+    same bits, signalling NaN in the image or not."""
+    from ocannl.ir import schedule
 
     monkeypatch.setenv("OCANNL_CACHE_DIR", str(tmp_path))
     cv = Conv(2, 6, 6, 3, 4, 3, 1, 1, Precision.f16)
     comp = Comp((cv.forward(),))
     code = lower(comp, Target(batched_gemm=False))
     [patches] = [n for n in nodes_of(code) if n.name.startswith(f"{cv.x.name}_patches_")]
-    assert patches.id in codegen._for_gemms(code)  # (with the kernel's f32 copy)
+    assert patches.id in schedule.products_only(code)  # (with the kernel's f32 copy)
+    [copy] = [n for item in code if isinstance(item, LoopGroup) for n in item.nests
+              if n.assign.lhs.id == patches.id]
+    assert not copy.keeps_payload
 
     def run(plain: bool) -> bytes:
-        monkeypatch.setattr(codegen, "_VERSION", codegen._VERSION + ("-plain" if plain
-                                                                      else "-exact"))
         if not plain:
-            monkeypatch.setattr(codegen, "_for_gemms", lambda code: frozenset())
+            monkeypatch.setattr(schedule, "products_only", lambda code: frozenset())
+        code = lower(comp, Target(batched_gemm=False))
         backend = CpuBackend()
         nodes = nodes_of(code)
         bufs = {n.id: backend.alloc(n) for n in nodes}

@@ -23,6 +23,7 @@ from cuda_emu import emulator_unavailable
 from ocannl import Context
 from ocannl.backends.cuda import plan as cc
 from ocannl.backends.cuda.plan import GemmCall
+from ocannl.ir import schedule
 
 _missing = emulator_unavailable()
 pytestmark = pytest.mark.skipif(_missing is not None, reason=f"no emulator: {_missing}")
@@ -102,7 +103,8 @@ def test_grid_and_block_stride_loops_going_round(monkeypatch: pytest.MonkeyPatch
     """The GPU checks over more than 65,535 cells / 16.7M elements, scaled down: with the grid
     limited to 64 blocks, block reductions take several cells per block and maps go round
     their grid-stride loop several times."""
-    monkeypatch.setattr(cc, "MAX_GRID", 64)
+    monkeypatch.setattr(schedule, "MAX_GRID", 64)  # scheduling's launches
+    monkeypatch.setattr(cc, "MAX_GRID", 64)  # the final pass of a split reduction
     for comp, outs in (cuda_cases.wide_reduction_cases(cells=300),
                        cuda_cases.long_map_cases(n=50_000)):
         ctx, routine = C.check_comp(Context.cuda, comp, outs)

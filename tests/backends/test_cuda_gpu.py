@@ -26,6 +26,7 @@ import pytest
 from ocannl import Context
 from ocannl.backends.cuda import plan as cc
 from ocannl.backends.cuda.runtime import CupyCudaBackend, cuda_unavailable_reason
+from ocannl.ir import schedule
 
 _reason = cuda_unavailable_reason()
 pytestmark = [pytest.mark.gpu,
@@ -112,7 +113,7 @@ def test_a_reduction_over_more_than_65535_cells() -> None:
     """70,000 cells: the block reduction's blocks each take several cells in turn."""
     comp, outs = cuda_cases.wide_reduction_cases()
     ctx, routine = C.check_comp(Context.cuda, comp, outs)
-    assert any(k.grid == cc.MAX_GRID for k in routine.compiled.plan.kernels)
+    assert any(k.grid == schedule.MAX_GRID for k in routine.compiled.plan.kernels)
 
 
 def test_a_map_over_more_than_16_7m_elements() -> None:
@@ -120,7 +121,7 @@ def test_a_map_over_more_than_16_7m_elements() -> None:
     f16 copy is exact (one rounding of each f32 value)."""
     comp, outs = cuda_cases.long_map_cases()
     ctx, routine = C.check_comp(Context.cuda, comp, outs)
-    assert any(k.grid == cc.MAX_GRID and k.block == cc.BLOCK
+    assert any(k.grid == schedule.MAX_GRID and k.block == cc.BLOCK
                for k in routine.compiled.plan.kernels)
     x = comp.assignments[1].expr.node.host_data
     assert ctx.get_values(outs[1]).tobytes() == x.astype(np.float16).tobytes()

@@ -19,11 +19,12 @@ from f64_reference import evaluate
 
 from ocannl import Context, train
 from ocannl.backends.cuda.plan import GemmCall, Kernel, cuda_target, plan_routine
-from ocannl.backends.cuda.runtime import BoundRoutine, CupyCudaBackend, batch_runs
+from ocannl.backends.cuda.runtime import BoundRoutine, CupyCudaBackend
 from ocannl.clipping import ClipNorm
 from ocannl.ir.assignments import Accum, Comp, Get, apply
 from ocannl.ir.lowering import BatchAxis, lower
 from ocannl.ir.ops import Precision
+from ocannl.ir.schedule import batch_runs
 from ocannl.ir.tnode import Tnode
 
 _missing = emulator_unavailable()

@@ -26,6 +26,11 @@ from ocannl.ir.ops import Precision
 # --- thread mapping policy --------------------------------------------------------------------
 
 
+def _launch(n: int) -> tuple[int, int]:
+    """Scheduling's launch of a map over ``n`` cells for the CUDA target."""
+    return schedule.gpu_launch(n, cc.cuda_target())
+
+
 def test_strategy_table() -> None:
     assert schedule.gpu_mapping(10**6, 1, "=", False) == "map"
     assert schedule.gpu_mapping(256, 10, "max", True) == "serial"  # softmax max over classes
@@ -57,25 +62,25 @@ def test_reduce_splits_examples() -> None:
 
 @given(st.integers(1, 10**10))
 def test_map_launch_covers_the_range(n: int) -> None:
-    grid, block = cc.map_launch(n)
-    assert block % cc.WARP == 0 and cc.WARP <= block <= cc.BLOCK
-    assert 1 <= grid <= cc.MAX_GRID
-    assert grid * block >= n or grid == cc.MAX_GRID  # else the grid-stride loop goes round
+    grid, block = _launch(n)
+    assert block % schedule.WARP == 0 and schedule.WARP <= block <= cc.BLOCK
+    assert 1 <= grid <= schedule.MAX_GRID
+    assert grid * block >= n or grid == schedule.MAX_GRID  # else the grid-stride loop goes round
     assert (grid - 1) * block < n  # no block entirely idle
 
 
 def test_map_launch_examples() -> None:
-    assert cc.map_launch(1) == (1, 32)
-    assert cc.map_launch(100) == (4, 32)
-    assert cc.map_launch(16384) == (171, 96)  # 132 SMs busy, not 64 blocks of 256
-    assert cc.map_launch(132 * 256) == (132, 256)
-    assert cc.map_launch(10**6) == (3907, 256)
-    assert cc.map_launch(10**9) == (cc.MAX_GRID, 256)
+    assert _launch(1) == (1, 32)
+    assert _launch(100) == (4, 32)
+    assert _launch(16384) == (171, 96)  # 132 SMs busy, not 64 blocks of 256
+    assert _launch(132 * 256) == (132, 256)
+    assert _launch(10**6) == (3907, 256)
+    assert _launch(10**9) == (schedule.MAX_GRID, 256)
 
 
-@given(st.integers(cc.MIN_BLOCKS * cc.WARP, 10**8))
+@given(st.integers(cc.SMS * schedule.WARP, 10**8))
 def test_a_map_with_a_warp_for_every_sm_fills_them(n: int) -> None:
-    assert cc.map_launch(n)[0] >= cc.MIN_BLOCKS
+    assert _launch(n)[0] >= cc.SMS
 
 
 def test_the_mapping_onto_threads_is_lowerings_and_the_plan_renders_it() -> None:
@@ -153,10 +158,10 @@ def test_kernel_launch_shapes_are_sane() -> None:
         for prec in ("f32", "f16", "bf16"):
             p = cuda_models.build(prec, dims=dims, batch=batch)
             for k in _plan(p.comps["gated"]).kernels:
-                assert 1 <= k.grid <= cc.MAX_GRID and k.block % cc.WARP == 0
+                assert 1 <= k.grid <= schedule.MAX_GRID and k.block % schedule.WARP == 0
                 assert f"__launch_bounds__({k.block})" in k.source
                 if k.kind in ("reduce", "partial", "final"):
-                    assert k.block == cc.BLOCK and f"sh[{cc.BLOCK // cc.WARP}]" in k.source
+                    assert k.block == cc.BLOCK and f"sh[{cc.BLOCK // schedule.WARP}]" in k.source
 
 
 def test_narrow_gemm_copies_are_lowerings_nests_around_cublas() -> None:

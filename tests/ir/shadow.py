@@ -22,7 +22,7 @@ import pytest
 from ocannl import Context
 from ocannl.ir import interpret
 from ocannl.ir.assignments import Accum, Comp, Get, apply
-from ocannl.ir.lowering import Gemm, Lowered, nodes_of
+from ocannl.ir.lowering import Gemm, Lowered, batch_offsets, nodes_of
 from ocannl.ir.ops import Precision
 from ocannl.ir.tnode import MemoryMode, Tnode
 
@@ -125,7 +125,7 @@ def _check_product(item: Gemm, values: interpret.Values, old: np.ndarray, got: n
     b = values[item.b.node.id].reshape(-1).astype(np.float64)
     want = np.zeros(lhs.size) if item.assign.reset else old.reshape(-1).copy()
     size = np.abs(want)
-    offsets = interpret.gemm_offsets(item)
+    offsets = batch_offsets(item.batch)
     rows = np.unique(np.linspace(0, item.rows - 1, min(item.rows, SAMPLE_ROWS)).astype(int))
     checked = np.zeros(lhs.size, bool)
     for o_out, o_a, o_b in offsets[::max(1, len(offsets) // SAMPLE_BATCH)]:

@@ -18,12 +18,12 @@ import torch
 import ocannl.tensor as T
 from ocannl import Context, nn_blocks, train
 from ocannl.backends.cpu.backend import CpuBackend
+from ocannl.backends.cuda.plan import SMS as GATHER_MIN_BLOCKS  # cuda_target().gpu_sms
 from ocannl.backends.cuda.plan import Kernel, cuda_target, plan_routine
 from ocannl.ir import interpret, lowering
 from ocannl.ir.assignments import Accum, Affine, Comp, Const, Get, apply
 from ocannl.ir.lowering import gather_of, lower, nests
 from ocannl.ir.ops import Precision
-from ocannl.ir.schedule import GATHER_MIN_BLOCKS
 from ocannl.ir.target import PRODUCTS
 from ocannl.ir.tnode import Tnode
 from ocannl.tensor.spatial import conv2d
@@ -206,7 +206,7 @@ def test_convnets_input_gradients_are_gathers_that_fill_an_h200_on_cuda():
     """convnet's (benchmarks/specs.py) input gradients on CUDA: no scatter is left; the second
     convolution's (a reduction of 144 terms a cell) launches at least ``GATHER_MIN_BLOCKS``
     blocks; each pool's is a thread per cell of its target, no zero fill before it, on at least
-    as many blocks too (``plan.map_launch``)."""
+    as many blocks too (``schedule.gpu_launch``)."""
     rng = np.random.default_rng(0)
     x = T.term(rng.uniform(0, 1, (64, 8, 8, 1)), label="x", batch_dims=(64,),
                output_dims=(8, 8, 1))

@@ -19,6 +19,8 @@ import torch
 import ocannl.tensor as T
 from ocannl import Context, Precision
 from ocannl.backends.cpu.backend import storage_dtype
+from ocannl.backends.cpu.op_builders import BUILDERS
+from ocannl.backends.emit import C_TEMPLATES
 from ocannl.ir import interpret
 from ocannl.ir.assignments import Accum, Apply, Comp, Const, Get, apply
 from ocannl.ir.lowering import lower
@@ -54,8 +56,9 @@ def _positional(f: object) -> int:
 
 
 def test_every_row_is_complete_and_consistent():
-    """Every op's row: its arity is its reference's and its LLVM builder's (past the emitter
-    and the compute type), its C template names exactly its operands, a gradient rule exactly
+    """Every op's row: its arity is its reference's and its LLVM builder's
+    (``op_builders.BUILDERS``, past the emitter and the compute type), its C template
+    (``emit.C_TEMPLATES``) names exactly its operands, a gradient rule exactly
     where the result is differentiable (not a 0 / 1 flag, not a hash), returning one entry per
     operand, and its representability flags only where they hold (checked on values in
     ``test_flags_and_selections_hold_on_values``)."""
@@ -67,10 +70,11 @@ def test_every_row_is_complete_and_consistent():
         assert op.name == name
         assert op.arity in (1, 2, 3)
         assert _positional(op.ref) == op.arity, name
-        assert _positional(op.llvm) == op.arity + 2, name
+        assert _positional(BUILDERS[name]) == op.arity + 2, name
+        template = C_TEMPLATES[name]
         for k in range(4):
-            assert ("{" + str(k) + "}" in op.c) == (k < op.arity), (name, op.c)
-        op.c.format(*(f"x{k}" for k in range(op.arity)), zero="0", one="1")
+            assert ("{" + str(k) + "}" in template) == (k < op.arity), (name, template)
+        template.format(*(f"x{k}" for k in range(op.arity)), zero="0", one="1")
         assert reference(name, *[x] * op.arity).shape == x.shape
         assert (op.grad is None) == (op.flag or name.startswith("hash_")), name
         if op.grad is not None:

@@ -16,7 +16,7 @@ import numpy as np
 
 from ocannl.backends.arena import ALIGN_BYTES
 from ocannl.backends.cpu import blas, entry, jit, native_products
-from ocannl.backends.cpu.codegen import routine_ir, shares_products, signature
+from ocannl.backends.cpu.codegen import one_thread_products, routine_ir, signature
 from ocannl.backends.rounding import to_precision
 from ocannl.ir.lowered import Lowered
 from ocannl.ir.ops import Precision
@@ -99,6 +99,7 @@ class CpuBackend:
         """The routine's machine code: from this process, from the disk cache (no IR is
         built), or compiled now; and whether it was not already in this process."""
         target = jit.target()
+        jit.size_pool(target)
         key = jit.key_of(signature(code, nodes, target))
         compiled = self._compiled.get(key)
         if compiled is not None:
@@ -106,7 +107,8 @@ class CpuBackend:
         hit = jit.load(key)
         if hit is None:
             texts = routine_ir(code, nodes, target)
-            hit = (jit.compile_ir(key, texts, single_blas=shares_products(code)), False)
+            hit = (jit.compile_ir(key, texts, single_blas=one_thread_products(code),
+                                  bits=target.vector_bits), False)
         compiled = self._compiled[key] = CompiledRoutine(*hit)
         return compiled, True
 

@@ -9,7 +9,11 @@ small multiple of LLVM's own, linear in the size of the step.
 This module renders what lowering and scheduling decided (``ocannl.ir.schedule``): which
 product runs in BLAS and which inline, which copies in f32 exist (they are nodes of their
 own), which loops are shared over threads and in how many chunks, which reductions run
-several cells at once and as vectors, which values stay in registers. It decides none of it.
+several cells at once and as vectors and how their vectors are stored, which values stay in
+registers, which conversions keep a NaN's payload, which bf16 stores are exact, which sums may
+be reassociated. It decides none of it: its own choices are how to spell those in LLVM IR and
+where to cut a routine into parts for the compiler (``PART_NESTS``, the same bits however
+cut).
 
 Arithmetic follows the usual C rules, the same as the CUDA backend's and NumPy's: an f32 value
 meeting an f64 value is widened, literals take the nest's compute precision, and 16-bit storage
@@ -26,7 +30,9 @@ from contextlib import contextmanager
 import numpy as np
 from llvmlite import ir
 
+from ocannl.backends import core
 from ocannl.backends.cpu import pool, small_product, version
+from ocannl.backends.cpu.op_builders import BUILDERS
 from ocannl.backends.cpu.scalar import (
     F16,
     F32,
@@ -46,12 +52,9 @@ from ocannl.backends.cpu.scalar import (
     like,
 )
 from ocannl.ir.assignments import (
-    Affine,
     Apply,
     Const,
-    Dynamic,
     Expr,
-    Fixed,
     Get,
     Projection,
     reads,
@@ -63,20 +66,19 @@ from ocannl.ir.lowered import (
     LoopNest,
     Lowered,
     MatrixView,
-    accesses,
-    item_nodes,
-    nodes_of,
+    stored_in,
 )
-from ocannl.ir.ops import ACCUMS, OPS, Precision
+from ocannl.ir.ops import ACCUMS, Precision
 from ocannl.ir.schedule import GEMM_BLOCK, ROW_BLOCK, read_stride
 from ocannl.ir.target import Target
-from ocannl.ir.tnode import MemoryMode, Tnode
+from ocannl.ir.tnode import Tnode
 
-__all__ = ["GEMM16_SYMBOLS", "GEMM_SYMBOLS", "RoutineIR", "Target", "routine_ir",
-           "shares_products", "signature"]
+__all__ = ["GEMM16_SYMBOLS", "GEMM_SYMBOLS", "RoutineIR", "Target", "one_thread_products",
+           "routine_ir", "signature"]
 
 _VOID_P = ir.IntType(8).as_pointer()
 _FLOAT = {Precision.f32: F32, Precision.f64: F64}
+_PREC = {F32: Precision.f32, F64: Precision.f64}
 _ELEM = {Precision.f64: F64, Precision.f32: F32, Precision.f16: I16, Precision.bf16: I16}
 # The BLAS routines, resolved by the JIT (``jit.py`` maps these names to the chosen BLAS's):
 # by compute type, and the products of two 16-bit operands into f32 by their precision
@@ -88,12 +90,8 @@ GEMM16_SYMBOLS = {Precision.bf16: "ocannl_gemm_bf16", Precision.f16: "ocannl_gem
 class RoutineIR:
     """Builds the IR of one part of a routine, for ``target``."""
 
-    def __init__(self, nodes: list[Tnode], target: Target,
-                 for_gemms: frozenset[int] = frozenset()) -> None:
+    def __init__(self, nodes: list[Tnode], target: Target) -> None:
         self.module = ir.Module(name="ocannl")
-        # Local nodes only products read (copies of their operands, im2col's patches): what a
-        # copy into one does to a signalling NaN's bits cannot show, as a product quiets it.
-        self.for_gemms = for_gemms
         self.hardware_f16 = target.hardware_f16
         self.avx = target.avx
         self.blas_int = ir.IntType(target.blas_int)
@@ -104,20 +102,15 @@ class RoutineIR:
         self.functions: dict[tuple[str, ir.Type], ir.Function] = {}
         # Each item: its function, its slots, (its extent when shared, chunks per thread).
         self.calls: list[tuple[ir.Function, list[int], tuple[int | None, int]]] = []
-        # Whether the nest being emitted copies a value unchanged (a cast): only then does a
-        # signalling NaN's bit pattern survive to the store, and the f16 conversions keep it
-        # as NumPy does. Arithmetic quiets a NaN whatever the conversion did, so elsewhere the
-        # plain instructions give the same bits.
+        # Whether the conversions being emitted keep a signalling NaN's payload (as NumPy's
+        # do): the nest's ``keeps_payload``, or a rounded read's source in its
+        # ``payload_rounds``; elsewhere the plain instructions.
         self.copying = False
-        # Whether the nest being emitted writes a node only products read (``for_gemms``):
-        # a rounded read there (``Get.rounded``) takes the plain conversions.
-        self.plain_rounding = False
-        # Whether the group being emitted is a conversion of scheduling's own
-        # (``LoopGroup.conversion``): its copies take the plain instructions too.
-        self.conversion = False
+        # The nest being emitted: its rounded reads' conversions (``LoopNest.payload_rounds``).
+        self.payload_rounds: frozenset[int] = frozenset()
         # The group's nodes kept in registers, and their values at the point being emitted.
         self.registers: frozenset[int] = frozenset()
-        self.held: dict[int, ir.Value] = {}
+        self.held_values: dict[int, ir.Value] = {}
         self.cell: ir.Value | None = None  # the flat cell of a ``flat`` group
         # A jammed reduction's reads packed as vectors of its cells, by id.
         self.packed: dict[int, tuple[ir.Value, list[int], int]] = {}
@@ -217,7 +210,7 @@ class RoutineIR:
         b.position_at_end(after)
 
     @contextmanager
-    def when(self, cond: ir.Value) -> Iterator[None]:
+    def when_(self, cond: ir.Value) -> Iterator[None]:
         b = self.b
         then = self.fn.append_basic_block("then")
         after = self.fn.append_basic_block("endif")
@@ -314,79 +307,86 @@ class RoutineIR:
 
     # --- loads, stores, expressions ----------------------------------------------------------
 
-    def offset(self, node: Tnode, idx: Projection, iters: dict[int, ir.Value]) -> ir.Value:
-        """The flat row-major offset of ``node[idx]`` (in a ``flat`` group: the cell's)."""
-        if self.cell is not None:
-            return self.cell
-        b = self.b
-        terms: list[ir.Value] = []
-        const = 0
-        for i, stride, dim in zip(idx, node.strides, node.dims, strict=True):
-            if isinstance(i, Dynamic):  # the index node's value, loaded when the code runs
-                at = b.fptosi(convert(b, b.load(self.buffer(i.node)), F32), I64)
-                terms.append(at if stride == 1 else b.mul(at, const_int(stride), flags=["nsw"]))
-            elif isinstance(i, Fixed):
-                const += i.pos * stride
-            elif dim > 1:  # along an axis of one cell, an in-bounds position is 0
-                at = self.affine(i, iters) if isinstance(i, Affine) else iters[i]
-                terms.append(at if stride == 1 else b.mul(at, const_int(stride), flags=["nsw"]))
-        if const or not terms:
-            terms.append(const_int(const))
-        total = terms[0]
-        for t in terms[1:]:
-            total = b.add(total, t, flags=["nsw"])
-        return total
+    # The renderer core's words (``ocannl.backends.core.Spelling``): index arithmetic, reads,
+    # values, stores and loops, as LLVM IR.
 
-    def affine(self, a: Affine, iters: dict[int, ir.Value]) -> ir.Value:
-        b = self.b
-        total: ir.Value = const_int(a.offset)
-        for c, i in a.terms:
-            if c:
-                total = b.add(total, b.mul(iters[i], const_int(c)))
-        return total
+    def index(self, n: int) -> ir.Value:
+        return const_int(n)
 
-    def in_bounds(self, node: Tnode, idx: Projection, space: tuple[int, ...],
-                  iters: dict[int, ir.Value]) -> ir.Value | None:
-        """Whether every affine index of ``node[idx]`` is inside its axis; None where that
-        holds over the whole product space."""
-        b = self.b
-        cond = None
-        for i, dim in zip(idx, node.dims, strict=True):
-            if not isinstance(i, Affine):
-                continue
-            lo, hi = i.bounds(space)
-            at = self.affine(i, iters)
-            for c in ([b.icmp_signed(">=", at, const_int(0))] if lo < 0 else []) + \
-                     ([b.icmp_signed("<", at, const_int(dim))] if hi >= dim else []):
-                cond = c if cond is None else b.and_(cond, c)
-        return cond
+    def index_add(self, a: ir.Value, b: ir.Value) -> ir.Value:
+        return self.b.add(a, b, flags=["nsw"])
 
-    def load(self, node: Tnode, idx: Projection, space: tuple[int, ...],
-             iters: dict[int, ir.Value], compute: ir.Type, rounded: Precision | None = None
-             ) -> ir.Value:
-        """``node[idx]`` widened to its compute type (``rounded``: first rounded to that
-        precision, ``Get.rounded``), or 0 where an affine index falls outside the node
-        (padding: the load then reads cell 0 and its value is not used)."""
+    def index_scale(self, a: ir.Value, c: int) -> ir.Value:
+        return a if c == 1 else self.b.mul(a, const_int(c), flags=["nsw"])
+
+    def dynamic(self, node: Tnode) -> ir.Value:
+        """The index node's value, loaded when the code runs."""
         b = self.b
-        if node.id in self.held:  # handed over in a register (``LoopGroup.registers``)
-            held = self.held[node.id]
-            return self.widen(held, node.prec) if node.prec.is_narrow else held
-        off = self.offset(node, idx, iters)
-        cond = self.in_bounds(node, idx, space, iters)
-        if cond is not None:
-            off = b.select(cond, off, const_int(0))
-        value = b.load(b.gep(self.buffer(node), [off]))
-        if node.prec.is_narrow:
-            value = self.widen(value, node.prec)
-        if rounded is not None:
-            value = self._rounded(node, rounded, value)
-        if cond is not None:
-            value = b.select(cond, value, ir.Constant(value.type, 0.0))
-        return value
+        return b.fptosi(convert(b, b.load(self.buffer(node)), F32), I64)
+
+    def at_least_zero(self, a: ir.Value) -> ir.Value:
+        return self.b.icmp_signed(">=", a, const_int(0))
+
+    def below(self, a: ir.Value, n: int) -> ir.Value:
+        return self.b.icmp_signed("<", a, const_int(n))
+
+    def both(self, a: ir.Value, b: ir.Value) -> ir.Value:
+        return self.b.and_(a, b)
+
+    def literal(self, value: float, compute: Precision) -> ir.Value:
+        return ir.Constant(_FLOAT[compute], value)
+
+    def held(self, node: Tnode) -> ir.Value | None:
+        """A node handed over in a register (``LoopGroup.registers``): its value, widened."""
+        if node.id not in self.held_values:
+            return None
+        held = self.held_values[node.id]
+        return self.widen(held, node.prec) if node.prec.is_narrow else held
+
+    def read(self, node: Tnode, off: ir.Value, compute: Precision) -> ir.Value:
+        """The cell's value, a 16-bit one widened to f32 (an f32 meeting an f64 widens where
+        they meet, as C's rules say)."""
+        value = self.b.load(self.b.gep(self.buffer(node), [off]))
+        return self.widen(value, node.prec) if node.prec.is_narrow else value
+
+    def pad(self, cond: ir.Value, value: ir.Value, compute: Precision) -> ir.Value:
+        return self.b.select(cond, value, ir.Constant(value.type, 0.0))
+
+    def guard_offset(self, cond: ir.Value, off: ir.Value) -> ir.Value:
+        """Outside the node, the load reads cell 0 (its value then unused): a load always
+        runs."""
+        return self.b.select(cond, off, const_int(0))
+
+    def op(self, name: str, compute: Precision, args: list[ir.Value]) -> ir.Value:
+        return BUILDERS[name](self, _FLOAT[compute], *args)
+
+    def any_order_add(self, acc: ir.Value, value: ir.Value, compute: Precision) -> ir.Value:
+        """LLVM may keep several partial sums (in vectors): the same result."""
+        return self.b.fadd(acc, convert(self.b, value, _FLOAT[compute]), flags=("reassoc",))
+
+    def accumulator(self, value: ir.Value, compute: Precision) -> ir.Value:
+        acc = self.local(_FLOAT[compute])
+        self.b.store(value, acc)
+        return acc
+
+    def get(self, acc: ir.Value) -> ir.Value:
+        return self.b.load(acc)
+
+    def set(self, acc: ir.Value, value: ir.Value) -> None:
+        self.b.store(convert(self.b, value, acc.type.pointee), acc)
+
+    def over(self, nest: LoopNest, iters: dict[int, ir.Value], body: Callable[[], None]
+             ) -> None:
+        self._loops(list(nest.red), nest.space, iters, body)
+
+    def when(self, cond: ir.Value, body: Callable[[], None]) -> None:
+        with self.when_(cond):
+            body()
 
     def store(self, node: Tnode, off: ir.Value, value: ir.Value, exact: bool = False) -> None:
-        """``exact``: the value is representable in the node's precision (:meth:`representable`),
-        so a bf16 store keeps its top half instead of rounding it (the same bits, NaN too)."""
+        """``exact``: the value is representable in the node's precision
+        (``LoopNest.exact_store``), so a bf16 store keeps its top half instead of rounding it
+        (the same bits, NaN too)."""
         b = self.b
         if exact and node.prec is Precision.bf16:
             value = f32_to_bf16_exact(b, convert(b, value, F32))
@@ -395,37 +395,30 @@ class RoutineIR:
         else:
             value = convert(b, value, _FLOAT[node.prec])
         if node.id in self.registers:  # later nests of the group read it here, not stored
-            self.held[node.id] = value
+            self.held_values[node.id] = value
             return
         b.store(value, b.gep(self.buffer(node), [off]))
 
-    def representable(self, e: Expr, prec: Precision) -> bool:
-        """Whether ``e``'s value is exactly representable in ``prec``: a constant that is, a read
-        of a node of that precision (its loads widen it exactly, or round a wider node to it),
-        a read rounded to it (``Get.rounded``), or ops that select among such values
-        (``ops.representable``)."""
-        if isinstance(e, Const):
-            return bool(np.isfinite(e.value)) and float(
-                np.array(e.value, prec.numpy_dtype)) == e.value
-        if isinstance(e, Get):
-            return (e.rounded or e.node.prec) is prec
-        assert isinstance(e, Apply)
-        units = [(isinstance(a, Const) and a.value in (0.0, 1.0, -1.0))
-                 or (isinstance(a, Apply) and OPS[a.op].flag) for a in e.args]
-        return OPS[e.op].representable([self.representable(a, prec) for a in e.args], units)
+    # The core's functions over LLVM types, for the CPU's own shapes (jammed reductions, row
+    # walks, vectors of cells).
+
+    def offset(self, node: Tnode, idx: Projection, iters: dict[int, ir.Value]) -> ir.Value:
+        return core.offset(self, node, idx, iters)
+
+    def in_bounds(self, node: Tnode, idx: Projection, space: tuple[int, ...],
+                  iters: dict[int, ir.Value]) -> ir.Value | None:
+        return core.in_bounds(self, node, idx, space, iters)
+
+    def load(self, node: Tnode, idx: Projection, space: tuple[int, ...],
+             iters: dict[int, ir.Value], compute: ir.Type) -> ir.Value:
+        return core.load(self, node, idx, space, iters, _PREC[compute])
 
     def expr(self, e: Expr, compute: ir.Type, space: tuple[int, ...],
              iters: dict[int, ir.Value]) -> ir.Value:
-        if isinstance(e, Const):
-            return ir.Constant(compute, e.value)
-        if isinstance(e, Get):
-            return self.load(e.node, e.idx, space, iters, compute, e.rounded)
-        assert isinstance(e, Apply)
-        args = [self.expr(a, compute, space, iters) for a in e.args]
-        return OPS[e.op].llvm(self, compute, *args)
+        return core.expr(self, e, _PREC[compute], space, iters)
 
     def combine(self, accum: str, old: ir.Value, new: ir.Value, compute: ir.Type) -> ir.Value:
-        return OPS["add" if accum == "+" else accum].llvm(self, compute, old, new)
+        return core.combine(self, accum, old, new, _PREC[compute])
 
     # --- lowered items -----------------------------------------------------------------------
 
@@ -451,7 +444,7 @@ class RoutineIR:
         if 0 in space:
             return
         iters: dict[int, ir.Value] = {}
-        self.plain_rounding = lead.assign.lhs.id in self.for_gemms
+        self.payload_rounds = lead.payload_rounds
         if lead.walk_rows:
             self._loops(list(lead.par[:-1]), space, iters,
                         lambda: self._row_walk(lead, space, iters), outer=True)
@@ -459,7 +452,7 @@ class RoutineIR:
             if g.lanes:
                 self._pack_reads(lead, g.jam, g.packed)
             self._loops(list(lead.par[:-1]), space, iters,
-                        lambda: self._jammed(lead, g.jam, space, iters, g.lanes), outer=True)
+                        lambda: self._jammed(lead, g, space, iters), outer=True)
             self.packed = {}
         elif g.flat:  # every access is the point's own cell: its flat offset
             self.registers = g.registers
@@ -467,12 +460,12 @@ class RoutineIR:
                 self.cell = i
                 self._par_body(g, space, iters)
             self.cell = None
-            self.registers, self.held = frozenset(), {}
+            self.registers, self.held_values = frozenset(), {}
         else:
             self.registers = g.registers
             self._loops(list(lead.par), space, iters, lambda: self._par_body(g, space, iters),
                         outer=True)
-            self.registers, self.held = frozenset(), {}
+            self.registers, self.held_values = frozenset(), {}
 
     def _loops(self, order: list[int], space: tuple[int, ...], iters: dict[int, ir.Value],
                body: Callable[[], None], outer: bool = False) -> None:
@@ -487,72 +480,23 @@ class RoutineIR:
             self._loops(order[1:], space, iters, body)
 
     def _par_body(self, g: LoopGroup, space: tuple[int, ...], iters: dict[int, ir.Value]) -> None:
+        """Every nest's body at the point (``core.nest``), its conversions keeping a NaN's
+        payload where scheduling said so."""
         for nest in g.nests:
-            self.plain_rounding = nest.assign.lhs.id in self.for_gemms
-            self.conversion = g.conversion
-            if not nest.red:
-                self._point(nest, space, iters)
-            elif nest.scatter:
-                self._loops(list(nest.red), space, iters,
-                            lambda n=nest: self._scatter(n, space, iters))
-            elif nest.assign.accum == "=":  # every point overwrites its cell: the last stays
-                self._loops(list(nest.red), space, iters,
-                            lambda n=nest: self._point(n, space, iters))
-            else:
-                self._reduction(nest, space, iters)
+            self.payload_rounds = nest.payload_rounds
+            self.copying = nest.keeps_payload
+            core.nest(self, nest, iters)
+            self.copying = False
 
-    def _point(self, nest: LoopNest, space: tuple[int, ...], iters: dict[int, ir.Value]) -> None:
-        """A nest with nothing to reduce: compute, combine with the cell unless it is
-        overwritten, store."""
-        a = nest.assign
-        compute = _FLOAT[a.lhs.prec.compute]
-        overwrite = a.accum == "=" or a.reset
-        self.copying = (overwrite and isinstance(a.expr, Get) and a.lhs.id not in self.for_gemms
-                        and not self.conversion)
-        value = self.expr(a.expr, compute, space, iters)
-        off = self.offset(a.lhs, a.lhs_idx, iters)
-        if not overwrite:
-            old = self.load(a.lhs, a.lhs_idx, space, iters, compute)
-            value = self.combine(a.accum, old, value, compute)
-        exact = (a.lhs.prec is Precision.bf16 and (overwrite or a.accum in ("max", "min"))
-                 and self.representable(a.expr, a.lhs.prec))
-        self.store(a.lhs, off, value, exact)
-        self.copying = False
-
-    def _reduction(self, nest: LoopNest, space: tuple[int, ...],
-                   iters: dict[int, ir.Value]) -> None:
-        a = nest.assign
-        compute = _FLOAT[a.lhs.prec.compute]
-        acc = self.local(compute)
-        neutral = ACCUMS[a.accum]
-        self.b.store(ir.Constant(compute, 0.0 if neutral is None else neutral), acc)
-
-        unordered = a.accum == "+" and _zero_or_nan(a.expr)
-
-        def inner() -> None:
-            value = self.expr(a.expr, compute, space, iters)
-            if unordered:  # LLVM may keep several partial sums (in vectors): the same result
-                new = self.b.fadd(self.b.load(acc), convert(self.b, value, compute),
-                                  flags=("reassoc",))
-            else:
-                new = self.combine(a.accum, self.b.load(acc), value, compute)
-            self.b.store(convert(self.b, new, compute), acc)
-
-        self._loops(list(nest.red), space, iters, inner)
-        result = self.b.load(acc)
-        if not a.reset:
-            old = self.load(a.lhs, a.lhs_idx, space, iters, compute)
-            result = self.combine(a.accum, old, result, compute)
-        self.store(a.lhs, self.offset(a.lhs, a.lhs_idx, iters), result)
-
-    def _jammed(self, nest: LoopNest, width: int, space: tuple[int, ...],
-                iters: dict[int, ir.Value], lanes: bool) -> None:
+    def _jammed(self, nest: LoopNest, g: LoopGroup, space: tuple[int, ...],
+                iters: dict[int, ir.Value]) -> None:
         """The reduction for ``width`` consecutive cells of its last parallel iterator at once:
         one accumulator each, every term of the reduction loop adding to all of them; or,
         where ``lanes``, one vector accumulator, every term a vector of the
         cells' terms. Each cell takes its terms in the usual order (the same bits); the
         cells' chains of dependent additions overlap instead of running one after another."""
         a = nest.assign
+        width, lanes = g.jam, g.lanes
         compute = _FLOAT[a.lhs.prec.compute]
         last = nest.par[-1]
         b = self.b
@@ -582,7 +526,8 @@ class RoutineIR:
                     b.store(convert(b, new, compute), acc)
 
             self._loops(list(nest.red), space, iters, inner)
-            if lanes and self._store_lanes(nest, width, iters, b.load(accs[0])):
+            if g.lane_store:
+                self._store_lanes(nest, width, iters, b.load(accs[0]))
                 return
             for u, cell in enumerate(cells):
                 iters[last] = cell
@@ -594,25 +539,17 @@ class RoutineIR:
                 self.store(a.lhs, self.offset(a.lhs, a.lhs_idx, iters), result)
 
     def _store_lanes(self, nest: LoopNest, width: int, iters: dict[int, ir.Value],
-                     value: ir.Value) -> bool:
+                     value: ir.Value) -> None:
         """Store a vector of a jammed reduction's cells (from ``iters[last]`` on) as one vector,
-        rounded lane by lane to a 16-bit target: where the cells lie side by side, the
-        reduction overwrites them and nothing else stands in for the target. False when it
-        cannot (each cell is then stored alone)."""
+        rounded lane by lane to a 16-bit target (``LoopGroup.lane_store``)."""
         a = nest.assign
         lhs, b = a.lhs, self.b
-        ok = (a.reset and read_stride(Get(lhs, a.lhs_idx), nest.par[-1]) == 1
-              and lhs.id not in self.registers
-              and (lhs.prec is not Precision.f16 or self.hardware_f16))
-        if not ok:
-            return False
         if lhs.prec.is_narrow:
             value = self.narrow(value, lhs.prec)
         elif value.type.element != _FLOAT[lhs.prec]:  # an f64 sum into an f32 target
             value = b.fptrunc(value, ir.VectorType(F32, width))
         at = b.gep(self.buffer(lhs), [self.offset(lhs, a.lhs_idx, iters)])
         b.store(value, b.bitcast(at, value.type.as_pointer()), align=lhs.prec.itemsize)
-        return True
 
     def _pack_reads(self, nest: LoopNest, width: int, packed: tuple[int, ...]) -> None:
         """Pack the reads at positions ``packed`` (scheduling's choice: those striding across
@@ -668,7 +605,7 @@ class RoutineIR:
             return ir.Constant(vec, e.value)
         if isinstance(e, Apply):
             args = [self._lanes_expr(x, compute, width, last, space, iters) for x in e.args]
-            return OPS[e.op].llvm(self, compute, *args)
+            return BUILDERS[e.op](self, compute, *args)
         assert isinstance(e, Get)
         b, node = self.b, e.node
         if id(e) in self.packed:  # the block's cells side by side for each term
@@ -744,34 +681,11 @@ class RoutineIR:
                 result = self.combine(a.accum, old, result, compute)
             self.store(a.lhs, self.offset(a.lhs, a.lhs_idx, iters), result)
 
-    def _scatter(self, nest: LoopNest, space: tuple[int, ...], iters: dict[int, ir.Value]) -> None:
-        """An affine target: every point reads, combines and writes its (moving) cell, and
-        skips cells outside the node."""
-        a = nest.assign
-        compute = _FLOAT[a.lhs.prec.compute]
-        value = self.expr(a.expr, compute, space, iters)
-        cond = self.in_bounds(a.lhs, a.lhs_idx, space, iters)
-
-        def write() -> None:
-            new = value
-            if a.accum != "=":
-                old = self.load(a.lhs, a.lhs_idx, space, iters, compute)
-                new = self.combine(a.accum, old, value, compute)
-            self.store(a.lhs, self.offset(a.lhs, a.lhs_idx, iters), new)
-
-        if cond is None:
-            write()
-        else:
-            with self.when(cond):
-                write()
-
-    def _rounded(self, source: Tnode, prec: Precision, wide: ir.Value) -> ir.Value:
+    def rounded(self, wide: ir.Value, source: Tnode, prec: Precision) -> ir.Value:
         """A read through a rounding (``Get.rounded``): ``wide`` rounded to ``prec`` as a store
-        would round it, then widened as a load would. A virtual twin's rounding (its source
-        materialized) is its copy's, which keeps a signalling NaN's bits unless only products
-        read what is being written; a product's forwarded result's is its rounding store's."""
-        copying, self.copying = self.copying, (source.memory_mode is MemoryMode.materialized
-                                               and not self.plain_rounding)
+        would round it, then widened as a load would: keeping a signalling NaN's bits where
+        scheduling said so (``LoopNest.payload_rounds``: a virtual twin's copy would)."""
+        copying, self.copying = self.copying, source.id in self.payload_rounds
         value = self.round_to(convert(self.b, wide, F32), prec)
         self.copying = copying
         return value
@@ -917,52 +831,23 @@ def routine_ir(code: list[Lowered], nodes: list[Tnode], target: Target) -> list[
     At most ``target.workers`` parts, each of at least ``PART_NESTS`` nests
     (``_part_bounds``)."""
     bounds = _part_bounds(code, target.workers)
-    for_gemms = _for_gemms(code)
     texts: list[str] = []
     for lo, hi in zip(bounds, bounds[1:], strict=False):
-        r = RoutineIR(nodes, target, for_gemms)
+        r = RoutineIR(nodes, target)
         for item in code[lo:hi]:
             if isinstance(item, Gemm):
                 # One block range per thread: each range packs its operands again.
-                with r.item(_used(item), item.split_extent if item.split else None):
+                with r.item(stored_in(item), item.split_extent if item.split else None):
                     r.gemm(item)
             elif isinstance(item, Fill):
-                with r.item(_used(item)):
+                with r.item(stored_in(item)):
                     r.fill(item)
             else:
-                with r.item(_used(item), item.split, item.chunks):
+                with r.item(stored_in(item), item.split, item.chunks):
                     r.group(item)
         texts.append(r.finish())
     return texts
 
-
-def _used(item: Lowered) -> list[Tnode]:
-    """The nodes an item's function takes: those it reads or writes, but those it hands over
-    in registers (they have no memory)."""
-    held = item.registers if isinstance(item, LoopGroup) else frozenset()
-    return [n for n in item_nodes(item) if n.id not in held]
-
-
-def _for_gemms(code: list[Lowered]) -> frozenset[int]:
-    """The local nodes of ``code`` that only products read."""
-    local = {n.id for n in nodes_of(code) if n.memory_mode is MemoryMode.local}
-    gemm_read, other_read = set(), set()
-    for item in code:
-        item_reads = accesses(item)[0]
-        if isinstance(item, Gemm):
-            operands = {item.a.node.id, item.b.node.id}
-            gemm_read |= operands
-            item_reads -= operands
-        other_read |= item_reads
-    return frozenset(local & gemm_read - other_read)
-
-
-def _zero_or_nan(e: Expr) -> bool:
-    """Whether every value of ``e`` is +-0 or NaN (a product with a constant 0: the gradient
-    checksum's terms). A sum of such terms from +0 is +0 or NaN in any order, so it needs no
-    fixed order of additions."""
-    return isinstance(e, Apply) and e.op == "mul" and any(
-        isinstance(x, Const) and x.value == 0.0 for x in e.args)
 
 
 # The code generator's version: a hash of every file whose code can end up in a compiled
@@ -1002,21 +887,22 @@ def signature(code: list[Lowered], nodes: list[Tnode], target: Target) -> str:
             a = item.assign
             lines.append(f"gemm {slot[a.lhs.id]} {a.reset} [{view(item.a)}] [{view(item.b)}] "
                          f"{item.rows} {item.cols} {item.inner} {item.out_ld} {item.batch!r} "
-                         f"{item.kernel} {item.split} {item.split_extent}")
+                         f"{item.kernel} {item.split} {item.split_extent} {item.one_thread}")
         else:
             for nest in item.nests:
                 a = nest.assign
                 lines.append(f"nest {nest.par} {nest.red} {nest.scatter} {nest.walk_rows} "
                              f"{slot[a.lhs.id]}{a.lhs_idx!r} {a.accum} {a.reset} {a.space} "
-                             f"{expr(a.expr)}")
+                             f"{expr(a.expr)} {nest.keeps_payload} "
+                             f"{sorted(slot[i] for i in nest.payload_rounds)} "
+                             f"{nest.exact_store} {nest.any_order}")
             lines.append(f"end {sorted(slot[i] for i in item.registers)} {item.split} "
                          f"{item.chunks} {item.jam} {item.lanes} {item.packed} "
-                         f"{item.conversion} {item.flat}")
+                         f"{item.conversion} {item.flat} {item.lane_store}")
     return "\n".join(lines)
 
 
-def shares_products(code: list[Lowered]) -> bool:
-    """Whether the routine shares a product over the pool's threads: it then runs BLAS
-    single-threaded (a product below the split threshold runs on one thread in OpenBLAS
-    anyway)."""
-    return any(isinstance(item, Gemm) and item.split is not None for item in code)
+def one_thread_products(code: list[Lowered]) -> bool:
+    """Whether scheduling runs the routine's library products single-threaded
+    (``Gemm.one_thread``: it shares them over the pool's threads, a part each)."""
+    return any(isinstance(item, Gemm) and item.one_thread for item in code)

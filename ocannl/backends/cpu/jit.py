@@ -105,39 +105,60 @@ def has_avx(cpu: CpuFacts) -> bool:
     return cpu.x86 and cpu.llvm_has("avx")
 
 
-def features(cpu: CpuFacts) -> str:
-    """The CPU features LLVM compiles for: ``cpu``'s, and on a CPU with AVX512-FP16 (Sapphire
-    Rapids and later Xeons) 512-bit vectors preferred in loops, where LLVM's tuning keeps to
-    256 bits for the AVX-512 CPUs whose clock drops under 512-bit instructions. Each lane
-    computes what a scalar would, so the bits are the same. In-process A/B on such a CPU,
-    steps paired by block, 512 / 256: mlp_small bf16 0.898x, f16-gated16 0.933x, f32 0.988x;
-    gpt_mini bf16 0.969x, f16 0.983x; convnet bf16 0.983x, f32 0.995x."""
+def vector_bits(cpu: CpuFacts) -> int:
+    """The vectors loops are compiled for (``Target.vector_bits``): 512 bits on a CPU with
+    AVX512-FP16 (Sapphire Rapids and later Xeons), where LLVM's tuning keeps to 256 bits for
+    the AVX-512 CPUs whose clock drops under 512-bit instructions; else 256 (LLVM's own
+    choice). Each lane computes what a scalar would, so the bits are the same. In-process A/B
+    on such a CPU, steps paired by block, 512 / 256: mlp_small bf16 0.898x, f16-gated16
+    0.933x, f32 0.988x; gpt_mini bf16 0.969x, f16 0.983x; convnet bf16 0.983x, f32 0.995x."""
+    return 512 if cpu.llvm_has("avx512fp16") else 256
+
+
+def features(cpu: CpuFacts, bits: int = 256) -> str:
+    """The CPU features LLVM compiles for: ``cpu``'s, with 512-bit vectors preferred in loops
+    where the target record says ``bits`` 512."""
     text = cpu.llvm_features
-    return text + ",-prefer-256-bit" if cpu.llvm_has("avx512fp16") else text
+    return text + ",-prefer-256-bit" if bits == 512 else text
 
 
 def target() -> Target:
     """What lowering and code generation may rely on in this process (``ocannl.ir.target``):
-    the BLAS, the threads (the pool's size follows them), the CPU's conversions; the
-    products, vectors and thresholds at their CPU defaults."""
+    the BLAS, the threads, the CPU's conversions and vectors; the products and thresholds at
+    their CPU defaults. Reading it changes nothing: :func:`size_pool` gives the pool its
+    threads before a routine runs."""
     count = threads()
     with _lock:
         _setup()
         resize = _state.get("pool_size")
     if resize is None:
         count = 1
-    else:
-        resize(count - 1)  # type: ignore[operator]
     chosen, cpu = blas.chosen(), host.running()
     soft = bool(os.environ.get("OCANNL_SOFT_F16"))
-    # Products are cut into as many parts as this process has cores (at most 8), whatever
-    # OCANNL_THREADS says: a thread count changes which thread runs a part, not the parts.
+    # Products are cut into PRODUCT_PARTS parts whatever this process's cores or
+    # OCANNL_THREADS: which thread runs a part changes, never the parts, so a rank pinned to
+    # one core lowers a step as a process on many does (the same bits).
     return Target(name="cpu", hardware_f16=hardware_f16(cpu, soft), workers=workers(),
                   avx=has_avx(cpu), blas_int=chosen.int_bits, threads=count,
                   native_products=native_products.native(),
                   inline_native_work=native_products.inline_work(Target.inline_native_work),
                   products_shared=resize is not None and chosen.threads is not None,
-                  product_parts=max(1, min(8, _cores())))
+                  product_parts=PRODUCT_PARTS, vector_bits=vector_bits(cpu))
+
+
+def size_pool(target: Target) -> None:
+    """Give the thread pool the target's threads (its workers and this thread), where the
+    pool exists: done before a routine lowered for ``target`` runs."""
+    with _lock:
+        _setup()
+        resize = _state.get("pool_size")
+    if resize is not None:
+        resize(target.threads - 1)  # type: ignore[operator]
+
+
+# The parts a large product is cut into (``schedule.gemm_split``): a constant of the CPU
+# target, not a count of this machine's cores, so lowering depends on shapes alone.
+PRODUCT_PARTS = 8
 
 
 def _env_count(name: str) -> int | None:
@@ -187,11 +208,12 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
-def _target_machine() -> llvm.TargetMachine:
-    """A target machine for this CPU (one per compiling thread)."""
+def _target_machine(bits: int = 256) -> llvm.TargetMachine:
+    """A target machine for this CPU (one per compiling thread), its loops on ``bits``-bit
+    vectors (``Target.vector_bits``)."""
     target = llvm.Target.from_default_triple()
     cpu = host.running()
-    return target.create_target_machine(cpu=cpu.llvm_cpu, features=features(cpu),
+    return target.create_target_machine(cpu=cpu.llvm_cpu, features=features(cpu, bits),
                                         opt=2, codemodel="jitdefault")
 
 
@@ -249,7 +271,7 @@ def _setup() -> tuple[llvm.ExecutionEngine, str]:
         llvm_version = ".".join(map(str, llvm.llvm_version_info))
         cpu = host.running()
         stamp = (f"{llvm.get_process_triple()} {cpu.llvm_cpu} "
-                 f"{features(cpu)} llvmlite {llvmlite.__version__} LLVM {llvm_version} "
+                 f"{cpu.llvm_features} llvmlite {llvmlite.__version__} LLVM {llvm_version} "
                  f"O{_LEVEL} {' '.join(_LLVM_OPTIONS)}")
         _state.update(engine=engine, stamp=stamp)
     return _state["engine"], _state["stamp"]  # type: ignore[return-value]
@@ -270,11 +292,12 @@ def _optimize(module: llvm.ModuleRef, tm: llvm.TargetMachine) -> None:
     pb.getModulePassManager().run(module, pb)
 
 
-def _object(text: str) -> bytes:
-    """Parse, check, optimize and compile one module, in an LLVM context of its own."""
+def _object(text: str, bits: int = 256) -> bytes:
+    """Parse, check, optimize and compile one module, in an LLVM context of its own, for
+    ``bits``-bit vectors."""
     module = llvm.parse_assembly(text, context=llvm.create_context())
     module.verify()
-    tm = _target_machine()
+    tm = _target_machine(bits)
     _optimize(module, tm)
     return tm.emit_object(module)
 
@@ -339,12 +362,13 @@ def load(key: str) -> tuple[int, bool] | None:
         return _add(key, objects, True)
 
 
-def compile_ir(key: str, texts: list[str], single_blas: bool = False) -> int:
+def compile_ir(key: str, texts: list[str], single_blas: bool = False, bits: int = 256) -> int:
     """Compile the routine whose parts are ``texts`` (each defining ``part(table)``, run in
     order; the parts in parallel), cache it on disk under ``key`` and load it: its address.
     ``single_blas``: the routine runs BLAS single-threaded, on the pool's threads, restoring
     the thread count it found (OpenBLAS's own workers spin for about 0.1 s after each
-    product they share, taking a core from the pool's)."""
+    product they share, taking a core from the pool's). ``bits``: the target record's
+    vectors (``Target.vector_bits``)."""
     limit = cache_max_bytes()  # a bad bound is refused before anything is compiled
     with _lock:
         names = [f"p{k}_{key}" for k in range(len(texts))]
@@ -359,7 +383,7 @@ def compile_ir(key: str, texts: list[str], single_blas: bool = False) -> int:
                      "  call void @ocannl_blas_set_threads(i32 1)\n" + calls
                      + "  call void @ocannl_blas_set_threads(i32 %old)\n")
         modules.append(f'{decls}define void @"r_{key}"(i64* %t) {{\n{calls}  ret void\n}}\n')
-        objects = _objects(modules)
+        objects = _objects(modules, bits)
         path = cache_dir() / f"{key}.objects"
         _write(path, _pack(objects))
         trim_cache(path.parent, limit, path)
@@ -378,25 +402,26 @@ def _add(key: str, objects: list[bytes], from_disk: bool) -> tuple[int, bool]:
     return entry
 
 
-def _objects(texts: list[str]) -> list[bytes]:
+def _objects(texts: list[str], bits: int = 256) -> list[bytes]:
     """Every module compiled, the larger ones in forked processes at the same time as this
     one compiles the first: llvmlite serializes all LLVM calls of a process behind one lock,
     so threads would take turns. Where a child fails (or there is no ``fork``), this process
     compiles that module itself."""
     extra = workers() - 1
     if not hasattr(os, "fork") or extra < 1 or len(texts) < 2:
-        return [_object(t) for t in texts]
+        return [_object(t, bits) for t in texts]
     order = sorted(range(len(texts)), key=lambda k: -len(texts[k]))
     forked = order[1:1 + extra]
-    children = {k: _fork_compile(texts[k]) for k in forked}
-    objects: dict[int, bytes] = {k: _object(texts[k]) for k in order if k not in children}
+    children = {k: _fork_compile(texts[k], bits) for k in forked}
+    objects: dict[int, bytes] = {k: _object(texts[k], bits) for k in order
+                                 if k not in children}
     for k, child in children.items():
         data = _collect(*child) if child is not None else None
-        objects[k] = data if data is not None else _object(texts[k])
+        objects[k] = data if data is not None else _object(texts[k], bits)
     return [objects[k] for k in range(len(texts))]
 
 
-def _fork_compile(text: str) -> tuple[int, int] | None:
+def _fork_compile(text: str, bits: int = 256) -> tuple[int, int] | None:
     """A child process compiling ``text`` and writing the object to a pipe: (pid, read end),
     or None when it could not be started."""
     try:
@@ -408,7 +433,7 @@ def _fork_compile(text: str) -> tuple[int, int] | None:
         status = 1
         try:
             os.close(read)
-            data = _object(text)
+            data = _object(text, bits)
             with os.fdopen(write, "wb") as out:
                 out.write(data)
             status = 0

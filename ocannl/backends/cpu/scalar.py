@@ -1,7 +1,6 @@
-"""Scalar code for the CPU backend: the pieces the op table's LLVM builders are made of
-(``ocannl.ir.ops``: each op's row holds its builder), the f32 math built for vectorization,
-and the exact 16-bit conversions. Nothing here imports the rest of ocannl, so the op table
-can import it.
+"""Scalar code for the CPU backend: the pieces the ops' LLVM builders are made of
+(``op_builders.BUILDERS``: one per row of the op table, ``ocannl.ir.ops``), the f32 math built
+for vectorization, and the exact 16-bit conversions. Nothing here imports the rest of ocannl.
 
 Every builder takes the emitter (``codegen.RoutineIR``: its IR builder ``b``, its ``module``
 and its declared ``functions``), the computation's type and the operands. Arithmetic follows

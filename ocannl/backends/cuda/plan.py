@@ -25,19 +25,20 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from ocannl.backends.emit import BodyWriter, Flavour, NestBody, float_literal, nest_body
+from ocannl.backends import core
+from ocannl.backends.emit import CSpelling, NestBody, float_literal, nest_body
 from ocannl.ir.assignments import Accum, Comp
-from ocannl.ir.lowering import Fill, Gemm, LoopGroup, Lowered, lower
+from ocannl.ir.lowering import Fill, Gemm, LoopGroup, Lowered, access, lower, stored_in
 from ocannl.ir.ops import Precision
+from ocannl.ir.schedule import MAX_GRID, WARP
 from ocannl.ir.target import Target
 from ocannl.ir.tnode import Tnode
 
-# --- launch geometry (pure; unit-tested on the CPU): which threads run what is lowering's
-# choice (``LoopGroup.mapping``, ``ocannl.ir.schedule``) ----------------------------------------
+# --- launch geometry: which threads run what, and in which blocks, is scheduling's choice
+# (``LoopGroup.mapping``, ``grid``, ``block``: ``ocannl.ir.schedule``) -------------------------
 
-BLOCK = 256  # threads per block of every kernel but tiny maps
-WARP = 32
-MAX_GRID = 65535  # grid-stride loops cover anything larger
+BLOCK = 256  # this target's threads per block (``Target.gpu_block``)
+SMS = 132  # an H200's multiprocessors (``Target.gpu_sms``)
 
 _CTYPE = {Precision.f64: "double", Precision.f32: "float", Precision.f16: "__half",
           Precision.bf16: "__nv_bfloat16"}
@@ -46,35 +47,18 @@ _NARROW = {Precision.f16: "__float2half_rn", Precision.bf16: "__float2bfloat16_r
 _INCLUDE = {Precision.f16: "cuda_fp16.h", Precision.bf16: "cuda_bf16.h"}
 
 
-# A map kernel's blocks shrink (by warps, to one warp) until it has this many, where its cells
-# allow: an H200 has 132 SMs, and a 16,384-cell map in blocks of 256 threads would leave 68
-# of them idle (a small convnet's pool gradient).
-MIN_BLOCKS = 132
-
-
-def map_launch(n: int) -> tuple[int, int]:
-    """``(grid, block)`` for a grid-stride loop over ``n`` items: blocks of :data:`BLOCK`
-    threads, fewer (whole warps) where that gives a small map :data:`MIN_BLOCKS` blocks, and
-    at most :data:`MAX_GRID` blocks."""
-    block = min(BLOCK, max(WARP, -(-n // WARP) * WARP))
-    while block > WARP and -(-n // block) < MIN_BLOCKS:
-        block -= WARP
-    return min(MAX_GRID, max(1, -(-n // block))), block
-
 
 # --- the C flavour of the shared emitter --------------------------------------------------------
 
 
-class CudaFlavour(Flavour):
+class CudaFlavour(CSpelling):
     """CUDA C: 16-bit buffers load through ``__half2float`` / ``__bfloat162float`` and store
     rounding to nearest even; every load is converted to the nest's compute precision (that
     of its written node), so an expression is all ``float`` or all ``double``: C++ overloads
     such as ``pow(double, float)`` would otherwise be ambiguous. Locals are ``auto``."""
 
-    name = "c"
     widen = _WIDEN
     narrow = _NARROW
-    end = ";"
 
     def __init__(self, nodes: list[Tnode], compute: Precision = Precision.f32,
                  registers: dict[int, str] | None = None) -> None:
@@ -99,22 +83,11 @@ class CudaFlavour(Flavour):
             text = float_literal(v) + "f"
         return f"({text})" if text.startswith("-") else text
 
-    def load(self, node: Tnode, offset: str) -> str:
-        ref = super().load(node, offset)
-        if node.prec.compute is not self.compute:
-            ref = f"(({_CTYPE[self.compute]}){ref})"
-        return ref
+    def convert(self, ref: str, node: Tnode, compute: Precision) -> str:
+        return ref if node.prec.compute is self.compute else f"(({_CTYPE[self.compute]}){ref})"
 
     def declare(self, name: str, value: str, compute: Precision) -> str:
         return f"auto {name} = {value};"
-
-    conj = " && "
-
-    def select(self, cond: str, then: str, other: str) -> str:
-        return f"(({cond}) ? {then} : {other})"
-
-    def guarded(self, cond: str, statement: str) -> str:
-        return f"if ({cond}) {statement}"
 
 
 # --- launch plans -------------------------------------------------------------------------------
@@ -223,10 +196,10 @@ def _indent(lines: list[str], depth: int) -> list[str]:
     return ["  " * depth + s for s in lines]
 
 
-def _block_reduce(w: BodyWriter, accum: str, acc_type: str, block: int) -> list[str]:
+def _block_reduce(f: CudaFlavour, accum: str, acc_type: str, block: int) -> list[str]:
     """Combine every thread's ``acc`` into thread 0's: shuffles within warps, then the warp
     results through shared memory ``sh`` and one more round of shuffles in warp 0."""
-    comb = w.combine(accum, "acc", "other")
+    comb = core.combine(f, accum, "acc", "other", f.compute)
     shuffle = [
         "for (int o = 16; o > 0; o >>= 1) {",
         f"  const {acc_type} other = __shfl_down_sync(0xffffffffu, acc, o);",
@@ -238,7 +211,8 @@ def _block_reduce(w: BodyWriter, accum: str, acc_type: str, block: int) -> list[
         "if (lane == 0) sh[warp] = acc;",
         "__syncthreads();",
         "if (warp == 0) {",
-        f"  acc = lane < {block // WARP} ? sh[lane] : {w.neutral(accum)};",
+        f"  acc = lane < {block // WARP} ? sh[lane] : "
+        f"{f.literal(core.neutral(accum), f.compute)};",
         *_indent(shuffle, 1),
         "}",
     ]
@@ -260,12 +234,12 @@ class _Planner:
         node = item.node
         f = CudaFlavour([node], node.prec.compute)
         ity = _index_type(node.size)
-        grid, block = map_launch(node.size)
+        grid, block = item.grid, item.block
         lit = f.literal(item.value, node.prec.compute)
         body = [
             f"for ({ity} p = ({ity})blockIdx.x * {block} + threadIdx.x; p < {node.size}; "
             f"p += ({ity})gridDim.x * {block}) {{",
-            "  " + f.store(node, "p", lit),
+            "  " + f.store_text(node, "p", lit),
             "}",
         ]
         src = "\n".join([_signature("ocannl_fill", [node], [], block), *_indent(body, 1), "}"])
@@ -315,17 +289,16 @@ class _Planner:
                              f"cuda_target()")
         # Nodes handed over in registers (lowering's choice) are locals of the point's loop
         # body, with no buffer.
-        held = {n.id: n for m in group.nests for n in m.assign.nodes if n.id in group.registers}
+        held = {n.id: n for n in access(group).nodes if n.id in group.registers}
         regs = {i: f"r{k}" for k, i in enumerate(held)}
-        nodes = list({n.id: n for m in group.nests for n in m.assign.nodes
-                      if n.id not in held}.values())
+        nodes = stored_in(group)
         names = {i: f"i{i}" for i in range(len(a.space))}
         bodies = [nest_body(m, CudaFlavour(nodes, m.assign.lhs.prec.compute, regs), names)
                   for m in group.nests]
         if strategy == "reduce":
             (body,) = bodies
             self.reduce(a, nodes, CudaFlavour(nodes, a.lhs.prec.compute), names, par, red, body,
-                        (group.reduce_splits, group.reduce_chunk))
+                        (group.reduce_splits, group.reduce_chunk), (group.grid, group.block))
             return
         if len(bodies) > 1:  # each fused body in its own scope: their locals share names
             declared = [f"{_CTYPE[n.prec.compute]} {regs[i]};" for i, n in held.items()]
@@ -334,7 +307,7 @@ class _Planner:
         else:
             (body,) = bodies
         ity = _index_type(math.prod(a.space), *(n.size for n in nodes))
-        grid, block = map_launch(lead.par_size)
+        grid, block = group.grid, group.block
         inner: list[str] = []
         loops = [i for i in red if a.space[i] > 1]
         for depth, i in enumerate(loops):
@@ -357,17 +330,21 @@ class _Planner:
         self.steps.append(Kernel(strategy, name, src + "\n", grid, block, tuple(nodes)))
 
     def reduce(self, a: Accum, nodes: list[Tnode], f: CudaFlavour, names: dict[int, str],
-               par: list[int], red: list[int], body: NestBody, split: tuple[int, int]) -> None:
+               par: list[int], red: list[int], body: NestBody, split: tuple[int, int],
+               launch: tuple[int, int]) -> None:
+        """A block of threads per cell (``launch``: scheduling's grid and block), each cell's
+        terms in ``split`` chunks; more than one: a partial pass, then a final one combining
+        the partials in chunk order."""
         par_size = math.prod(a.space[i] for i in par)
         red_size = math.prod(a.space[i] for i in red)
         compute = a.lhs.prec.compute
         acc_type = _CTYPE[compute]
         splits, chunk = split
         ity = _index_type(math.prod(a.space), par_size * splits, *(n.size for n in nodes))
-        w = BodyWriter(f, compute, names, a.space)
-        combine = _block_reduce(w, a.accum, acc_type, BLOCK)
+        grid, block = launch
+        combine = _block_reduce(f, a.accum, acc_type, block)
         prologue = [
-            f"__shared__ {acc_type} sh[{BLOCK // WARP}];",
+            f"__shared__ {acc_type} sh[{block // WARP}];",
             "const int lane = threadIdx.x & 31;",
             "const int warp = threadIdx.x >> 5;",
         ]
@@ -379,7 +356,7 @@ class _Planner:
                 f"for ({ity} p = blockIdx.x; p < {par_size}; p += gridDim.x) {{",
                 *_indent(_decompose("p", par, a.space, names, ity, text), 1),
                 *_indent(body.init, 1),
-                f"  for ({ity} r = threadIdx.x; r < {red_size}; r += {BLOCK}) {{",
+                f"  for ({ity} r = threadIdx.x; r < {red_size}; r += {block}) {{",
                 *_indent(red_decl + body.inner, 2),
                 "  }",
                 *_indent(combine, 1),
@@ -389,10 +366,9 @@ class _Planner:
                 "  __syncthreads();",
                 "}",
             ]
-            src = "\n".join([_signature("ocannl_reduce", nodes, [], BLOCK),
+            src = "\n".join([_signature("ocannl_reduce", nodes, [], block),
                              *_indent(prologue + loop, 1), "}"])
-            grid = min(par_size, MAX_GRID)
-            self.steps.append(Kernel("reduce", "ocannl_reduce", src + "\n", grid, BLOCK,
+            self.steps.append(Kernel("reduce", "ocannl_reduce", src + "\n", grid, block,
                                      tuple(nodes)))
             return
         part = self.slot(par_size * splits, compute)
@@ -405,7 +381,7 @@ class _Planner:
             f"  const {ity} hi = min(lo + {chunk}, ({ity}){red_size});",
             *_indent(_decompose("p", par, a.space, names, ity, text), 1),
             *_indent(body.init, 1),
-            f"  for ({ity} r = lo + threadIdx.x; r < hi; r += {BLOCK}) {{",
+            f"  for ({ity} r = lo + threadIdx.x; r < hi; r += {block}) {{",
             *_indent(red_decl + body.inner, 2),
             "  }",
             *_indent(combine, 1),
@@ -413,10 +389,10 @@ class _Planner:
             "  __syncthreads();",
             "}",
         ]
-        src = "\n".join([_signature("ocannl_partial", nodes, [part], BLOCK),
+        src = "\n".join([_signature("ocannl_partial", nodes, [part], block),
                          *_indent(prologue + loop, 1), "}"])
-        self.steps.append(Kernel("partial", "ocannl_partial", src + "\n", min(total, MAX_GRID),
-                                 BLOCK, tuple(nodes), (part,)))
+        self.steps.append(Kernel("partial", "ocannl_partial", src + "\n", grid, block,
+                                 tuple(nodes), (part,)))
         # The final pass touches only the lhs (b0: an assignment's first node) and the
         # partials; the body's init and final statements mention nothing else.
         assert nodes[0] is a.lhs
@@ -425,9 +401,9 @@ class _Planner:
             f"for ({ity} p = blockIdx.x; p < {par_size}; p += gridDim.x) {{",
             *_indent(_decompose("p", par, a.space, names, ity, text), 1),
             *_indent(body.init, 1),
-            f"  for ({ity} s = threadIdx.x; s < {splits}; s += {BLOCK}) {{",
+            f"  for ({ity} s = threadIdx.x; s < {splits}; s += {block}) {{",
             f"    const {acc_type} other = s0[p * {splits} + s];",
-            f"    acc = {w.combine(a.accum, 'acc', 'other')};",
+            f"    acc = {core.combine(f, a.accum, 'acc', 'other', compute)};",
             "  }",
             *_indent(combine, 1),
             "  if (threadIdx.x == 0) {",
@@ -436,28 +412,29 @@ class _Planner:
             "  __syncthreads();",
             "}",
         ]
-        src = "\n".join([_signature("ocannl_final", [a.lhs], [part], BLOCK),
+        src = "\n".join([_signature("ocannl_final", [a.lhs], [part], block),
                          *_indent(prologue + loop, 1), "}"])
         self.steps.append(Kernel("final", "ocannl_final", src + "\n", min(par_size, MAX_GRID),
-                                 BLOCK, (a.lhs,), (part,)))
+                                 block, (a.lhs,), (part,)))
 
 
 # The 16-bit precisions cuBLAS multiplies as stored (gemmEx, f32 accumulation into f32).
 NATIVE_PRODUCTS = frozenset({Precision.f16, Precision.bf16})
 
 
-def cuda_target(cublas: bool = True) -> Target:
+def cuda_target(cublas: bool = True, *, fma: bool = True, tf32: bool = False) -> Target:
     """What lowering may rely on for this backend: cuBLAS products when it is loadable, batched
     ones (attention's per-head products) as strided-batched calls, convolutions through patches
     and a product where lowering finds it worth it (``im2col``: the patch nests are ordinary
     loop groups), f16 and bf16 operands taken as stored (``NATIVE_PRODUCTS``), never inline
     (products cuBLAS does not take run as generated kernels); no thread pool (threads are the
-    kernels' own), f16 conversions in hardware."""
+    kernels' own), f16 conversions in hardware; ``fma``: NVRTC may contract multiply-adds
+    (``--fmad``); ``tf32``: f32 products may round their operands to TF32."""
     return Target(name="cuda", gemm=cublas, batched_gemm=cublas, im2col=cublas,
                   native_products=NATIVE_PRODUCTS if cublas else frozenset(),
                   inline_product_work=0, inline_native_work=0, threads=1,
                   products_shared=False, parallel_scatters=False, hardware_f16=True,
-                  gpu_block=BLOCK)
+                  gpu_block=BLOCK, gpu_sms=SMS, fma=fma, tf32=tf32)
 
 
 def plan_routine(code: Sequence[Lowered]) -> Plan:

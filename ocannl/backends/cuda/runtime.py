@@ -67,7 +67,7 @@ import numpy as np
 
 from ocannl.backends.cuda.plan import GemmCall, Kernel, Plan, cuda_target, plan_routine
 from ocannl.backends.rounding import to_precision
-from ocannl.ir.lowering import BatchAxis, Gemm, Lowered
+from ocannl.ir.lowering import Gemm, Lowered, batch_offsets
 from ocannl.ir.ops import Precision
 from ocannl.ir.target import Target
 from ocannl.ir.tnode import Tnode
@@ -254,44 +254,16 @@ _CUDA_TYPE = {Precision.f32: CUDA_R_32F, Precision.f64: CUDA_R_64F, Precision.f1
 WORKSPACE_BYTES = 32 << 20  # cuBLAS's advice for Hopper (4 MiB suffices before it)
 
 
-def batch_runs(batch: Sequence[BatchAxis]) -> tuple[tuple[BatchAxis, ...], BatchAxis | None]:
-    """A product's batch axes as (outer axes looped over, the one axis each strided-batched call
-    covers): size-1 axes dropped, each axis folded into the one after it where its strides are
-    that axis' size times its strides in the output and both operands (so the two are one
-    stride). None: no batch axis, a plain product."""
-    axes = [x for x in batch if x.size > 1]
-    merged: list[BatchAxis] = []
-    for x in reversed(axes):
-        if merged:
-            y = merged[-1]
-            if (x.out, x.a, x.b) == (y.size * y.out, y.size * y.a, y.size * y.b):
-                merged[-1] = BatchAxis(x.size * y.size, y.out, y.a, y.b)
-                continue
-        merged.append(x)
-    merged.reverse()
-    if not merged:
-        return (), None
-    return tuple(merged[:-1]), merged[-1]
-
-
-def _points(axes: Sequence[BatchAxis]) -> list[tuple[int, int, int]]:
-    out = [(0, 0, 0)]
-    for x in axes:
-        out = [(o + k * x.out, a + k * x.a, b + k * x.b) for o, a, b in out for k in range(x.size)]
-    return out
-
-
 class Blas:
     """One cuBLAS handle of a backend, on the backend's stream, with a workspace of its own:
     cuBLAS then allocates nothing while a routine is captured as a graph. Products use
     ``gemmEx`` / ``gemmStridedBatchedEx``: 16-bit operands as stored (``CUDA_R_16F`` /
     ``CUDA_R_16BF``) into an f32 result with ``CUBLAS_COMPUTE_32F`` (tensor cores, f32
-    accumulation), f32 with ``CUBLAS_COMPUTE_32F`` (``CUBLAS_COMPUTE_32F_FAST_TF32`` only with
-    ``tf32``), f64 with ``CUBLAS_COMPUTE_64F``."""
+    accumulation), f32 with ``CUBLAS_COMPUTE_32F`` (``CUBLAS_COMPUTE_32F_FAST_TF32`` where
+    scheduling allowed it: ``Gemm.tf32``), f64 with ``CUBLAS_COMPUTE_64F``."""
 
     def __init__(self, backend: CupyCudaBackend, lib: Any) -> None:
         self.lib = lib
-        self.tf32 = backend.tf32
         with backend.device:
             self.handle = lib.create()
             lib.setStream(self.handle, backend.stream.ptr)
@@ -304,11 +276,11 @@ class Blas:
         self.scalars = {p: (np.ones(1, p.numpy_dtype), np.zeros(1, p.numpy_dtype))
                         for p in (Precision.f32, Precision.f64)}
 
-    def compute_type(self, operands: Precision, result: Precision) -> int:
+    def compute_type(self, result: Precision, tf32: bool) -> int:
         lib = self.lib
         if result is Precision.f64:
             return lib.CUBLAS_COMPUTE_64F
-        if operands is Precision.f32 and self.tf32:
+        if tf32:
             return lib.CUBLAS_COMPUTE_32F_FAST_TF32
         return lib.CUBLAS_COMPUTE_32F
 
@@ -316,7 +288,7 @@ class Blas:
         """The calls computing ``g`` over device buffers ``a``, ``b`` and ``out`` (its views'
         nodes'): C = A @ B row-major is C^T = B^T A^T column-major, so cuBLAS's first operand
         is ``b``. One strided-batched call per point of the outer batch axes that do not fold
-        into one stride (see :func:`batch_runs`)."""
+        into one stride (``Gemm.strided``, scheduling's)."""
         lib = self.lib
         res = g.assign.lhs.prec
         ops = g.a.node.prec
@@ -328,10 +300,10 @@ class Blas:
         ta = lib.CUBLAS_OP_T if g.b.transposed else lib.CUBLAS_OP_N
         tb = lib.CUBLAS_OP_T if g.a.transposed else lib.CUBLAS_OP_N
         at, ct = _CUDA_TYPE[ops], _CUDA_TYPE[res]
-        compute = self.compute_type(ops, res)
+        compute = self.compute_type(res, g.tf32)
         isz, osz = ops.itemsize, res.itemsize
         pa, pb, pc = a.data.ptr, b.data.ptr, out.data.ptr
-        outer, run = batch_runs(g.batch)
+        outer, run = g.strided
         m, n, k = g.cols, g.rows, g.inner
         h = self.handle
         algo = lib.CUBLAS_GEMM_DEFAULT
@@ -341,7 +313,7 @@ class Blas:
         return [partial(lib.gemmStridedBatchedEx, h, ta, tb, m, n, k, alpha,
                         pb + ob * isz, at, g.b.ld, run.b, pa + oa * isz, at, g.a.ld, run.a,
                         beta_ptr, pc + oo * osz, ct, g.out_ld, run.out, run.size, compute, algo)
-                for oo, oa, ob in _points(outer)]
+                for oo, oa, ob in batch_offsets(outer)]
 
 
 def _set_workspace(lib: Any, handle: int, ptr: int, size: int, major: int | None) -> bool:
@@ -548,8 +520,6 @@ class CupyCudaBackend:
                           RuntimeWarning, stacklevel=3)
         inc = cuda_include_dir(self.nvrtc_major or self.cuda_major)
         self.include_dir = inc
-        self.options: tuple[str, ...] = ((f"-I{inc}",) if inc else ()) + (
-            () if self.fmad else ("--fmad=false",))
         wheels = CUDA_WHEELS.get(self.cuda_major or 0, CUDA_WHEELS[12])
         self._blas: Blas | None = None
         try:
@@ -573,8 +543,15 @@ class CupyCudaBackend:
     @property
     def target(self) -> Target:
         """What lowering may rely on here (``plan.cuda_target``): cuBLAS products when cuBLAS
-        is loadable."""
-        return cuda_target(self.cublas is not None)
+        is loadable, contraction and TF32 as this backend was asked."""
+        return cuda_target(self.cublas is not None, fma=self.fmad, tf32=self.tf32)
+
+    @property
+    def options(self) -> tuple[str, ...]:
+        """NVRTC's options: the headers, and ``--fmad=false`` where the target record says no
+        contraction (``Target.fma``)."""
+        inc = self.include_dir
+        return ((f"-I{inc}",) if inc else ()) + (() if self.target.fma else ("--fmad=false",))
 
     def describe(self) -> str:
         products = ("f16 and bf16 products through cuBLAS gemmEx with the operands as stored, "

@@ -1,0 +1,169 @@
+"""The last choices out of the renderers (``schedule.rendering``): how a nest converts and stores,
+how products run, how a GPU launches; and the interpreter and the CPU renderer reading the same
+fields, bit for bit, NaN payloads included."""
+
+from __future__ import annotations
+
+import warnings
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from ocannl.backends.cpu import jit
+from ocannl.backends.cpu.backend import CpuBackend
+from ocannl.backends.cuda.plan import cuda_target
+from ocannl.ir import interpret, schedule
+from ocannl.ir.assignments import Accum, Comp, Const, Get, apply
+from ocannl.ir.lowering import Fill, Gemm, LoopGroup, LoopNest, Lowered, lower, nodes_of
+from ocannl.ir.ops import Precision
+from ocannl.ir.target import Target
+from ocannl.ir.tnode import MemoryMode, Tnode
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+N = 1 << 16  # every 16-bit pattern
+
+
+def _nests(code: list[Lowered]) -> list[LoopNest]:
+    return [n for item in code if isinstance(item, LoopGroup) for n in item.nests]
+
+
+def _on_cpu(code: list[Lowered], values: dict[int, np.ndarray], tmp_path, monkeypatch
+            ) -> dict[int, np.ndarray]:
+    """``code`` run by the CPU backend from ``values`` (host arrays by node id)."""
+    monkeypatch.setenv("OCANNL_CACHE_DIR", str(tmp_path))
+    backend = CpuBackend()
+    nodes = nodes_of(code)
+    bufs = {n.id: backend.alloc(n) for n in nodes}
+    for n in nodes:
+        if n.id in values:
+            bufs[n.id].view(np.uint8)[...] = np.ascontiguousarray(values[n.id]).view(np.uint8)
+    compiled, _ = backend.compile("choices", code, nodes)
+    backend.bind(compiled, tuple(bufs[n.id] for n in nodes))()
+    return {n.id: backend.read(n, bufs[n.id]) for n in nodes}
+
+
+def test_a_copy_keeps_payloads_arithmetic_and_scheduling_s_conversions_do_not():
+    x = Tnode("x", (8,), Precision.f16)
+    y = Tnode("y", (8,), Precision.f16)
+    z = Tnode("z", (8,), Precision.f16)
+    code = lower(Comp((Accum(y, (0,), "=", Get(x, (0,)), (8,)),
+                       Accum(z, (0,), "=", apply("neg", Get(x, (0,))), (8,)))), Target())
+    by_lhs = {n.assign.lhs.id: n for n in _nests(code)}
+    assert by_lhs[y.id].keeps_payload and not by_lhs[z.id].keeps_payload
+    # scheduling's own copies (an f32 copy of a reduction's 16-bit operand) convert plainly
+    w = Tnode("w", (4, 64), Precision.f16)
+    s = Tnode("s", (64,), Precision.f32)
+    code = lower(Comp((Accum(s, (1,), "+", Get(w, (0, 1)), (4, 64, 4), reset=True),)),
+                 Target())
+    copies = [g for g in code if isinstance(g, LoopGroup) and g.conversion]
+    assert copies and not any(n.keeps_payload for g in copies for n in g.nests)
+
+
+def test_exact_bf16_stores_and_any_order_sums_are_decided_per_nest():
+    x = Tnode("x", (8,), Precision.bf16)
+    y = Tnode("y", (8,), Precision.bf16)
+    v = Tnode("v", (8,), Precision.bf16)
+    s = Tnode("s", (), Precision.f32)
+    code = lower(Comp((
+        Accum(y, (0,), "=", apply("relu", Get(x, (0,))), (8,)),
+        Accum(v, (0,), "=", apply("mul", Get(x, (0,)), Const(3.0)), (8,)),
+        Accum(s, (), "+", apply("mul", Get(x, (0,)), Const(0.0)), (8,), reset=True),
+    )), Target())
+    by_lhs = {n.assign.lhs.id: n for n in _nests(code)}
+    assert by_lhs[y.id].exact_store and not by_lhs[v.id].exact_store
+    assert by_lhs[s.id].any_order and not by_lhs[y.id].any_order
+
+
+def test_the_interpreter_and_the_cpu_store_the_same_bits_nan_payloads_included(
+        tmp_path, monkeypatch):
+    """Exact bf16 stores (their top half) give rounding's bits in both, a NaN its sign's quiet
+    NaN; a copy (``keeps_payload``) keeps a signalling f16 NaN in both."""
+    x = Tnode("x", (N,), Precision.bf16, memory_mode=MemoryMode.materialized)
+    y = Tnode("y", (N,), Precision.bf16, memory_mode=MemoryMode.materialized)
+    h = Tnode("h", (N,), Precision.f16, memory_mode=MemoryMode.materialized)
+    kept = Tnode("kept", (N,), Precision.f16, memory_mode=MemoryMode.materialized)
+    code = lower(Comp((Accum(y, (0,), "=", apply("relu", Get(x, (0,))), (N,)),
+                       Accum(kept, (0,), "=", Get(h, (0,)), (N,)))), Target())
+    [copy] = [n for n in _nests(code) if n.assign.lhs.id == kept.id]
+    assert copy.keeps_payload
+    patterns = np.arange(N, dtype=np.uint32).astype(np.uint16)
+    values = {x.id: patterns.view(BF16), h.id: patterns.view(np.float16)}
+    with warnings.catch_warnings(), np.errstate(all="ignore"):
+        warnings.simplefilter("ignore", RuntimeWarning)
+        want = {k: v.copy() for k, v in values.items()}
+        interpret.run(code, want)
+        got = _on_cpu(code, values, tmp_path, monkeypatch)
+    bits = {n.id: (want[n.id].view(np.uint16), got[n.id].view(np.uint16))
+            for n in (y, kept)}
+    for node in (y, kept):
+        w, g = bits[node.id]
+        bad = np.nonzero(w != g)[0]
+        assert bad.size == 0, (f"{node.name}: {bad.size} patterns differ, e.g. "
+                               f"{patterns[bad[0]]:#x}: interpreter {w[bad[0]]:#x}, "
+                               f"cpu {g[bad[0]]:#x}")
+    nan_x = np.isnan(patterns.view(BF16).astype(np.float32))
+    relu_nan = bits[y.id][0][nan_x]
+    assert np.array_equal(relu_nan, (patterns[nan_x] & 0x8000) | 0x7FC0)  # its sign's quiet NaN
+    assert bits[kept.id][0][0x7C01] == 0x7C01  # a signalling NaN copied
+
+
+def test_tf32_rounds_to_ten_bits_of_mantissa_nearest_even():
+    one = np.float32(1.0)
+    ulp = np.float32(2.0 ** -10)
+    x = np.array([one + ulp / 2, one + 3 * ulp / 2, one + ulp / 4, one + 3 * ulp / 4,
+                  np.nan, np.inf, -2.5], np.float32)
+    got = interpret.tf32(x)
+    np.testing.assert_array_equal(got[:4], [one, one + 2 * ulp, one, one + ulp])
+    assert np.isnan(got[4]) and got[5] == np.inf and got[6] == -2.5
+
+
+def test_products_run_single_threaded_where_the_routine_shares_them():
+    a = Tnode("a", (256, 512), Precision.f32)
+    b = Tnode("b", (512, 256), Precision.f32)
+    c = Tnode("c", (256, 256), Precision.f32)
+    product = Accum(c, (0, 2), "+", apply("mul", Get(a, (0, 1)), Get(b, (1, 2))),
+                    (256, 512, 256), reset=True)
+    shared = Target(threads=2, products_shared=True, product_parts=8)
+    [g] = [i for i in lower(Comp((product,)), shared) if isinstance(i, Gemm)]
+    assert g.split is not None and g.one_thread
+    [g] = [i for i in lower(Comp((product,)), Target()) if isinstance(i, Gemm)]
+    assert g.split is None and not g.one_thread
+
+
+def test_a_gpu_s_launches_batched_calls_and_tf32_are_scheduling_s():
+    target = cuda_target(tf32=True)
+    x = Tnode("x", (16384,), Precision.f32)
+    y = Tnode("y", (16384,), Precision.f32)
+    code = lower(Comp((Accum(y, (0,), "=", apply("exp", Get(x, (0,))), (16384,)),)), target)
+    [group] = [i for i in code if isinstance(i, LoopGroup)]
+    assert (group.grid, group.block) == schedule.gpu_launch(16384, target) == (171, 96)
+    fill = [i for i in lower(Comp((Accum(y, (0,), "=", Const(0.0), (16384,)),)), target)
+            if isinstance(i, Fill)]
+    assert fill and all((f.grid, f.block) == (171, 96) for f in fill)
+    q = Tnode("q", (16, 64, 64), Precision.f32)
+    k = Tnode("k", (16, 64, 64), Precision.f32)
+    s = Tnode("s", (16, 64, 64), Precision.f32)
+    scores = Accum(s, (0, 1, 3), "+", apply("mul", Get(q, (0, 1, 2)), Get(k, (0, 2, 3))),
+                   (16, 64, 64, 64), reset=True)
+    [g] = [i for i in lower(Comp((scores,)), target) if isinstance(i, Gemm)]
+    assert g.tf32 and g.strided == schedule.batch_runs(g.batch)
+    assert g.strided[1] is not None and g.strided[1].size == 16
+    [g] = [i for i in lower(Comp((scores,)), cuda_target()) if isinstance(i, Gemm)]
+    assert not g.tf32
+    assert cuda_target().fma and not cuda_target(fma=False).fma
+
+
+def test_reading_the_cpu_target_leaves_the_pool_as_it_is(monkeypatch):
+    """``jit.target()`` is a record: reading it sizes no pool; ``size_pool`` does, to the
+    record's threads."""
+    jit.target()  # the engine and the pool made
+    if "pool_size" not in jit._state:
+        pytest.skip("no thread pool on this platform (pool.supported())")
+    calls: list[int] = []
+    monkeypatch.setitem(jit._state, "pool_size", calls.append)
+    monkeypatch.setenv("OCANNL_THREADS", "3")
+    target = jit.target()
+    assert target.threads == 3 and calls == []
+    jit.size_pool(target)
+    assert calls == [2]
