@@ -732,16 +732,16 @@ def products_only(code: list[Lowered]) -> frozenset[int]:
     """The local nodes of ``code`` that only products read (copies of their operands,
     im2col's patches): what a copy into one does to a signalling NaN's bits cannot show, as a
     product quiets it."""
-    local = {n.id for n in nodes_of(code) if n.memory_mode is MemoryMode.local}
-    gemm_read, other_read = set(), set()
-    for item in code:
-        item_reads = set(access(item).reads)
-        if isinstance(item, Gemm):
-            operands = {item.a.node.id, item.b.node.id}
-            gemm_read |= operands
-            item_reads -= operands
-        other_read |= item_reads
-    return frozenset(local & gemm_read - other_read)
+    index = AccessIndex(code)
+
+    def operand(k: int, node_id: int) -> bool:
+        item = code[k]
+        return (isinstance(item, Gemm) and node_id in (item.a.node.id, item.b.node.id)
+                and (node_id != item.assign.lhs.id or item.assign.reset))
+
+    return frozenset(n.id for n in nodes_of(code) if n.memory_mode is MemoryMode.local
+                     and index.readers.get(n.id)
+                     and all(operand(k, n.id) for k in index.readers[n.id]))
 
 
 def _conversions(nest: LoopNest, conversion: bool, only_products: frozenset[int]) -> LoopNest:

@@ -3,7 +3,7 @@
 Which BLAS (``blas.choose``), which routine multiplies 16-bit products
 (``native_products.decide``), whether f16 converts with instructions, whether the vector
 registers are cleared, which features LLVM compiles for (``jit.hardware_f16``, ``jit.has_avx``,
-``jit.features``): each is a pure function of a :class:`CpuFacts` passed in, so a test can
+``jit.vector_bits``): each is a pure function of a :class:`CpuFacts` passed in, so a test can
 hand it the facts of a CPU it does not run on (an Intel Xeon with AMX, an AMD EPYC with
 AVX512-BF16, an AVX2-only one) and expect the same answer on every machine. :func:`running`
 reads this machine's facts, once per process, and is the only reader of ``/proc/cpuinfo`` and
