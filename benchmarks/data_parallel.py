@@ -4,20 +4,30 @@ machine, for the workloads (``benchmarks.specs``, models from ``benchmarks.model
 
 - ``mlp_wide``: 256 -> 1024 -> 1024 -> 10 relu MLP, plain SGD, global batch 256;
 - ``convnet``: ``nn_blocks.lenet`` on scikit-learn's 8x8 digits, Adam (lr 1e-3), global
-  batch 64.
+  batch 64;
+- ``gpt_mini``: ``nn_blocks.gpt`` (2 blocks, d_model 128) over 16 sequences of 64 tokens.
 
-    .venv/bin/python benchmarks/data_parallel.py [--workloads mlp_wide convnet]
-        [--ranks 1 2] [--steps 40] [--rounds 3]
+    .venv/bin/python benchmarks/data_parallel.py [--workloads mlp_wide convnet gpt_mini]
+        [--ranks 1 2] [--steps 40] [--rounds 3] [--threads-per-rank 1] [--shards N]
 
-Strong scaling: the global batch stays fixed, so each of N ranks trains on batch / N rows; both
-frameworks run N processes with ``cores / N`` BLAS / OpenMP threads each (or
-``--threads-per-rank``), launched by the project's ``mpiexec``. Both start from the fixture's
-weights and train on the same batches. Steps per second are timed on rank 0 between two
-barriers, after warm-up; the median over ``--rounds`` interleaved runs is reported. Scaling
-efficiency at N ranks: steps per second at N over N times steps per second at 1 (1.0:
-perfect). A timing counts only where the parity gate passes: the first ``parity_steps`` global
-losses (the mean of the ranks' shard losses) within 1e-5 relative of single-process PyTorch f32
-over the global batch (a failing row keeps its raw timings in the JSON, not in the table).
+Strong scaling: the global batch stays fixed. This project runs twice: with the fixed shard
+tree (``DataParallel(shards=S)``, S per workload from ``MIN_SHARD_ROWS``: each rank computes
+S / N shards one after the other and the shard gradients are summed in one order, the same bits
+on any rank count) and with one shard per rank summed by MPI's allreduce (the order off); the
+ratio of the two is the order's cost. Every framework runs N processes with ``cores / N``
+threads each (or ``--threads-per-rank``): ``OCANNL_THREADS``, OpenMP's, the BLASes' and
+PyTorch's (``torch.set_num_threads``), launched by the project's ``mpiexec``. Each rank reports
+the thread counts its libraries ran with (threadpoolctl, this project's pool, PyTorch's) and
+the cores it kept busy in the timed loop (CPU time over wall time); a row where a rank's
+threads differ from the row's label, or it kept more cores busy than its threads (beyond
+``CORES_SLACK``), is refused (shown without a timing, the reason listed).
+
+All start from the fixture's weights and train on the same batches. Steps per second are timed
+on rank 0 between two barriers, after warm-up; the median over ``--rounds`` interleaved runs is
+reported. Scaling efficiency at N ranks: steps per second at N over N times steps per second at
+1 (1.0: perfect). A timing counts only where the parity gate passes: the first
+``parity_steps`` global losses within 1e-5 relative of single-process PyTorch f32 over the
+global batch (a failing row keeps its raw timings in the JSON, not in the table).
 
 Measured, not asserted: writes ``DATA_PARALLEL.md`` and ``DATA_PARALLEL.json`` (``--out``).
 """
@@ -34,7 +44,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -46,47 +56,122 @@ from benchmarks import fixtures, models  # noqa: E402
 from benchmarks.specs import TOLERANCE, WORKLOADS, Workload  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-DEFAULT_WORKLOADS = ("mlp_wide", "convnet")
-# The workloads whose batches shard by rows of features or images (not yet gpt's token ids).
-SHARDABLE = tuple(name for name, w in WORKLOADS.items() if w.model in ("mlp", "lenet"))
-FRAMEWORKS = ("ocannl", "torch")
+DEFAULT_WORKLOADS = ("mlp_wide", "convnet", "gpt_mini")
+# The workloads whose batches shard by rows (of features, images, or a gpt's sequences).
+SHARDABLE = tuple(name for name, w in WORKLOADS.items() if w.model in ("mlp", "lenet", "gpt"))
+# This project with the fixed shard tree (the same bits on any rank count), this project with
+# one shard per rank summed by MPI's allreduce (the order off: bits depend on the rank count),
+# PyTorch DDP over gloo.
+FRAMEWORKS = ("ocannl", "ocannl-allreduce", "torch")
+NAMES = {"ocannl": "ocannl (MPI, fixed shard tree)",
+         "ocannl-allreduce": "ocannl (MPI allreduce, order off)", "torch": "PyTorch DDP (gloo)"}
+# The fewest rows a shard keeps, per workload (``parallel.default_shards``): 4 shards each, so
+# 1, 2 and 4 ranks give the same bits. A rank computing several shards pays for each shard's
+# whole gradient write: one thread on an AMD EPYC (Zen 3), the gradient routine per global batch
+# cut into 1 / 2 / 4 / 8 shards took mlp_wide 67 / 67 / 76 / 96 ms, gpt_mini 210 / 205 / 207 /
+# 257 ms, convnet 0.37 / 0.61 / 0.64 / 0.61 ms (its 64-row routine is lowered otherwise).
+MIN_SHARD_ROWS = {"mlp_small": 8, "mlp_wide": 64, "convnet": 16, "gpt_mini": 4}
+
+
+def shard_count(w: Workload, given: int = 0) -> int:
+    """The workload's shard count: ``given``, else ``parallel.default_shards`` with its
+    ``MIN_SHARD_ROWS``."""
+    from ocannl.parallel import default_shards
+
+    return given or default_shards(w.batch, min_rows=MIN_SHARD_ROWS.get(w.name, 16))
+# Every thread count a rank's libraries read: this project's loop threads (``OCANNL_THREADS``,
+# which also sizes the products' share), OpenMP, the BLASes, Numba (PyTorch's own is set in
+# its worker with ``torch.set_num_threads``).
+THREAD_VARS = ("OCANNL_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
+               "NUMBA_NUM_THREADS")
+# A rank's CPU time over its wall time in the timed loop may exceed its threads by this much
+# (MPI's progress polling, gloo's I/O thread, the interpreter) before its row is refused.
+CORES_SLACK = 0.35
 
 
 # --- one rank -----------------------------------------------------------------------------------
 
 
+def threads_in_use(framework: str) -> dict[str, int]:
+    """The thread counts this process's libraries run with now: this project's loop threads
+    (``ocannl``) or PyTorch's intra-op threads (``torch``), and every BLAS / OpenMP library
+    loaded (threadpoolctl), by name."""
+    out: dict[str, int] = {}
+    if framework == "ocannl":
+        from ocannl.backends.cpu import jit
+
+        out["ocannl"] = int(jit.threads())
+    else:
+        import torch
+
+        out["torch"] = int(torch.get_num_threads())
+    try:
+        from threadpoolctl import threadpool_info
+    except ImportError:
+        return out
+    for lib in threadpool_info():
+        name = f"{lib.get('internal_api', '?')}:{Path(lib.get('filepath', '?')).name}"
+        out[name] = int(lib.get("num_threads", 0))
+    return out
+
+
+def check_threads(label: int, reports: list[dict]) -> list[str]:
+    """Why a row labelled ``label`` threads per rank is refused (empty: it is not): a rank
+    whose libraries run another thread count, or whose CPU time over wall time in the timed
+    loop (the cores it kept busy) exceeds ``label`` by more than ``CORES_SLACK``."""
+    problems = []
+    for r, rep in enumerate(reports):
+        for lib, n in sorted(rep["threads"].items()):
+            if n != label:
+                problems.append(f"rank {r}: {lib} ran {n} thread(s), not {label}")
+        cores = rep["cpu_s"] / rep["seconds"] if rep["seconds"] > 0 else 0.0
+        if cores > label + CORES_SLACK:
+            problems.append(f"rank {r}: kept {cores:.2f} cores busy (CPU time / wall time), "
+                            f"more than its {label} thread(s)")
+    return problems
+
+
 def _shard(w: Workload, rank: int, size: int, step: int, fx: fixtures.Fixture,
-           onehot: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+           onehot: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
     k = step % w.n_batches
     n = w.batch // size
     rows = slice(rank * n, (rank + 1) * n)
-    return fx.x[k][rows], onehot[k][rows], fx.labels[k][rows]
+    return fx.x[k][rows], None if onehot is None else onehot[k][rows], fx.labels[k][rows]
 
 
-def ocannl_worker(w: Workload, steps: int, warmup: int) -> dict:
+def ocannl_worker(w: Workload, steps: int, warmup: int, shards: int) -> dict:
+    """This project's rank: ``shards`` shards summed in the shard tree's order (0: one shard
+    per rank summed by MPI's allreduce, the order off)."""
     import ocannl.tensor as T
-    from ocannl import Context, nn_blocks, parallel, train
+    from ocannl import Context, parallel, train
 
     comm = parallel.world("mpi")
     fx = fixtures.load(w)
-    onehot = fx.onehot()
-    n = w.batch // comm.size
+    targets = models.feed_targets(fx)
+    fixed = shards > 0
+    count = shards if fixed else comm.size
+    n = w.batch // count  # rows of a shard: what the model is built over
     t0 = time.perf_counter()
-    x = models.ocannl_input(np.zeros((n, *w.input_shape), np.float32))
-    y = T.term(np.zeros((n, w.classes), np.float32), label="y")
+    if w.model == "gpt":
+        x = T.class_ids(fx.x[0][:n], num_classes=w.vocab, label="ids")
+        y = T.class_ids(fx.labels[0][:n], num_classes=w.vocab, label="targets")
+    else:
+        x = models.ocannl_input(np.zeros((n, *w.input_shape), np.float32))
+        y = T.term(np.zeros((n, w.classes), np.float32), label="y")
     logits, layers = models.ocannl_model(w, x)
-    loss = nn_blocks.softmax_cross_entropy(logits, y)
-    dp = parallel.DataParallel(comm, loss, inputs=[x, y])
+    loss = models.ocannl_loss(w, logits, y)
+    dp = parallel.DataParallel(comm, loss, inputs=[x, y], shards=count, fixed_order=fixed)
     ctx = dp.setup(Context.cpu())
     opt = models.ocannl_optimizer(w)
     ctx, grads = ctx.compile(train.grad_update(loss))
+    dp.use_routines(grads)
     ctx, update = ctx.compile(opt.update(loss, grad_unscale=dp.grad_unscale()))
     ctx = models.set_ocannl_weights(ctx, layers, fx.weights)
     build_s = time.perf_counter() - t0
 
     def step(i: int) -> None:
-        xb, yb, _ = _shard(w, comm.rank, comm.size, i, fx, onehot)
-        ctx.set_values(x, xb).set_values(y, yb)
+        k = i % w.n_batches
+        dp.set_batch(ctx, fx.x[k], targets[k])  # the global batch: dp takes this rank's block
         ctx.run(grads)
         dp.reduce(ctx)
         ctx.run(update)
@@ -94,17 +179,19 @@ def ocannl_worker(w: Workload, steps: int, warmup: int) -> dict:
     losses = []
     for i in range(w.parity_steps):
         step(i)
-        losses.append(dp.mean(ctx.get_value(loss)))
+        losses.append(dp.global_loss())
     for i in range(warmup):
         step(w.parity_steps + i)
     comm.barrier()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for i in range(steps):
         step(i)
+    c1 = time.process_time()
     comm.barrier()
     elapsed = time.perf_counter() - t0
+    mine = {"threads": threads_in_use("ocannl"), "cpu_s": c1 - c0, "seconds": elapsed}
     return {"rank": comm.rank, "size": comm.size, "losses": losses, "seconds": elapsed,
-            "steps": steps, "build_s": build_s}
+            "steps": steps, "build_s": build_s, "ranks": comm.allgather(mine)}
 
 
 def torch_worker(w: Workload, steps: int, warmup: int, port: int, threads: int) -> dict:
@@ -117,17 +204,16 @@ def torch_worker(w: Workload, steps: int, warmup: int, port: int, threads: int) 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=size)
     fx = fixtures.load(w)
-    onehot = fx.onehot()
+    onehot = None
     t0 = time.perf_counter()
     model = DistributedDataParallel(models.torch_model(w, fx.weights))
     opt = models.torch_optimizer(w, model.parameters())
-    ce = torch.nn.functional.cross_entropy
     build_s = time.perf_counter() - t0
 
     def step(i: int) -> torch.Tensor:
         xb, _, labels = _shard(w, rank, size, i, fx, onehot)
         opt.zero_grad()
-        loss = ce(model(torch.from_numpy(xb)), torch.from_numpy(labels))
+        loss = models.torch_loss(w, model(torch.from_numpy(xb)), torch.from_numpy(labels))
         loss.backward()
         opt.step()
         return loss
@@ -140,14 +226,18 @@ def torch_worker(w: Workload, steps: int, warmup: int, port: int, threads: int) 
     for i in range(warmup):
         step(w.parity_steps + i)
     dist.barrier()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for i in range(steps):
         step(i)
+    c1 = time.process_time()
     dist.barrier()
     elapsed = time.perf_counter() - t0
+    mine = {"threads": threads_in_use("torch"), "cpu_s": c1 - c0, "seconds": elapsed}
+    everyone: list = [None] * size
+    dist.all_gather_object(everyone, mine)
     dist.destroy_process_group()
     return {"rank": rank, "size": size, "losses": losses, "seconds": elapsed, "steps": steps,
-            "build_s": build_s}
+            "build_s": build_s, "ranks": everyone}
 
 
 # --- the driver ---------------------------------------------------------------------------------
@@ -173,17 +263,19 @@ def free_port() -> int:
 
 
 def launch(w: Workload, framework: str, ranks: int, steps: int, warmup: int, threads: int,
-           timeout: float) -> dict:
+           timeout: float, shards: int = 0) -> dict:
     mpiexec = Path(sys.executable).parent / "mpiexec"
-    py = [sys.executable, "-m", "mpi4py"] if framework == "ocannl" else [sys.executable]
+    ours = framework.startswith("ocannl")
+    py = [sys.executable, "-m", "mpi4py"] if ours else [sys.executable]
+    worker = ["ocannl", "--shards", str(shards if framework == "ocannl" else 0)] if ours \
+        else [framework]
     env = dict(os.environ)
-    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
-                "NUMBA_NUM_THREADS"):
+    for var in THREAD_VARS:
         env[var] = str(threads)
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "rank0.json"
         cmd = [str(mpiexec), "-n", str(ranks), *py, str(Path(__file__).resolve()), "--worker",
-               framework, "--workloads", w.name, "--steps", str(steps), "--warmup",
+               *worker, "--workloads", w.name, "--steps", str(steps), "--warmup",
                str(warmup), "--port", str(free_port()), "--threads", str(threads), "--result",
                str(out)]
         res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout,
@@ -208,7 +300,11 @@ def main(argv: list[str] | None = None) -> int:
                          "a loaded machine from oversubscribing its cores at 1 rank")
     ap.add_argument("--out", type=Path, default=HERE, help="where DATA_PARALLEL.md/.json go")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
-    ap.add_argument("--worker", choices=FRAMEWORKS, help=argparse.SUPPRESS)
+    ap.add_argument("--shards", type=int, default=0,
+                    help="shards of the global batch for the fixed shard tree (default: per "
+                         "workload, MIN_SHARD_ROWS); a multiple of every --ranks")
+    ap.add_argument("--frameworks", nargs="+", choices=FRAMEWORKS, default=list(FRAMEWORKS))
+    ap.add_argument("--worker", choices=("ocannl", "torch"), help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--result", type=Path, help=argparse.SUPPRESS)
@@ -217,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         w = used[0]
         if args.worker == "ocannl":
-            res = ocannl_worker(w, args.steps, args.warmup)
+            res = ocannl_worker(w, args.steps, args.warmup, args.shards)
         else:
             res = torch_worker(w, args.steps, args.warmup, args.port, args.threads)
         if res["rank"] == 0:
@@ -229,6 +325,10 @@ def main(argv: list[str] | None = None) -> int:
         bad = [n for n in args.ranks if n < 1 or w.batch % n]
         if bad:
             ap.error(f"--ranks {bad[0]}: must divide {w.name}'s global batch {w.batch}")
+        bad = [n for n in args.ranks if shard_count(w, args.shards) % n]
+        if bad and "ocannl" in args.frameworks:
+            ap.error(f"--ranks {bad[0]}: must divide {w.name}'s {shard_count(w, args.shards)} "
+                     f"shards (--shards)")
 
     def threads(n: int) -> int:
         return args.threads_per_rank or max(1, cores // n)
@@ -240,19 +340,21 @@ def main(argv: list[str] | None = None) -> int:
         runs: dict[tuple[str, int], list[dict]] = {}
         for r in range(args.rounds):
             for n in args.ranks:
-                for fw in FRAMEWORKS:
-                    res = launch(w, fw, n, args.steps, args.warmup, threads(n), args.timeout)
+                for fw in args.frameworks:
+                    res = launch(w, fw, n, args.steps, args.warmup, threads(n), args.timeout,
+                                 shard_count(w, args.shards))
                     runs.setdefault((fw, n), []).append(res)
-                    print(f"{w.name} round {r + 1}: {fw:6s} {n} rank(s): "
+                    print(f"{w.name} round {r + 1}: {fw:16s} {n} rank(s): "
                           f"{res['steps'] / res['seconds']:.2f} steps/s", flush=True)
-        rows += workload_rows(w, runs, ref, args.ranks, threads)
+        rows += workload_rows(w, runs, ref, args.ranks, threads, args.frameworks)
     from benchmarks.machine import commit, cpu_model
 
     command = ["benchmarks/data_parallel.py", *(argv if argv is not None else sys.argv[1:])]
-    info = {"cpu": cpu_model(), "cores": cores, "commit": commit(),
+    info = {"cpu": cpu_model(), "cpu_detail": cpu_detail(), "cores": cores, "commit": commit(),
             "load_avg_start": load_start, "load_avg": os.getloadavg(),
             "workloads": {w.name: {"describe": w.describe(), "dataset": w.dataset,
-                                   "global_batch": w.batch} for w in used},
+                                   "global_batch": w.batch,
+                                   "shards": shard_count(w, args.shards)} for w in used},
             "steps": args.steps, "rounds": args.rounds,
             "command": ".venv/bin/python " + shlex.join(command)}
     args.out.mkdir(parents=True, exist_ok=True)
@@ -265,27 +367,119 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def workload_rows(w: Workload, runs: dict[tuple[str, int], list[dict]], ref: list[float],
-                  ranks: list[int], threads: Callable[[int], int]) -> list[dict]:
+                  ranks: list[int], threads: Callable[[int], int],
+                  frameworks: Sequence[str] = FRAMEWORKS) -> list[dict]:
     """One row per (framework, ranks): the median steps/s, parity, scaling efficiency."""
     rows = []
-    for fw in FRAMEWORKS:
+    for fw in frameworks:
         for n in ranks:
             rs = runs[(fw, n)]
             sps = statistics.median(x["steps"] / x["seconds"] for x in rs)
             err = max(abs(a - b) / abs(b) for a, b in zip(rs[0]["losses"], ref, strict=True))
+            label = threads(n)
+            refused = sorted({p for x in rs for p in check_threads(label, x["ranks"])})
             rows.append({"workload": w.name, "framework": fw, "ranks": n,
-                         "rows_per_rank": w.batch // n, "threads_per_rank": threads(n),
+                         "rows_per_rank": w.batch // n, "threads_per_rank": label,
                          "steps_per_s": sps, "samples_per_s": sps * w.batch,
                          "parity_max_rel": err, "parity_ok": err <= TOLERANCE["f32"],
+                         "threads_refused": refused,
+                         "losses": [x["losses"] for x in rs],
+                         "threads_seen": [x["ranks"] for x in rs],
                          "all_steps_per_s": [x["steps"] / x["seconds"] for x in rs],
                          "build_s": [x["build_s"] for x in rs]})
+    for r in rows:  # a timing counts where parity passed and the threads were the label's
+        r["timed"] = r["parity_ok"] and not r["threads_refused"]
     base = {r["framework"]: r for r in rows if r["ranks"] == 1}
     for r in rows:
         b = base.get(r["framework"])
         r["efficiency"] = None if b is None else r["steps_per_s"] / (r["ranks"] * b["steps_per_s"])
-        # only timings that passed the gate, at N ranks and at 1, make an efficiency
-        r["efficiency_ok"] = b is not None and r["parity_ok"] and b["parity_ok"]
+        # only timings that count, at N ranks and at 1, make an efficiency
+        r["efficiency_ok"] = b is not None and r["timed"] and b["timed"]
     return rows
+
+
+ON_PAPER = """## Beyond one machine (on paper)
+
+Per step, with G the bytes of the f32 gradient buffer (P = G / 4 elements; mlp_wide: 1,323,018
+parameters, 5.3 MB), N ranks and S shards (a multiple of N), each rank summing its own block of
+S / N shards first:
+
+| exchange | bytes each rank sends | messages per rank | additions per rank after its block |
+|---|---|---|---|
+| ring allreduce (MPI's, NCCL's; order off) | 2 (N - 1) / N G | 2 (N - 1) | (N - 1) / N P |
+| shard tree, N = 2 (an allreduce of two) | G | as the allreduce | as the allreduce |
+| shard tree, N > 2 (all-to-all, sum, allgather) | (c + 1)(N - 1)/N G | 2 (N - 1) | (cN - 1)/N P |
+
+``c``: partial sums per rank, 1 when the shard and rank counts are powers of two (every
+block is a subtree), at most S / N otherwise (3 ranks over 6 shards: 2). With ``c = 1`` the
+fixed order sends a ring allreduce's bytes at every scale:
+
+| N | ring allreduce | fixed shard tree (c = 1) | gathering every partial instead (N - 1) G |
+|---:|---:|---:|---:|
+| 8 | 1.75 G | 1.75 G | 7 G |
+| 64 | 1.97 G | 1.97 G | 63 G |
+| 512 | 2.00 G | 2.00 G | 511 G |
+
+So the tree's price is not in bytes: an all-to-all of N - 1 messages of G / N (mlp_wide at
+512 ranks: 10 KB each) is latency-bound like the ring's steps (a Bruck or pairwise all-to-all
+inside MPI; NCCL would need grouped send / recv), and the order costs what cutting the batch
+into S shards costs a rank that computes several of them one after the other: S must be a
+multiple of every rank count the run should move between (512 ranks: S >= 512, a 1-rank
+resume running 512 small shards a step). Measured here: the "Cost of the fixed shard order"
+lines above (the same rank count, the tree against MPI's allreduce of one shard per rank).
+
+ZeRO-1 (not built): the optimizer state sharded in N slices of the flat buffer would replace
+the allgather of summed gradient slices by an allgather of updated parameter slices: the same
+2 (N - 1) / N G per rank, with Adam's 2 G of state per rank down to 2 G / N.
+"""
+
+
+def cores_busy(row: dict) -> float | None:
+    """The median over a row's runs of its ranks' mean CPU time over wall time in the timed
+    loop: 1.0 a core kept busy, less where the rank waited (for the others, or for a core the
+    machine's other processes held)."""
+    runs = [[x["cpu_s"] / x["seconds"] for x in ranks if x["seconds"] > 0]
+            for ranks in row.get("threads_seen", [])]
+    means = [sum(r) / len(r) for r in runs if r]
+    return statistics.median(means) if means else None
+
+
+def cpu_detail() -> str:
+    """The CPU's family, model and vector units from /proc/cpuinfo (the model name alone may
+    be as vague as "AMD EPYC")."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        if ":" in line:
+            k, v = (p.strip() for p in line.split(":", 1))
+            fields.setdefault(k, v)
+        elif fields:
+            break
+    flags = set(fields.get("flags", "").split())
+    units = ", ".join(u for u in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if u in flags)
+    return (f"family {fields.get('cpu family', '?')}, model {fields.get('model', '?')}, "
+            f"{units or 'no AVX2'}")
+
+
+def same_bits(rows: list[dict]) -> list[tuple[int, bool]]:
+    """Per rank count above 1: whether every run of the fixed shard tree gave the very losses
+    of every 1-rank run (the same bits on any rank count)."""
+    ours = {r["ranks"]: r.get("losses") for r in rows if r["framework"] == "ocannl"}
+    base = ours.get(1)
+    if not base:
+        return []
+    return [(n, all(x == base[0] for x in ls + base)) for n, ls in sorted(ours.items())
+            if n != 1 and ls]
+
+
+def shard_order_cost(rows: list[dict]) -> list[tuple[int, float]]:
+    """Per rank count where both were timed: ocannl-allreduce's steps/s over ocannl's."""
+    by = {(r["framework"], r["ranks"]): r for r in rows if r.get("timed", r["parity_ok"])}
+    return [(n, by[("ocannl-allreduce", n)]["steps_per_s"] / by[("ocannl", n)]["steps_per_s"])
+            for fw, n in sorted(by) if fw == "ocannl" and ("ocannl-allreduce", n) in by]
 
 
 def render(rows: list[dict], info: dict) -> str:
@@ -293,32 +487,59 @@ def render(rows: list[dict], info: dict) -> str:
     load0 = ", ".join(f"{v:.1f}" for v in info.get("load_avg_start", info["load_avg"]))
     lines = [
         "# Data-parallel scaling (CPU)", "",
-        f"{info['cpu']}, {info['cores']} cores, commit {info['commit']}; load average (1, 5, "
+        f"{info['cpu']} ({info.get('cpu_detail', '')}), {info['cores']} cores, commit "
+        f"{info['commit']}; load average (1, 5, "
         f"15 min) at the start {load0}, at the end {load} (other processes share the cores: "
         f"every figure is noisy). Median of {info['rounds']} runs of {info['steps']} timed "
         f"steps. Generated by `{info['command']}`.", "",
-        "Each workload's global batch is split over the ranks; both frameworks start from the "
-        "same fixture weights and train on the same batches. Parity: the first steps' global "
+        "Each workload's global batch is split over the ranks; every run starts from the "
+        "same fixture weights and trains on the same batches. Parity: the first steps' global "
         "losses against single-process PyTorch f32, max relative error, tolerance "
         f"{TOLERANCE['f32']:.0e}; a row failing it shows no timing.", "",
     ]
     for name, wi in info["workloads"].items():
         lines += [f"## {name}", "",
-                  f"{wi['describe']}; {wi['dataset']}, global batch {wi['global_batch']}.", "",
-                  "| framework | ranks | rows per rank | threads per rank | steps/s | samples/s "
-                  "| scaling efficiency | parity (max rel. loss err.) |",
-                  "|---|---:|---:|---:|---:|---:|---:|---|"]
+                  f"{wi['describe']}; {wi['dataset']}, global batch {wi['global_batch']}, "
+                  f"{wi.get('shards', '?')} shards for the fixed shard tree.", "",
+                  "| framework | ranks | rows per rank | threads per rank | cores busy per rank "
+                  "| steps/s | samples/s | scaling efficiency | parity (max rel. loss err.) |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
         for r in (r for r in rows if r["workload"] == name):
-            fw = "ocannl (MPI)" if r["framework"] == "ocannl" else "PyTorch DDP (gloo)"
+            fw = NAMES.get(r["framework"], r["framework"])
             ok = r["parity_ok"]
+            timed = r.get("timed", ok)
             eff = f"{r['efficiency']:.2f}" if r["efficiency_ok"] else "-"
-            sps = f"{r['steps_per_s']:.2f}" if ok else "(parity failed)"
-            samples = f"{r['samples_per_s']:.0f}" if ok else "-"
+            sps = (f"{r['steps_per_s']:.2f}" if timed else
+                   "(parity failed)" if not ok else "(refused: threads)")
+            samples = f"{r['samples_per_s']:.0f}" if timed else "-"
+            busy = cores_busy(r)
             lines.append(f"| {fw} | {r['ranks']} | {r['rows_per_rank']} | "
-                         f"{r['threads_per_rank']} | {sps} | {samples} | {eff} | "
+                         f"{r['threads_per_rank']} | {'-' if busy is None else f'{busy:.2f}'} | "
+                         f"{sps} | {samples} | {eff} | "
                          f"{'ok' if ok else 'FAIL'} ({r['parity_max_rel']:.1e}) |")
+        same = same_bits([r for r in rows if r["workload"] == name])
+        if same:
+            lines += ["", "The fixed shard tree's global losses over the parity steps, at each "
+                      "rank count against 1 rank's (every run): " + ", ".join(
+                          f"{n} rank(s) {'identical' if ok else 'DIFFERENT'}"
+                          for n, ok in same) + "."]
+        cost = shard_order_cost([r for r in rows if r["workload"] == name])
+        if cost:
+            lines += ["", "Cost of the fixed shard order (steps/s with MPI's allreduce over "
+                      "steps/s with the shard tree): " + ", ".join(
+                          f"{n} rank(s) {c:.3f}x" for n, c in cost) + "."]
         lines.append("")
-    lines += ["Scaling efficiency: steps/s at N ranks / (N x steps/s at 1 rank)."]
+    lines += ["Scaling efficiency: steps/s at N ranks / (N x steps/s at 1 rank). Cores busy "
+              "per rank: CPU time over wall time in the timed loop (1.0: a whole core; well "
+              "below it, the machine's other processes held the cores: the row measures them "
+              "as much as the framework)."]
+    lines += ["", ON_PAPER]
+    refused = [r for r in rows if r.get("threads_refused")]
+    if refused:
+        lines += ["", "Rows refused because a rank ran another thread count than its label "
+                  "(not timed here; raw figures in `DATA_PARALLEL.json`):", ""]
+        lines += [f"- {r['workload']}, {r['framework']}, {r['ranks']} rank(s): "
+                  + "; ".join(r["threads_refused"]) for r in refused]
     if not all(r["parity_ok"] for r in rows):
         lines += ["", "A row that failed the parity gate is not timed here; its measured "
                   "steps/s stay in `DATA_PARALLEL.json` (`all_steps_per_s`), for diagnosis only."]

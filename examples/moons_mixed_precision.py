@@ -25,14 +25,18 @@ Batches come from ``ocannl.loader.Loader`` (its position travels in the checkpoi
 held-out points are classified in one call of an evaluation routine (``ocannl.model``).
 Every flag is checked before any work: a mistake is one line on stderr and exit status 2.
 
-``--data-parallel`` trains on every process of an MPI job, each on its shard of the global
-``--batch``, the gradients summed once per step (``ocannl.parallel``; NCCL between GPUs)::
+``--data-parallel`` trains on every process of an MPI job: the global ``--batch`` is cut into
+``--shards`` shards (default: 8 of at least 8 rows, fewer for a small batch), each rank
+computes its block of consecutive shards, and the shard gradients are summed in one fixed tree
+order (``ocannl.parallel``; NCCL between GPUs)::
 
     .venv/bin/mpiexec -n 2 .venv/bin/python -m mpi4py examples/moons_mixed_precision.py \
         --data-parallel                                             # make demo-dp
 
-Every rank skips the same steps and keeps the same loss scale; rank 0 prints, plots and writes
-the checkpoint, which a run on another number of ranks (same --batch) may resume.
+The run is then the same bits on any number of ranks dividing ``--shards`` (1 included):
+every rank skips the same steps and keeps the same loss scale, and a run resumed from the
+checkpoint (rank 0 writes it) on another number of ranks, same --batch and --shards, continues
+exactly.
 """
 
 from __future__ import annotations
@@ -140,6 +144,10 @@ def build_parser() -> ExampleParser:
     ap.add_argument("--data-parallel", action="store_true",
                     help="train on every process of the MPI job (mpiexec -n N python -m mpi4py "
                          "...), each on an equal shard of --batch; alone, a world of one")
+    ap.add_argument("--shards", type=integer(1, TRAIN_POINTS), default=None,
+                    help="with --data-parallel: the shards of --batch, summed in one fixed "
+                         "order (a multiple of the number of ranks; default: the most of 1, 2, "
+                         "4, 8 keeping 8 rows a shard)")
     ap.add_argument("--inject-nonfinite", default="", metavar="STEPS",
                     help="comma-separated steps (from 0) whose input batch gets an infinity")
     ap.add_argument("--plot", type=Path, default=Path("moons_mixed_precision.png"),
@@ -314,10 +322,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.batch % comm.size:
             sys.exit(f"error: --batch {args.batch} (the global batch) does not split into "
                      f"{comm.size} equal shards: give a multiple of {comm.size}")
+    shards = comm.size
+    if args.data_parallel:
+        shards = args.shards or parallel.default_shards(args.batch, min_rows=8)
+        if args.batch % shards or shards % comm.size:
+            sys.exit(f"error: --shards {shards}: must divide --batch {args.batch} and be a "
+                     f"multiple of the {comm.size} rank(s)")
     lead = comm.rank == 0  # the rank that prints, plots and writes the checkpoint
     if not lead:
         sys.stdout = open(os.devnull, "w")  # for the life of the process
-    local = args.batch // comm.size  # this rank's rows of each step
+    local = args.batch // shards  # the rows of a shard: what the model is built over
     points, labels = datasets.half_moons(TRAIN_POINTS, seed=args.seed)
     test_points, test_labels = datasets.half_moons(TEST_POINTS, seed=args.seed + 1)
     targets = datasets.one_hot(labels, 2)
@@ -334,19 +348,18 @@ def main(argv: list[str] | None = None) -> int:
     model = Model(build, name="moons mlp")
     logits = model(x, train=True)
     loss = nn_blocks.softmax_cross_entropy(T.cast(logits, "f32"), y)
-    # Each rank reads its shard of every global batch of one seeded permutation per epoch.
-    loader = Loader([points, targets], [x, y], batch=args.batch, seed=args.seed,
-                    rank=comm.rank, world=comm.size)
     dp = None
     if args.data_parallel:  # the gradients become views of one flat buffer, before compiling
-        dp = parallel.DataParallel(comm, loss, inputs=[x, y])
+        dp = parallel.DataParallel(comm, loss, inputs=[x, y], shards=shards)
         ctx = dp.setup(ctx)
         print(f"data-parallel: {comm.size} rank(s) ({comm.name}), global batch {args.batch} = "
-              f"{comm.size} x {local}", flush=True)
+              f"{comm.size} x {args.batch // comm.size} ({shards} shards of {local} rows, "
+              f"summed in one fixed order)", flush=True)
+    # Each rank reads its block of every global batch of one seeded permutation per epoch.
+    loader = Loader([points, targets], [x, y], batch=args.batch, seed=args.seed, parallel=dp)
 
-    def global_loss() -> float:  # the mean of the ranks' shard losses (a collective)
-        v = ctx.get_value(loss)
-        return v if dp is None else dp.mean(v)
+    def global_loss() -> float:  # the global batch's loss (with dp, a collective)
+        return ctx.get_value(loss) if dp is None else dp.global_loss()
 
     scaler = mixed_prec.Loss_scaler.create(init_scale=args.init_scale,
                                            growth_interval=args.growth_interval)
@@ -362,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
                                        reducer=dp)
     else:
         recipe = mixed_prec.scaled_step(scaler, loss, opt, reducer=dp)
-    ctx = recipe.compile(ctx)
+    ctx = recipe.compile(ctx) if dp is None else dp.compile(ctx, recipe)
     state = checkpoint.training_state(loss, opt) + recipe.state_nodes()
     if dp is not None:
         ctx = dp.broadcast(ctx, state)  # every rank starts from rank 0's parameters

@@ -19,7 +19,11 @@ rounds them, in temporaries of its own.
 
 In a data-parallel run every rank draws the same permutation; rank ``r`` of ``w`` writes rows
 ``[r * b / w, (r + 1) * b / w)`` of each global batch of ``b`` rows (``b`` divisible by ``w``),
-so its input nodes hold ``b / w`` rows.
+so its input nodes hold ``b / w`` rows. Given ``parallel=`` (an
+``ocannl.parallel.DataParallel`` of ``s`` shards), the input nodes hold a shard, ``b / s``
+rows; rank ``r`` takes its block of ``s / w`` shards and hands it to the data-parallel
+object's ``set_batch``. The position is the global batch's, whatever ``w`` and ``s``: a run
+resumed on another number of ranks continues with the same batches.
 """
 
 from __future__ import annotations
@@ -73,14 +77,20 @@ class Loader:
     ``inputs`` (one tensor per array, e.g. images and labels) by :meth:`next`.
 
     ``batch`` is the global batch; each input node holds ``batch / world`` rows shaped as the
-    array's rows (a :class:`~ocannl.tensor.ClassIds` input takes integer ids). ``ValueError``,
+    array's rows (with ``parallel=``, a data-parallel object of ``s`` shards: ``batch / s``
+    rows, the rank and world its own, each batch handed to its ``set_batch``); a
+    :class:`~ocannl.tensor.ClassIds` input takes integer ids. ``ValueError``,
     before anything is allocated, for arrays of unequal lengths, a row shape or node shape that
     does not match, a batch larger than the data set (or not divisible by ``world``), an
     unknown ``last`` policy, a rank outside ``[0, world)``, or an input node given twice."""
 
     def __init__(self, arrays: Sequence[Any], inputs: Sequence[Tensor], *, batch: int,
                  seed: int = 0, last: str = "drop", shuffle: bool = True, rank: int = 0,
-                 world: int = 1) -> None:
+                 world: int = 1, parallel: Any = None) -> None:
+        self.parallel = parallel
+        shards = None
+        if parallel is not None:  # duck-typed: ocannl.parallel sits below this module
+            rank, world, shards = parallel.rank, parallel.size, parallel.shards
         arrays = [np.asarray(a) for a in arrays]
         inputs = list(inputs)
         if not arrays or len(arrays) != len(inputs):
@@ -119,12 +129,19 @@ class Loader:
                              f"ranks")
         self.local = self.batch // self.world
         per_rank = f" (the batch over {self.world} ranks)" if self.world > 1 else ""
+        node_rows = self.local
+        if shards is not None:
+            if self.batch % shards:
+                raise ValueError(f"Loader: a global batch of {batch} rows does not split into "
+                                 f"{shards} equal shards")
+            node_rows = self.batch // shards
+            per_rank = f" (a shard: the batch over {shards} shards)"
         for a, t in zip(arrays, inputs, strict=True):
-            want = (self.local, *a.shape[1:])
+            want = (node_rows, *a.shape[1:])
             if t.dims != want:
                 raise ValueError(
                     f"Loader: input {t.label} has dims {t.dims}, expected {want}: "
-                    f"{self.local} rows{per_rank} of the array's rows {a.shape[1:]}")
+                    f"{node_rows} rows{per_rank} of the array's rows {a.shape[1:]}")
             if isinstance(t, ClassIds):
                 # ids out of range are refused now, not mid-epoch
                 _checked_ids(t.label, a, t.num_classes, None)
@@ -136,8 +153,8 @@ class Loader:
         # The data in each input's storage dtype, rounded once as set_values would round it,
         # and one staging array per input: a step allocates nothing of its own.
         self._data = [to_precision(a, t.prec) for a, t in zip(arrays, inputs, strict=True)]
-        self._staging = [np.zeros(t.dims, d.dtype) for t, d in zip(inputs, self._data,
-                                                                   strict=True)]
+        self._staging = [np.zeros((self.local, *t.dims[1:]), d.dtype)
+                         for t, d in zip(inputs, self._data, strict=True)]
         self.epoch = 0
         self.offset = 0  # rows of this epoch's permutation already handed out
         self.valid_rows = self.local  # real rows (not padding) of this rank in the last batch
@@ -187,7 +204,10 @@ class Loader:
             else:  # the last batch of an epoch, padded
                 np.take(data, rows, axis=0, out=stage[:k], mode="clip")
                 stage[k:] = 0
-            ctx = ctx.set_values(t, stage)
+            if self.parallel is None:
+                ctx = ctx.set_values(t, stage)
+        if self.parallel is not None:
+            ctx = self.parallel.set_batch(ctx, *self._staging)
         self.valid_rows = k
         self.offset += self.batch
         return ctx

@@ -20,6 +20,8 @@ from typing import Any
 import numpy as np
 
 calls: list[list[Any]] = []
+#: Set to make every event stay pending, as after a collective the other ranks never joined.
+stuck = False
 
 NCCL_SUM, NCCL_PROD, NCCL_MAX, NCCL_MIN = 0, 1, 2, 3
 NCCL_INT8 = NCCL_CHAR = 0
@@ -106,7 +108,17 @@ def install(devices: int = 2) -> types.ModuleType:
         dev = fake_cupy.current_device() if device_id is None else device_id
         return types.SimpleNamespace(ptr=_stream_ptr(dev), synchronize=lambda: None)
 
+    class Event:  # the stand-in runs every call at once: an event is reached when recorded
+        def __init__(self, block: bool = False, disable_timing: bool = False,
+                      interprocess: bool = False) -> None:
+            self.done = False
+
+        def record(self, stream: Any = None) -> None:
+            calls.append(["event.record", getattr(stream, "ptr", stream)])
+            self.done = not stuck
+
     cp.cuda.get_current_stream = get_current_stream
+    cp.cuda.Event = Event
     cp.cuda.nccl = sys.modules[__name__]
     sys.modules["cupy.cuda"] = cp.cuda  # type: ignore[assignment]
     sys.modules["cupy.cuda.nccl"] = sys.modules[__name__]

@@ -104,6 +104,12 @@ class VirtualRanks:
     def allgather(self, obj: Any) -> list[Any]:
         return [obj] * self.size
 
+    def alltoall_buffer(self, send: np.ndarray, recv: np.ndarray) -> None:
+        raise NotImplementedError("virtual ranks sum through allreduce_sum: two of them only")
+
+    def allgather_buffer(self, send: np.ndarray, recv: np.ndarray) -> None:
+        raise NotImplementedError("virtual ranks sum through allreduce_sum: two of them only")
+
     def allreduce_max(self, value: int) -> int:
         return int(value)
 
@@ -128,7 +134,7 @@ def make_comm(kind: str) -> Any:
 def run(comm: Any, variant: str, *, global_batch: int = 32, steps: int = 12,
         inject: bool = True, ckpt: Path | None = None, every: int = 5, resume: bool = False,
         die_at: int | None = None, die_rank: int = 1, backend: str = "cpu",
-        plain: bool = False) -> dict[str, Any]:
+        plain: bool = False, exact: bool = True) -> dict[str, Any]:
     """Train ``variant`` for ``steps`` steps of ``global_batch`` rows over ``comm``; returns
     this rank's result. ``plain``: the recipe without a reducer (no data parallelism)."""
     virtual = isinstance(comm, VirtualRanks)
@@ -172,7 +178,7 @@ def run(comm: Any, variant: str, *, global_batch: int = 32, steps: int = 12,
         comm.feed, comm.ctx, comm.loss = feed, ctx, loss
     start = 0
     if resume:
-        ctx, progress = dp.load(ckpt, ctx, state)
+        ctx, progress = dp.load(ckpt, ctx, state, exact=exact)
         ctx = scaler.restore_state(ctx, progress.extra["loss_scaler"])
         recipe.restore_state(progress.extra["recipe"])
         start = progress.step

@@ -191,6 +191,11 @@ class Rng:
     :meth:`state_nodes`, and in ``buffers(loss)``) continues the same stream exactly.
 
     ``seed``: an integer in ``[0, 2**52)``; ``ctx.set_values(rng.seed, s)`` reseeds.
+
+    A draw shaped with batch axes is keyed by the global row: its element index is offset by
+    ``row_offset`` (a device scalar, 0 unless a data-parallel run sets it per shard) times the
+    elements per row of its first batch axis, so a shard of rows ``[o, o + n)`` of a global
+    batch draws what the whole batch draws over those rows.
     """
 
     def __init__(self, seed: int = 0, *, label: str = "rng") -> None:
@@ -201,6 +206,11 @@ class Rng:
         self.seed = Tnode(f"{label}_seed", (), Precision.f64,
                           host_data=np.array(float(seed), np.float64))
         self.counter = Tnode(f"{label}_counter", (), Precision.f64, zero_start=True)
+        # The global row of a draw's first batch row: 0 but in a data-parallel run, where
+        # ``ocannl.parallel.DataParallel`` sets it to each shard's first row of the global
+        # batch before running the shard, so a mask is keyed by the global row, the same
+        # whichever rank draws it. Not state: set for every shard, never checkpointed.
+        self.row_offset = Tnode(f"{label}_row_offset", (), Precision.f64, zero_start=True)
 
     def state_nodes(self) -> list[Tnode]:
         """What a checkpoint must hold to continue the stream: the seed and the counter."""
@@ -251,6 +261,11 @@ def _uniform(rng: Rng, shape: Shape, label: str) -> Tensor:
             continue
         term: Expr = Get(io.value, (k,))
         index = apply("add", index, term if st == 1 else apply("mul", term, Const(float(st))))
+    if shape.batch:  # keyed by the global row (exact: integers below 2**52 in f64)
+        shift: Expr = Get(rng.row_offset, ())
+        if strides[0] != 1:
+            shift = apply("mul", shift, Const(float(strides[0])))
+        index = apply("add", index, shift)
     out = Tensor(Tnode(label, dims, f64), shape, kind="op", children=tuple(iotas),
                  differentiable=False)
     counter = Get(rng.counter, ())
@@ -260,6 +275,7 @@ def _uniform(rng: Rng, shape: Shape, label: str) -> Tensor:
         Accum(rng.counter, (), "=", apply("add", counter, Const(1.0)), ()),
     )
     _BUFFERS[out] = tuple(rng.state_nodes())
+    _RNGS[out] = rng
     return out
 
 
@@ -298,11 +314,23 @@ def dropout(x: Tensor, *, rate: float, rng: Rng) -> Tensor:
 
 # Tensor -> the nodes it keeps across steps (random-stream counters, running statistics).
 _BUFFERS: weakref.WeakKeyDictionary[Tensor, tuple[Tnode, ...]] = weakref.WeakKeyDictionary()
+# A draw (Rng.uniform's tensor) -> the Rng it draws from.
+_RNGS: weakref.WeakKeyDictionary[Tensor, Rng] = weakref.WeakKeyDictionary()
 
 
 def register_buffers(t: Tensor, nodes: Sequence[Tnode]) -> None:
     """Record that running ``t``'s forward code updates ``nodes`` (state to checkpoint)."""
     _BUFFERS[t] = tuple(_BUFFERS.get(t, ())) + tuple(nodes)
+
+
+def random_streams(t: Tensor) -> list[Rng]:
+    """The :class:`Rng` s ``t``'s graph draws from, each once, in the order first met."""
+    seen: dict[int, Rng] = {}
+    for s in t.topo():
+        r = _RNGS.get(s)
+        if r is not None:
+            seen.setdefault(id(r), r)
+    return list(seen.values())
 
 
 def buffers(t: Tensor) -> list[Tnode]:

@@ -1,0 +1,673 @@
+"""Communicators: one protocol, three worlds (a single process, MPI between processes, NCCL
+between GPUs), every collective waited for with a deadline that names the rank missing."""
+
+from __future__ import annotations
+
+import atexit
+import os
+import pickle
+import socket
+import struct
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any, NoReturn, Protocol, runtime_checkable
+
+import numpy as np
+
+from ocannl.errors import Failure, real
+
+# --- communicators ------------------------------------------------------------------------------
+
+
+@runtime_checkable
+class Communicator(Protocol):
+    """A group of ``size`` processes, this one being ``rank``. Device buffers are what
+    :meth:`Context.device_buffer` returns (NumPy on the CPU, CuPy on CUDA), flat and
+    contiguous; every collective must be called by every rank, in the same order.
+
+    A communicator may also keep a ``step`` attribute (the training step, which its errors
+    name; :class:`DataParallel` sets it where there is one) and bound how long a collective
+    may wait (:class:`MpiCommunicator`'s ``timeout``, raising :class:`CollectiveTimeout`)."""
+
+    name: str
+    rank: int
+    size: int
+
+    def allreduce_sum(self, buf: Any) -> None:
+        """Sum an f32 device buffer over the ranks, in place (every rank gets the same bits)."""
+
+    def bcast_buffer(self, buf: Any, root: int = 0) -> None:
+        """Overwrite a device buffer (any dtype) with root's, in place."""
+
+    def bcast(self, obj: Any, root: int = 0) -> Any:
+        """Root's (picklable) host object, on every rank."""
+
+    def allgather(self, obj: Any) -> list[Any]:
+        """Every rank's host object, in rank order, on every rank."""
+
+    def alltoall_buffer(self, send: np.ndarray, recv: np.ndarray) -> None:
+        """Host f32 buffers: block ``r`` of ``send`` (its first axis) to rank ``r``, each
+        rank's block for this one into ``recv``'s block of that rank. Bytes only: no sum."""
+
+    def allgather_buffer(self, send: np.ndarray, recv: np.ndarray) -> None:
+        """Host f32 buffers: every rank's ``send`` into ``recv``, in rank order."""
+
+    def allreduce_max(self, value: int) -> int:
+        """The largest of the ranks' integers."""
+
+    def barrier(self) -> None:
+        """Return once every rank has called it."""
+
+    def abort(self, code: int = 1) -> NoReturn:
+        """End every rank of the job (after an error on this one)."""
+
+
+def _check_f32(buf: Any, what: str) -> None:
+    if getattr(buf, "dtype", None) != np.float32:
+        raise ValueError(f"{what}: expected an f32 buffer, got {getattr(buf, 'dtype', type(buf))}"
+                         f" (narrow buffers are never summed; f64 is not supported)")
+
+
+class SingleProcess:
+    """A world of one: rank 0 of 1; every collective leaves its argument as it is."""
+
+    name = "single"
+    rank = 0
+    size = 1
+    step = 0
+
+    def allreduce_sum(self, buf: Any) -> None:
+        _check_f32(buf, "allreduce_sum")
+
+    def bcast_buffer(self, buf: Any, root: int = 0) -> None:
+        _check_root(root, 1)
+
+    def bcast(self, obj: Any, root: int = 0) -> Any:
+        _check_root(root, 1)
+        return obj
+
+    def allgather(self, obj: Any) -> list[Any]:
+        return [obj]
+
+    def alltoall_buffer(self, send: np.ndarray, recv: np.ndarray) -> None:
+        recv[...] = send.reshape(recv.shape)
+
+    def allgather_buffer(self, send: np.ndarray, recv: np.ndarray) -> None:
+        recv[...] = send.reshape(recv.shape)
+
+    def allreduce_max(self, value: int) -> int:
+        return int(value)
+
+    def barrier(self) -> None:
+        return None
+
+    def abort(self, code: int = 1) -> NoReturn:
+        sys.stderr.flush()
+        os._exit(code)
+
+    def __repr__(self) -> str:
+        return "SingleProcess()"
+
+
+def _check_root(root: int, size: int) -> None:
+    if not isinstance(root, int) or not 0 <= root < size:
+        raise ValueError(f"root must be a rank in [0, {size}), got {root!r}")
+
+
+# --- deadlines ----------------------------------------------------------------------------------
+
+#: The default of a communicator's ``timeout`` (seconds) where ``OCANNL_COLLECTIVE_TIMEOUT`` is
+#: not set: longer than any compile or checkpoint write this project does while the other ranks
+#: wait, short enough that a hung job does not hold its machines for hours.
+DEFAULT_TIMEOUT_S = 300.0
+TIMEOUT_ENV = "OCANNL_COLLECTIVE_TIMEOUT"
+# A collective is first waited for as a blocking one would (testing it in a loop, which is
+# also what drives MPI's progress) for _SPIN_S; then tested between naps growing from _NAP_MIN_S
+# to _NAP_MAX_S (or _NAP_SHARE of the time waited so far, when that is longer, up to _NAP_CAP_S,
+# below the shortest grace in which a rank that timed out waits for answers), so a rank waiting
+# for a hung one sleeps instead of spinning a core. The price: a collective whose last rank
+# comes later than _SPIN_S completes up to a nap later (1 ms, or 1% of the wait).
+_SPIN_S = 20e-3
+_NAP_MIN_S, _NAP_MAX_S, _NAP_SHARE, _NAP_CAP_S = 50e-6, 1e-3, 0.01, 0.1
+_PING, _PONG = 1, 2  # tags of the side channel on which a rank that timed out asks the others
+
+
+class CollectiveTimeout(Failure, TimeoutError):
+    """A collective did not complete within its communicator's ``timeout``: a rank died, hung
+    (stopped) or is stuck outside the collectives. ``missing``: the ranks that did not answer
+    this rank's call (empty when every rank answered); ``step``: the communicator's ``step``
+    when it timed out; ``what``: the collective. The communicator cannot be used after it (the
+    collective is still pending); let the exception end the process: under ``python -m mpi4py``
+    it aborts the whole job, and otherwise the communicator aborts it when the process exits."""
+
+    def __init__(self, message: str, *, rank: int = -1, missing: Sequence[int] = (),
+                 step: int | None = None, what: str = "") -> None:
+        super().__init__(message)
+        self.rank, self.missing, self.step, self.what = rank, tuple(missing), step, what
+
+
+def collective_timeout(timeout: float | None = None) -> float:
+    """The timeout of a collective in seconds: ``timeout`` when given, else the environment's
+    ``OCANNL_COLLECTIVE_TIMEOUT``, else :data:`DEFAULT_TIMEOUT_S`. A number > 0; ``inf`` (or
+    ``"inf"``) waits forever (still without spinning). ``ValueError`` naming the value
+    otherwise."""
+    what = "timeout"
+    if timeout is None:
+        raw = os.environ.get(TIMEOUT_ENV, "").strip()
+        if not raw:
+            return DEFAULT_TIMEOUT_S
+        what = TIMEOUT_ENV
+        try:
+            timeout = float(raw)
+        except ValueError:
+            raise ValueError(f"{TIMEOUT_ENV}={raw!r}: expected a number of seconds > 0 (or "
+                             f"'inf')") from None
+    v = real(what, timeout, "a number of seconds > 0 (or inf)")
+    if not v > 0:  # NaN included
+        raise ValueError(f"{what} must be a number of seconds > 0 (or inf), got {timeout!r}")
+    return v
+
+
+_SLOT = 256
+
+
+def _slot(data: bytes) -> bytearray:
+    """``data``'s slot of an object collective: its length, then itself if it fits."""
+    slot = bytearray(_SLOT)
+    n = len(data)
+    struct.pack_into("<q", slot, 0, n)
+    if n <= _SLOT - 8:
+        slot[8:8 + n] = data
+    return slot
+
+
+def _process_state(pid: int) -> str:
+    """What this machine's ``/proc`` says of process ``pid``: stopped, running, ..."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            state = fh.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "gone (it died or exited)"
+    return {"T": "stopped (SIGSTOP?)", "t": "stopped by a debugger", "Z": "dead (a zombie)",
+            "R": "running (not in a collective)", "S": "sleeping (not in a collective)",
+            "D": "in uninterruptible I/O"}.get(state, f"in state {state}")
+
+
+class MpiCommunicator:
+    """MPI through ``mpi4py`` (``pip install 'ocannl[dist]'``), over ``comm`` (default
+    ``MPI.COMM_WORLD``). ``mpi4py.MPI`` is imported here, not when this module is: importing it
+    initialises MPI. Creating one is itself collective (every rank of ``comm`` must).
+
+    Host (NumPy) buffers are reduced in place; a device (CuPy) buffer is copied to the host,
+    reduced and copied back (use :class:`NcclCommunicator` on GPUs).
+
+    **Faults.** Every collective runs nonblocking (``Iallreduce``, ``Ibcast``, ``Iallgather``,
+    ``Ibarrier``) and is waited for with a deadline of ``timeout`` seconds from this rank's
+    call (default: :func:`collective_timeout`, ``OCANNL_COLLECTIVE_TIMEOUT`` else 300 s; ``inf``
+    for none; an attribute, which may be changed between collectives): tested in a loop for its
+    first 20 ms, as a blocking call spins, then between naps of at most 1 ms (or 1% of the time
+    waited so far), so a rank waiting for a hung one sleeps. When the deadline passes, the rank
+    asks every other rank, over a side channel (a duplicate of ``comm``), which collective it
+    is in; a rank waiting in one answers, a dead, stopped or busy one does not, and
+    :class:`CollectiveTimeout` names the ranks that did not answer (with their state, where
+    they run on this machine), this rank's ``step`` and the collective.
+
+    ``step``: the training step, named by the errors; :class:`DataParallel` keeps it (the
+    steps reduced since its start, or since the checkpoint it loaded).
+    """
+
+    name = "mpi"
+    step: int = 0
+
+    def __init__(self, comm: Any = None, *, timeout: float | None = None) -> None:
+        try:
+            from mpi4py import MPI
+        except ImportError as err:
+            raise ImportError(f"MpiCommunicator needs mpi4py and an MPI library: pip install "
+                              f"'ocannl[dist]' (mpi4py, mpich) ({err})") from None
+        self._mpi = MPI
+        self._timeout = collective_timeout(timeout)
+        self.comm = MPI.COMM_WORLD if comm is None else comm
+        self.rank = int(self.comm.Get_rank())
+        self.size = int(self.comm.Get_size())
+        self._local_rank: int | None = None
+        self._seq = 0  # the collectives this rank started
+        self._what = "MpiCommunicator()"  # the one in progress, told to a rank that asks
+        self._broken: str | None = None
+        self._pending: list[Any] = []  # side-channel sends not yet known complete
+        self._asked = 0  # this rank's rounds of questions
+        self._side: Any = None
+        self._where: list[tuple[str, int]] = []
+        self._start("the side channel (Idup)")
+        side, req = self.comm.Idup()
+        self._wait(req, "the side channel (Idup)")
+        self._side = side
+        self._where = self.allgather((socket.gethostname(), os.getpid()))
+
+    @property
+    def timeout(self) -> float:
+        """Seconds a collective may wait (:func:`collective_timeout`); may be set any time."""
+        return self._timeout
+
+    @timeout.setter
+    def timeout(self, value: float | None) -> None:
+        self._timeout = collective_timeout(value)
+
+    def local_rank(self) -> int:
+        """This rank's index among the ranks on its node (to pick its GPU)."""
+        if self._local_rank is None:
+            node = self.comm.Split_type(self._mpi.COMM_TYPE_SHARED, key=self.rank)
+            self._local_rank = int(node.Get_rank())
+            node.Free()
+        return self._local_rank
+
+    # --- waiting with a deadline -----------------------------------------------------------
+
+    def _start(self, what: str) -> None:
+        if self._broken is not None:
+            raise Failure(f"{self!r} cannot be used after {self._broken}")
+        self._seq += 1
+        self._what = what
+
+    def _wait(self, req: Any, what: str) -> None:
+        """Until ``req`` completes: tested in a loop for ``_SPIN_S``, then between growing
+        naps, answering the other ranks' questions, until the deadline."""
+        if req.Test():
+            return
+        t0 = time.monotonic()
+        spin_end = t0 + _SPIN_S
+        while time.monotonic() < spin_end:
+            if req.Test():
+                return
+        deadline = t0 + self.timeout
+        nap = _NAP_MIN_S
+        while True:
+            self._answer()
+            if req.Test():
+                return
+            now = time.monotonic()
+            if now >= deadline:
+                if self._diagnose(req, what, now - t0):
+                    return
+            time.sleep(min(nap, max(deadline - now, 0.0)))
+            nap = min(2 * nap, max(_NAP_MAX_S, _NAP_SHARE * (now - t0)), _NAP_CAP_S)
+
+    def _answer(self) -> None:
+        """Tell every rank that asked which collective this one is in."""
+        side = self._side
+        if side is None:
+            return
+        st = self._mpi.Status()
+        while side.Iprobe(source=self._mpi.ANY_SOURCE, tag=_PING, status=st):
+            src = st.Get_source()
+            ask = side.recv(source=src, tag=_PING)
+            self._pending.append(side.isend(
+                {"ask": ask, "rank": self.rank, "seq": self._seq, "step": self.step,
+                 "what": self._what}, dest=src, tag=_PONG))
+        self._pending = [r for r in self._pending if not r.Test()]
+
+    def _diagnose(self, req: Any, what: str, waited: float) -> bool:
+        """The deadline passed: ask the other ranks where they are, for a short grace; True
+        when the collective completed meanwhile, else :class:`CollectiveTimeout`."""
+        others = [r for r in range(self.size) if r != self.rank]
+        answers: dict[int, dict[str, Any]] = {}
+        side = self._side
+        if side is not None:
+            self._asked += 1
+            ask = self._asked
+            for r in others:
+                self._pending.append(side.isend(ask, dest=r, tag=_PING))
+            st = self._mpi.Status()
+            grace_end = time.monotonic() + min(2.0, max(0.2, 0.1 * self.timeout))
+            while len(answers) < len(others) and time.monotonic() < grace_end:
+                self._answer()
+                if req.Test():
+                    return True
+                while side.Iprobe(source=self._mpi.ANY_SOURCE, tag=_PONG, status=st):
+                    msg = side.recv(source=st.Get_source(), tag=_PONG)
+                    if msg["ask"] == ask:
+                        answers[int(msg["rank"])] = msg
+                time.sleep(1e-3)
+        if req.Test():
+            return True
+        missing = [r for r in others if r not in answers]
+        here = socket.gethostname()
+        parts = []
+        if missing:
+            def where(r: int) -> str:
+                if r >= len(self._where):
+                    return ""
+                host, pid = self._where[r]
+                state = f"on this host, {_process_state(pid)}" if host == here else f"on {host}"
+                return f" (pid {pid} {state})"
+            listed = ", ".join(f"rank {r}{where(r)}" for r in missing[:8])
+            more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+            parts.append(f"{listed}{more} did not answer")
+        elif side is None:
+            parts.append("the other ranks could not be asked (no side channel yet)")
+
+        def here_too(a: dict[str, Any]) -> bool:
+            return a["seq"] == self._seq and a["what"] == self._what
+
+        same = [r for r in sorted(answers) if here_too(answers[r])]
+        for r in sorted(answers):
+            a = answers[r]
+            if not here_too(a):
+                parts.append(f"rank {r} answered from collective #{a['seq']} ({a['what']}) at "
+                             f"step {a['step']}")
+        if same:
+            parts.append(f"rank{'s' if len(same) > 1 else ''} "
+                         f"{', '.join(map(str, same[:8]))}{' ...' if len(same) > 8 else ''} "
+                         f"answered, waiting in the same collective")
+        if answers and not missing and len(same) == len(others):
+            parts.append("every rank is waiting in it: MPI did not complete it")
+        elif answers and not missing and all(a["seq"] > self._seq for a in answers.values()):
+            parts.append("every other rank is past it: this rank's own wait did not end")
+        self._broken = f"collective #{self._seq} ({what}) timed out"
+        atexit.register(self._abort_at_exit)
+        raise CollectiveTimeout(
+            f"{self.name} rank {self.rank}: {what} (collective #{self._seq}) at step "
+            f"{self.step} did not complete within {self.timeout:g} s (waited {waited:.1f} s): "
+            + "; ".join(parts) + ". A rank that died, hung or is stuck outside the "
+            f"collectives ends the job; if one is only slow (a step, a compile or a checkpoint "
+            f"longer than that), raise the timeout: MpiCommunicator(timeout=...) or "
+            f"{TIMEOUT_ENV} (seconds)",
+            rank=self.rank, missing=missing, step=self.step, what=what)
+
+    def _abort_at_exit(self) -> None:
+        # A pending collective would hold MPI_Finalize (and the other ranks) forever.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self.comm.Abort(1)
+
+    # --- the collectives -------------------------------------------------------------------
+
+    def _run(self, what: str, start: Any) -> None:
+        """Start a nonblocking MPI call (``start()`` returns its request) and wait for it with
+        the deadline; ``what`` names it in errors (DataParallel's shard-tree exchange too)."""
+        self._start(what)
+        self._wait(start(), what)
+
+    def allreduce_sum(self, buf: Any) -> None:
+        _check_f32(buf, "allreduce_sum")
+        what = f"allreduce_sum of {buf.size} f32"
+        if isinstance(buf, np.ndarray):
+            self._run(what, lambda: self.comm.Iallreduce(self._mpi.IN_PLACE, buf,
+                                                          op=self._mpi.SUM))
+            return
+        host = np.ascontiguousarray(buf.get())
+        self._run(what, lambda: self.comm.Iallreduce(self._mpi.IN_PLACE, host,
+                                                      op=self._mpi.SUM))
+        buf.set(host)
+
+    def bcast_buffer(self, buf: Any, root: int = 0) -> None:
+        _check_root(root, self.size)
+        what = f"bcast_buffer of {buf.size} {buf.dtype} from rank {root}"
+        if isinstance(buf, np.ndarray):
+            self._run(what, lambda: self.comm.Ibcast(buf, root=root))
+            return
+        host = np.ascontiguousarray(buf.get())
+        self._run(what, lambda: self.comm.Ibcast(host, root=root))
+        buf.set(host)
+
+    # Objects travel pickled in a slot of _SLOT bytes (8 of them the pickle's length, the
+    # pickle itself when it fits): one collective for a small object (a loss, a flag); a
+    # second one carries the pickles that did not fit, every rank knowing their lengths.
+
+    def bcast(self, obj: Any, root: int = 0) -> Any:
+        _check_root(root, self.size)
+        what = f"bcast from rank {root}"
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if self.rank == root else b""
+        slot = _slot(data)
+        self._run(what, lambda: self.comm.Ibcast([slot, self._mpi.BYTE], root=root))
+        n = struct.unpack_from("<q", slot)[0]
+        if n <= _SLOT - 8:
+            return obj if self.rank == root else pickle.loads(slot[8:8 + n])
+        rest = bytearray(data) if self.rank == root else bytearray(n)
+        self._run(what + " (a large object)",
+                  lambda: self.comm.Ibcast([rest, self._mpi.BYTE], root=root))
+        return obj if self.rank == root else pickle.loads(rest)
+
+    def allgather(self, obj: Any) -> list[Any]:
+        what = "allgather"
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        slots = bytearray(self.size * _SLOT)
+        mine = _slot(data)
+        self._run(what, lambda: self.comm.Iallgather([mine, self._mpi.BYTE],
+                                                     [slots, self._mpi.BYTE]))
+        sizes = [struct.unpack_from("<q", slots, r * _SLOT)[0] for r in range(self.size)]
+        if max(sizes) <= _SLOT - 8:
+            return [pickle.loads(slots[r * _SLOT + 8:r * _SLOT + 8 + n])
+                    for r, n in enumerate(sizes)]
+        big = [n if n > _SLOT - 8 else 0 for n in sizes]  # the second round: those only
+        displs = [sum(big[:r]) for r in range(self.size)]
+        out = bytearray(sum(big))
+        send = data if big[self.rank] else b""
+        self._run(what + " (large objects)", lambda: self.comm.Iallgatherv(
+            [send, self._mpi.BYTE], [out, big, displs, self._mpi.BYTE]))
+        return [pickle.loads(out[displs[r]:displs[r] + n]) if big[r]
+                else pickle.loads(slots[r * _SLOT + 8:r * _SLOT + 8 + n])
+                for r, n in enumerate(sizes)]
+
+    def alltoall_buffer(self, send: np.ndarray, recv: np.ndarray) -> None:
+        self._run(f"all-to-all of {send.size} f32", lambda: self.comm.Ialltoall(send, recv))
+
+    def allgather_buffer(self, send: np.ndarray, recv: np.ndarray) -> None:
+        self._run(f"allgather of {send.size} f32", lambda: self.comm.Iallgather(send, recv))
+
+    def allreduce_max(self, value: int) -> int:
+        a = np.array([int(value)], np.int64)  # OverflowError beyond 64 bits, on every rank
+        self._run("allreduce_max", lambda: self.comm.Iallreduce(self._mpi.IN_PLACE, a,
+                                                                 op=self._mpi.MAX))
+        return int(a[0])
+
+    def barrier(self) -> None:
+        self._run("barrier", self.comm.Ibarrier)
+
+    def abort(self, code: int = 1) -> NoReturn:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self.comm.Abort(code)
+        os._exit(code)  # Abort does not return; this is for the type checker
+
+    def __repr__(self) -> str:
+        return f"MpiCommunicator(rank={self.rank}, size={self.size})"
+
+
+class NcclCommunicator:
+    """NCCL through ``cupy.cuda.nccl``: one rank per GPU, bootstrapped over ``mpi`` (an
+    :class:`MpiCommunicator`, created when not given), which also carries the host-side
+    collectives (objects, barriers, integer maxima).
+
+    ``device_id``: this rank's GPU; by default its rank among the ranks on its node, modulo the
+    number of GPUs there. Build the context on it: ``Context.cuda(comm.device_id)``. Rank 0
+    draws the unique id and broadcasts it over MPI; every rank then joins the NCCL
+    communicator. Device buffers are reduced and broadcast on CuPy's current stream of the
+    device, where the context's kernels run, so a step never waits for the GPU on the host.
+
+    **Faults.** NCCL's collectives have no deadline of their own: a rank that died or hung
+    leaves the others' kernels waiting on the GPU, and their hosts in the next synchronisation.
+    So each device collective records an event after itself, and the next one (and
+    :meth:`barrier`) first waits for it as :class:`MpiCommunicator` waits for a collective,
+    with ``timeout`` (the MPI communicator's), answering and asking the other ranks over MPI;
+    on timeout NCCL's communicator is aborted (its kernels return) and
+    :class:`CollectiveTimeout` names the ranks that did not answer. The host thus runs at most
+    one device collective (a step) ahead of the GPU. The host-side collectives are MPI's, with
+    its deadline. ``step`` and ``timeout`` are the MPI communicator's.
+    """
+
+    name = "nccl"
+
+    def __init__(self, mpi: MpiCommunicator | None = None, *, device_id: int | None = None,
+                 timeout: float | None = None) -> None:
+        self.mpi = MpiCommunicator(timeout=timeout) if mpi is None else mpi
+        if mpi is not None and timeout is not None:
+            self.mpi.timeout = timeout
+        self._last: Any = None  # the event after the last device collective
+        self.rank, self.size = self.mpi.rank, self.mpi.size
+        # Every rank must be able to use NCCL before any NCCL call, or the others would wait.
+        problem = None
+        try:
+            import importlib
+
+            import cupy
+
+            nccl = importlib.import_module("cupy.cuda.nccl")
+            ndev = int(cupy.cuda.runtime.getDeviceCount())
+            if ndev < 1:
+                raise RuntimeError("no CUDA device is visible")
+        except Exception as err:  # noqa: BLE001 - any reason NCCL is unusable on this rank
+            problem = f"{type(err).__name__}: {err}"
+        problems = self.mpi.allgather(problem)
+        bad = [(r, p) for r, p in enumerate(problems) if p is not None]
+        if bad:
+            raise Failure("NcclCommunicator: NCCL through cupy.cuda.nccl is not usable on "
+                          + "; ".join(f"rank {r} ({p})" for r, p in bad)
+                          + ": use MpiCommunicator (CPU contexts) or install CuPy with NCCL")
+        self._cupy, self._nccl = cupy, nccl
+        self.device_id = self.mpi.local_rank() % ndev if device_id is None else int(device_id)
+        uid: Any = None
+        if self.rank == 0:
+            try:
+                uid = nccl.get_unique_id()
+            except Exception as err:  # noqa: BLE001 - told to every rank below
+                uid = Failure(f"NcclCommunicator: rank 0 could not draw the NCCL unique id "
+                              f"({type(err).__name__}: {err})")
+        uid = self.mpi.bcast(uid, root=0)
+        if isinstance(uid, Failure):
+            raise uid
+        with cupy.cuda.Device(self.device_id):
+            self.comm = nccl.NcclCommunicator(self.size, uid, self.rank)
+
+    @property
+    def step(self) -> int:
+        return self.mpi.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.mpi.step = value
+
+    @property
+    def timeout(self) -> float:
+        return self.mpi.timeout
+
+    @timeout.setter
+    def timeout(self, value: float | None) -> None:
+        self.mpi.timeout = value
+
+    def _stream(self) -> int:
+        return int(self._cupy.cuda.get_current_stream().ptr)
+
+    def _settle(self, what: str) -> None:
+        """Wait, with the deadline, until the GPU has done the last device collective."""
+        last, self._last = self._last, None
+        if last is None:
+            return
+        mpi = self.mpi
+        mpi._start(f"{what}, after the last device collective ({last[1]})")
+        try:
+            mpi._wait(_EventDone(last[0]), f"{what}: waiting for {last[1]} on the GPU")
+        except CollectiveTimeout:
+            self.comm.abort()  # the waiting kernels return; the communicator is unusable
+            raise
+
+    def _enqueued(self, what: str) -> None:
+        event = self._cupy.cuda.Event(block=False, disable_timing=True)
+        event.record(self._cupy.cuda.get_current_stream())
+        self._last = (event, f"NCCL {what} at step {self.step}")
+
+    def _ptr(self, buf: Any, what: str) -> int:
+        data = getattr(buf, "data", None)
+        ptr = getattr(data, "ptr", None)
+        if ptr is None:
+            raise ValueError(f"NcclCommunicator.{what}: expected a CuPy device buffer (a "
+                             f"Context.cuda context), got {type(buf).__name__}")
+        return int(ptr)
+
+    def allreduce_sum(self, buf: Any) -> None:
+        _check_f32(buf, "allreduce_sum")
+        nccl = self._nccl
+        with self._cupy.cuda.Device(self.device_id):
+            ptr = self._ptr(buf, "allreduce_sum")
+            self._settle("allreduce_sum")
+            self.comm.allReduce(ptr, ptr, int(buf.size), nccl.NCCL_FLOAT32, nccl.NCCL_SUM,
+                                self._stream())
+            self._enqueued(f"allreduce_sum of {buf.size} f32")
+
+    def bcast_buffer(self, buf: Any, root: int = 0) -> None:
+        _check_root(root, self.size)
+        with self._cupy.cuda.Device(self.device_id):
+            ptr = self._ptr(buf, "bcast_buffer")
+            self._settle("bcast_buffer")
+            self.comm.bcast(ptr, int(buf.nbytes), self._nccl.NCCL_UINT8, root, self._stream())
+            self._enqueued(f"bcast_buffer of {buf.nbytes} bytes from rank {root}")
+
+    def bcast(self, obj: Any, root: int = 0) -> Any:
+        return self.mpi.bcast(obj, root)
+
+    def allgather(self, obj: Any) -> list[Any]:
+        return self.mpi.allgather(obj)
+
+    def alltoall_buffer(self, send: np.ndarray, recv: np.ndarray) -> None:
+        """Over MPI, between host buffers (the shard tree's exchange)."""
+        self.mpi.alltoall_buffer(send, recv)
+
+    def allgather_buffer(self, send: np.ndarray, recv: np.ndarray) -> None:
+        self.mpi.allgather_buffer(send, recv)
+
+    def allreduce_max(self, value: int) -> int:
+        return self.mpi.allreduce_max(value)
+
+    def barrier(self) -> None:
+        with self._cupy.cuda.Device(self.device_id):
+            self._settle("barrier")
+            self._cupy.cuda.get_current_stream().synchronize()
+        self.mpi.barrier()
+
+    def abort(self, code: int = 1) -> NoReturn:
+        try:
+            self.comm.abort()
+        finally:
+            self.mpi.abort(code)
+
+    def __repr__(self) -> str:
+        return f"NcclCommunicator(rank={self.rank}, size={self.size}, device={self.device_id})"
+
+
+class _EventDone:
+    """A CUDA event as something with MPI's ``Test``: whether the GPU has reached it."""
+
+    def __init__(self, event: Any) -> None:
+        self.event = event
+
+    def Test(self) -> bool:  # noqa: N802 - mpi4py's name
+        return bool(self.event.done)
+
+
+_MPI_ENV = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALRANKID",
+            "HYDI_CONTROL_FD")
+
+
+def launched_by_mpi() -> bool:
+    """Whether this process was started by an MPI launcher (``mpiexec``), or has MPI running."""
+    return any(v in os.environ for v in _MPI_ENV) or "mpi4py.MPI" in sys.modules
+
+
+def world(kind: str = "auto") -> Communicator:
+    """The communicator of this job: ``"single"``, ``"mpi"``, ``"nccl"``, or ``"auto"`` (MPI
+    when started by ``mpiexec``, else a world of one)."""
+    if kind == "single":
+        return SingleProcess()
+    if kind == "mpi":
+        return MpiCommunicator()
+    if kind == "nccl":
+        return NcclCommunicator()
+    if kind == "auto":
+        return MpiCommunicator() if launched_by_mpi() else SingleProcess()
+    raise ValueError(f"world: kind must be 'auto', 'single', 'mpi' or 'nccl', got {kind!r}")
+
+
+# --- sharding and agreement ---------------------------------------------------------------------
+
+

@@ -1,0 +1,696 @@
+"""Data-parallel training over a communicator: the model agreed on, the shards computed, their
+gradients summed in the shard tree's order, checkpoints of any rank count."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import platform
+import weakref
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ocannl import checkpoint
+from ocannl.context import Context
+from ocannl.errors import Failure
+from ocannl.ir.ops import Precision
+from ocannl.ir.tnode import Tnode
+from ocannl.parallel.comm import Communicator
+from ocannl.parallel.shards import ShardTree
+from ocannl.tensor.tensor import Tensor
+
+
+def model_description(loss: Tensor) -> list[list[Any]]:
+    """What every rank must agree on: each parameter's checkpoint name, dims and precision, and
+    its gradient's, in the order of ``loss.params``."""
+    params = loss.params
+    names = checkpoint.node_names([p.value for p in params])
+    out: list[list[Any]] = []
+    for name, p in zip(names, params, strict=True):
+        assert p.grad is not None
+        out.append([name, list(p.value.dims), p.value.prec.value, p.grad.prec.value])
+    return out
+
+
+def _digest(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+
+
+def graph_description(loss: Tensor) -> list[list[Any]]:
+    """Every tensor ``loss`` is computed from, in its topological order: label, kind (param,
+    term, op), dims and precision. Ranks with the same parameters may still differ here: in
+    the precision of the cast twins they compute in (f16 vs bf16), an input's precision, an
+    operation."""
+    return [[t.label, t.kind, list(t.value.dims), t.value.prec.value] for t in loss.topo()]
+
+
+@functools.lru_cache(maxsize=1)
+def code_description() -> dict[str, str]:
+    """The code a rank runs: a digest of this package's Python source (ranks on machines with
+    different versions of it), and Python's and NumPy's versions."""
+    root = Path(__file__).resolve().parent.parent  # the ocannl package
+    h = hashlib.sha256()
+    for f in sorted(root.rglob("*.py")):
+        h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return {"ocannl source": h.hexdigest()[:12], "python": platform.python_version(),
+            "numpy": np.__version__}
+
+
+def _refuse_differences(everyone: Sequence[dict[str, Any]]) -> None:
+    """``ocannl.Failure`` naming rank 0's value and the first other rank's where the ranks'
+    descriptions (:meth:`DataParallel.description`) differ in the graph or the code."""
+    graphs = [d.get("graph_digest") for d in everyone]
+    if any(g != graphs[0] for g in graphs):
+        odd = next(r for r, g in enumerate(graphs) if g != graphs[0])
+        a, b = everyone[0].get("graph") or [], everyone[odd].get("graph") or []
+        k = next(k for k in range(max(len(a), len(b)))
+                 if (a[k] if k < len(a) else None) != (b[k] if k < len(b) else None))
+
+        def show(g: list[list[Any]]) -> str:
+            if k >= len(g):
+                return "nothing"
+            label, kind, dims, prec = g[k]
+            return f"{label} ({kind}) dims {tuple(dims)} {prec}"
+
+        raise Failure(f"data-parallel: the ranks compute the loss differently: first "
+                      f"difference, rank 0 vs rank {odd}: tensor #{k}: {show(a)} vs {show(b)}. "
+                      f"Every rank must build the same model, in the same precisions")
+    codes = [d.get("code") or {} for d in everyone]
+    if any(c != codes[0] for c in codes):
+        odd = next(r for r, c in enumerate(codes) if c != codes[0])
+        a, b = codes[0], codes[odd]
+        diff = ", ".join(f"{key} {a.get(key)} vs {b.get(key)}" for key in sorted({*a, *b})
+                         if a.get(key) != b.get(key))
+        raise Failure(f"data-parallel: the ranks run different code: rank 0 vs rank {odd}: "
+                      f"{diff}. Install the same versions on every machine")
+
+
+def _first_difference(a: list[list[Any]], b: list[list[Any]]) -> str:
+    for k in range(max(len(a), len(b))):
+        x = a[k] if k < len(a) else None
+        y = b[k] if k < len(b) else None
+        if x != y:
+            def show(e: list[Any] | None) -> str:
+                return "nothing" if e is None else f"{e[0]} dims {tuple(e[1])} {e[2]}"
+            return f"parameter #{k}: {show(x)} vs {show(y)}"
+    return "the same parameters"
+
+
+def _as_node(t: Tnode | Tensor) -> Tnode:
+    node = t.value if isinstance(t, Tensor) else t
+    if not isinstance(node, Tnode):
+        raise TypeError(f"expected a Tensor or a Tnode, got {type(t).__name__}: {t!r}")
+    return node
+
+
+# --- data-parallel training ---------------------------------------------------------------------
+
+#: The key of ``Progress.extra`` where :meth:`DataParallel.save` records the shard count.
+SHARDS_KEY = "data_parallel"
+
+
+def _host(a: Any) -> np.ndarray:
+    """A device buffer's values as a NumPy array (itself on the CPU)."""
+    return a if isinstance(a, np.ndarray) else a.get()
+
+
+def _like(a: np.ndarray, like: Any) -> Any:
+    """``a`` on the device of ``like`` (a NumPy array stays one)."""
+    if isinstance(like, np.ndarray):
+        return a
+    out = like.copy()
+    out.set(np.ascontiguousarray(a, np.float32))
+    return out
+
+
+def _array_module(a: Any) -> Any:
+    """NumPy for a NumPy array, else the array's own module (CuPy)."""
+    if isinstance(a, np.ndarray):
+        return np
+    import cupy
+
+    return cupy
+
+
+class DataParallel:
+    """Data-parallel training of ``loss`` over ``comm``'s ranks: the flat gradient buffer, the
+    agreement checks, the per-step reduction, broadcasts and checkpoints.
+
+    It is a :class:`ocannl.mixed_prec.GradReducer`: give it to ``scaled_step`` /
+    ``gated_step`` as ``reducer=``. Without loss scaling, build the update with
+    ``optimizer.update(loss, grad_unscale=dp.grad_unscale())`` and run the gradient routine,
+    :meth:`reduce`, the update routine.
+
+    **Shards** (``shards``, default: one per rank). The global batch is cut into ``shards``
+    equal shards of consecutive rows, the model built over one shard's rows (``inputs`` hold a
+    shard); rank ``r`` of ``N`` computes the ``shards / N`` consecutive shards from ``r *
+    shards / N`` (``shards`` must be a multiple of ``N``), each as one run of the gradient
+    routine, and the shard gradients are summed in the fixed order of :class:`ShardTree`
+    (each rank sums its own block locally, the partial sums are exchanged, never summed by
+    MPI or NCCL beyond an addition of two, and the rest of the tree is summed in the same
+    order on every rank). The gradients, hence the losses' course, the parameters, the
+    optimizer and scaler states, are then the same bits on any number of ranks dividing
+    ``shards`` (1 included), on one kind of machine. Feed a step with :meth:`set_batch` (this
+    rank's block, or the global batch) and compile with :meth:`compile` (or give the gradient
+    routines to :meth:`use_routines`) when a rank computes more than one shard.
+    ``fixed_order=False`` (one shard per rank only) leaves the sum to the communicator's
+    allreduce, whose order depends on the implementation and the rank count (the bits then
+    too).
+
+    **State updated by the forward code.** Random draws with batch axes are keyed by the
+    global row (each shard's ``Rng.row_offset`` is set before it runs) and every shard of a
+    step starts from the same stream counters, so dropout masks are the same on any rank
+    count. Batch-norm statistics are per shard (the model sees a shard); the running
+    statistics each shard's run updates from the same starting values are then averaged
+    over the shards through the same tree.
+
+    ``inputs``: the tensors holding a shard (data, targets); their dims are compared across
+    ranks by :meth:`setup`, which refuses unequal shards. Every parameter gradient must be f32
+    (f16 / bf16 models read cast twins of f32 masters); ``ValueError`` otherwise.
+    """
+
+    def __init__(self, comm: Communicator, loss: Tensor, *, inputs: Sequence[Tensor] = (),
+                 label: str | None = None, shards: int | None = None,
+                 fixed_order: bool = True, track_losses: bool = True) -> None:
+        if not isinstance(comm, Communicator):
+            raise TypeError(f"DataParallel: expected a Communicator (SingleProcess, "
+                            f"MpiCommunicator, NcclCommunicator), got {type(comm).__name__}")
+        if not isinstance(loss, Tensor):
+            raise TypeError(f"DataParallel: expected the loss Tensor, got {type(loss).__name__}")
+        if loss.grad is None or not loss.params:
+            raise ValueError(f"DataParallel: loss {loss.label} depends on no parameter")
+        wrong = [p for p in loss.params if p.grad is None or p.grad.prec is not Precision.f32]
+        if wrong:
+            desc = ", ".join(f"{p.label} ({p.grad.prec.value if p.grad else 'no'} gradient)"
+                             for p in wrong)
+            raise ValueError(f"DataParallel: every parameter gradient must be f32, the buffer "
+                             f"the ranks sum (narrow buffers are never summed): {desc}; build an "
+                             f"f16/bf16 model with mixed_prec.with_master_weights so its "
+                             f"gradients widen into f32 masters")
+        for t in inputs:
+            if not isinstance(t, Tensor):
+                raise TypeError(f"DataParallel: inputs must be Tensors, got {type(t).__name__}")
+        size = comm.size
+        n = size if shards is None else shards
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1 or n % size:
+            raise ValueError(f"DataParallel: shards must be a positive multiple of the number "
+                             f"of ranks, {size}, got {shards!r}")
+        if not isinstance(fixed_order, bool):
+            raise TypeError(f"DataParallel: fixed_order must be a bool, got {fixed_order!r}")
+        if not fixed_order and n != size:
+            raise ValueError(f"DataParallel: fixed_order=False leaves the sum to the "
+                             f"communicator, one shard per rank: shards must be {size}, got {n}")
+        self.comm = comm
+        self.loss = loss
+        self.params = list(loss.params)
+        self.inputs = tuple(inputs)
+        self.label = label or f"flat_grads_{loss.label}"
+        self.shards = n
+        self.per_rank = n // size
+        self.first_shard = comm.rank * self.per_rank
+        self.fixed_order = fixed_order
+        self.track_losses = bool(track_losses)
+        self.tree = ShardTree(n)
+        self._covers = [self.tree.cover(r * self.per_rank, (r + 1) * self.per_rank)
+                        for r in range(size)]
+        import ocannl.tensor as T
+        from ocannl.tensor.data import buffers, random_streams
+
+        self.rngs = random_streams(loss)
+        drawn = {m.id for r in self.rngs for m in r.state_nodes()}
+        # What the forward code updates besides random streams: batch-norm running statistics.
+        self.stats = [m for m in buffers(loss) if m.id not in drawn]
+        self._unscale = T.term(np.float32(self._unscale_value(None)),
+                               label="dp_grad_unscale", prec=Precision.f32)
+        self.flat: Tnode | None = None
+        self._synced: weakref.WeakKeyDictionary[Context, float] = weakref.WeakKeyDictionary()
+        self._offsets: weakref.WeakKeyDictionary[Context, int] = weakref.WeakKeyDictionary()
+        self.reductions = 0  # reductions run by this process
+        self.step = 0  # optimizer steps since the start (or the checkpoint loaded)
+        self.shard_losses: list[float] = []  # this rank's shards' losses at the last reduce
+        self._first: Any = None  # the gradient routine (zeroes, then computes) and the
+        self._more: Any = None  # accumulating one (adds a micro-batch)
+        self._pending: list[list[list[Any]]] = []  # per micro-batch: the other shards' rows
+        self._counters_at: list[list[Any]] = []  # per micro-batch: the streams' counters
+        self._stats_at: list[Any] | None = None  # the running statistics before the step
+        self._scatter: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._stack: list[tuple[tuple[int, int], Any]] = []  # this step's complete nodes
+        self._free: list[Any] = []  # buffers of flat's size to reuse
+        self._parents = self.tree.parents()
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def size(self) -> int:
+        return self.comm.size
+
+    def __repr__(self) -> str:
+        return (f"DataParallel({self.comm!r}, {len(self.params)} parameters, "
+                f"{self.shards} shard(s), flat={'unset' if self.flat is None else self.flat.size})")
+
+    # --- setup ---------------------------------------------------------------------------------
+
+    def description(self) -> dict[str, Any]:
+        """What :meth:`setup` compares across ranks: the model (parameter names, dims,
+        precisions), the shard (the inputs' labels and dims) and the shard count."""
+        model = model_description(self.loss)
+        shards = [[t.label, list(t.value.dims)] for t in self.inputs]
+        graph = graph_description(self.loss)
+        return {"model": model, "model_digest": _digest(model), "shards": shards,
+                "shard_count": [self.shards, self.fixed_order],
+                "graph": graph, "graph_digest": _digest(graph), "code": code_description()}
+
+    def setup(self, ctx: Context) -> Context:
+        """Check that every rank has the same model, an equal shard and the same shard count
+        (``ocannl.Failure`` on every rank, naming what differs, before any collective on
+        device memory), then make the parameters' gradients views of one flat f32 buffer of
+        ``ctx``. Call it before compiling anything that reads or writes the gradients."""
+        if self.flat is not None:
+            raise ValueError(f"{self!r}: setup was already called")
+        everyone = self.comm.allgather(self.description())
+        digests = [d["model_digest"] for d in everyone]
+        if len(set(digests)) > 1:
+            odd = next(r for r, d in enumerate(digests) if d != digests[0])
+            raise Failure(
+                f"data-parallel: the ranks disagree on the model (digest of parameter names, "
+                f"dims and precisions): rank 0 has {digests[0][:12]}, rank {odd} has "
+                f"{digests[odd][:12]}; first difference, rank 0 vs rank {odd}: "
+                f"{_first_difference(everyone[0]['model'], everyone[odd]['model'])}. Every rank "
+                f"must build the same model")
+        shards = [d["shards"] for d in everyone]
+        if any(s != shards[0] for s in shards):
+            desc = "; ".join(f"rank {r}: " + ", ".join(f"{lab} {tuple(dims)}" for lab, dims in s)
+                             for r, s in enumerate(shards))
+            raise Failure(f"data-parallel: the ranks' shards differ ({desc}); every rank must "
+                          f"hold an equal shard of the global batch (a global batch divisible "
+                          f"by the number of ranks, {self.size})")
+        counts = [d.get("shard_count") for d in everyone]
+        if any(c != counts[0] for c in counts):
+            odd = next(r for r, c in enumerate(counts) if c != counts[0])
+            raise Failure(f"data-parallel: the ranks disagree on the shards: rank 0 has "
+                          f"shards={counts[0][0]}, fixed_order={counts[0][1]}; rank {odd} has "
+                          f"shards={counts[odd][0]}, fixed_order={counts[odd][1]}")
+        _refuse_differences(everyone)  # the graphs (twins' precisions, inputs') and the code
+        self.flat = ctx.share_flat([p.grad for p in self.params if p.grad is not None],
+                                   label=self.label)
+        return ctx
+
+    def compile(self, ctx: Context, recipe: Any) -> Context:
+        """Compile a mixed-precision ``recipe`` built with ``reducer=self`` (its own
+        :meth:`compile`) and take its gradient routines for this rank's other shards."""
+        ctx = recipe.compile(ctx)
+        routine = getattr(recipe, "_routine", None)
+        if routine is None:
+            raise TypeError(f"DataParallel.compile: expected a mixed_prec recipe, got "
+                            f"{type(recipe).__name__}")
+        first = routine(recipe.grad_comp)
+        more = routine(recipe.accumulate_comp) if recipe.accumulate_comp is not None else None
+        self.use_routines(first, more)
+        # The random draws of this rank's first shard are keyed by its first global row even
+        # when its data are written into the inputs directly (one shard per rank).
+        return self._set_row_offset(ctx, self.first_shard)
+
+    def use_routines(self, first: Any, more: Any = None) -> None:
+        """The routines that compute one shard's gradients: ``first`` zeroes them and computes
+        (``train.grad_update``), ``more`` adds a micro-batch's (``accumulate=True``; with
+        gradient accumulation only). Needed when a rank computes more than one shard."""
+        self._first, self._more = first, more
+
+    # --- feeding the shards --------------------------------------------------------------------
+
+    @property
+    def shard_rows(self) -> int:
+        """Rows of a shard: the first axis of the first input."""
+        if not self.inputs:
+            raise ValueError(f"{self!r}: no inputs were given: set_batch needs them")
+        return int(self.inputs[0].value.dims[0])
+
+    def block(self, rows: Any) -> Any:
+        """This rank's block of a global batch (its shards' rows, split along the first
+        axis): rows ``[first_shard * n, (first_shard + per_rank) * n)``, ``n`` rows a shard."""
+        total = len(rows)
+        if total % self.shards:
+            raise ValueError(f"DataParallel.block: a global batch of {total} rows does not split "
+                             f"into {self.shards} equal shards")
+        n = total // self.shards
+        return rows[self.first_shard * n:(self.first_shard + self.per_rank) * n]
+
+    def set_batch(self, ctx: Context, *arrays: Any) -> Context:
+        """Write a step's (or micro-batch's) data: one array per input, each this rank's block
+        (``per_rank`` shards of rows) or the whole global batch (``shards`` shards). The
+        first shard of the block goes into the inputs now (the recipe's gradient routine
+        reads it); the others are kept for :meth:`reduce`, which runs them."""
+        if len(arrays) != len(self.inputs):
+            raise ValueError(f"DataParallel.set_batch: expected {len(self.inputs)} arrays (one "
+                             f"per input: {[t.label for t in self.inputs]}), got {len(arrays)}")
+        k = self.per_rank
+        parts: list[list[Any]] = [[] for _ in range(k)]
+        for a, t in zip(arrays, self.inputs, strict=True):
+            rows = int(t.value.dims[0])
+            n = len(a)
+            if n == rows * self.shards and self.shards != k:
+                a = a[self.first_shard * rows:(self.first_shard + k) * rows]
+            elif n != rows * k:
+                raise ValueError(
+                    f"DataParallel.set_batch: {t.label} got {n} rows, expected this rank's "
+                    f"block of {k} shard(s) of {rows} rows ({rows * k}) or the global batch "
+                    f"({rows * self.shards})")
+            for j in range(k):  # the first shard is copied by set_values, the others here
+                part = a[j * rows:(j + 1) * rows]
+                parts[j].append(part if j == 0 else np.array(part, copy=True))
+        if not self._pending and self.stats and k > 1:
+            self._stats_at = [np.array(ctx.get_values(m), copy=True) for m in self.stats]
+        if self.rngs and k > 1:
+            self._counters_at.append([ctx.get_values(r.counter) for r in self.rngs])
+        self._pending.append(parts[1:])
+        return self._put_shard(ctx, 0, parts[0])
+
+    def _put_shard(self, ctx: Context, j: int, arrays: Sequence[Any]) -> Context:
+        for a, t in zip(arrays, self.inputs, strict=True):
+            ctx = ctx.set_values(t, a)
+        return self._set_row_offset(ctx, self.first_shard + j)
+
+    def _set_row_offset(self, ctx: Context, shard: int) -> Context:
+        if not self.rngs:
+            return ctx
+        row = shard * self.shard_rows
+        if self._offsets.get(ctx) != row:
+            for r in self.rngs:
+                ctx = ctx.set_values(r.row_offset, np.float64(row))
+            self._offsets[ctx] = row
+        return ctx
+
+    # --- the reducer ---------------------------------------------------------------------------
+
+    def _unscale_value(self, scaler: Any) -> float:
+        from ocannl.mixed_prec import _reciprocal_f32
+
+        scale = 1.0 if scaler is None else float(scaler.scale_value())
+        return _reciprocal_f32(scale * self.shards)
+
+    def grad_unscale(self, scaler: Any = None) -> Tensor:
+        """The tensor gradients are multiplied by before the optimizer math: ``1 / (scale *
+        shards)`` rounded once to f32 (``1 / shards`` without a scaler): each shard's loss is
+        the mean over its rows, so the sum over the shards is ``shards`` times the global
+        batch's gradient. :meth:`reduce` keeps it in step with the scaler, in the context it
+        is given: a context allocating the tensor starts from ``1 / shards`` (its host array
+        is never written)."""
+        return self._unscale
+
+    def reduce(self, ctx: Context, scaler: Any = None) -> Context:
+        """Sum the shards' gradients (after the gradient routine, before the checksum and the
+        optimizer step), first bringing :meth:`grad_unscale` in step with ``scaler``'s scale
+        when it changed. The gradient routine has computed this rank's first shard; the
+        others of its block run here (their data from :meth:`set_batch`), then the block's
+        partial sums are exchanged and the tree summed; the result is in the flat buffer on
+        every rank, the same bits."""
+        if self.flat is None:
+            raise ValueError(f"{self!r}: call setup(ctx) before compiling and stepping")
+        want = self._unscale_value(scaler)
+        if self._synced.get(ctx) != want:  # each context is brought in step on its own
+            ctx = ctx.set_values(self._unscale, np.array(want, np.float32))
+            self._synced[ctx] = want
+        if hasattr(self.comm, "step"):  # the step a collective's timeout names
+            self.comm.step = self.step
+        flat = ctx.device_buffer(self.flat)
+        pending, self._pending = self._pending, []
+        counters_at, self._counters_at = self._counters_at, []
+        stats_at, self._stats_at = self._stats_at, None
+        if not self.fixed_order:
+            if self.track_losses:
+                self.shard_losses = [self._loss_now(ctx)]
+            self.comm.allreduce_sum(flat)
+            self.reductions += 1
+            self.step += 1
+            return ctx
+        k = self.per_rank
+        losses = [self._loss_now(ctx)] if self.track_losses else []
+        stats = [[np.array(ctx.get_values(m), np.float32) for m in self.stats]] \
+            if self.stats else []
+        self._stack = []
+        self._fold(0, flat, last=k == 1)
+        if k > 1:
+            if len(pending) == 0:
+                raise ValueError(f"{self!r}: rank {self.rank} computes {k} shards: write each "
+                                 f"step's data with set_batch (this rank's block), not into the "
+                                 f"inputs directly")
+            if self._first is None or (len(pending) > 1 and self._more is None):
+                raise ValueError(f"{self!r}: rank {self.rank} computes {k} shards: compile the "
+                                 f"recipe with dp.compile(ctx, recipe) (or give the gradient "
+                                 f"routines to use_routines) so reduce can run them")
+            counters_end = [ctx.get_values(r.counter) for r in self.rngs]
+            for j in range(1, k):
+                if stats_at is not None:
+                    for m, v in zip(self.stats, stats_at, strict=True):
+                        ctx = ctx.set_values(m, v)
+                for micro, parts in enumerate(pending):
+                    if counters_at:
+                        for r, c in zip(self.rngs, counters_at[micro], strict=True):
+                            ctx = ctx.set_values(r.counter, c)
+                    ctx = self._put_shard(ctx, j, parts[j - 1])
+                    ctx = ctx.run(self._first if micro == 0 else self._more)
+                if self.track_losses:
+                    losses.append(self._loss_now(ctx))
+                if self.stats:
+                    stats.append([np.array(ctx.get_values(m), np.float32) for m in self.stats])
+                self._fold(j, flat, last=j == k - 1)
+            for r, c in zip(self.rngs, counters_end, strict=True):
+                ctx = ctx.set_values(r.counter, c)
+        self.shard_losses = losses
+        partials = [buf for _, buf in self._stack]
+        assert [node for node, _ in self._stack] == self._covers[self.rank]
+        with np.errstate(all="ignore"):  # a non-finite gradient is the checksum's to see
+            total = self._tree_sum(partials, flat)
+        if total is not flat:
+            flat[...] = total
+        self._free += [buf for buf in partials if buf is not flat]
+        self._stack = []
+        if self.stats:
+            ctx = self._average_stats(ctx, stats)
+        self.reductions += 1
+        self.step += 1
+        return ctx
+
+    def _fold(self, j: int, flat: Any, *, last: bool) -> None:
+        """Shard ``j`` of this rank's block has just written its gradient into ``flat``: add
+        it into the tree as far up as its block's nodes are complete, each node the sum of
+        its left and right children (one addition per element, into the left child's
+        buffer, or into ``flat`` for the block's last addition), so a rank sums its block
+        as it computes it; a node still waiting for its right sibling keeps a copy."""
+        node = (self.first_shard + j, self.first_shard + j + 1)
+        lo, hi = self.first_shard, self.first_shard + self.per_rank
+        buf = flat
+        with np.errstate(all="ignore"):  # a non-finite gradient is the checksum's to see
+            while self._stack:
+                parent = self._parents.get(node)
+                if parent is None or parent[0] < lo or parent[1] > hi or node[0] == parent[0] \
+                        or self._stack[-1][0] != (parent[0], node[0]):
+                    break
+                _, left = self._stack.pop()
+                if buf is flat and last:
+                    _array_module(flat).add(left, flat, out=flat)
+                    self._free.append(left)
+                else:
+                    left += buf
+                    if buf is not flat:
+                        self._free.append(buf)
+                    buf = left
+                node = parent
+        if buf is flat and not last:
+            if self._free:
+                buf = self._free.pop()
+                buf[...] = flat
+            else:
+                buf = flat.copy()
+        self._stack.append((node, buf))
+
+    def _partials(self, leaves: Sequence[Any]) -> list[Any]:
+        """This rank's partial sums: the tree's nodes covering its block, from its leaves."""
+        known = {(self.first_shard + j, self.first_shard + j + 1): a
+                 for j, a in enumerate(leaves)}
+        return [self.tree.evaluate(known, lo, hi) for lo, hi in self._covers[self.rank]]
+
+    def _tree_sum(self, partials: Sequence[Any], flat: Any) -> Any:
+        """The sum of every shard's gradient in the tree's order, on every rank, from this
+        rank's partial sums (the nodes covering its block)."""
+        if self.size == 1:
+            return partials[0]
+        if self.size == 2:
+            # Each rank holds one child of the root (the shard count is even): one addition
+            # per element, a + b and b + a being the same bits, so the communicator's own
+            # allreduce of two is the tree's order; it runs in place, on the device.
+            if partials[0] is not flat:
+                flat[...] = partials[0]
+            self.comm.allreduce_sum(flat)
+            return flat
+        return self._scatter_sum(partials, flat)
+
+    def _scatter_sum(self, partials: Sequence[Any], flat: Any) -> Any:
+        """The tree's sum with the bytes of a ring allreduce: each rank owns ``1 / N`` of the
+        elements; an all-to-all sends each rank every partial sum's slice it owns (``(N - 1)
+        / N`` of a partial per partial), each rank sums its slice in the tree's order, and an
+        allgather brings every slice to every rank (``(N - 1) / N`` of the buffer). MPI only
+        moves bytes; every addition is the tree's, elementwise, so slicing changes no bit."""
+        n, size = int(flat.size), self.size
+        cmax = max(len(c) for c in self._covers)
+        per = -(-n // size)
+        bufs = self._scatter.get(n)
+        if bufs is None:
+            bufs = (np.zeros((cmax, size * per), np.float32),
+                    np.empty((size, cmax, per), np.float32), np.empty((size, per), np.float32))
+            self._scatter[n] = bufs
+        work, recv, out = bufs
+        for i, p in enumerate(partials):
+            work[i, :n] = _host(p)
+        send = np.ascontiguousarray(work.reshape(cmax, size, per).transpose(1, 0, 2))
+        self.comm.alltoall_buffer(send, recv)
+        known = {node: recv[r, i] for r in range(size)
+                 for i, node in enumerate(self._covers[r])}
+        mine = np.ascontiguousarray(self.tree.evaluate(known), np.float32)
+        self.comm.allgather_buffer(mine, out)
+        return _like(out.reshape(-1)[:n], flat)
+
+    def _average_stats(self, ctx: Context, stats: list[list[np.ndarray]]) -> Context:
+        """The running statistics: each shard's, from the same starting values, averaged over
+        the shards in the tree's order (a small exchange of its own)."""
+        leaves = [np.concatenate([v.reshape(-1) for v in vs]) for vs in stats]
+        partials = self._partials(leaves)
+        everyone = self.comm.allgather(partials) if self.size > 1 else [partials]
+        known = {node: p for r, ps in enumerate(everyone)
+                 for node, p in zip(self._covers[r], ps, strict=True)}
+        mean = self.tree.evaluate(known) * np.float32(1.0 / self.shards)
+        at = 0
+        for m in self.stats:
+            ctx = ctx.set_values(m, mean[at:at + m.size].reshape(m.dims))
+            at += m.size
+        return ctx
+
+    def _loss_now(self, ctx: Context) -> Any:
+        """The loss of the shard just computed: a number on the CPU; on a GPU a copy of its
+        device cell (no wait for the device: :meth:`global_loss` reads it when asked)."""
+        buf = ctx.device_buffer(self.loss.value)
+        if isinstance(buf, np.ndarray):
+            return float(ctx.get_value(self.loss))
+        return buf.copy()
+
+    def global_loss(self) -> float:
+        """The global batch's loss at the last :meth:`reduce`: the shards' losses summed in
+        the tree's order, over the shard count (the same number on any rank count); a
+        collective (every rank must call it)."""
+        if not self.track_losses:
+            raise ValueError(f"{self!r}: built with track_losses=False")
+        mine = [v if isinstance(v, float) else float(_host(v).reshape(-1)[0])
+                for v in self.shard_losses]
+        self.shard_losses = mine
+        everyone = self.comm.allgather(mine) if self.size > 1 else [mine]
+        known = {(r * self.per_rank + j, r * self.per_rank + j + 1): float(v)
+                 for r, vs in enumerate(everyone) for j, v in enumerate(vs)}
+        with np.errstate(all="ignore"):
+            return float(self.tree.evaluate(known)) / self.shards
+
+    # --- state across ranks --------------------------------------------------------------------
+
+    def broadcast(self, ctx: Context, nodes: Sequence[Tnode | Tensor], root: int = 0
+                  ) -> Context:
+        """Overwrite ``nodes``' values on every rank with ``root``'s (the start of training:
+        the parameters, and whatever else every rank must share). Each node must be
+        initialized on every rank (``train.init_params`` on all of them)."""
+        ns = [_as_node(n) for n in nodes]
+        missing = [n.name for n in ns if not ctx.is_initialized(n)]
+        if missing:
+            raise ValueError(f"broadcast: {missing} not initialized in this context: initialize "
+                             f"them on every rank first (train.init_params)")
+        for n in ns:
+            self.comm.bcast_buffer(ctx.device_buffer(n), root)
+        return ctx
+
+    def check_equal(self, ctx: Context, nodes: Sequence[Tnode | Tensor]) -> None:
+        """``ocannl.Failure`` on every rank unless every node holds the same bits on every rank
+        (for parameters drawn from one seed instead of broadcast)."""
+        ns = [_as_node(n) for n in nodes]
+        names = checkpoint.node_names(ns)
+        mine = [hashlib.sha256(np.ascontiguousarray(ctx.get_values(n)).tobytes()).hexdigest()
+                for n in ns]
+        everyone = self.comm.allgather(mine)
+        diff = [(names[k], r) for k in range(len(ns)) for r, d in enumerate(everyone)
+                if d[k] != everyone[0][k]]
+        if diff:
+            raise Failure("data-parallel: values differ across ranks: "
+                          + ", ".join(f"{name} (rank {r} vs rank 0)" for name, r in diff[:8])
+                          + (f" and {len(diff) - 8} more" if len(diff) > 8 else ""))
+
+    def mean(self, value: float) -> float:
+        """The mean over the ranks of a host number (a shard's loss: the mean over ranks is
+        the global batch's), summed in rank order so every rank gets the same bits."""
+        total = 0.0
+        for v in self.comm.allgather(float(value)):
+            total += v
+        return total / self.size
+
+    # --- checkpoints ---------------------------------------------------------------------------
+
+    def save(self, path: str | os.PathLike, ctx: Context, nodes: Sequence[Tnode | Tensor],
+             progress: checkpoint.Progress) -> None:
+        """Rank 0 writes the checkpoint (atomically, as :func:`ocannl.checkpoint.save`); the
+        others wait for it, then every rank returns, or raises if the save failed. The shard
+        count goes in ``progress.extra[SHARDS_KEY]`` (a copy of ``progress`` is written):
+        the bits of a resumed run depend on it, not on the number of ranks."""
+        import dataclasses
+
+        progress = dataclasses.replace(progress, extra={**progress.extra,
+                                                        SHARDS_KEY: self._shards_state()})
+        err: str | None = None
+        caught: BaseException | None = None
+        if self.rank == 0:
+            try:
+                checkpoint.save(path, ctx, nodes, progress)
+            except Exception as e:  # noqa: BLE001 - told to every rank, then re-raised
+                caught, err = e, f"{type(e).__name__}: {e}"
+        err = self.comm.bcast(err, root=0)
+        if caught is not None:
+            raise caught
+        if err is not None:
+            raise Failure(f"checkpoint {str(path)!r}: the save on rank 0 failed ({err})")
+
+    def load(self, path: str | os.PathLike, ctx: Context, nodes: Sequence[Tnode | Tensor],
+             *, exact: bool = True) -> tuple[Context, checkpoint.Progress]:
+        """Every rank loads the checkpoint (:func:`ocannl.checkpoint.load`); ``ocannl.Failure``
+        on every rank when any rank could not, or the ranks read different files, or the file
+        was written with another shard count (or summation order) than this run's: a resume
+        on any number of ranks continues the run exactly, on another shard count it could
+        not (``exact=False`` loads it anyway: the run then continues the same training up to
+        rounding). The step counter continues from ``progress.step``."""
+        try:
+            ctx, progress = checkpoint.load(path, ctx, nodes)
+            saved = progress.extra.get(SHARDS_KEY)
+            if exact and saved is not None and saved != self._shards_state():
+                raise Failure(f"it was written by a run with {saved}, this run has "
+                              f"{self._shards_state()}: the shard count fixes the bits of every "
+                              f"step, so a resume with another cannot continue the run exactly "
+                              f"(build the model over global_batch / {saved.split()[0][7:]} rows "
+                              f"with DataParallel(shards={saved.split()[0][7:]}))")
+            outcome: tuple[str, str] = ("ok", _digest(progress.to_json()))
+        except Exception as e:  # noqa: BLE001 - every rank must learn of it
+            progress = None
+            outcome = ("error", f"{type(e).__name__}: {e}")
+        everyone = self.comm.allgather(outcome)
+        errors = [(r, m) for r, (k, m) in enumerate(everyone) if k == "error"]
+        if errors:
+            raise Failure(f"checkpoint {str(path)!r}: " + "; ".join(
+                f"rank {r} could not load it ({m})" for r, m in errors))
+        if len({m for _, m in everyone}) > 1:
+            raise Failure(f"checkpoint {str(path)!r}: the ranks loaded different progress "
+                          f"(is the file the same on every node?)")
+        assert progress is not None
+        self.step = int(progress.step)
+        return ctx, progress
+
+    def _shards_state(self) -> str:
+        return f"shards={self.shards} fixed_order={self.fixed_order}"

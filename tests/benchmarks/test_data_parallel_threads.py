@@ -1,0 +1,67 @@
+"""``benchmarks/data_parallel.py`` refuses a row whose ranks ran another thread count than
+its label (issue 41 item 6): every library's count must be the label, and the cores a rank
+kept busy in the timed loop (CPU time over wall time) may exceed it by ``CORES_SLACK`` only."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from benchmarks import data_parallel as D
+from benchmarks.specs import WORKLOADS
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _rank(threads: dict[str, int], cpu_s: float = 1.0, seconds: float = 1.0) -> dict:
+    return {"threads": threads, "cpu_s": cpu_s, "seconds": seconds}
+
+
+def test_a_rank_with_another_thread_count_is_named() -> None:
+    good = _rank({"ocannl": 1, "blas:libopenblas.so": 1}, cpu_s=1.1)
+    assert D.check_threads(1, [good, good]) == []
+    wrong = _rank({"ocannl": 2, "blas:libopenblas.so": 1})
+    assert D.check_threads(1, [good, wrong]) == ["rank 1: ocannl ran 2 thread(s), not 1"]
+    busy = _rank({"ocannl": 1}, cpu_s=1.9)
+    assert D.check_threads(1, [busy]) == [
+        "rank 0: kept 1.90 cores busy (CPU time / wall time), more than its 1 thread(s)"]
+
+
+def _runs(threads_seen: dict) -> dict:
+    out = {}
+    for fw in D.FRAMEWORKS:
+        for n in (1, 2):
+            ranks = [threads_seen.get((fw, n), _rank({"x": 1}))] * n
+            out[(fw, n)] = [{"steps": 10, "seconds": 1.0 / n, "losses": [1.0], "ranks": ranks,
+                            "build_s": 0.0}]
+    return out
+
+
+def test_a_refused_row_shows_no_timing_and_says_why() -> None:
+    w = WORKLOADS["mlp_wide"]
+    runs = _runs({("ocannl", 2): _rank({"ocannl": 2})})
+    rows = D.workload_rows(w, runs, [1.0], [1, 2], lambda n: 1)
+    bad = [r for r in rows if r["threads_refused"]]
+    assert [(r["framework"], r["ranks"]) for r in bad] == [("ocannl", 2)]
+    assert not bad[0]["timed"] and not bad[0]["efficiency_ok"]
+    info = {"cpu": "cpu", "cores": 2, "commit": "c", "load_avg": (0, 0, 0), "rounds": 1,
+            "steps": 10, "command": "cmd",
+            "workloads": {"mlp_wide": {"describe": "d", "dataset": "ds", "global_batch": 256,
+                                       "shards": 8}}}
+    text = D.render(rows, info)
+    assert "(refused: threads)" in text
+    assert "- mlp_wide, ocannl, 2 rank(s): rank 0: ocannl ran 2 thread(s), not 1" in text
+    assert "Cost of the fixed shard order" in text and "1 rank(s) 1.000x" in text
+
+
+def test_every_rank_gets_each_thread_variable() -> None:
+    assert "OCANNL_THREADS" in D.THREAD_VARS and "OMP_NUM_THREADS" in D.THREAD_VARS
+    code = ("import sys; sys.path.insert(0, '.'); from benchmarks.data_parallel import "
+            "threads_in_use; print(threads_in_use('ocannl')['ocannl'])")
+    env = {**os.environ, **dict.fromkeys(D.THREAD_VARS, "1")}
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "1"
