@@ -26,7 +26,6 @@ recipe counters, the global loss of every step and the loader's position.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -34,7 +33,9 @@ from typing import Any
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parent)]
+sys.path[:0] = [str(HERE.parent), str(HERE)]
+
+from parallel_worker import load_result, save_result  # noqa: E402,F401 - the same files
 
 import ocannl.tensor as T  # noqa: E402
 from ocannl import (  # noqa: E402
@@ -150,20 +151,6 @@ def run(comm: Any, variant: str, *, shards: int = 4, steps: int = 8,
         "losses": losses, "start": start, "loader": data.save_state(),
         "size": comm.size, "shards": shards,
     }
-
-
-def save_result(path: Path, res: dict[str, Any]) -> None:
-    arrays = {f"state{k}": a for k, a in enumerate(res["state"])}
-    meta = {k: v for k, v in res.items() if k not in ("state", "losses")}
-    np.savez(path, losses=res["losses"], meta=json.dumps(meta), **arrays)
-
-
-def load_result(path: Path) -> dict[str, Any]:
-    with np.load(path) as f:
-        res = json.loads(str(f["meta"]))
-        res["losses"] = f["losses"]
-        res["state"] = [f[f"state{k}"] for k in range(len(res["state_names"]))]
-    return res
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,6 +25,7 @@ import numpy as np
 import parallel_faults_worker as FW
 import pytest
 from test_parallel import MPIEXEC, START_S, Job, _alive, _descendants, _no_mpi, _stop
+from test_parallel import _Disagreeing as _Other  # two ranks, the second reporting `other`
 
 from ocannl import Context, Failure, checkpoint, parallel
 
@@ -207,18 +208,6 @@ def test_object_collectives_small_in_one_round_large_in_two(tmp_path: Path) -> N
 
 
 # --- in one process -----------------------------------------------------------------------------
-
-
-class _Other(parallel.SingleProcess):
-    """Two ranks whose second one reports ``other`` (another rank's description)."""
-
-    size = 2
-
-    def __init__(self, other: dict) -> None:
-        self.other = other
-
-    def allgather(self, obj: object) -> list[object]:
-        return [obj, self.other]
 
 
 def _dp(comm: parallel.Communicator, prec: str = "f16") -> parallel.DataParallel:

@@ -340,6 +340,18 @@ class Recipe:
         assert comp is not None
         return self._routines[id(comp)]
 
+    def _before_step(self, ctx: Context) -> Context | None:
+        """Check ``ctx`` is the compiled one (raising, saying why); run a micro-batch that is
+        not the last of its accumulation and return its context, else None: the step goes on."""
+        if ctx is not self._ctx:
+            self._check_ctx(ctx)
+        if self.accumulate > 1:
+            early = self._micro_batch(ctx)
+            if early is not None:
+                return early
+            self.micro = 0
+        return None
+
     def _micro_batch(self, ctx: Context) -> Context | None:
         """Run a micro-batch that is not the last of its accumulation (``None`` for the last,
         which the recipe runs itself)."""
@@ -450,13 +462,9 @@ class ScaledStep(Recipe):
         return self._bind(ctx)
 
     def step(self, ctx: Context) -> Context:
-        if ctx is not self._ctx:
-            self._check_ctx(ctx)  # raises, saying why
-        if self.accumulate > 1:
-            early = self._micro_batch(ctx)
-            if early is not None:
-                return early
-            self.micro = 0
+        early = self._before_step(ctx)
+        if early is not None:
+            return early
         if self.reducer is None:
             ctx = ctx.run(self._grads)
         else:
@@ -563,13 +571,9 @@ class GatedStep(Recipe):
         return self._bind(ctx)
 
     def step(self, ctx: Context) -> Context:
-        if ctx is not self._ctx:
-            self._check_ctx(ctx)  # raises, saying why
-        if self.accumulate > 1:
-            early = self._micro_batch(ctx)
-            if early is not None:
-                return early
-            self.micro = 0
+        early = self._before_step(ctx)
+        if early is not None:
+            return early
         if self.reducer is not None:
             ctx = self._last_grads(ctx)
         ctx = ctx.run(self._routine_)
