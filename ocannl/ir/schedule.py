@@ -430,16 +430,17 @@ def gemm_split(g: Gemm, parts: int) -> tuple[str | None, int]:
     """How a product is shared, and into how many parts, each a library call of its own: by
     the first batch axis, a call per batch point; else into ``parts`` parts of whole blocks of
     ``GEMM_BLOCK`` rows when it has more rows than columns (each part then packs all of ``b``
-    again, the smaller operand), else of its columns. The parts depend on the shape and the
-    target (``Target.product_parts``), not on how many threads run them: the same calls,
-    hence the same bits, on one thread or many."""
+    again, the smaller operand), else of its columns, each part at least ``GEMM_SPLIT_FLOPS``
+    multiply-adds (a convnet's small products cut in 8 ran 1.1-1.4x slower than in 2). The
+    parts depend on the shape and the target (``Target.product_parts``), not on how many
+    threads run them: the same calls, hence the same bits, on one thread or many."""
     work = g.rows * g.cols * g.inner * math.prod(axis.size for axis in g.batch)
     if work < GEMM_SPLIT_FLOPS:
         return None, 0
     if g.batch:
         return ("batch", g.batch[0].size) if g.batch[0].size > 1 else (None, 0)
     along, size = ("rows", g.rows) if g.rows > g.cols else ("cols", g.cols)
-    count = min(parts, -(-size // GEMM_BLOCK))
+    count = min(parts, -(-size // GEMM_BLOCK), work // GEMM_SPLIT_FLOPS)
     return (along, count) if count > 1 else (None, 0)
 
 
