@@ -199,13 +199,21 @@ def run(comm: Any, variant: str, *, global_batch: int = 32, steps: int = 12,
     if not plain:
         dp.check_equal(ctx, state)  # the ranks agree, or every rank raises
     return {
+        **trained_state(ctx, state, scaler, recipe),
+        "reductions": dp.reductions, "losses": losses, "start": start,
+        "flat_size": dp.flat.size if dp.flat is not None else 0,
+    }
+
+
+def trained_state(ctx: Context, state: list, scaler: Any, recipe: Any) -> dict[str, Any]:
+    """What a run ends with, to compare across runs: every state node's values and names, the
+    scaler's and the recipe's counters."""
+    return {
         "state": [np.asarray(ctx.get_values(n)) for n in state],
         "state_names": checkpoint.node_names(state),
         "scale": scaler.scale_value(), "good_steps": scaler.good_steps,
         "applied": recipe.applied_steps, "skipped": recipe.skipped_steps,
         "windows": recipe.windows, "skipped_windows": recipe.skipped_windows,
-        "reductions": dp.reductions, "losses": losses, "start": start,
-        "flat_size": dp.flat.size if dp.flat is not None else 0,
     }
 
 

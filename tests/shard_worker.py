@@ -35,7 +35,11 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]
 
-from parallel_worker import load_result, save_result  # noqa: E402,F401 - the same files
+from parallel_worker import (  # noqa: E402,F401 - the same files and records
+    load_result,
+    save_result,
+    trained_state,
+)
 
 import ocannl.tensor as T  # noqa: E402
 from ocannl import (  # noqa: E402
@@ -143,11 +147,7 @@ def run(comm: Any, variant: str, *, shards: int = 4, steps: int = 8,
     ctx = recipe.flush(ctx)
     dp.check_equal(ctx, state)  # the ranks agree, or every rank raises
     return {
-        "state": [np.asarray(ctx.get_values(n)) for n in state],
-        "state_names": checkpoint.node_names(state),
-        "scale": scaler.scale_value(), "good_steps": scaler.good_steps,
-        "applied": recipe.applied_steps, "skipped": recipe.skipped_steps,
-        "windows": recipe.windows, "skipped_windows": recipe.skipped_windows,
+        **trained_state(ctx, state, scaler, recipe),
         "losses": losses, "start": start, "loader": data.save_state(),
         "size": comm.size, "shards": shards,
     }

@@ -91,18 +91,25 @@ class Job:
     timed_out: bool
     seconds: float
     left: list[int]  # processes of the job still alive after it ended (must be empty)
+    ended: float = 0.0  # the wall-clock time at which it ended
 
 
 def mpirun(n: int, *args: str | Path, timeout: float = 90.0, grace: float = 3.0,
-           script: Path = WORKER, ready: Callable[[], bool] | None = None) -> Job:
+           script: Path = WORKER, ready: Callable[[], bool] | None = None,
+           wrap: Callable[[list[str]], list[str]] | None = None,
+           unset: tuple[str, ...] = ()) -> Job:
     """``mpiexec -n N python -m mpi4py SCRIPT ARGS`` (the worker by default), in a new
     session; on timeout SIGTERM to its process group and every process of the job, then
     SIGKILL. ``ready``: the timeout counts from when it first holds (what the job wrote, not
-    how long its start took on a busy machine), and ``Job.seconds`` too."""
+    how long its start took on a busy machine), and ``Job.seconds`` too. ``wrap``: each
+    rank's command line made another (a shell around it); ``unset``: environment variables
+    the job does not inherit."""
     mpiexec = str(MPIEXEC) if MPIEXEC.exists() else str(shutil.which("mpiexec"))
-    cmd = [mpiexec, "-n", str(n), sys.executable, "-m", "mpi4py", str(script),
-           *map(str, args)]
+    rank = [sys.executable, "-m", "mpi4py", str(script), *map(str, args)]
+    cmd = [mpiexec, "-n", str(n), *(wrap(rank) if wrap else rank)]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    for name in unset:
+        env.pop(name, None)
     with tempfile.TemporaryFile("w+") as log:
         t0 = time.monotonic()
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
@@ -124,6 +131,7 @@ def mpirun(n: int, *args: str | Path, timeout: float = 90.0, grace: float = 3.0,
             _stop(proc, known, grace)
             raise
         proc.wait()
+        ended = time.time()
         seconds = time.monotonic() - t0
         deadline = time.monotonic() + grace
         left = _alive(known)
@@ -134,7 +142,7 @@ def mpirun(n: int, *args: str | Path, timeout: float = 90.0, grace: float = 3.0,
             os.kill(pid, signal.SIGKILL)
         log.seek(0)
         out = log.read()
-    return Job(proc.returncode, out, timed_out, seconds, left)
+    return Job(proc.returncode, out, timed_out, seconds, left, ended)
 
 
 def _stop(proc: subprocess.Popen, known: dict[int, str], grace: float) -> None:

@@ -11,20 +11,15 @@ started, so a test takes seconds.
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
-import shutil
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 import parallel_faults_worker as FW
 import pytest
-from test_parallel import MPIEXEC, START_S, Job, _alive, _descendants, _no_mpi, _stop
+from test_parallel import Job, _no_mpi, mpirun
 from test_parallel import _Disagreeing as _Other  # two ranks, the second reporting `other`
 
 from ocannl import Context, Failure, checkpoint, parallel
@@ -42,51 +37,17 @@ needs_mpi = pytest.mark.skipif(_no_mpi is not None, reason=str(_no_mpi))
 
 def launch(n: int, *args: str | Path, out: Path, unseen_death: bool = False,
            timeout: float = 30.0, grace: float = 3.0) -> tuple[Job, float]:
-    """``mpiexec -n N python -m mpi4py WORKER ARGS`` in a new session, the outer timeout
-    counted from ``OUT/started`` (written when training starts). ``unseen_death``: each rank
-    runs under ``sh -c 'python ... || sleep 60'``, so the launcher does not see a rank die
-    (as a lost node): only the communicator's timeout can end the others. Also returns the
-    wall-clock time at which the job ended."""
-    mpiexec = str(MPIEXEC) if MPIEXEC.exists() else str(shutil.which("mpiexec"))
-    rank = [sys.executable, "-m", "mpi4py", str(WORKER), *map(str, args)]
-    if unseen_death:
-        rank = ["sh", "-c", shlex.join(rank) + " || sleep 60"]
-    cmd = [mpiexec, "-n", str(n), *rank]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env.pop("OCANNL_COLLECTIVE_TIMEOUT", None)
-    started = out / "started"
-    with tempfile.TemporaryFile("w+") as log:
-        t0 = time.monotonic()
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
-        known: dict[int, str] = {}
-        timed_out, waiting = False, True
-        try:
-            while proc.poll() is None:
-                _descendants(proc.pid, known)
-                if waiting and started.exists():
-                    waiting, t0 = False, time.monotonic()
-                if time.monotonic() - t0 > (START_S if waiting else timeout):
-                    timed_out = True
-                    _stop(proc, known, grace)
-                    break
-                time.sleep(0.05)
-        except BaseException:
-            _stop(proc, known, grace)
-            raise
-        proc.wait()
-        ended = time.time()
-        seconds = time.monotonic() - t0
-        deadline = time.monotonic() + grace
-        left = _alive(known)
-        while left and time.monotonic() < deadline:
-            time.sleep(0.1)
-            left = _alive(known)
-        for pid in left:
-            os.kill(pid, 9)
-        log.seek(0)
-        text = log.read()
-    return Job(proc.returncode, text, timed_out, seconds, left), ended
+    """``mpiexec -n N python -m mpi4py WORKER ARGS`` (``test_parallel.mpirun``), the outer
+    timeout counted from ``OUT/started`` (written when training starts), with no
+    ``OCANNL_COLLECTIVE_TIMEOUT`` of the caller's. ``unseen_death``: each rank runs under
+    ``sh -c 'python ... || sleep 60'``, so the launcher does not see a rank die (as a lost
+    node): only the communicator's timeout can end the others. Also returns the wall-clock
+    time at which the job ended."""
+    wrap = (lambda rank: ["sh", "-c", shlex.join(rank) + " || sleep 60"]) if unseen_death \
+        else None
+    job = mpirun(n, *args, timeout=timeout, grace=grace, script=WORKER,
+                 ready=(out / "started").exists, wrap=wrap, unset=("OCANNL_COLLECTIVE_TIMEOUT",))
+    return job, job.ended
 
 
 def check_checkpoint(out: Path, ck: Path, step: int) -> None:
