@@ -302,6 +302,9 @@ def test_narrow_gradients_are_never_summed() -> None:
         parallel.DataParallel(parallel.SingleProcess(), loss)
     with pytest.raises(TypeError, match="Communicator"):
         parallel.DataParallel(object(), loss)  # type: ignore[arg-type]
+    _, _, f32_loss = _model()
+    with pytest.raises(TypeError, match="track_losses must be True or False, got 'no'"):
+        parallel.DataParallel(parallel.SingleProcess(), f32_loss, track_losses="no")
 
 
 class _Disagreeing(parallel.SingleProcess):

@@ -17,7 +17,7 @@ import numpy as np
 
 from ocannl import checkpoint
 from ocannl.context import Context
-from ocannl.errors import Failure
+from ocannl.errors import Failure, require_bool
 from ocannl.ir.ops import Precision
 from ocannl.ir.tnode import Tnode
 from ocannl.parallel.comm import Communicator
@@ -214,7 +214,7 @@ class DataParallel:
         self.per_rank = n // size
         self.first_shard = comm.rank * self.per_rank
         self.fixed_order = fixed_order
-        self.track_losses = bool(track_losses)
+        self.track_losses = require_bool("DataParallel: track_losses", track_losses)
         self.tree = ShardTree(n)
         self._covers = [self.tree.cover(r * self.per_rank, (r + 1) * self.per_rank)
                         for r in range(size)]

@@ -166,3 +166,7 @@ def test_fmad_is_on_by_default_and_an_option(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setenv("OCANNL_CUDA_FMAD", "maybe")
     with pytest.raises(ValueError, match="OCANNL_CUDA_FMAD must be 0 or 1"):
         Context.cuda()
+    monkeypatch.delenv("OCANNL_CUDA_FMAD")
+    for flag in ("fmad", "graphs", "tf32"):  # "no" would be true: refused, named
+        with pytest.raises(TypeError, match=rf"{flag} must be True or False, got 'no'"):
+            CupyCudaBackend(**{flag: "no"})

@@ -167,3 +167,9 @@ def test_reading_the_cpu_target_leaves_the_pool_as_it_is(monkeypatch):
     assert target.threads == 3 and calls == []
     jit.size_pool(target)
     assert calls == [2]
+
+
+@pytest.mark.parametrize("flag", ["fma", "tf32"])
+def test_the_cuda_target_refuses_a_flag_that_is_not_a_bool(flag):
+    with pytest.raises(TypeError, match=rf"cuda_target: {flag} must be True or False, got 'no'"):
+        cuda_target(**{flag: "no"})

@@ -27,6 +27,7 @@ import numpy as np
 
 from ocannl.backends import core
 from ocannl.backends.emit import CSpelling, NestBody, float_literal, nest_body
+from ocannl.errors import require_bool
 from ocannl.ir.assignments import Accum, Comp
 from ocannl.ir.lowering import Fill, Gemm, LoopGroup, Lowered, access, lower, stored_in
 from ocannl.ir.ops import Precision
@@ -430,6 +431,7 @@ def cuda_target(cublas: bool = True, *, fma: bool = True, tf32: bool = False) ->
     (products cuBLAS does not take run as generated kernels); no thread pool (threads are the
     kernels' own), f16 conversions in hardware; ``fma``: NVRTC may contract multiply-adds
     (``--fmad``); ``tf32``: f32 products may round their operands to TF32."""
+    fma, tf32 = require_bool("cuda_target: fma", fma), require_bool("cuda_target: tf32", tf32)
     return Target(name="cuda", gemm=cublas, batched_gemm=cublas, im2col=cublas,
                   native_products=NATIVE_PRODUCTS if cublas else frozenset(),
                   inline_product_work=0, inline_native_work=0, threads=1,

@@ -67,6 +67,7 @@ import numpy as np
 
 from ocannl.backends.cuda.plan import GemmCall, Kernel, Plan, cuda_target, plan_routine
 from ocannl.backends.rounding import to_precision
+from ocannl.errors import require_bool
 from ocannl.ir.lowering import Gemm, Lowered, batch_offsets
 from ocannl.ir.ops import Precision
 from ocannl.ir.target import Target
@@ -501,9 +502,11 @@ class CupyCudaBackend:
         self.cp = cupy
         self.device_id = device_id
         self.device = cupy.cuda.Device(device_id)  # a context manager making it current
-        self.fmad = _fmad_from_env() if fmad is None else bool(fmad)
-        self.graphs = _switch("OCANNL_CUDA_GRAPHS", True) if graphs is None else bool(graphs)
-        self.tf32 = _switch("OCANNL_CUDA_TF32", False) if tf32 is None else bool(tf32)
+        self.fmad = _fmad_from_env() if fmad is None else require_bool("fmad", fmad)
+        self.graphs = (_switch("OCANNL_CUDA_GRAPHS", True) if graphs is None
+                       else require_bool("graphs", graphs))
+        self.tf32 = (_switch("OCANNL_CUDA_TF32", False) if tf32 is None
+                     else require_bool("tf32", tf32))
         with self.device:
             self.stream = cupy.cuda.Stream()
         # Thread-local: any unsafe call of this thread (an allocation, a synchronisation)
