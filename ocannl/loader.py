@@ -90,6 +90,10 @@ class Loader:
         self.parallel = parallel
         shards = None
         if parallel is not None:  # duck-typed: ocannl.parallel sits below this module
+            if (rank, world) not in ((0, 1), (parallel.rank, parallel.size)):
+                raise ValueError(f"Loader: rank={rank}, world={world} disagree with parallel= "
+                                 f"(rank {parallel.rank} of {parallel.size}): give one or the "
+                                 f"other")
             rank, world, shards = parallel.rank, parallel.size, parallel.shards
         arrays = [np.asarray(a) for a in arrays]
         inputs = list(inputs)

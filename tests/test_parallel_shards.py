@@ -263,3 +263,6 @@ def test_the_loader_hands_a_rank_its_block_through_set_batch() -> None:
         x4, y4, loss4 = _mlp(4)
         dp4 = parallel.DataParallel(parallel.SingleProcess(), loss4, inputs=[x4, y4], shards=4)
         loader.Loader([data, targets], [x4, y4], batch=8, parallel=dp4)
+    with pytest.raises(ValueError, match=r"rank=1, world=2 disagree with parallel= \(rank 0 "
+                                         r"of 1\)"):
+        loader.Loader([data, targets], [x, y], batch=8, rank=1, world=2, parallel=dp)
