@@ -11,11 +11,17 @@ routine needs; a node is *initialized* once something gives it values (``set_val
 data or its defined start is zeros (``Tnode.zero_start``: optimizer state). A routine that
 would read a node whose values must come from outside (``Tnode.needs_init``: parameters, data)
 before anything initialized it refuses to run.
+
+A cast twin that scheduling keeps between steps (``ocannl.ir.kept``) is state the context keeps
+current: the routines that write its master write it too, and after anything else writes the
+master (``set_values``, a checkpoint's load, a buffer handed out by ``device_buffer``) the
+context recasts it before the next routine reads it.
 """
 
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -24,6 +30,7 @@ import numpy as np
 from ocannl.backends.arena import views
 from ocannl.backends.base import Backend, Buffer
 from ocannl.ir.assignments import Comp
+from ocannl.ir.kept import recast
 from ocannl.ir.lowering import (
     AccessIndex,
     Effects,
@@ -57,6 +64,8 @@ class Routine:
         self.written = effects.written
         self.call = call  # runs the code on the bound buffers
         self.checked = False  # inputs found initialized once: they stay so
+        # Kept twins (``ocannl.ir.kept``) it reads before writing.
+        self.kept_reads = tuple(n for n in effects.inputs if n.keeps is not None)
         # ``context`` once checked, else None: Context.run's steady state is one comparison.
         self._ready_in: Context | None = None
 
@@ -87,6 +96,14 @@ class Context:
         self._views: set[int] = set()  # nodes whose buffer is a view of a shared flat buffer
         self._local_bytes = 0  # the arenas of compiled routines' local nodes
         self.compile_count = 0  # routines whose code was compiled anew by this context
+        # Kept twins allocated here, by their master's id; those whose master was written since
+        # their last cast; the routines recasting them; every routine (to leave its steady state
+        # when a kept twin goes stale); the nodes viewing each flat buffer.
+        self._kept: dict[int, list[Tnode]] = {}
+        self._stale: set[int] = set()
+        self._recasts: dict[int, Routine] = {}
+        self._routines: weakref.WeakSet[Routine] = weakref.WeakSet()
+        self._flat_members: dict[int, list[Tnode]] = {}
 
     # --- construction -------------------------------------------------------------------------
 
@@ -179,7 +196,9 @@ class Context:
         call = self._backend.bind(compiled, bufs)
         kept = tuple(n for n in nodes if n.id not in local)
         fx = Effects(fx.inputs, tuple(n for n in fx.written if n.id not in local))
-        return self, Routine(label, self, kept, compiled, bufs, fx, call)
+        routine = Routine(label, self, kept, compiled, bufs, fx, call)
+        self._routines.add(routine)
+        return self, routine
 
     def _local_buffers(self, label: str, code: list[Lowered], local: list[Tnode],
                        shared: bool) -> dict[int, Buffer]:
@@ -229,12 +248,75 @@ class Context:
                 raise ValueError(
                     f"{routine!r} reads {names}, which nothing has initialized in this context: "
                     f"call train.init_params(ctx, loss) for parameters, ctx.set_values for data")
+            self._recast_stale(routine)
             routine.call()
             self._initialized.update(n.id for n in routine.written)
             routine.checked = True
         else:
+            self._recast_stale(routine)
             routine.call()
-        routine._ready_in = self
+        if self._kept_after(routine):
+            routine._ready_in = self
+        return self
+
+    # --- kept twins -----------------------------------------------------------------------------
+
+    def _recast_stale(self, routine: Routine) -> None:
+        """Recast the kept twins ``routine`` reads whose master was written since their cast;
+        ``ValueError`` naming a master that nothing has initialized (nothing is run then)."""
+        stale = [k for k in routine.kept_reads if k.id in self._stale]
+        for k in stale:
+            master = k.keeps[0]  # type: ignore[index]
+            if master.id not in self._initialized:
+                raise ValueError(
+                    f"{routine!r} reads the cast twin of {master.name}, which nothing has "
+                    f"initialized in this context: call train.init_params(ctx, loss) for "
+                    f"parameters, ctx.set_values for data")
+        for k in stale:
+            r = self._recasts.get(k.id)
+            if r is None:
+                _, r = self.compile_lowered(f"recast_{k.name}", lower(
+                    Comp((recast(k),), f"recast_{k.name}"), self._backend.target))
+                self._recasts[k.id] = r
+            r.call()
+            self._stale.discard(k.id)
+            self._initialized.add(k.id)
+
+    def _kept_after(self, routine: Routine) -> bool:
+        """After ``routine`` ran: its kept twins are current, and those of the masters it wrote
+        without writing them (it was compiled before they were kept) are stale. True when it
+        left none stale, so its later runs may skip the checks."""
+        if not self._kept:
+            return True
+        written = {n.id for n in routine.written}
+        self._stale -= written
+        spoiled = [k.id for i in written for k in self._kept.get(i, ()) if k.id not in written]
+        if spoiled:
+            self._stale.update(spoiled)
+            self._unready()
+        return not spoiled
+
+    def _unready(self) -> None:
+        """Every routine's next run goes through the checks (a kept twin went stale)."""
+        for r in self._routines:
+            r._ready_in = None
+
+    def _master_written(self, node: Tnode) -> None:
+        """``node`` was written outside the routines: its kept twins are stale."""
+        kept = self._kept.get(node.id)
+        if kept:
+            self._stale.update(k.id for k in kept)
+            self._unready()
+
+    def mark_written(self, t: Any) -> Context:
+        """Tell the context that ``t``'s buffer (from :meth:`device_buffer`) was written outside
+        its routines, as a communicator does: what it keeps derived from the node (a master's
+        kept cast twins) is recomputed before a routine next reads it. ``device_buffer`` marks
+        the node already when it hands the buffer out; call this after a later write."""
+        node = _as_node(t)
+        self._buffer(node)
+        for n in self._flat_members.get(node.id, [node]):
+            self._master_written(n)
         return self
 
     # --- buffers ------------------------------------------------------------------------------
@@ -249,6 +331,10 @@ class Context:
             self._buffers[node.id] = (node, buf)
             if node.host_data is not None or node.zero_start:
                 self._initialized.add(node.id)
+            if node.keeps is not None:  # cast from its master before its first read
+                self._kept.setdefault(node.keeps[0].id, []).append(node)
+                self._stale.add(node.id)
+                self._unready()
             return buf
         return entry[1]
 
@@ -304,6 +390,7 @@ class Context:
             total += n.size
         flat = Tnode(label, (total,), prec, zero_start=True)
         buf = self._ensure(flat)
+        self._flat_members[flat.id] = ns
         for n, off in zip(ns, offsets, strict=True):
             view = buf[off:off + n.size]
             if n.host_data is not None:
@@ -319,8 +406,12 @@ class Context:
     def device_buffer(self, t: Any) -> Buffer:
         """The backend's own buffer of a node: a flat NumPy array (CPU) or CuPy array (CUDA) in
         the storage dtype. For communicators, which operate on device memory in place; user
-        code reads and writes values with ``get_values`` / ``set_values``."""
-        return self._buffer(_as_node(t))
+        code reads and writes values with ``get_values`` / ``set_values``. The node counts as
+        written (:meth:`mark_written`): a master's kept cast twins are recast before a routine
+        next reads them."""
+        buf = self._buffer(_as_node(t))
+        self.mark_written(t)
+        return buf
 
     @staticmethod
     def _refuse_local(node: Tnode) -> None:
@@ -391,6 +482,8 @@ class Context:
         host = self._checked(node, values)
         self._backend.write(node, self._ensure(node), host)
         self._initialized.add(node.id)
+        if node.twins:
+            self._master_written(node)
         return self
 
     def get_values(self, t: Any) -> np.ndarray:

@@ -4,6 +4,7 @@ process per rank), or imported by the tests for the single-process references.
     python -m mpi4py tests/parallel_worker.py train --out DIR --variants sgd-host-f32,...
     python -m mpi4py tests/parallel_worker.py refuse --what shards
     python -m mpi4py tests/parallel_worker.py hang --out DIR
+    python -m mpi4py tests/parallel_worker.py twins --out DIR
 
 A *variant* is ``OPTIMIZER-GATE-PREC``: optimizer ``sgd`` (momentum) or ``adam``, gate
 ``host`` (``scaled_step``) or ``fused`` (``gated_step``, a window of 4 steps), ``prec`` the
@@ -205,6 +206,27 @@ def run(comm: Any, variant: str, *, global_batch: int = 32, steps: int = 12,
     }
 
 
+def broadcast_twins(comm: Any, out: Path) -> None:
+    """Each rank draws its own masters of bf16 twins and runs the forward pass once (its kept
+    twins then hold its own masters, rounded); rank 0's masters are broadcast, and the forward
+    pass is run again on the same rows everywhere. Writes ``OUT/twins-rankR.json``: both losses
+    and every rank's second one."""
+    m = build("sgd-host-bf16", 8)
+    x, y, loss = m["x"], m["y"], m["loss"]
+    points, labels = datasets.half_moons(POINTS, seed=3)
+    ctx, fwd = Context.cpu().compile(train.forward(loss))
+    ctx = train.init_params(ctx, loss)
+    for p in loss.params:  # masters of this rank's own
+        ctx = ctx.set_values(p, ctx.get_values(p) * (1 + comm.rank))
+    ctx = ctx.set_values(x, points[:8]).set_values(y, datasets.one_hot(labels, 2)[:8])
+    own = ctx.run(fwd).get_value(loss)
+    dp = parallel.DataParallel(comm, loss, inputs=[x, y])
+    ctx = dp.broadcast(ctx, [p.value for p in loss.params])
+    shared = ctx.run(fwd).get_value(loss)
+    (out / f"twins-rank{comm.rank}.json").write_text(json.dumps(
+        {"own": own, "shared": shared, "everyone": comm.allgather(shared)}))
+
+
 def trained_state(ctx: Context, state: list, scaler: Any, recipe: Any) -> dict[str, Any]:
     """What a run ends with, to compare across runs: every state node's values and names, the
     scaler's and the recipe's counters."""
@@ -233,7 +255,7 @@ def load_result(path: Path) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("cmd", choices=["train", "refuse", "hang"])
+    ap.add_argument("cmd", choices=["train", "refuse", "hang", "twins"])
     ap.add_argument("--out", type=Path)
     ap.add_argument("--tag", default="run")
     ap.add_argument("--comm", default="mpi")
@@ -254,6 +276,9 @@ def main(argv: list[str] | None = None) -> int:
         while True:
             time.sleep(1)
     comm = make_comm(args.comm)
+    if args.cmd == "twins":
+        broadcast_twins(comm, args.out)
+        return 0
     if args.cmd == "refuse":
         # rank 1 differs: one row fewer (an unequal shard), or a wider hidden layer
         odd = comm.rank == 1

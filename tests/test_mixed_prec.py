@@ -969,12 +969,13 @@ def test_bf16_training_parity_with_torch_f32() -> None:
 
 
 @pytest.mark.parametrize("prec", ["f16", "bf16"])
-def test_auto_twins_are_recomputed_at_each_read_with_the_bits_of_stored_ones(prec, tmp_path,
-                                                                            monkeypatch):
-    """Placed ``"auto"`` (the default), a twin is local: the host cannot read it, and lowering
-    makes it virtual, every read rounding its master instead of reading a stored copy
-    (``schedule.virtual_twins``). Placed ``"virtual"``, the same, by request. Three SGD steps
-    give the bits of twins stored once per forward pass."""
+def test_auto_twins_are_kept_with_the_bits_of_recomputed_and_stored_ones(prec, tmp_path,
+                                                                         monkeypatch):
+    """Placed ``"auto"`` (the default), a twin is local: the host cannot read it, and scheduling
+    keeps it between steps in a node of its own, written in the update's pass
+    (``ocannl.ir.kept``). Placed ``"virtual"``, every read rounds its master instead
+    (``schedule.virtual_twins``). Three SGD steps give the bits of twins stored once per forward
+    pass either way."""
     from ocannl.ir.lowering import lower_items
     from ocannl.ir.schedule import virtual_twins
     from ocannl.ir.target import Target
@@ -1009,7 +1010,10 @@ def test_auto_twins_are_recomputed_at_each_read_with_the_bits_of_stored_ones(pre
     # A virtual twin has no buffer; the copies its products read live in the arena, as large
     # as the stored twin where a product reads it as stored.
     assert not ctx.is_allocated(twin) and ref_ctx.is_allocated(ref_twin)
-    assert v_ctx.mem() == ctx.mem()
+    kept = [n for n in ctx.nodes() if n.keeps is not None]
+    assert len(kept) == derived and {n.keeps[1].value for n in kept} == {prec}
+    assert twin.value.cast_of in [n.keeps[0] for n in kept]
+    assert not [n for n in v_ctx.nodes() if n.keeps is not None]
     with pytest.raises(ValueError, match=r"local .* placement='materialized'"):
         ctx.get_values(twin)
     with pytest.raises(ValueError, match=r"virtual .* placement='materialized'"):

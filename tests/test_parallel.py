@@ -248,6 +248,19 @@ def test_communicators_share_one_protocol() -> None:
         parallel.world("tcp")
 
 
+@needs_mpi
+def test_a_broadcast_of_masters_reaches_their_kept_twins(tmp_path: Path) -> None:
+    """Ranks that drew different masters of bf16 twins, each run its forward pass once (its
+    kept twins then hold its own masters), broadcast rank 0's and run it again: every rank gets
+    rank 0's loss, not one from twins of the masters it drew (``ocannl.ir.kept``)."""
+    import json
+
+    ok(mpirun(2, "twins", "--out", tmp_path, timeout=120))
+    r0, r1 = (json.loads((tmp_path / f"twins-rank{r}.json").read_text()) for r in (0, 1))
+    assert r0["own"] != r1["own"]  # the ranks drew different masters
+    assert r0["everyone"] == r1["everyone"] == [r0["own"], r0["own"]]
+
+
 def test_shard_refuses_unequal_parts() -> None:
     rows = np.arange(12)
     assert parallel.shard(rows, 1, 3).tolist() == [4, 5, 6, 7]

@@ -75,6 +75,12 @@ class LoopNest:
         return math.prod(self.space[i] for i in self.red)
 
 
+# A loop group holds at most this many nests: past it, LLVM's and NVRTC's per-loop analyses
+# (memory dependences between every pair of accesses) grow faster than the group, and a new
+# loop costs one more pass over the cells.
+MAX_GROUP = 32
+
+
 @dataclass(frozen=True)
 class LoopGroup:
     """Nests run point by point inside one loop over the first one's parallel iterators.

@@ -49,6 +49,7 @@ from ocannl.ir.assignments import (
 )
 from ocannl.ir.expr import rewrite_reads
 from ocannl.ir.lowered import (
+    MAX_GROUP,
     Access,
     AccessIndex,
     BatchAxis,
@@ -645,11 +646,6 @@ def fuse_resets(assignments: tuple[Accum, ...]) -> list[Accum]:
             out[k] = None
     return [a for a in out if a is not None]
 
-
-# A loop group holds at most this many nests: past it, LLVM's and NVRTC's per-loop analyses
-# (memory dependences between every pair of accesses) grow faster than the group, and a new
-# loop costs one more pass over the cells.
-MAX_GROUP = 32
 
 
 class _Group:

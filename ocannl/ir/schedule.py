@@ -5,7 +5,9 @@ products that mean the same on every backend; :func:`schedule` then decides, fro
 record alone, everything a renderer would otherwise decide for itself, and writes it into the
 items:
 
-- **Placements.** A node is *virtual* when every read of it can compute it instead (a cast
+- **Placements.** A cast twin placed ``"auto"`` is *kept* between steps in a node of its own,
+  written in the pass that writes its master, read in place of casting it
+  (:mod:`ocannl.ir.kept`). A node is *virtual* when every read of it can compute it instead (a cast
   twin of a master that nothing writes while the twin is read; a 16-bit product result read
   only by the next item's pointwise nests): its copy is dropped and each read becomes a read of
   its source rounded to its precision (``Get.rounded``). A node in ``LoopGroup.registers`` is
@@ -43,7 +45,9 @@ import numpy as np
 
 from ocannl.ir.assignments import Accum, Affine, Apply, Const, Expr, Get, reads
 from ocannl.ir.expr import rewrite_reads, walk
+from ocannl.ir.kept import keep_twins
 from ocannl.ir.lowered import (
+    MAX_GROUP,
     AccessIndex,
     BatchAxis,
     Fill,
@@ -54,6 +58,7 @@ from ocannl.ir.lowered import (
     MatrixView,
     access,
     copy_source,
+    covers,
     loop_nest,
     nodes_of,
 )
@@ -64,6 +69,7 @@ from ocannl.ir.tnode import MemoryMode, Tnode
 
 def schedule(code: list[Lowered], target: Target) -> list[Lowered]:
     """``code`` with every choice of the module docstring made for ``target``."""
+    code = keep_twins(code, target)
     virtual = virtual_twins(code)
     code = _with_copies(code, target, virtual)
     code = _substitute(code, virtual)
@@ -72,6 +78,7 @@ def schedule(code: list[Lowered], target: Target) -> list[Lowered]:
         raise ValueError(f"{', '.join(left)}: placed 'virtual' (recomputed from its master at "
                          f"every read), but this code reads it without computing it: compile "
                          f"its cast with its readers, or place it 'auto' or 'materialized'")
+    # code = copies_in_writers(code)
     code = in_registers(code)
     code = [_threaded(item, target) for item in code]
     return rendering(code, target)
@@ -159,6 +166,58 @@ def forwarded(code: list[Lowered]) -> set[int]:
                 for nest in reader.nests):
             out.add(lhs.id)
     return out
+
+
+# --- copies made where their source is written ------------------------------------------------
+
+
+def copies_in_writers(code: list[Lowered]) -> list[Lowered]:
+    """Move each copy of scheduling's own (an f32 copy of a 16-bit node for a product) into the
+    loop group that writes its source, as a nest beside the one writing it: the copy is made in
+    the pass that computes the values, from the value just stored, not by a pass of its own
+    reading them again (a layer's bf16 activations and their f32 copy for the next product, in
+    one pass). Only where the source is written whole, point by point, by that group, and
+    nothing between the group and the copy writes the source or touches the copy; a large copy
+    (``FRESH_COPY``) only from the item right before it, so it is held no longer than before (a
+    weight's widening for backprop stays a pass of its own, not a copy held from the forward
+    pass). A source then read by nothing but its copy is handed over in a register
+    (:func:`in_registers`)."""
+    out: list[Lowered] = []
+    for item in code:
+        moved = _copy_into_writer(item, out)
+        if not moved:
+            out.append(item)
+    return out
+
+
+def _copy_into_writer(item: Lowered, out: list[Lowered]) -> bool:
+    """Whether ``item``, a copy group, went into the group of ``out`` writing its source."""
+    if not (isinstance(item, LoopGroup) and item.conversion and len(item.nests) == 1):
+        return False
+    copy = item.nests[0]
+    src, dst = copy_source(copy), copy.assign.lhs
+    if src is None or dst.memory_mode is not MemoryMode.local:
+        return False
+    for j in range(len(out) - 1, -1, -1):
+        acc = access(out[j])
+        if dst.id in acc.touched:
+            return False
+        if src.id not in acc.writes:
+            continue
+        writer = out[j]
+        if not isinstance(writer, LoopGroup) or len(writer.nests) >= MAX_GROUP \
+                or writer.lead.walk_rows or (dst.size >= FRESH_COPY and j < len(out) - 1):
+            return False  # a large copy is not held longer than the copy it replaces
+        at = [k for k, n in enumerate(writer.nests) if n.assign.lhs.id == src.id]
+        n = writer.nests[at[-1]]
+        a = n.assign
+        if (len(at) != 1 or n.red or n.scatter or not covers(a)
+                or not all(isinstance(i, int) for i in a.lhs_idx)):
+            return False
+        nest = LoopNest(Accum(dst, a.lhs_idx, "=", Get(src, a.lhs_idx), a.space), n.par, n.red)
+        out[j] = replace(writer, nests=(*writer.nests, nest))
+        return True
+    return False
 
 
 # --- registers ----------------------------------------------------------------------------

@@ -51,10 +51,15 @@ class Tnode:
     from the host): a routine reading it before anything initialized it refuses to run.
     ``check_values``: what host values must satisfy beyond shape (class ids: integers in range);
     ``Context.set_values`` calls it before writing, so bad values change nothing.
+
+    Cast twins (``ocannl.mixed_prec.cast_param``, placed ``"auto"``): ``cast_of`` is a twin's
+    master, ``twins`` a master's twins; ``keeps`` marks a node scheduling keeps a twin in
+    between steps (``ocannl.ir.kept``): the master it holds rounded, and the twin's precision.
     """
 
     __slots__ = ("id", "label", "_dims", "prec", "memory_mode", "host_data", "zero_start",
-                 "needs_init", "check_values", "resolve", "__weakref__")
+                 "needs_init", "check_values", "resolve", "cast_of", "twins", "keeps",
+                 "__weakref__")
 
     def __init__(
         self,
@@ -79,6 +84,9 @@ class Tnode:
         self.check_values: Callable[[np.ndarray], object] | None = None
         # Set by a tensor whose shape is still inferred: reading dims closes its inference.
         self.resolve: Callable[[], None] | None = None
+        self.cast_of: Tnode | None = None
+        self.twins: tuple[Tnode, ...] = ()
+        self.keeps: tuple[Tnode, Precision] | None = None
 
     @property
     def dims(self) -> tuple[int, ...]:

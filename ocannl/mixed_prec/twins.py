@@ -16,9 +16,9 @@ __all__ = ["TWIN_PLACEMENTS", "cast_param", "master_of", "with_master_weights"]
 R = TypeVar("R")
 
 TWIN_PLACEMENTS = ("auto", "materialized", "virtual")
-"""Where a cast twin lives. ``auto``: lowering decides: the twin is local to the routines
-computing it (the host cannot read it), and recomputed from its master at every read (never
-stored) where nothing writes the master between its cast and a read of it, on every backend;
+"""Where a cast twin lives. ``auto``: lowering decides: the twin is kept between steps
+(``ocannl.ir.kept``), written in the pass that writes its master (the optimizer's update) and
+recast by the context after the host writes the master; the host cannot read it;
 ``materialized``: a device buffer refreshed once per forward pass, readable from the host;
 ``virtual``: always recomputed at every read, never stored: a routine where that cannot be
 (the master written between the cast and a read) is refused at compile, naming the twin."""
@@ -68,6 +68,9 @@ def cast_param(p: Tensor, *, prec: Precision | str, placement: str = "auto") -> 
     # and the twin never has other dims than its master's.
     twin = Tensor(node, p.sym if p.sym is not None else p.shape, kind="op", children=(p,))
     twin.master = p
+    if placement == "auto" and prec.is_narrow:  # kept between steps (``ocannl.ir.kept``)
+        node.cast_of = p.value
+        p.value.twins = (*p.value.twins, node)
     twin.defer(lambda: _link_twin(twin, p))
     return twin
 
