@@ -78,7 +78,7 @@ def schedule(code: list[Lowered], target: Target) -> list[Lowered]:
         raise ValueError(f"{', '.join(left)}: placed 'virtual' (recomputed from its master at "
                          f"every read), but this code reads it without computing it: compile "
                          f"its cast with its readers, or place it 'auto' or 'materialized'")
-    # code = copies_in_writers(code)
+    code = copies_in_writers(code)
     code = in_registers(code)
     code = [_threaded(item, target) for item in code]
     return rendering(code, target)
