@@ -78,7 +78,7 @@ def schedule(code: list[Lowered], target: Target) -> list[Lowered]:
         raise ValueError(f"{', '.join(left)}: placed 'virtual' (recomputed from its master at "
                          f"every read), but this code reads it without computing it: compile "
                          f"its cast with its readers, or place it 'auto' or 'materialized'")
-    code = copies_in_writers(code)
+    code = widened_in_place(copies_in_writers(code, target))
     code = in_registers(code)
     code = [_threaded(item, target) for item in code]
     return rendering(code, target)
@@ -171,26 +171,29 @@ def forwarded(code: list[Lowered]) -> set[int]:
 # --- copies made where their source is written ------------------------------------------------
 
 
-def copies_in_writers(code: list[Lowered]) -> list[Lowered]:
+def copies_in_writers(code: list[Lowered], target: Target) -> list[Lowered]:
     """Move each copy of scheduling's own (an f32 copy of a 16-bit node for a product) into the
     loop group that writes its source, as a nest beside the one writing it: the copy is made in
     the pass that computes the values, from the value just stored, not by a pass of its own
     reading them again (a layer's bf16 activations and their f32 copy for the next product, in
     one pass). Only where the source is written whole, point by point, by that group, and
-    nothing between the group and the copy writes the source or touches the copy; a large copy
-    (``FRESH_COPY``) only from the item right before it, so it is held no longer than before (a
-    weight's widening for backprop stays a pass of its own, not a copy held from the forward
-    pass). A source then read by nothing but its copy is handed over in a register
-    (:func:`in_registers`)."""
+    nothing between the group and the copy writes the source or touches the copy.
+
+    A large copy (``FRESH_COPY``) moves only from the item right before it, so it is held no
+    longer than before, unless it is the f32 copy of a 16-bit node the target has no products
+    of: that copy then becomes the node's storage (:func:`widened_in_place`), and moving it
+    from the pass writing the node saves every later widening of the node (the trade of bytes
+    held for passes is that function's). A source then read by nothing but its copy is handed
+    over in a register (:func:`in_registers`)."""
     out: list[Lowered] = []
     for item in code:
-        moved = _copy_into_writer(item, out)
+        moved = _copy_into_writer(item, out, target)
         if not moved:
             out.append(item)
     return out
 
 
-def _copy_into_writer(item: Lowered, out: list[Lowered]) -> bool:
+def _copy_into_writer(item: Lowered, out: list[Lowered], target: Target) -> bool:
     """Whether ``item``, a copy group, went into the group of ``out`` writing its source."""
     if not (isinstance(item, LoopGroup) and item.conversion and len(item.nests) == 1):
         return False
@@ -198,6 +201,8 @@ def _copy_into_writer(item: Lowered, out: list[Lowered]) -> bool:
     src, dst = copy_source(copy), copy.assign.lhs
     if src is None or dst.memory_mode is not MemoryMode.local:
         return False
+    held = (dst.size < FRESH_COPY or (src.prec.is_narrow and dst.prec is Precision.f32
+                                      and src.prec not in target.native_products))
     for j in range(len(out) - 1, -1, -1):
         acc = access(out[j])
         if dst.id in acc.touched:
@@ -206,8 +211,8 @@ def _copy_into_writer(item: Lowered, out: list[Lowered]) -> bool:
             continue
         writer = out[j]
         if not isinstance(writer, LoopGroup) or len(writer.nests) >= MAX_GROUP \
-                or writer.lead.walk_rows or (dst.size >= FRESH_COPY and j < len(out) - 1):
-            return False  # a large copy is not held longer than the copy it replaces
+                or writer.lead.walk_rows or (not held and j < len(out) - 1):
+            return False
         at = [k for k, n in enumerate(writer.nests) if n.assign.lhs.id == src.id]
         n = writer.nests[at[-1]]
         a = n.assign
@@ -218,6 +223,68 @@ def _copy_into_writer(item: Lowered, out: list[Lowered]) -> bool:
         out[j] = replace(writer, nests=(*writer.nests, nest))
         return True
     return False
+
+
+def widened_in_place(code: list[Lowered]) -> list[Lowered]:
+    """Where the pass writing a local 16-bit node also makes its f32 copy (a product reads the
+    copy: a target without products of that precision), every later read of the node reads the
+    copy instead, and every later copy of the node is that copy: the node's values, stored in
+    f32 once, are widened once per step, not again for backprop's products and reductions.
+    The 16-bit node, read then only in its own pass, is handed over in a register.
+
+    The trade: the f32 copy (4 bytes a cell) is held from the forward pass to backprop, where
+    the 16-bit node (2) was; on a target with products of the node's precision there is no
+    copy, and nothing changes. The values read are the same (an f32 copy of a 16-bit value is
+    exact), so the bits are."""
+    index = AccessIndex(code)
+    wide: dict[int, tuple[int, Tnode]] = {}  # a 16-bit node's id -> its writer, its f32 copy
+    twice: dict[int, Tnode] = {}  # a second copy in the same pass -> the first
+    for k, item in enumerate(code):
+        if not isinstance(item, LoopGroup):
+            continue
+        here = {n.assign.lhs.id for n in item.nests}
+        for n in item.nests:
+            src, dst = copy_source(n), n.assign.lhs
+            if (src is not None and src.id in here and src.prec.is_narrow
+                    and dst.prec is Precision.f32
+                    and src.memory_mode is dst.memory_mode is MemoryMode.local
+                    and index.writers[src.id] == [k] and index.writers[dst.id] == [k]):
+                if src.id in wide:
+                    twice[dst.id] = wide[src.id][1]
+                else:
+                    wide[src.id] = (k, dst)
+    if not wide:
+        return code
+    out: list[Lowered] = []
+    stands: dict[int, Tnode] = {}  # node id -> the f32 copy read in its place from here on
+    for k, item in enumerate(code):
+        if twice and isinstance(item, LoopGroup):
+            nests = tuple(n for n in item.nests if n.assign.lhs.id not in twice)
+            if len(nests) < len(item.nests):
+                item = replace(item, nests=nests)
+                stands.update((i, c) for i, c in twice.items() if i in index.items[k].writes)
+        stands.update((i, c) for i, (j, c) in wide.items() if j == k - 1)
+        if stands and isinstance(item, LoopGroup) and item.conversion and len(item.nests) == 1:
+            src = copy_source(item.nests[0])
+            if src is not None and src.id in stands and item.nests[0].assign.lhs.prec is \
+                    Precision.f32:  # another copy of a widened node: the copy itself
+                stands[item.nests[0].assign.lhs.id] = stands[src.id]
+                continue
+        out.append(_renamed_item(item, stands) if stands else item)
+    return out
+
+
+def _renamed_item(item: Lowered, nodes: dict[int, Tnode]) -> Lowered:
+    """``item`` reading ``nodes[i]`` wherever it read the node of id ``i``."""
+    if isinstance(item, LoopGroup):
+        return replace(item, nests=tuple(replace(n, assign=replace(
+            n.assign, expr=_renamed(n.assign.expr, nodes))) for n in item.nests))
+    if isinstance(item, Gemm):
+        a = replace(item.a, node=nodes.get(item.a.node.id, item.a.node))
+        b = replace(item.b, node=nodes.get(item.b.node.id, item.b.node))
+        return replace(item, a=a, b=b, assign=replace(item.assign, expr=_renamed(
+            item.assign.expr, nodes)))
+    return item
 
 
 # --- registers ----------------------------------------------------------------------------

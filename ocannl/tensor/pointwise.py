@@ -214,19 +214,15 @@ def gelu(a: Operand, *, approximate: str = "none") -> Tensor:
                          apply("exp", apply("mul", Const(-0.5), apply("mul", x, x))))
 
         x_ = _lift(a)
-        if x_.prec.is_narrow:  # a stored f32 Phi would cost more traffic than erf does
-            return pointwise(
-                "gelu", [x_], lambda x: apply("mul", x[0], cdf(x[0])),
-                lambda x, v, g: [apply("mul", g, apply("add", cdf(x[0]),
-                                                        apply("mul", x[0], pdf(x[0]))))])
-        # Phi(x) is a node of its own: the gradient reads it instead of computing erf again
-        # (the same values, so the same bits). Local: no one else holds it.
-        phi = pointwise("gelu_cdf", [x_], lambda x: cdf(x[0]), None)
+        # Phi(x) is a node of its own, in the precision it is computed in (f32 for a 16-bit x):
+        # the gradient reads it instead of computing erf again (the same values, so the same
+        # bits; erf is the step's costliest op per cell). Local: no one else holds it.
+        phi = pointwise("gelu_cdf", [x_], lambda x: cdf(x[0]), None, prec=x_.prec.compute)
         phi.value.memory_mode = MemoryMode.local
         return pointwise(
             "gelu", [x_, phi], lambda x: apply("mul", x[0], x[1]),
             lambda x, v, g: [apply("mul", g, apply("add", x[1], apply("mul", x[0], pdf(x[0])))),
-                             None])
+                             None], prec=x_.prec)
     if approximate == "tanh":
         def inner(x: Expr) -> Expr:  # sqrt(2/pi) * (x + kappa x^3)
             cube = apply("mul", apply("mul", x, x), x)
