@@ -50,7 +50,10 @@ class SgemmInRounds:
 
     def pass_products(self) -> None:
         for a, b, out in self.products:
-            np.dot(a, b, out=out)
+            if out.ndim == 2:
+                np.dot(a, b, out=out)
+            else:
+                np.matmul(a, b, out=out)
 
     def time(self) -> None:
         """Time ``calls`` products, one sample each; then, given a step's products, one pass
@@ -75,11 +78,15 @@ class SgemmInRounds:
 
 
 def _operands(p: Product, rng: np.random.Generator) -> tuple[np.ndarray, ...]:
-    """``a``, ``b`` (views of transposed storage where the product says so) and ``out``."""
+    """``a``, ``b`` (views of transposed storage where the product says so) and ``out``,
+    stacked ``p.batch`` deep for a batched product."""
+    lead = (p.batch,) if p.batch > 1 else ()
+
     def matrix(rows: int, cols: int, transposed: bool) -> np.ndarray:
         if transposed:
-            return rng.standard_normal((cols, rows), dtype=np.float32).T
-        return rng.standard_normal((rows, cols), dtype=np.float32)
+            return np.swapaxes(rng.standard_normal((*lead, cols, rows), dtype=np.float32),
+                               -1, -2)
+        return rng.standard_normal((*lead, rows, cols), dtype=np.float32)
 
     return (matrix(p.rows, p.inner, p.a_transposed), matrix(p.inner, p.cols, p.b_transposed),
-            np.empty((p.rows, p.cols), np.float32))
+            np.empty((*lead, p.rows, p.cols), np.float32))

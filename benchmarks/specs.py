@@ -54,18 +54,19 @@ CONTROL_VARIANT = "f16-static"
 
 @dataclass(frozen=True)
 class Product:
-    """A matrix product ``rows x inner`` by ``inner x cols``; a transposed operand is stored
-    the other way round (as the step stores it)."""
+    """A matrix product ``rows x inner`` by ``inner x cols``, ``batch`` of them side by side; a
+    transposed operand is stored the other way round (as the step stores it)."""
 
     rows: int
     inner: int
     cols: int
     a_transposed: bool = False
     b_transposed: bool = False
+    batch: int = 1
 
     @property
     def flops(self) -> int:
-        return 2 * self.rows * self.inner * self.cols
+        return 2 * self.rows * self.inner * self.cols * self.batch
 
 
 @dataclass(frozen=True)

@@ -124,7 +124,7 @@ import numpy as np
 from benchmarks import fixtures, specs
 from benchmarks.runners import make_runner
 from ocannl.backends.cpu import jit, native_products
-from ocannl.ir.lowered import Gemm, LoopGroup
+from ocannl.ir.lowered import Gemm, LoopGroup, copy_source, nodes_of
 from ocannl.ir.lowering import lower
 out = {"paths": native_products.describe(), "target": sorted(
     p.value for p in jit.target().native_products)}
@@ -138,14 +138,17 @@ for name in sys.argv[1].split(","):
         r.step(i)
         losses.append(r.loss())
     # The step's products as lowered here: their operands' precisions and kernels, and how
-    # many f32 copies of 16-bit nodes (widening conversion groups) the library's products read.
+    # many f32 copies of 16-bit nodes the library's products read (a widening nest, in a pass
+    # of its own or in the pass writing the node, or a cast twin kept in f32).
     from benchmarks.models import ocannl_optimizer
     from ocannl import train
     scale = r.scaler.scale if hasattr(r, "scaler") else None
     comp = train.grad_update(r.loss_t, loss_scale=scale) + ocannl_optimizer(w).update(r.loss_t)
     code = lower(comp, jit.target())
-    copies = {n.assign.lhs.id for g in code if isinstance(g, LoopGroup) and g.conversion
-              for n in g.nests if n.assign.lhs.prec.value == "f32"}
+    copies = {n.assign.lhs.id for g in code if isinstance(g, LoopGroup) for n in g.nests
+              if n.assign.lhs.prec.value == "f32" and copy_source(n) is not None
+              and copy_source(n).prec.is_narrow}
+    copies |= {n.id for n in nodes_of(code) if n.keeps is not None and n.prec.value == "f32"}
     gemms = [g for g in code if isinstance(g, Gemm)]
     out[name] = {"losses": [x.hex() for x in losses], "mem": r.ctx.mem(),
                  "operands": sorted({f"{g.a.node.prec.value}x{g.b.node.prec.value}:{g.kernel}"

@@ -1,0 +1,102 @@
+"""Scheduling's copies between precisions (``ocannl.ir.schedule``): an f32 copy of a 16-bit node
+for a product is made in the pass that writes the node (``copies_in_writers``) and, on a target
+without products of that precision, read in the node's place from then on
+(``widened_in_place``); the bits stay those of separate copies."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import ocannl.tensor as T
+from ocannl import Context, nn_blocks, train
+from ocannl.ir import schedule
+from ocannl.ir.lowered import Gemm, LoopGroup, copy_source, stored_nodes
+from ocannl.ir.lowering import lower
+from ocannl.ir.ops import Precision
+from ocannl.ir.target import Target
+from ocannl.ir.tnode import MemoryMode
+from ocannl.mixed_prec import with_master_weights
+
+
+def mlp_step(width: int = 64):
+    """A bf16 MLP's training step, with its hidden activations' nodes."""
+    T.set_seed(4)
+    x = T.term(np.random.default_rng(4).normal(size=(32, 48)), label="sx", batch_dims=(32,),
+               output_dims=(48,))
+    y, _ = with_master_weights(prec="bf16", f=lambda: nn_blocks.mlp(
+        T.cast(x, "bf16"), (width, width), 5, label="sm"))
+    loss = T.sum(T.cast(y, "f32") * T.cast(y, "f32"))
+    return loss, train.grad_update(loss) + train.sgd_update(loss, learning_rate=0.05)
+
+
+def _relus(code):  # noqa: ANN001, ANN202 - lowered code in, the relu outputs out
+    return [n.assign.lhs for g in code if isinstance(g, LoopGroup) for n in g.nests
+            if n.assign.lhs.label == "relu" and n.assign.lhs.prec is Precision.bf16]
+
+
+def test_a_widening_for_products_is_made_in_the_writing_pass_and_read_in_place():
+    """Without bf16 products, each hidden relu's f32 copy is a nest of the pass computing the
+    relu; the forward product and backprop's weight-gradient product read that one copy, the
+    relu's gradient mask reads it too, and the bf16 relu is never stored (a register)."""
+    loss, comp = mlp_step()
+    code = lower(comp, Target())
+    relus = _relus(code)
+    assert len(relus) == 2
+    stored = {n.id for n in stored_nodes(code)}
+    for relu in relus:
+        assert relu.id not in stored
+        [group] = [g for g in code if isinstance(g, LoopGroup)
+                   and any(n.assign.lhs.id == relu.id for n in g.nests)]
+        [copy] = [n.assign.lhs for n in group.nests if copy_source(n) is relu]
+        assert copy.prec is Precision.f32 and copy.memory_mode is MemoryMode.local
+        readers = [g for g in code if isinstance(g, Gemm) and copy.id in (g.a.node.id,
+                                                                          g.b.node.id)]
+        assert len(readers) == 2  # the next layer's product and its weight's gradient
+        assert not any(isinstance(g, LoopGroup) and g.conversion and any(
+            copy_source(n) is relu for n in g.nests) for g in code)
+
+
+def test_with_bf16_products_the_library_reads_the_16_bit_node_as_stored():
+    """A target whose library multiplies bf16 takes the first relu as stored: nothing widens it,
+    and it is stored in bf16 (an inline product's left operand, the last relu's, still gets its
+    f32 copy)."""
+    loss, comp = mlp_step(512)
+    code = lower(comp, Target(native_products=frozenset({Precision.bf16})))
+    first = _relus(code)[0]
+    assert first.id in {n.id for n in stored_nodes(code)}
+    assert any(isinstance(g, Gemm) and first.id in (g.a.node.id, g.b.node.id) for g in code)
+    assert not any(copy_source(n) is first for g in code if isinstance(g, LoopGroup)
+                   for n in g.nests)
+
+
+@pytest.mark.parametrize("width", [64, 512])
+def test_copies_in_writers_and_in_place_keep_the_bits(width, monkeypatch, tmp_path):
+    """The step's gradients and updated masters with both passes, and with neither (each copy a
+    pass of its own, a large one made again for backprop), bit for bit; 512 wide, the
+    activations are large copies (``schedule.FRESH_COPY``)."""
+    from ocannl.backends.cpu import codegen, native_products
+
+    monkeypatch.setattr(native_products, "_decided", {
+        p: native_products.ProductPath(p, False, "", 0, "widened by the test")
+        for p in native_products.ENV})
+    monkeypatch.setenv("OCANNL_CACHE_DIR", str(tmp_path))
+
+    def run(passes: bool) -> tuple[list[bytes], int]:
+        if not passes:
+            monkeypatch.setattr(schedule, "copies_in_writers", lambda code, target: code)
+            monkeypatch.setattr(schedule, "widened_in_place", lambda code: code)
+        monkeypatch.setattr(codegen, "_VERSION", codegen._VERSION + f"-{passes}")
+        loss, comp = mlp_step(width)
+        ctx = train.init_params(Context.cpu(), loss)
+        n_items = len(ctx.lower(comp))
+        ctx, r = ctx.compile(comp)
+        for _ in range(2):
+            ctx = ctx.run(r)
+        return [ctx.get_values(p).tobytes() for p in loss.params] + [
+            ctx.get_values(p.grad).tobytes() for p in loss.params], n_items
+
+    fused, fused_items = run(True)
+    plain, plain_items = run(False)
+    assert fused == plain
+    assert fused_items < plain_items
