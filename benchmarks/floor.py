@@ -36,6 +36,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.fixtures import Fixture, load  # noqa: E402
+from benchmarks.measure import SETTLE_S  # noqa: E402
 from benchmarks.sgemm import SgemmInRounds  # noqa: E402
 from benchmarks.specs import WORKLOADS, Product  # noqa: E402
 
@@ -156,6 +157,13 @@ class FloorInRounds(SgemmInRounds):
         p, c = self.products_time(), self.copy_time()
         return None if p is None or c is None else p + c
 
+    def record(self) -> dict:
+        """What the report keeps of the floor: its seconds, its parts, and it in words."""
+        return {"floor_s": self.floor(), "products_s": self.products_time(),
+                "copy_s": self.copy_time(), "bytes": self.shape.bytes,
+                "touched": self.shape.touched, "flops": self.shape.flops,
+                "transcendentals": self.shape.transcendentals, "note": self.describe()}
+
     def describe(self) -> str:
         """The floor and its parts, in words."""
         p, c, f = self.products_time(), self.copy_time(), self.floor()
@@ -174,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("workload", choices=sorted(WORKLOADS))
     ap.add_argument("--rounds", type=int, default=20)
-    ap.add_argument("--steps", type=int, default=5, help="timed steps a round")
+    ap.add_argument("--steps", type=int, default=10, help="timed steps a round, at least")
     args = ap.parse_args(argv)
     from benchmarks.runners import make_runner
 
@@ -183,13 +191,19 @@ def main(argv: list[str] | None = None) -> int:
     floor = FloorInRounds(shape)
     runner = make_runner(fx, "ocannl", "f32", "cpu")
     runner.build()
+    t0 = time.perf_counter()
     for i in range(5):
         runner.step(i)
+    # at least 50 ms of steps a round: a short step's first ones after the pause are slower
+    per = max(args.steps, int(0.05 / ((time.perf_counter() - t0) / 5)))
     samples = []
     for k in range(args.rounds):
         floor.time()
-        for i in range(args.steps):
-            runner.feed(k * args.steps + i)
+        time.sleep(SETTLE_S)  # NumPy's BLAS threads spin a while after its last call
+        for i in range(2):  # the pool's threads and the clock wake up after the pause
+            runner.step(i)
+        for i in range(per):
+            runner.feed(k * per + i)
             t0 = time.perf_counter()
             runner._step()
             samples.append(time.perf_counter() - t0)

@@ -11,6 +11,7 @@ from benchmarks.results import Row
 from benchmarks.specs import CONTROL_VARIANT, VARIANTS, WORKLOADS, Workload
 from benchmarks.targets import (
     ISSUE_29_TABLE,
+    ISSUE_42_TABLE,
     ISSUE_TABLE,
     Goal,
     Summary,
@@ -377,9 +378,10 @@ def render(rows: list[Row], targets: list[Target], info: dict, chart: str | None
             "peak RSS growth (per workload the largest of the ocannl rows, over PyTorch "
             "eager's). \"f16\" is the host-gated f16 variant.", ""]
     keys29 = {g.key for g in ISSUE_29_TABLE}
+    later = keys29 | {g.key for g in ISSUE_42_TABLE}
     out += summary_table(targets) + [""]
     out += ["Every instance:", ""] + targets_table(
-        [t for t in targets if t.key not in keys29]) + [""]
+        [t for t in targets if t.key not in later]) + [""]
     out += ["## Issue 29's targets (CPU, bf16, medians, ratios from this run)", "",
             "This project's bf16 step against its own f32 step and against PyTorch eager "
             "under `torch.autocast(device_type=\"cpu\", dtype=torch.bfloat16)` (the step a "
@@ -392,6 +394,18 @@ def render(rows: list[Row], targets: list[Target], info: dict, chart: str | None
     out += summary_table(targets, ISSUE_29_TABLE) + [""]
     out += ["Every instance:", ""] + targets_table(
         [t for t in targets if t.key in keys29]) + [""]
+    keys42 = {g.key for g in ISSUE_42_TABLE}
+    out += ["## Issue 42's targets (CPU, medians, ratios from this run)", "",
+            "Each f32 step over its floor (`benchmarks/floor.py`): the step's own products "
+            "(the shapes its lowered code runs, operands stored as it stores them) as NumPy "
+            "computes them, plus one pass over the bytes it must touch (parameters, gradients, "
+            "optimizer state, inputs, the activations backprop reads) at the bandwidth of a "
+            "NumPy copy, both timed in the step's rounds; the note gives the parts and the "
+            "step's transcendental evaluations, which the floor leaves out. On a CPU without "
+            "16-bit product units, each 16-bit step over its own f32 step.", ""]
+    out += summary_table(targets, ISSUE_42_TABLE) + [""]
+    out += ["Every instance:", ""] + targets_table(
+        [t for t in targets if t.key in keys42]) + [""]
     if chart:
         out += [f"![step times]({chart})", ""]
     if chain is not None:

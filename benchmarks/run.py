@@ -29,11 +29,12 @@ if __package__ in (None, ""):
 
 from benchmarks import compile_chain, machine, report, targets  # noqa: E402
 from benchmarks.fixtures import FIXTURE_DIR, load  # noqa: E402
+from benchmarks.floor import FloorInRounds, step_shape  # noqa: E402
 from benchmarks.measure import measure  # noqa: E402
 from benchmarks.probe import run_probe  # noqa: E402
 from benchmarks.results import Row  # noqa: E402
 from benchmarks.runners import make_runner, row_specs  # noqa: E402
-from benchmarks.sgemm import SgemmInRounds, sgemm_rate  # noqa: E402
+from benchmarks.sgemm import sgemm_rate  # noqa: E402
 from benchmarks.specs import CONTROL_VARIANT, WORKLOADS, scaled  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -178,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     specs = row_specs(devices=("cpu",) if args.cpu_only else ("cpu", "cuda"),
                       torch_compile=not args.no_torch_compile, peers=not args.no_peers)
     rows: list[Row] = []
+    floors: dict[str, dict] = {}
     used = {name: scaled(WORKLOADS[name], args.scale) for name in args.workloads}
     for name, w in used.items():
         fx = load(w, args.fixtures)
@@ -185,13 +187,15 @@ def main(argv: list[str] | None = None) -> int:
         runners = [make_runner(fx, *s) for s in specs]
         if ("ocannl", CONTROL_VARIANT, "cpu") in specs:  # the A/A control, timed with the rest
             runners.append(make_runner(fx, "ocannl", CONTROL_VARIANT, "cpu", control=True))
-        # The wide step's yardstick, timed in its rounds: the same machine states as the step.
-        # With it, a pass over the step's own products as NumPy computes them: the floor of
-        # the wide step's target against PyTorch eager.
-        in_rounds = (SgemmInRounds(products=w.gemm_products()) if name == "mlp_wide"
-                     else None)
+        # The yardstick, timed in the rounds: the same machine states as the steps. NumPy's
+        # sgemm, and the step's floor (``benchmarks.floor``): a pass over the f32 step's own
+        # products as NumPy computes them (for mlp_wide, the floor of its target against
+        # PyTorch eager too) and a copy of the bytes the step must touch.
+        in_rounds = FloorInRounds(step_shape(fx))
         rows += measure(fx, runners, runners[0], log, yardstick=in_rounds)
-        if in_rounds is not None:
+        floors[name] = in_rounds.record()
+        log(f"  {floors[name]['note']}")
+        if name == "mlp_wide":
             info["sgemm_rounds"] = in_rounds.rate()
             info["products_rounds_s"] = in_rounds.products_time()
         del runners
@@ -217,8 +221,9 @@ def main(argv: list[str] | None = None) -> int:
         profiles = profile_rows(rows, args.profile_rows, args.profile_runs)
     info["load_end"] = machine.load_average()
     info["runtime_s"] = time.perf_counter() - t_start
+    info["floors"] = floors
     found = targets.evaluate(rows, info["sgemm"], chain, info.get("products_rounds_s"),
-                             bf16_units=info.get("bf16_units"))
+                             bf16_units=info.get("bf16_units"), floors=floors)
     args.out.mkdir(parents=True, exist_ok=True)
     png = args.out / "REPORT.png"
     has_chart = report.chart(rows, png)

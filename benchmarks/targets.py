@@ -72,7 +72,16 @@ ISSUE_29_TABLE: tuple[Goal, ...] = (
          "workload (unchanged or better: at most the top of the range at filing)",
          "1.11x-1.21x", 1.21, "x"),
 )
-GOALS = {g.key: g for g in ISSUE_TABLE + ISSUE_29_TABLE}
+# Issue 42: every f32 step at its floor (``benchmarks.floor``), 16-bit twins at most 1.05x their
+# own f32 step on a CPU without 16-bit product units.
+ISSUE_42_TABLE: tuple[Goal, ...] = (
+    Goal("floor", "every f32 step / its floor (its products at NumPy's rate + one pass over "
+         "the bytes it must touch, in the same rounds)", "mlp_wide 1.00x on Zen 1; others not "
+         "measured", 1.05, "x"),
+    Goal("half_no_units", "bf16 and f16 step / own f32 step on a CPU without 16-bit product "
+         "units, every workload", "1.03-1.21x (Zen 1)", 1.05, "x"),
+)
+GOALS = {g.key: g for g in ISSUE_TABLE + ISSUE_29_TABLE + ISSUE_42_TABLE}
 # Issue 29's step rows: goal key -> (workload, what the bf16 step is held to: "own" or
 # "autocast").
 BF16_STEP_GOALS = {
@@ -435,14 +444,45 @@ def _gemm_ratio(rows: list[Row], sgemm_flops: float | None) -> Target:
                    _ratio(rate["bf16"], rate["f32"]), note)
 
 
+def floor_targets(rows: list[Row], floors: dict[str, dict] | None,
+                  units: dict[str, bool] | None = None) -> list[Target]:
+    """Issue 42's targets: each f32 step over its floor (``floors``: workload -> what
+    ``benchmarks.floor.FloorInRounds.record`` gives), and on a CPU without 16-bit product
+    units (``units``: the flags of ``machine.bf16_units()`` and F16 products' all False) each
+    16-bit variant's step over its own f32 step."""
+    out = []
+    names = _ran(rows)
+    for wl in names:
+        f = (floors or {}).get(wl)
+        if f is None or f.get("floor_s") is None:
+            out.append(_target("floor", f"{wl} f32 step / its floor", None, "floor not timed"))
+            continue
+        out.append(_target("floor", f"{wl} f32 step / its floor",
+                           _ratio(_p50(rows, wl, "ocannl", "f32"), f["floor_s"]), f["note"]))
+    has_units = units is not None and any(units.values())
+    for wl in names:
+        for v in HALF_VARIANTS:
+            name = f"{wl} {v} step / own f32 step, no 16-bit units"
+            if units is None or has_units:
+                why = ("the CPU's 16-bit units not recorded" if units is None else
+                       "this CPU has 16-bit units (" + ", ".join(
+                           f for f, on in units.items() if on) + ")")
+                out.append(_target("half_no_units", name, None, why))
+            else:
+                out.append(_between(rows, wl, "half_no_units", name, v, "f32"))
+    return out
+
+
 def evaluate(rows: list[Row], sgemm_flops: float | None, chain: dict | None = None,
              products_s: float | None = None,
-             bf16_units: dict[str, bool] | None = None) -> list[Target]:
-    """Every target of issues 12 and 29 that this run's rows (and chain results) can speak to;
-    ``products_s``: NumPy's time for the wide step's products, in its rounds; ``bf16_units``:
-    the CPU's (``machine.bf16_units()``)."""
+             bf16_units: dict[str, bool] | None = None,
+             floors: dict[str, dict] | None = None) -> list[Target]:
+    """Every target of issues 12, 29 and 42 that this run's rows (and chain results) can speak
+    to; ``products_s``: NumPy's time for the wide step's products, in its rounds;
+    ``bf16_units``: the CPU's (``machine.bf16_units()``); ``floors``: each workload's floor."""
     return (step_targets(rows, sgemm_flops, products_s) + probe_targets(rows)
-            + chain_targets(chain) + bf16_targets(rows, sgemm_flops, bf16_units))
+            + chain_targets(chain) + bf16_targets(rows, sgemm_flops, bf16_units)
+            + floor_targets(rows, floors, bf16_units))
 
 
 @dataclass(frozen=True)

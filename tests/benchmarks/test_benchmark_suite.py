@@ -126,8 +126,9 @@ def test_parity_gate_and_report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
                                       "mlp_small f16 step / f32 step"]
     assert all(t.measured is None and t.met is None for t in half)
     # and issue 29's rows that speak to every workload: memory, and the CPU without bf16 units
+    # and issue 42's: each f32 step's floor (not timed here), 16-bit steps without 16-bit units
     assert {t.key for t in found} == {"half", "gate", "gated16", "warm", "rss", "bf16_mem",
-                                      "bf16_no_units"}
+                                      "bf16_no_units", "floor", "half_no_units"}
     info = {"command": "test", "date": "today", "runtime_s": 0.0, "cpu": "cpu", "cores": 2,
             "memory": "1 GiB", "platform": "p", "commit": "c", "versions": {"numpy": "x"},
             "sgemm": 1e11, "load_start": "0", "load_end": "0"}
@@ -456,7 +457,8 @@ def test_issue_12_targets_and_report() -> None:
                      "half": 1.25, "gate": 1.10, "gated16": 1.03, "cold_wide": 3.0,
                      "cold_big": 5.0, "warm": 0.5, "chain_3000": 10.0, "chain_linear": 2.0,
                      "rss": 1.0}
-    assert {t.key for t in found} - {g.key for g in targets.ISSUE_29_TABLE} == set(goals)
+    later = {g.key for g in targets.ISSUE_29_TABLE + targets.ISSUE_42_TABLE}
+    assert {t.key for t in found} - later == set(goals)
     counts = {k: sum(t.key == k for t in found) for k in goals}
     assert counts == {"wide_eager": 1, "wide_gemm": 1, "conv_eager": 1, "gpt_eager": 1,
                       "half": 8, "gate": 4, "gated16": 4, "cold_wide": 1, "cold_big": 2,
@@ -565,7 +567,11 @@ def test_run_wires_chain_profiles_and_targets(tmp_path: Path,
     assert all(r["status"] == "ok" for r in done["chain"]["results"]), done["chain"]
     keys = {t["key"] for t in done["targets"]}
     assert {"half", "gate", "gated16", "warm", "rss", "chain_3000", "chain_linear", "bf16_mem",
-            "bf16_no_units"} == keys
+            "bf16_no_units", "floor", "half_no_units"} == keys
+    (floor,) = [t for t in done["targets"] if t["key"] == "floor"]
+    f = done["info"]["floors"]["mlp_small"]
+    assert floor["measured"] > 0 and f["floor_s"] == f["products_s"] + f["copy_s"] > 0
+    assert "## Issue 42's targets" in (out / "REPORT.md").read_text()
     linear = next(t for t in done["targets"] if t["key"] == "chain_linear")
     assert linear["measured"] is not None and "N = 3" in linear["note"]
     (prof,) = done["profiles"]
@@ -600,3 +606,43 @@ def test_slowest_rows_one_per_workload() -> None:
     assert [(r.workload, r.variant) for r in picked] == [("mlp_small", "f32"),
                                                          ("mlp_wide", "bf16")]
     assert run.slowest_rows(rows, 0) == []
+
+
+def test_floor_targets_hold_each_step_to_its_floor_and_16_bits_without_units_to_f32() -> None:
+    """Each workload's f32 step over its floor (a missing floor: not measured); the 16-bit
+    steps over their own f32 step only on a CPU whose flags say it has no 16-bit units."""
+    rows = _suite_rows()
+    floors = {"mlp_small": {"floor_s": 1e-4, "note": "floor 0.1 ms: parts"}}
+    found = targets.floor_targets(rows, floors, {"avx512_bf16": False, "amx_bf16": False})
+    floor = [t for t in found if t.key == "floor"]
+    f32 = next(r for r in rows if r.workload == "mlp_small" and r.framework == "ocannl"
+               and r.variant == "f32")
+    by = {t.name: t for t in floor}
+    assert by["mlp_small f32 step / its floor"].measured == pytest.approx(f32.p50 / 1e-4)
+    assert by["mlp_small f32 step / its floor"].note == "floor 0.1 ms: parts"
+    assert all(t.measured is None for n, t in by.items() if not n.startswith("mlp_small"))
+    half = [t for t in found if t.key == "half_no_units"]
+    assert half and all(t.goal == 1.05 for t in half)
+    assert any(t.measured is not None for t in half)
+    with_units = targets.floor_targets(rows, floors, {"avx512_bf16": True})
+    assert all(t.measured is None and "avx512_bf16" in t.note
+               for t in with_units if t.key == "half_no_units")
+
+
+def test_a_steps_floor_is_made_of_its_own_products_and_bytes(tmp_path: Path) -> None:
+    """``floor.step_shape``: the products of the f32 step as lowered (an MLP's eight, its
+    first layer's input gradient not computed), the parameters' and gradients' bytes, and a
+    yardstick whose floor is its two parts."""
+    from benchmarks import floor as floor_mod
+
+    w = replace(scaled(WORKLOADS["mlp_wide"], 0.01), sizes=(16, 32, 32, 8), batch=16,
+                n_batches=2)
+    shape = floor_mod.step_shape(fixtures.from_tensors(w, fixtures.generate(w)))
+    # the same products, some computed the other way round (``out^T = b^T @ a^T``)
+    assert sorted(p.flops for p in shape.products) == sorted(p.flops for p in w.gemm_products())
+    params = sum(i * o + o for i, o in zip(w.sizes[:-1], w.sizes[1:], strict=True)) * 4
+    assert shape.touched["parameters"] == shape.touched["gradients"] == params
+    yard = floor_mod.FloorInRounds(shape)
+    yard.time()
+    rec = yard.record()
+    assert rec["floor_s"] == rec["products_s"] + rec["copy_s"] and "products" in rec["note"]
