@@ -262,12 +262,14 @@ def chain_section(chain: dict) -> list[str]:
     return out
 
 
-def profile_section(rows: list[Row], profiles: list[dict], top: int = 8) -> list[str]:
-    """Where the time of the slowest ocannl rows' steps goes: their slowest lowered items."""
+def profile_section(rows: list[Row], profiles: list[dict], top: int = 5) -> list[str]:
+    """Where the time of the profiled ocannl rows' steps goes: their slowest lowered items."""
     out = ["Each lowered item (a fill, a fused loop group, a GEMM) of the ocannl rows furthest "
-           "behind PyTorch eager, compiled as a routine of its own on the step's buffers and "
-           "timed alone (`benchmarks/profile_items.py`); the sum is close to the step's "
-           "compute, the rest of the p50 is the call and the host's work between steps.", ""]
+           "behind PyTorch eager and of every workload's f32, bf16 and f16 rows "
+           "(`run.py --profile-variants`), compiled as a routine of its own on the step's "
+           "buffers and timed alone (`benchmarks/profile_items.py`); the sum is close to the "
+           "step's compute, the rest of the p50 is the call and the host's work between "
+           "steps.", ""]
     eager = {r.workload: r.p50 for r in rows
              if (r.framework, r.variant, r.device, r.status) == ("torch", "eager", "cpu", "ok")}
     for p in profiles:

@@ -70,6 +70,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--profile-rows", type=int, default=2, metavar="K",
                     help="time each lowered item of the K ocannl rows furthest behind "
                          "PyTorch eager, one per workload (default: %(default)s; 0: none)")
+    ap.add_argument("--profile-variants", default="f32,bf16,f16", metavar="V,...",
+                    help="and each workload's rows of these variants (default: %(default)s; "
+                         "'': none)")
     ap.add_argument("--profile-runs", type=int, default=20,
                     help="runs per item when profiling (default: %(default)s)")
     ap.add_argument("--out", type=Path, default=HERE, help="where REPORT.md/.png/.json go")
@@ -141,10 +144,22 @@ def profile_row(workload: str, variant: str, runs: int,
     return {**out, "items": items, "total_s": sum(t for t, _ in items)}
 
 
-def profile_rows(rows: list[Row], k: int, runs: int) -> list[dict]:
-    """Where the time of the ``k`` slowest ocannl rows' steps goes (``slowest_rows``)."""
+def profiled_rows(rows: list[Row], k: int, variants: list[str]) -> list[Row]:
+    """The ``k`` slowest ocannl rows (``slowest_rows``), then every workload's timed ocannl CPU
+    rows of ``variants`` not among them."""
+    out = slowest_rows(rows, k)
+    for r in rows:
+        if ((r.framework, r.device, r.status, r.control) == ("ocannl", "cpu", "ok", False)
+                and r.variant in variants and r not in out):
+            out.append(r)
+    return out
+
+
+def profile_rows(rows: list[Row], k: int, runs: int, variants: list[str] = ()) -> list[dict]:
+    """Where the time of the ``k`` slowest ocannl rows' steps goes, and of every workload's
+    rows of ``variants`` (``profiled_rows``)."""
     found = []
-    for r in slowest_rows(rows, k):
+    for r in profiled_rows(rows, k, list(variants)):
         p = profile_row(r.workload, r.variant, runs)
         p["p50"] = r.p50
         found.append(p)
@@ -216,9 +231,10 @@ def main(argv: list[str] | None = None) -> int:
                                         lambda m: log("  " + m), stop_after_timeout=True)
         chain["source"] = "this run"
     profiles = []
-    if args.profile_rows:
+    variants = [v for v in args.profile_variants.split(",") if v]
+    if args.profile_rows or variants:
         log("where the time goes (each lowered item timed alone):")
-        profiles = profile_rows(rows, args.profile_rows, args.profile_runs)
+        profiles = profile_rows(rows, args.profile_rows, args.profile_runs, variants)
     info["load_end"] = machine.load_average()
     info["runtime_s"] = time.perf_counter() - t_start
     info["floors"] = floors

@@ -559,7 +559,8 @@ def test_run_wires_chain_profiles_and_targets(tmp_path: Path,
     base = ["--workloads", "mlp_small", "--scale", "0.01", "--no-probes", "--no-torch-compile",
             "--cpu-only", "--out", str(out), "--fixtures", str(tmp_path)]
     assert run.main([*base, "--chain-n", "2", "3", "--chain-max-seconds", "120",
-                     "--profile-rows", "1", "--profile-runs", "1", "--no-peers"]) == 0
+                     "--profile-rows", "1", "--profile-runs", "1", "--no-peers",
+                     "--profile-variants", "bf16"]) == 0
     done = json.loads((out / "REPORT.json").read_text())
     ran = {(r["framework"], r["variant"]) for r in done["rows"]}
     assert ("torch", "autocast") in ran and not {"jax", "tinygrad"} & {f for f, _ in ran}
@@ -574,7 +575,8 @@ def test_run_wires_chain_profiles_and_targets(tmp_path: Path,
     assert "## Issue 42's targets" in (out / "REPORT.md").read_text()
     linear = next(t for t in done["targets"] if t["key"] == "chain_linear")
     assert linear["measured"] is not None and "N = 3" in linear["note"]
-    (prof,) = done["profiles"]
+    prof, bf16 = done["profiles"]  # the slowest row, then the bf16 row if it was not that
+    assert bf16["variant"] == "bf16" != prof["variant"] and "error" not in bf16, bf16
     assert prof["workload"] == "mlp_small" and "error" not in prof, prof
     assert prof["items"] and prof["total_s"] > 0
     text = (out / "REPORT.md").read_text()
@@ -584,7 +586,7 @@ def test_run_wires_chain_profiles_and_targets(tmp_path: Path,
     (tmp_path / "COMPILE_CHAIN.json").write_text(json.dumps(
         {"info": {"command": "chain"}, "max_seconds": 60.0, "results": CHAIN["results"]}))
     assert run.main([*base, "--chain-from", str(tmp_path / "COMPILE_CHAIN.json"),
-                     "--profile-rows", "0"]) == 0
+                     "--profile-rows", "0", "--profile-variants", ""]) == 0
     done = json.loads((out / "REPORT.json").read_text())
     assert done["chain"]["per_op_growth"]["to"] == 3000 and done["profiles"] == []
     # the peers' rows, run where installed, else saying why
