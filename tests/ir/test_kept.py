@@ -204,3 +204,26 @@ def test_reading_a_twin_whose_master_nothing_initialized_is_refused_by_name():
         ctx.run(fwd)
     ctx = train.init_params(ctx, loss)  # the refusal left the context usable
     assert np.isfinite(ctx.run(fwd).get_value(loss))
+
+
+def test_the_cuda_plan_writes_the_kept_twin_in_the_updates_kernel():
+    """On the CUDA target (bf16 products as stored) every kept twin is bf16, each is written by
+    the kernel updating its master (one kernel per master: no cast kernel of its own), and no
+    kernel touches a twin: the forward pass reads the kept node."""
+    from ocannl.backends.cuda.plan import Kernel, cuda_target, plan_routine
+
+    loss, _ = mlp_loss()
+    comp = train.grad_update(loss) + train.sgd_update(loss, learning_rate=0.1)
+    code = lower(comp, cuda_target())
+    kernels = [k for k in plan_routine(code).steps if isinstance(k, Kernel)]
+    masters = {p.value.id for p in loss.params}
+    kept = {n.id: n for k in kernels for n in k.nodes if n.keeps is not None}
+    assert sorted(n.keeps[0].id for n in kept.values()) == sorted(masters)
+    assert {n.prec for n in kept.values()} == {Precision.bf16}
+    updates = [k for k in kernels if masters & {n.id for n in k.nodes}]
+    assert len(updates) == len(masters)  # one kernel per master: its update and its twin
+    for k in updates:
+        ids = {n.id for n in k.nodes}
+        assert [n for n in kept.values() if n.keeps[0].id in ids and n.id in ids]
+    twins = {t.id for p in loss.params for t in p.value.twins}
+    assert not any(n.id in twins for k in kernels for n in k.nodes)
