@@ -227,3 +227,23 @@ def test_the_cuda_plan_writes_the_kept_twin_in_the_updates_kernel():
         assert [n for n in kept.values() if n.keeps[0].id in ids and n.id in ids]
     twins = {t.id for p in loss.params for t in p.value.twins}
     assert not any(n.id in twins for k in kernels for n in k.nodes)
+
+
+def test_masters_viewing_one_flat_buffer_are_marked_through_it():
+    """Masters sharing one flat buffer (``Context.share_flat``), written through the flat
+    buffer's handle (a data-parallel gather of parameter slices would): their kept twins are
+    recast."""
+    loss, _ = mlp_loss()
+    comp = train.forward(loss)  # infers the parameters' dims
+    ctx = Context.cpu()
+    flat = ctx.share_flat([p.value for p in loss.params], label="masters")
+    ctx = train.init_params(ctx, loss)
+    ctx, fwd = ctx.compile(comp)
+    first = ctx.run(fwd).get_value(loss)
+    buf = ctx.device_buffer(flat)
+    ctx = ctx.run(fwd)  # a run between the hand-out and the write: mark_written is needed
+    buf *= 0.5
+    ctx = ctx.mark_written(flat)
+    got = ctx.run(fwd).get_value(loss)
+    values = {p.value.id: ctx.get_values(p) for p in loss.params}
+    assert got == _forward_of_fresh_context(loss, values) != first
