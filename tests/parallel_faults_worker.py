@@ -93,6 +93,7 @@ def train_run(args: argparse.Namespace) -> None:
         print(f"faults: rank {comm.rank} waited {time.monotonic() - t_wait:.2f} s, "
               f"{time.process_time() - c_wait:.3f} s of CPU; missing {list(err.missing)}, "
               f"step {err.step}", flush=True)
+        print(f"faults: {err}", flush=True)  # as in nccl_run: the traceback may be cut off
         raise
     if comm.rank == 0:
         (args.out / "done").write_text("ok")
@@ -128,9 +129,12 @@ def nccl_run(args: argparse.Namespace) -> None:
         comm.allreduce_sum(buf)
     try:
         comm.barrier()
-    except parallel.CollectiveTimeout:
+    except parallel.CollectiveTimeout as err:
+        # The message itself too: the traceback ``-m mpi4py`` prints may be cut off by the
+        # launcher's abort on a loaded machine, before it forwards the last lines.
         print(f"faults: rank {comm.rank} NCCL calls {[c[0] for c in fake_nccl.calls]}",
               flush=True)
+        print(f"faults: {err}", flush=True)
         raise
 
 
