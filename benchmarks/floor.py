@@ -63,23 +63,10 @@ class StepShape:
 
 def step_shape(fx: Fixture) -> StepShape:
     """The f32 step of ``fx``'s workload as this project lowers it for the CPU."""
-    from benchmarks.runners import make_runner
-    from ocannl import Context
+    from benchmarks.profile_items import built
     from ocannl.ir.lowered import Gemm, nodes_of
 
-    comps = []
-    compile_ = Context.compile
-
-    def capture(self, comp, bindings=None):  # noqa: ANN001, ANN202 - a wrapper
-        comps.append(comp)
-        return compile_(self, comp, bindings)
-
-    Context.compile = capture
-    try:
-        runner = make_runner(fx, "ocannl", "f32", "cpu")
-        runner.build()
-    finally:
-        Context.compile = compile_
+    runner, comps = built(fx, "f32")
     code = [item for comp in comps for item in runner.ctx.lower(comp)]
     products = tuple(Product(g.rows, g.inner, g.cols, g.a.transposed, g.b.transposed,
                              batch=math.prod(b.size for b in g.batch))

@@ -38,10 +38,10 @@ def describe(item: object) -> str:
             f" ({lead.assign.lhs.prec.value})")
 
 
-def profile(workload: str, variant: str, runs: int) -> list[tuple[float, str]]:
-    from benchmarks.fixtures import load
+def built(fx: object, variant: str) -> tuple[object, list]:
+    """The row's ocannl runner on fixture ``fx``, built, with the computations its build
+    compiled (its routines' source, for lowering again)."""
     from benchmarks.runners import make_runner
-    from benchmarks.specs import WORKLOADS
     from ocannl import Context
 
     comps = []
@@ -53,10 +53,18 @@ def profile(workload: str, variant: str, runs: int) -> list[tuple[float, str]]:
 
     Context.compile = capture
     try:
-        runner = make_runner(load(WORKLOADS[workload]), "ocannl", variant, "cpu")
+        runner = make_runner(fx, "ocannl", variant, "cpu")
         runner.build()
     finally:
         Context.compile = compile_
+    return runner, comps
+
+
+def profile(workload: str, variant: str, runs: int) -> list[tuple[float, str]]:
+    from benchmarks.fixtures import load
+    from benchmarks.specs import WORKLOADS
+
+    runner, comps = built(load(WORKLOADS[workload]), variant)
     for i in range(3):
         runner.step(i)
     ctx = runner.ctx

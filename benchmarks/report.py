@@ -296,6 +296,15 @@ def profile_section(rows: list[Row], profiles: list[dict], top: int = 5) -> list
     return out
 
 
+def _issue_section(targets: list[Target], table: tuple[Goal, ...], title: str,
+                   intro: str) -> list[str]:
+    """A later issue's targets: its table row for row, then every instance."""
+    keys = {g.key for g in table}
+    return ([f"## {title}", "", intro, ""] + summary_table(targets, table) + [""]
+            + ["Every instance:", ""] + targets_table([t for t in targets if t.key in keys])
+            + [""])
+
+
 def render(rows: list[Row], targets: list[Target], info: dict, chart: str | None,
            workloads: dict[str, Workload] | None = None, chain: dict | None = None,
            profiles: list[dict] | None = None) -> str:
@@ -379,12 +388,12 @@ def render(rows: list[Row], targets: list[Target], info: dict, chart: str | None
             "cache the cold one filled; per workload the slowest probed ocannl row), and so is "
             "peak RSS growth (per workload the largest of the ocannl rows, over PyTorch "
             "eager's). \"f16\" is the host-gated f16 variant.", ""]
-    keys29 = {g.key for g in ISSUE_29_TABLE}
-    later = keys29 | {g.key for g in ISSUE_42_TABLE}
+    later = {g.key for g in ISSUE_29_TABLE + ISSUE_42_TABLE}
     out += summary_table(targets) + [""]
     out += ["Every instance:", ""] + targets_table(
         [t for t in targets if t.key not in later]) + [""]
-    out += ["## Issue 29's targets (CPU, bf16, medians, ratios from this run)", "",
+    out += _issue_section(targets, ISSUE_29_TABLE,
+                          "Issue 29's targets (CPU, bf16, medians, ratios from this run)",
             "This project's bf16 step against its own f32 step and against PyTorch eager "
             "under `torch.autocast(device_type=\"cpu\", dtype=torch.bfloat16)` (the step a "
             "PyTorch user would pick), in the same rounds; the wide step's GEMM FLOPs over "
@@ -392,22 +401,16 @@ def render(rows: list[Row], targets: list[Target], info: dict, chart: str | None
             "after its first run (`Context.mem()`: buffers and the arena of local nodes), "
             "bf16's over f32's. The goals are meant for a CPU with AMX-BF16 (the machine's "
             "bf16 units are listed above); the last row holds a CPU without any to the top "
-            "of the range at filing, and is not measured on one that has them.", ""]
-    out += summary_table(targets, ISSUE_29_TABLE) + [""]
-    out += ["Every instance:", ""] + targets_table(
-        [t for t in targets if t.key in keys29]) + [""]
-    keys42 = {g.key for g in ISSUE_42_TABLE}
-    out += ["## Issue 42's targets (CPU, medians, ratios from this run)", "",
+            "of the range at filing, and is not measured on one that has them.")
+    out += _issue_section(targets, ISSUE_42_TABLE,
+                          "Issue 42's targets (CPU, medians, ratios from this run)",
             "Each f32 step over its floor (`benchmarks/floor.py`): the step's own products "
             "(the shapes its lowered code runs, operands stored as it stores them) as NumPy "
             "computes them, plus one pass over the bytes it must touch (parameters, gradients, "
             "optimizer state, inputs, the activations backprop reads) at the bandwidth of a "
             "NumPy copy, both timed in the step's rounds; the note gives the parts and the "
             "step's transcendental evaluations, which the floor leaves out. On a CPU without "
-            "16-bit product units, each 16-bit step over its own f32 step.", ""]
-    out += summary_table(targets, ISSUE_42_TABLE) + [""]
-    out += ["Every instance:", ""] + targets_table(
-        [t for t in targets if t.key in keys42]) + [""]
+            "16-bit product units, each 16-bit step over its own f32 step.")
     if chart:
         out += [f"![step times]({chart})", ""]
     if chain is not None:

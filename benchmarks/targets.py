@@ -415,17 +415,22 @@ def bf16_targets(rows: list[Row], sgemm_flops: float | None = None,
                           if r is not None) if len(mem) == 2 else "")
         out.append(_target("bf16_mem", f"{wl} bf16 device buffers + scratch / f32's",
                            _ratio(mem.get("bf16"), mem.get("f32")), note))
-    has_units = bf16_units is not None and any(bf16_units.values())
     for wl in names:
-        name = f"{wl} bf16 step / own f32 step, no bf16 units"
-        if bf16_units is None or has_units:
-            why = ("the CPU's bf16 units not recorded" if bf16_units is None else
-                   "this CPU has bf16 units (" + ", ".join(
-                       f for f, on in bf16_units.items() if on) + ")")
-            out.append(_target("bf16_no_units", name, None, why))
-        else:
-            out.append(_between(rows, wl, "bf16_no_units", name, "bf16", "f32"))
+        out.append(_without_units(rows, wl, "bf16_no_units", "bf16", bf16_units, "bf16"))
     return out
+
+
+def _without_units(rows: list[Row], wl: str, key: str, variant: str,
+                   units: dict[str, bool] | None, kind: str) -> Target:
+    """``variant``'s step over its own f32 step, measured only on a CPU whose ``units`` (flag
+    -> present) are all absent; else not measured, saying why."""
+    name = f"{wl} {variant} step / own f32 step, no {kind} units"
+    if units is None or any(units.values()):
+        why = (f"the CPU's {kind} units not recorded" if units is None else
+               f"this CPU has {kind} units (" + ", ".join(f for f, on in units.items() if on)
+               + ")")
+        return _target(key, name, None, why)
+    return _between(rows, wl, key, name, variant, "f32")
 
 
 def _gemm_ratio(rows: list[Row], sgemm_flops: float | None) -> Target:
@@ -459,17 +464,8 @@ def floor_targets(rows: list[Row], floors: dict[str, dict] | None,
             continue
         out.append(_target("floor", f"{wl} f32 step / its floor",
                            _ratio(_p50(rows, wl, "ocannl", "f32"), f["floor_s"]), f["note"]))
-    has_units = units is not None and any(units.values())
-    for wl in names:
-        for v in HALF_VARIANTS:
-            name = f"{wl} {v} step / own f32 step, no 16-bit units"
-            if units is None or has_units:
-                why = ("the CPU's 16-bit units not recorded" if units is None else
-                       "this CPU has 16-bit units (" + ", ".join(
-                           f for f, on in units.items() if on) + ")")
-                out.append(_target("half_no_units", name, None, why))
-            else:
-                out.append(_between(rows, wl, "half_no_units", name, v, "f32"))
+    out += [_without_units(rows, wl, "half_no_units", v, units, "16-bit")
+            for wl in names for v in HALF_VARIANTS]
     return out
 
 
