@@ -266,3 +266,18 @@ def test_the_loader_hands_a_rank_its_block_through_set_batch() -> None:
     with pytest.raises(ValueError, match=r"rank=1, world=2 disagree with parallel= \(rank 0 "
                                          r"of 1\)"):
         loader.Loader([data, targets], [x, y], batch=8, rank=1, world=2, parallel=dp)
+
+
+@needs_mpi
+@pytest.mark.whole_machine  # eight ranks on two cores
+def test_eight_ranks_with_eight_shards_are_the_bits_of_one(tmp_path: Path) -> None:
+    """A shard a rank: the fused f16 gate with clipping, and batch norm with dropout, give one
+    rank's bits on eight (each rank sums nothing of its own; the whole tree is the
+    collectives')."""
+    variants = ["adamw-fused-f16-clip", "dropbn-host-f32"]
+    ok(mpirun(8, "--out", tmp_path, "--tag", "eight", "--shards", "8", "--variants",
+              ",".join(variants), script=WORKER, timeout=300))
+    for v in variants:
+        ref = SW.run(parallel.SingleProcess(), v, shards=8)
+        for r in results(tmp_path, "eight", v, 8):
+            assert_same_run(r, ref)
