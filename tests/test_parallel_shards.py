@@ -4,7 +4,8 @@ computed them (``ocannl.parallel.ShardTree``, ``DataParallel(shards=...)``).
 
 Under ``mpiexec`` (tests/shard_worker.py): every state node, the scaler's and the recipe's
 counters, the global losses and the loader's position are the same bits on 1 rank (in this
-process), 2 and 4 ranks (4 shards), and on 1 and 3 ranks with 6 shards; a checkpoint written
+process), 2 and 4 ranks (4 shards), on 1 and 3 ranks with 6 shards, and on 1 and 8 ranks with
+8 shards; a checkpoint written
 by 4 ranks, resumed by 1, whose checkpoint 2 ranks resume, ends as the uninterrupted run.
 """
 
