@@ -23,6 +23,7 @@ import os
 import signal
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -93,10 +94,17 @@ def train_run(args: argparse.Namespace) -> None:
         print(f"faults: rank {comm.rank} waited {time.monotonic() - t_wait:.2f} s, "
               f"{time.process_time() - c_wait:.3f} s of CPU; missing {list(err.missing)}, "
               f"step {err.step}", flush=True)
-        print(f"faults: {err}", flush=True)  # as in nccl_run: the traceback may be cut off
+        print(f"faults: {_last_line(err)}", flush=True)
         raise
     if comm.rank == 0:
         (args.out / "done").write_text("ok")
+
+
+def _last_line(err: BaseException) -> str:
+    """The traceback's last line (``module.Class: message``), which a rank prints itself
+    before ``-m mpi4py`` aborts the job: the launcher's abort may cut the traceback off before
+    it forwards its last lines (seen on a loaded machine)."""
+    return traceback.format_exception_only(err)[-1].rstrip("\n")
 
 
 def nccl_run(args: argparse.Namespace) -> None:
@@ -130,11 +138,9 @@ def nccl_run(args: argparse.Namespace) -> None:
     try:
         comm.barrier()
     except parallel.CollectiveTimeout as err:
-        # The message itself too: the traceback ``-m mpi4py`` prints may be cut off by the
-        # launcher's abort on a loaded machine, before it forwards the last lines.
         print(f"faults: rank {comm.rank} NCCL calls {[c[0] for c in fake_nccl.calls]}",
               flush=True)
-        print(f"faults: {err}", flush=True)
+        print(f"faults: {_last_line(err)}", flush=True)
         raise
 
 
