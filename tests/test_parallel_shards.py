@@ -233,16 +233,22 @@ def test_four_ranks_are_the_bits_of_one_and_resume_on_one_then_two(one: dict[str
                                   equal_nan=True)
 
 
+def _ranks_are_the_bits_of_one(out: Path, ranks: int, shards: int, timeout: float) -> None:
+    """The fused f16 gate with clipping, and batch norm with dropout, on ``ranks`` ranks and
+    ``shards`` shards: each rank's run is one rank's, bit for bit."""
+    variants = ["adamw-fused-f16-clip", "dropbn-host-f32"]
+    ok(mpirun(ranks, "--out", out, "--tag", f"r{ranks}", "--shards", str(shards), "--variants",
+              ",".join(variants), script=WORKER, timeout=timeout))
+    for v in variants:
+        ref = SW.run(parallel.SingleProcess(), v, shards=shards)
+        for r in results(out, f"r{ranks}", v, ranks):
+            assert_same_run(r, ref)
+
+
 @needs_mpi
 @pytest.mark.whole_machine  # three ranks on two cores
 def test_three_ranks_with_six_shards_are_the_bits_of_one(tmp_path: Path) -> None:
-    variants = ["adamw-fused-f16-clip", "dropbn-host-f32"]
-    ok(mpirun(3, "--out", tmp_path, "--tag", "three", "--shards", "6", "--variants",
-              ",".join(variants), script=WORKER, timeout=150))
-    for v in variants:
-        ref = SW.run(parallel.SingleProcess(), v, shards=6)
-        for r in results(tmp_path, "three", v, 3):
-            assert_same_run(r, ref)
+    _ranks_are_the_bits_of_one(tmp_path, 3, 6, timeout=150)
 
 
 def test_the_loader_hands_a_rank_its_block_through_set_batch() -> None:
@@ -272,13 +278,5 @@ def test_the_loader_hands_a_rank_its_block_through_set_batch() -> None:
 @needs_mpi
 @pytest.mark.whole_machine  # eight ranks on two cores
 def test_eight_ranks_with_eight_shards_are_the_bits_of_one(tmp_path: Path) -> None:
-    """A shard a rank: the fused f16 gate with clipping, and batch norm with dropout, give one
-    rank's bits on eight (each rank sums nothing of its own; the whole tree is the
-    collectives')."""
-    variants = ["adamw-fused-f16-clip", "dropbn-host-f32"]
-    ok(mpirun(8, "--out", tmp_path, "--tag", "eight", "--shards", "8", "--variants",
-              ",".join(variants), script=WORKER, timeout=300))
-    for v in variants:
-        ref = SW.run(parallel.SingleProcess(), v, shards=8)
-        for r in results(tmp_path, "eight", v, 8):
-            assert_same_run(r, ref)
+    """A shard a rank: each rank sums nothing of its own; the whole tree is the collectives'."""
+    _ranks_are_the_bits_of_one(tmp_path, 8, 8, timeout=300)
