@@ -35,7 +35,7 @@ from benchmarks.probe import run_probe  # noqa: E402
 from benchmarks.results import Row  # noqa: E402
 from benchmarks.runners import make_runner, row_specs  # noqa: E402
 from benchmarks.sgemm import sgemm_rate  # noqa: E402
-from benchmarks.specs import CONTROL_VARIANT, WORKLOADS, scaled  # noqa: E402
+from benchmarks.specs import CONTROL_VARIANT, VARIANTS, WORKLOADS, scaled  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 PROBE_STEPS = 3
@@ -80,6 +80,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if any(n < 1 for n in args.chain_n) or args.chain_max_seconds <= 0:
         ap.error("--chain-n takes positive lengths and --chain-max-seconds a positive time")
+    unknown = [v for v in args.profile_variants.split(",") if v and v not in VARIANTS]
+    if unknown:
+        ap.error(f"--profile-variants: unknown variant(s) {unknown}: expected some of "
+                 f"{list(VARIANTS)}")
     if args.profile_rows < 0 or args.profile_runs < 1:
         ap.error("--profile-rows takes 0 or more rows and --profile-runs 1 or more runs")
     return args

@@ -275,8 +275,8 @@ class Context:
         for k in stale:
             r = self._recasts.get(k.id)
             if r is None:
-                _, r = self.compile_lowered(f"recast_{k.name}", lower(
-                    Comp((recast(k),), f"recast_{k.name}"), self._backend.target))
+                _, r = self.compile_lowered(f"recast_{k.name}", self.lower(
+                    Comp((recast(k),), f"recast_{k.name}")))
                 self._recasts[k.id] = r
             r.call()
             self._stale.discard(k.id)
