@@ -21,7 +21,7 @@ import os
 import re
 import secrets
 import urllib.parse
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -272,7 +272,7 @@ def _header_digest(meta: dict[str, str], shapes: dict[str, tuple[str, list[int]]
 
 
 def save(path: str | os.PathLike, ctx: Context, nodes: Iterable[Tnode | Tensor],
-         progress: Progress) -> None:
+         progress: Progress, *, values: Mapping[int, np.ndarray] | None = None) -> None:
     """Write ``nodes``' values (read from ``ctx``) and ``progress`` to ``path``, atomically:
     the bytes go to a temporary file ``.NAME.<random>.tmp`` in the same folder, are flushed to
     disk, then renamed over ``path``, so a crash at any point leaves either the old or the new
@@ -283,6 +283,10 @@ def save(path: str | os.PathLike, ctx: Context, nodes: Iterable[Tnode | Tensor],
     ``.NAME.lock`` beside ``path`` (waiting for another save of the same path to finish) and
     first removes the temporaries of saves of ``path`` that were killed; the lock file is
     removed when the save ends.
+
+    ``values``: for some nodes (by node id), the values to write instead of reading them from
+    ``ctx``: a state that no one context holds whole (``DataParallel.save`` gathers a sharded
+    optimizer's slices into them). Each must have the node's number of elements.
     """
     nodes = _as_nodes(nodes)
     if not isinstance(progress, Progress):
@@ -299,8 +303,13 @@ def save(path: str | os.PathLike, ctx: Context, nodes: Iterable[Tnode | Tensor],
                                               f"a file name; nothing was written")
     arrays: dict[str, np.ndarray] = {}
     dtypes: dict[str, str] = {}
+    given = {} if values is None else values
     for name, node in zip(names, nodes, strict=True):
-        arr = np.ascontiguousarray(ctx.get_values(node), dtype=node.prec.numpy_dtype)
+        got = given[node.id] if node.id in given else ctx.get_values(node)
+        arr = np.ascontiguousarray(got, dtype=node.prec.numpy_dtype)
+        if arr.size != node.size:
+            raise ValueError(f"checkpoint.save: values for {node.name} hold {arr.size} elements, "
+                             f"the node {node.size} (dims {node.dims}); nothing was written")
         arrays[name] = arr.reshape(node.dims)
         dtypes[name] = _DTYPES[node.prec]
         meta[f"label:{name}"] = node.label
@@ -430,8 +439,9 @@ def read_progress(path: str | os.PathLike) -> Progress:
     return Progress.from_json(meta.get("progress", ""))
 
 
-def load(path: str | os.PathLike, ctx: Context,
-         nodes: Iterable[Tnode | Tensor]) -> tuple[Context, Progress]:
+def load(path: str | os.PathLike, ctx: Context, nodes: Iterable[Tnode | Tensor], *,
+         writers: Mapping[int, Callable[[Context, np.ndarray], Context]] | None = None
+         ) -> tuple[Context, Progress]:
     """Write the values saved in ``path`` into ``nodes`` on ``ctx``, to resume training;
     returns the context and the saved progress.
 
@@ -447,6 +457,9 @@ def load(path: str | os.PathLike, ctx: Context,
 
     When no save of ``path`` is running (its lock is free), temporaries left by killed saves of
     ``path`` are removed first.
+
+    ``writers``: for some nodes (by node id), what writes the checked array instead of
+    ``ctx.set_values`` (``DataParallel.load`` writes a sharded optimizer's slice of it).
     """
     path, nodes, names, arrays, progress = _open(path, nodes)
     problems = _mismatches(arrays, names, nodes)
@@ -459,7 +472,7 @@ def load(path: str | os.PathLike, ctx: Context,
         problems.append("; ".join(unmet) + f", which this load does not hold ({_NEEDS_HINT})")
     if problems:
         raise Failure(f"checkpoint {str(path)!r} does not match the model: " + "; ".join(problems))
-    return _put(ctx, arrays, names, nodes), progress
+    return _put(ctx, arrays, names, nodes, writers), progress
 
 
 def load_weights(path: str | os.PathLike, ctx: Context,
@@ -521,7 +534,10 @@ def _mismatches(arrays: dict[str, np.ndarray], names: list[str],
 
 
 def _put(ctx: Context, arrays: dict[str, np.ndarray], names: list[str],
-         nodes: list[Tnode]) -> Context:
+         nodes: list[Tnode],
+         writers: Mapping[int, Callable[[Context, np.ndarray], Context]] | None = None
+         ) -> Context:
     for name, node in zip(names, nodes, strict=True):
-        ctx = ctx.set_values(node, arrays[name])
+        write = None if writers is None else writers.get(node.id)
+        ctx = ctx.set_values(node, arrays[name]) if write is None else write(ctx, arrays[name])
     return ctx

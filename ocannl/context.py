@@ -43,6 +43,17 @@ from ocannl.ir.ops import Precision
 from ocannl.ir.tnode import MemoryMode, Tnode
 
 
+def flat_layout(sizes: Sequence[int], align: int = 64) -> tuple[list[int], int]:
+    """Where :meth:`Context.share_flat` puts nodes of ``sizes`` elements: each at the next
+    multiple of ``align``; returns the offsets and the elements they span."""
+    offsets, total = [], 0
+    for size in sizes:
+        total = -(-total // align) * align
+        offsets.append(total)
+        total += size
+    return offsets, total
+
+
 class Routine:
     """A compiled computation bound to one context's buffers; run it with ``Context.run``.
 
@@ -350,58 +361,83 @@ class Context:
                               f"{node.name} (dims {node.dims}, {node.prec.value}) on the "
                               f"{self.backend_name()} backend: {err}") from None
 
-    def share_flat(self, nodes: Sequence[Any], *, label: str = "flat", align: int = 64) -> Tnode:
+    def share_flat(self, nodes: Sequence[Any], *, label: str = "flat", align: int = 64,
+                   length: int | None = None) -> Tnode:
         """Allocate one flat, zero-filled buffer holding ``nodes`` back to back, and make each
         node's buffer a view of its part of it; returns a 1-D node standing for the whole
         buffer (``get_values`` / ``set_values`` / :meth:`device_buffer` work on it).
 
         Call it before compiling any routine over these nodes: routines bind the views, so one
         operation on the flat buffer (a data-parallel allreduce of every gradient) reaches them
-        all. Each part starts at a multiple of ``align`` elements; the padding between parts
-        stays zero, and a node whose values come from no one outside (a gradient) counts as
-        initialized at those zeros. Every node must be materialized, of known dims, not yet
-        allocated in this context, and of one precision; ``ValueError`` names the first that
-        is not.
+        all. Each part starts at a multiple of ``align`` elements (:func:`flat_layout`); the
+        padding between parts stays zero, and a node whose values come from no one outside (a
+        gradient) counts as initialized at those zeros. ``length``: the buffer's length when
+        it must be longer than the nodes need (zero padding at the end: an allgather's blocks
+        of equal size). Every node must be materialized, of known dims, not yet allocated in
+        this context, and of one precision; ``ValueError`` names the first that is not.
         """
         ns = [_as_node(n) for n in nodes]
         if not ns:
             raise ValueError("share_flat: no nodes given")
-        if not isinstance(align, int) or align < 1:
+        if not isinstance(align, int) or isinstance(align, bool) or align < 1:
             raise ValueError(f"share_flat: align must be an integer >= 1, got {align!r}")
         if len({n.id for n in ns}) != len(ns):
             raise ValueError(f"share_flat: a node is listed twice in {[n.name for n in ns]}")
         prec = ns[0].prec
         for n in ns:
-            if n.memory_mode is not MemoryMode.materialized:
-                raise ValueError(f"share_flat: {n.name} is {n.memory_mode.value}, not materialized")
-            if not n.dims_known:
-                raise ValueError(f"share_flat: {n.name} has dims not yet inferred")
-            if n.prec is not prec:
-                raise ValueError(f"share_flat: {n.name} is {n.prec.value}, {ns[0].name} is "
-                                 f"{prec.value}: one flat buffer holds one precision")
-            if n.id in self._buffers:
-                raise ValueError(f"share_flat: {n.name} already has a buffer in this context "
-                                 f"(routines compiled before are bound to it): share it before "
-                                 f"compiling")
-        offsets, total = [], 0
-        for n in ns:
-            total = -(-total // align) * align
-            offsets.append(total)
-            total += n.size
+            self._check_viewable(n, prec, "share_flat")
+        offsets, total = flat_layout([n.size for n in ns], align)
+        if length is not None:
+            if not isinstance(length, int) or isinstance(length, bool) or length < total:
+                raise ValueError(f"share_flat: length must be an integer >= {total} (the "
+                                 f"nodes' elements with their alignment), got {length!r}")
+            total = length
         flat = Tnode(label, (total,), prec, zero_start=True)
-        buf = self._ensure(flat)
+        self._ensure(flat)
         self._flat_members[flat.id] = ns
         for n, off in zip(ns, offsets, strict=True):
-            view = buf[off:off + n.size]
-            if n.host_data is not None:
-                self._backend.write(n, view, self._checked(n, n.host_data))
-            self._buffers[n.id] = (n, view)
-            self._views.add(n.id)
-            # The flat buffer is zero-filled: a view of a node whose values come from no one
-            # outside (a gradient) starts at those zeros, as optimizer state does.
-            if n.host_data is not None or n.zero_start or not n.needs_init:
-                self._initialized.add(n.id)
+            self._view(n, flat, off)
         return flat
+
+    def share_slice(self, node: Any, flat: Any, start: int) -> Context:
+        """Make ``node``'s buffer the elements ``[start, start + node.size)`` of ``flat``'s (a
+        node from :meth:`share_flat`): a 1-D part of the flat layout that crosses no node's
+        boundary, for a routine over one rank's slice (ZeRO-1's sharded optimizer update).
+        The same rules as :meth:`share_flat`; ``ValueError`` names what breaks them, or the
+        range when it does not lie inside ``flat``."""
+        n, f = _as_node(node), _as_node(flat)
+        self._check_viewable(n, f.prec, "share_slice")
+        self._buffer(f)
+        if not isinstance(start, int) or isinstance(start, bool) or start < 0 \
+                or start + n.size > f.size:
+            raise ValueError(f"share_slice: {n.name} ({n.size} elements) from {start!r} does "
+                             f"not lie inside {f.name} ({f.size} elements)")
+        self._view(n, f, start)
+        return self
+
+    def _check_viewable(self, n: Tnode, prec: Precision, what: str) -> None:
+        if n.memory_mode is not MemoryMode.materialized:
+            raise ValueError(f"{what}: {n.name} is {n.memory_mode.value}, not materialized")
+        if not n.dims_known:
+            raise ValueError(f"{what}: {n.name} has dims not yet inferred")
+        if n.prec is not prec:
+            raise ValueError(f"{what}: {n.name} is {n.prec.value}, the flat buffer "
+                             f"{prec.value}: one flat buffer holds one precision")
+        if n.id in self._buffers:
+            raise ValueError(f"{what}: {n.name} already has a buffer in this context "
+                             f"(routines compiled before are bound to it): share it before "
+                             f"compiling")
+
+    def _view(self, n: Tnode, flat: Tnode, off: int) -> None:
+        view = self._buffer(flat)[off:off + n.size]
+        if n.host_data is not None:
+            self._backend.write(n, view, self._checked(n, n.host_data))
+        self._buffers[n.id] = (n, view)
+        self._views.add(n.id)
+        # The flat buffer is zero-filled: a view of a node whose values come from no one
+        # outside (a gradient) starts at those zeros, as optimizer state does.
+        if n.host_data is not None or n.zero_start or not n.needs_init:
+            self._initialized.add(n.id)
 
     def device_buffer(self, t: Any) -> Buffer:
         """The backend's own buffer of a node: a flat NumPy array (CPU) or CuPy array (CUDA) in

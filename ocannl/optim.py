@@ -40,6 +40,7 @@ from ocannl.tensor.tensor import Tensor
 
 if TYPE_CHECKING:
     from ocannl.clipping import GradClipper
+    from ocannl.parallel.zero import OptimizerShard, Part
 
 __all__ = ["SGD", "Adam", "AdamW", "FiniteRate", "LearningRate", "Optimizer", "Scalar",
            "gated_store", "scalar_expr"]
@@ -224,6 +225,8 @@ class Optimizer:
         self.learning_rate = learning_rate
         self._state: MutableMapping[Tensor, dict[str, Tnode]] = {} if buffers is None \
             else buffers
+        self._parts: dict[Part, dict[str, Tnode]] = {}  # ZeRO-1: a rank's parts' buffers
+        self.shard: OptimizerShard | None = None  # set by an update over a shard
 
     # --- what a subclass defines ----------------------------------------------------------------
 
@@ -242,9 +245,11 @@ class Optimizer:
         the host); the parameter loops get the f32 :attr:`lr_node`."""
         return []
 
-    def _param_update(self, p: Tensor, idx: tuple[int, ...], g: Expr, lr: Expr,
-                      gate: Expr | None) -> list[Accum]:
-        """The stores updating ``p`` and its buffers, given its (unscaled) gradient ``g``."""
+    def _param_update(self, value: Tnode, state: dict[str, Tnode], idx: tuple[int, ...],
+                      g: Expr, lr: Expr, gate: Expr | None) -> list[Accum]:
+        """The stores updating a parameter's ``value`` and its buffers ``state`` (name ->
+        node, of the value's dims), given its (unscaled) gradient ``g``: elementwise, so the
+        same code updates a whole parameter or a rank's part of it (ZeRO-1)."""
         raise NotImplementedError
 
     # --- state ----------------------------------------------------------------------------------
@@ -257,6 +262,17 @@ class Optimizer:
         for name in self.buffer_names():
             if name not in state:
                 state[name] = Tnode(f"{name}_{p.label}", p.dims, p.prec, zero_start=True)
+        return state
+
+    def part_state(self, part: Part) -> dict[str, Tnode]:
+        """The buffers of a rank's part of a parameter (ZeRO-1, :mod:`ocannl.parallel.zero`):
+        1-D, of the part's size, zero-started. A checkpoint names them by the whole
+        parameter's buffers (:meth:`state_of`), which ``DataParallel.save`` gathers."""
+        state = self._parts.setdefault(part, {})
+        for name in self.buffer_names():
+            if name not in state:
+                state[name] = Tnode(f"{name}_{part.value.label}", (part.size,), part.value.prec,
+                                    zero_start=True)
         return state
 
     def state_nodes(self) -> list[Tnode]:
@@ -304,7 +320,8 @@ class Optimizer:
     # --- the update -----------------------------------------------------------------------------
 
     def update(self, loss: Tensor, *, grad_unscale: Scalar | None = None,
-               gate: Expr | None = None, clip: GradClipper | None = None) -> Comp:
+               gate: Expr | None = None, clip: GradClipper | None = None,
+               shard: OptimizerShard | None = None) -> Comp:
         """One optimizer step over every parameter of ``loss``, reading their gradients (run it
         after ``train.grad_update(loss)``).
 
@@ -315,7 +332,10 @@ class Optimizer:
         counts every iteration. ``clip`` (a :class:`ocannl.clipping.GradClipper` built for this
         loss and ``grad_unscale``): each unscaled gradient is clipped before the optimizer math,
         and the gate covers the norm; run the clipper's ``comp`` before this update
-        (``clipping.clipped_update`` does).
+        (``clipping.clipped_update`` does). ``shard`` (ZeRO-1, from ``DataParallel(
+        shard_optimizer=True).optimizer_shard``): update only this rank's parts of the
+        parameters, with buffers of their size (:meth:`part_state`); the data-parallel
+        reducer gathers the parameters after it.
         """
         if not isinstance(loss, Tensor):
             raise TypeError(f"update expects the loss Tensor, got {type(loss).__name__}")
@@ -331,16 +351,29 @@ class Optimizer:
                                 f"clipping.clipped_update builds both")
             clip.check_for(loss, grad_unscale)
             gate = clip.gate(gate)
+        targets: list[tuple[Tnode, Tnode, dict[str, Tnode]]] = []
+        if shard is None:
+            for p in loss.params:
+                assert p.grad is not None
+                targets.append((p.value, p.grad, self.state_of(p)))
+        else:
+            if [p.value.id for p in shard.params] != [p.value.id for p in loss.params]:
+                raise ValueError(f"{self.label}.update: {shard!r} was cut from another model's "
+                                 f"parameters than loss {loss.label}'s")
+            shard.bind(self)
+            self.shard = shard
+            for p in loss.params:
+                self.state_of(p)  # the whole buffers: the names a checkpoint holds
+            targets = [(q.value, q.grad, self.part_state(q)) for q in shard.parts]
         code = lr_code + self._prologue(lr_wide, gate)
-        for p in loss.params:
-            assert p.grad is not None
-            idx = tuple(range(len(p.dims)))
-            g: Expr = Get(p.grad, idx)
+        for value, grad, state in targets:
+            idx = tuple(range(len(value.dims)))
+            g: Expr = Get(grad, idx)
             if unscale is not None:
                 g = apply("mul", g, unscale)
             if clip is not None:
                 g = clip.apply(g)
-            code.extend(self._param_update(p, idx, g, lr, gate))
+            code.extend(self._param_update(value, state, idx, g, lr, gate))
         return Comp(tuple(code), f"{self.label}_{loss.label}")
 
 
@@ -368,20 +401,21 @@ class SGD(Optimizer):
     def buffer_names(self) -> tuple[str, ...]:
         return ("momentum",) if self.momentum else ()
 
-    def _param_update(self, p: Tensor, idx: tuple[int, ...], g: Expr, lr: Expr,
-                      gate: Expr | None) -> list[Accum]:
-        value = Get(p.value, idx)
+    def _param_update(self, value_node: Tnode, state: dict[str, Tnode], idx: tuple[int, ...],
+                      g: Expr, lr: Expr, gate: Expr | None) -> list[Accum]:
+        value = Get(value_node, idx)
         if self.weight_decay:
             g = apply("add", g, apply("mul", Const(self.weight_decay), value))
         code: list[Accum] = []
         step = g
         if self.momentum:
-            v = self.state_of(p)["momentum"]
+            v = state["momentum"]
             v_get = Get(v, idx)
             mu = Const(self.momentum)
             code.append(gated_store(v, idx, apply("add", apply("mul", mu, v_get), g), gate))
             step = apply("add", g, apply("mul", mu, v_get)) if self.nesterov else v_get
-        code.append(gated_store(p.value, idx, apply("sub", value, apply("mul", lr, step)), gate))
+        code.append(gated_store(value_node, idx, apply("sub", value, apply("mul", lr, step)),
+                                gate))
         return code
 
     def __repr__(self) -> str:
@@ -471,11 +505,10 @@ class Adam(Optimizer):
             return value
         return apply("mul", value, self._scalar("decay"))
 
-    def _param_update(self, p: Tensor, idx: tuple[int, ...], g: Expr, lr: Expr,
-                      gate: Expr | None) -> list[Accum]:
+    def _param_update(self, value_node: Tnode, state: dict[str, Tnode], idx: tuple[int, ...],
+                      g: Expr, lr: Expr, gate: Expr | None) -> list[Accum]:
         b1, b2 = self.betas
-        state = self.state_of(p)
-        value = Get(p.value, idx)
+        value = Get(value_node, idx)
         if self.weight_decay and not self.decoupled:
             g = apply("add", g, apply("mul", Const(self.weight_decay), value))
         m, v = state["exp_avg"], state["exp_avg_sq"]
@@ -495,7 +528,7 @@ class Adam(Optimizer):
                                    self._scalar("bias_correction2_sqrt")), Const(self.eps))
         step = apply("div", apply("mul", apply("neg", self._scalar("step_size")), Get(m, idx)),
                      denom)
-        code.append(gated_store(p.value, idx, apply("add", self._decayed(value), step), gate))
+        code.append(gated_store(value_node, idx, apply("add", self._decayed(value), step), gate))
         return code
 
     def __repr__(self) -> str:

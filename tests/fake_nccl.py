@@ -84,6 +84,21 @@ class NcclCommunicator:
             self._world.Allreduce(send, recv, op=MPI.SUM)
         calls.append(["allReduce", count, datatype, op, stream, sendbuf == recvbuf])
 
+    def allGather(self, sendbuf: int, recvbuf: int, count: int, datatype: int,  # noqa: N802
+                  stream: int) -> None:
+        from mpi4py import MPI
+
+        self._check("allGather", stream)
+        assert datatype in _DTYPES
+        dt = np.dtype(_DTYPES[datatype])
+        recv = _host(recvbuf, count * self._world.size, dt)
+        in_place = sendbuf == recvbuf + self._rank * count * dt.itemsize
+        if in_place:
+            self._world.Allgather(MPI.IN_PLACE, recv)
+        else:
+            self._world.Allgather(_host(sendbuf, count, dt), recv)
+        calls.append(["allGather", count, datatype, stream, in_place])
+
     def bcast(self, buff: int, count: int, datatype: int, root: int, stream: int) -> None:
         self._check("bcast", stream)
         self._world.Bcast(_host(buff, count, _DTYPES[datatype]), root=root)

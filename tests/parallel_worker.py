@@ -111,6 +111,9 @@ class VirtualRanks:
     def allgather_buffer(self, send: np.ndarray, recv: np.ndarray) -> None:
         raise NotImplementedError("virtual ranks sum through allreduce_sum: two of them only")
 
+    def allgather_inplace(self, buf: Any) -> None:
+        raise NotImplementedError("virtual ranks hold the whole optimizer state")
+
     def allreduce_max(self, value: int) -> int:
         return int(value)
 
@@ -135,9 +138,10 @@ def make_comm(kind: str) -> Any:
 def run(comm: Any, variant: str, *, global_batch: int = 32, steps: int = 12,
         inject: bool = True, ckpt: Path | None = None, every: int = 5, resume: bool = False,
         die_at: int | None = None, die_rank: int = 1, backend: str = "cpu",
-        plain: bool = False, exact: bool = True) -> dict[str, Any]:
+        plain: bool = False, exact: bool = True, zero: bool = False) -> dict[str, Any]:
     """Train ``variant`` for ``steps`` steps of ``global_batch`` rows over ``comm``; returns
-    this rank's result. ``plain``: the recipe without a reducer (no data parallelism)."""
+    this rank's result. ``plain``: the recipe without a reducer (no data parallelism);
+    ``zero``: the optimizer state sharded over the ranks."""
     virtual = isinstance(comm, VirtualRanks)
     size = comm.size
     local = global_batch // size
@@ -147,7 +151,7 @@ def run(comm: Any, variant: str, *, global_batch: int = 32, steps: int = 12,
         ctx = Context.cpu()
     else:
         ctx = Context.cuda(comm.device_id)
-    dp = parallel.DataParallel(comm, loss, inputs=[x, y])
+    dp = parallel.DataParallel(comm, loss, inputs=[x, y], shard_optimizer=zero)
     if not plain:
         ctx = dp.setup(ctx)
     reducer = None if plain else dp
@@ -200,7 +204,7 @@ def run(comm: Any, variant: str, *, global_batch: int = 32, steps: int = 12,
     if not plain:
         dp.check_equal(ctx, state)  # the ranks agree, or every rank raises
     return {
-        **trained_state(ctx, state, scaler, recipe),
+        **trained_state(ctx, state, scaler, recipe, None if plain else dp),
         "reductions": dp.reductions, "losses": losses, "start": start,
         "flat_size": dp.flat.size if dp.flat is not None else 0,
     }
@@ -227,11 +231,15 @@ def broadcast_twins(comm: Any, out: Path) -> None:
         {"own": own, "shared": shared, "everyone": comm.allgather(shared)}))
 
 
-def trained_state(ctx: Context, state: list, scaler: Any, recipe: Any) -> dict[str, Any]:
+def trained_state(ctx: Context, state: list, scaler: Any, recipe: Any,
+                  dp: Any = None) -> dict[str, Any]:
     """What a run ends with, to compare across runs: every state node's values and names, the
-    scaler's and the recipe's counters."""
+    scaler's and the recipe's counters. With ``dp``, read through ``dp.gather_state`` (a
+    sharded optimizer's state whole)."""
+    values = dp.gather_state(ctx, state) if dp is not None else \
+        [np.asarray(ctx.get_values(n)) for n in state]
     return {
-        "state": [np.asarray(ctx.get_values(n)) for n in state],
+        "state": values,
         "state_names": checkpoint.node_names(state),
         "scale": scaler.scale_value(), "good_steps": scaler.good_steps,
         "applied": recipe.applied_steps, "skipped": recipe.skipped_steps,
@@ -267,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--die-at", type=int)
     ap.add_argument("--what", choices=["shards", "model"])
+    ap.add_argument("--zero", action="store_true", help="shard the optimizer state (ZeRO-1)")
     args = ap.parse_args(argv)
     if args.cmd == "hang":  # for the harness: a job that never ends, and ignores SIGTERM
         comm = parallel.world("mpi")
@@ -294,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     for variant in args.variants.split(","):
         res = run(comm, variant, global_batch=args.global_batch, steps=args.steps,
                   ckpt=args.checkpoint, resume=args.resume, die_at=args.die_at,
-                  backend=backend)
+                  backend=backend, zero=args.zero)
         if args.comm == "fake-nccl":
             import fake_nccl
 

@@ -100,13 +100,14 @@ def build(variant: str, rows: int) -> dict[str, Any]:
 
 
 def run(comm: Any, variant: str, *, shards: int = 4, steps: int = 8,
-        save_at: int | None = None, ckpt: Path | None = None, resume: Path | None = None
-        ) -> dict[str, Any]:
+        save_at: int | None = None, ckpt: Path | None = None, resume: Path | None = None,
+        zero: bool = False) -> dict[str, Any]:
     """Train ``variant`` for ``steps`` optimizer steps of ``shards * SHARD_ROWS`` rows over
-    ``comm``; returns this rank's result."""
+    ``comm`` (``zero``: the optimizer state sharded over the ranks); returns this rank's
+    result, with the optimizer state's bytes this rank holds."""
     m = build(variant, SHARD_ROWS)
     x, y, loss, opt, scaler = m["x"], m["y"], m["loss"], m["opt"], m["scaler"]
-    dp = parallel.DataParallel(comm, loss, inputs=[x, y], shards=shards)
+    dp = parallel.DataParallel(comm, loss, inputs=[x, y], shards=shards, shard_optimizer=zero)
     ctx = dp.setup(Context.cpu())
     kw = {"reducer": dp, "clip": m["clip"], "accumulate": m["accumulate"]}
     if m["gate"] == "host":
@@ -146,8 +147,11 @@ def run(comm: Any, variant: str, *, shards: int = 4, steps: int = 8,
             dp.save(ckpt, ctx, state, checkpoint.Progress(step=step + 1, extra=extra))
     ctx = recipe.flush(ctx)
     dp.check_equal(ctx, state)  # the ranks agree, or every rank raises
+    held = [n for p in loss.params for n in opt.state_of(p).values()] if not zero else \
+        [n for q in dp.optimizer_shard.parts for n in opt.part_state(q).values()]
     return {
-        **trained_state(ctx, state, scaler, recipe),
+        **trained_state(ctx, state, scaler, recipe, dp),
+        "state_bytes": sum(ctx.mem(n) for n in held),
         "losses": losses, "start": start, "loader": data.save_state(),
         "size": comm.size, "shards": shards,
     }
@@ -163,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--save-at", type=int)
     ap.add_argument("--checkpoint", type=Path)
     ap.add_argument("--resume", type=Path)
+    ap.add_argument("--zero", action="store_true", help="shard the optimizer state (ZeRO-1)")
     args = ap.parse_args(argv)
     comm = parallel.world("mpi")
     for variant in args.variants.split(","):
@@ -171,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         resume = None if args.resume is None else args.resume.with_suffix(
             f".{variant}.safetensors")
         res = run(comm, variant, shards=args.shards, steps=args.steps, save_at=args.save_at,
-                  ckpt=ck, resume=resume)
+                  ckpt=ck, resume=resume, zero=args.zero)
         save_result(args.out / f"{args.tag}-{variant}-rank{comm.rank}.npz", res)
     return 0
 

@@ -563,6 +563,18 @@ def test_nccl_path_through_a_stand_in_reducing_over_mpi(two: Path, tmp_path: Pat
         reduces = [c for c in calls if c[0] == "allReduce"]
         assert len(reduces) == 12
         assert all(c == ["allReduce", r["flat_size"], 7, 0, stream, True] for c in reduces)
+        assert not any(c[0] == "allGather" for c in calls)
+    # The optimizer state sharded (ZeRO-1): the same steps, each followed by an in-place
+    # allGather of the parameters' halves; the bits of the unsharded run.
+    ok(mpirun(2, "train", "--out", tmp_path, "--tag", "nccl-zero", "--comm", "fake-nccl",
+              "--backend", "fake-cuda", "--variants", v, "--zero"))
+    zs = ranks(tmp_path, "nccl-zero", v, 2)
+    for rank, z in enumerate(zs):
+        assert same_state(z, rs[0]) and counters(z) == counters(rs[0])
+        gathers = [c for c in z["nccl_calls"] if c[0] == "allGather"]
+        assert len(gathers) == 12
+        assert all(c == ["allGather", z["flat_size"] // 2, 7, 0x5EED00 + rank, True]
+                   for c in gathers)
 
 
 @needs_mpi

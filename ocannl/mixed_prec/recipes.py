@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import urllib.parse
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -63,6 +63,13 @@ class GradReducer(Protocol):
     def reduce(self, ctx: Context, scaler: Loss_scaler) -> Context:
         """Run after the gradient routine, before the checksum and the optimizer step."""
         ...
+
+
+def _optimizer_shard(reducer: GradReducer | None) -> Any:
+    """The slice of the optimizer's state a reducer gives this process (ZeRO-1:
+    ``DataParallel(shard_optimizer=True)``), or None: a reducer that shards the state has an
+    ``optimizer_shard`` and an ``after_update(ctx, applied)`` that gathers the parameters."""
+    return getattr(reducer, "optimizer_shard", None)
 
 
 _COUNTERS = ("pending", "applied", "skipped", "windows", "skipped_windows", "micro")
@@ -180,6 +187,7 @@ class Recipe:
             self.last_grad_comp = first if self.accumulate_comp is None else \
                 self.accumulate_comp
             self.check_comp = check
+        self._gathers = _optimizer_shard(reducer) is not None
         self.micro = 0
         self.pending = 0
         self.applied_steps = 0
@@ -437,7 +445,8 @@ class ScaledStep(Recipe):
                  accumulate: int = 1) -> None:
         super().__init__(scaler, loss, optimizer, reducer=reducer, clip=clip,
                          accumulate=accumulate)
-        self.update_comp = optimizer.update(loss, grad_unscale=self.unscale, clip=self.clipper)
+        self.update_comp = optimizer.update(loss, grad_unscale=self.unscale, clip=self.clipper,
+                                            shard=_optimizer_shard(reducer))
         self.tick_comp = optimizer.schedule_tick()  # None without a learning-rate schedule
         self._tick: Routine | None = None
         self._grads: Routine | None = None
@@ -479,6 +488,8 @@ class ScaledStep(Recipe):
             if self._tick is not None:
                 ctx = ctx.run(self._tick)  # the schedule counts skipped iterations too
             self.last_overflow = self._overflowed(ctx.get_values(self.grad_flags))
+        if self._gathers:  # a skipped step changed no parameter: nothing to gather then
+            ctx = self.reducer.after_update(ctx, finite)  # type: ignore[union-attr]
         ctx = self.scaler.update(ctx, grads_finite=finite)  # a window of one step
         self._count_window(1, 0 if finite else 1)
         self.last_applied = finite
@@ -542,7 +553,7 @@ class GatedStep(Recipe):
         self.check_interval = int(check_interval)
         finite = apply("isfinite", Get(self.checksum.value, ()))
         update = optimizer.update(loss, grad_unscale=self.unscale, gate=finite,
-                                  clip=self.clipper)
+                                  clip=self.clipper, shard=_optimizer_shard(reducer))
         flag = T.term(np.float32(0.0), label=f"nonfinite_seen_{loss.label}", prec=Precision.f32)
         seen = Get(flag.value, ())
         count = Accum(flag.value, (), "=",
@@ -577,6 +588,8 @@ class GatedStep(Recipe):
         if self.reducer is not None:
             ctx = self._last_grads(ctx)
         ctx = ctx.run(self._routine_)
+        if self._gathers:  # the gate is on the device: gather whether or not it applied
+            ctx = self.reducer.after_update(ctx, True)  # type: ignore[union-attr]
         self.pending += 1
         if self.pending >= self.check_interval:
             ctx = self.flush(ctx)

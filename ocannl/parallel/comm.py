@@ -53,6 +53,10 @@ class Communicator(Protocol):
     def allgather_buffer(self, send: np.ndarray, recv: np.ndarray) -> None:
         """Host f32 buffers: every rank's ``send`` into ``recv``, in rank order."""
 
+    def allgather_inplace(self, buf: Any) -> None:
+        """A device f32 buffer of ``size`` equal blocks: rank ``r``'s block ``r`` to every
+        rank, in place (ZeRO-1's gather of the updated parameters)."""
+
     def allreduce_max(self, value: int) -> int:
         """The largest of the ranks' integers."""
 
@@ -96,6 +100,9 @@ class SingleProcess:
     def allgather_buffer(self, send: np.ndarray, recv: np.ndarray) -> None:
         recv[...] = send.reshape(recv.shape)
 
+    def allgather_inplace(self, buf: Any) -> None:
+        _check_f32(buf, "allgather_inplace")
+
     def allreduce_max(self, value: int) -> int:
         return int(value)
 
@@ -108,6 +115,12 @@ class SingleProcess:
 
     def __repr__(self) -> str:
         return "SingleProcess()"
+
+
+def _check_blocks(buf: Any, size: int) -> None:
+    if int(buf.size) % size:
+        raise ValueError(f"allgather_inplace: a buffer of {buf.size} elements does not split "
+                         f"into {size} equal blocks (one per rank)")
 
 
 def _check_root(root: int, size: int) -> None:
@@ -456,6 +469,15 @@ class MpiCommunicator:
     def allgather_buffer(self, send: np.ndarray, recv: np.ndarray) -> None:
         self._run(f"allgather of {send.size} f32", lambda: self.comm.Iallgather(send, recv))
 
+    def allgather_inplace(self, buf: Any) -> None:
+        _check_f32(buf, "allgather_inplace")
+        _check_blocks(buf, self.size)
+        what = f"allgather of {buf.size} f32 in {self.size} blocks"
+        host = buf if isinstance(buf, np.ndarray) else np.ascontiguousarray(buf.get())
+        self._run(what, lambda: self.comm.Iallgather(self._mpi.IN_PLACE, host))
+        if host is not buf:
+            buf.set(host)
+
     def allreduce_max(self, value: int) -> int:
         a = np.array([int(value)], np.int64)  # OverflowError beyond 64 bits, on every rank
         self._run("allreduce_max", lambda: self.comm.Iallreduce(self._mpi.IN_PLACE, a,
@@ -615,6 +637,18 @@ class NcclCommunicator:
 
     def allgather_buffer(self, send: np.ndarray, recv: np.ndarray) -> None:
         self.mpi.allgather_buffer(send, recv)
+
+    def allgather_inplace(self, buf: Any) -> None:
+        _check_f32(buf, "allgather_inplace")
+        _check_blocks(buf, self.size)
+        k = int(buf.size) // self.size
+        with self._cupy.cuda.Device(self.device_id):
+            ptr = self._ptr(buf, "allgather_inplace")
+            self._settle("allgather_inplace")
+            # NCCL's in-place form: this rank's block is the send buffer
+            self.comm.allGather(ptr + self.rank * k * 4, ptr, k, self._nccl.NCCL_FLOAT32,
+                                self._stream())
+            self._enqueued(f"allgather of {buf.size} f32 in {self.size} blocks")
 
     def allreduce_max(self, value: int) -> int:
         return self.mpi.allreduce_max(value)

@@ -22,6 +22,7 @@ from ocannl.ir.ops import Precision
 from ocannl.ir.tnode import Tnode
 from ocannl.parallel.comm import Communicator
 from ocannl.parallel.shards import ShardTree
+from ocannl.parallel.zero import FLAT_ALIGN, OptimizerShard
 from ocannl.tensor.tensor import Tensor
 
 
@@ -169,6 +170,17 @@ class DataParallel:
     statistics each shard's run updates from the same starting values are then averaged
     over the shards through the same tree.
 
+    **Sharded optimizer state** (``shard_optimizer=True``, ZeRO-1): the parameters and their
+    gradients lie in flat buffers of one layout cut into ``N`` equal slices of elements; each
+    rank's optimizer keeps and updates the state of its slice only (:attr:`optimizer_shard`,
+    which the mixed-precision recipes give the optimizer's update; build a plain update with
+    ``optimizer.update(loss, ..., shard=dp.optimizer_shard)``), then :meth:`after_update`
+    gathers the updated parameters on every rank. The bits are the unsharded run's; the
+    optimizer's state per rank is ``1 / N`` of it (within a slice's alignment padding).
+    :meth:`save` gathers the whole state into the checkpoint and :meth:`load` takes each
+    rank's slice, so a checkpoint of a sharded run resumes an unsharded one and back, on any
+    rank count. :meth:`gather_state` reads the whole state (a collective).
+
     ``inputs``: the tensors holding a shard (data, targets); their dims are compared across
     ranks by :meth:`setup`, which refuses unequal shards. Every parameter gradient must be f32
     (f16 / bf16 models read cast twins of f32 masters); ``ValueError`` otherwise.
@@ -176,7 +188,8 @@ class DataParallel:
 
     def __init__(self, comm: Communicator, loss: Tensor, *, inputs: Sequence[Tensor] = (),
                  label: str | None = None, shards: int | None = None,
-                 fixed_order: bool = True, track_losses: bool = True) -> None:
+                 fixed_order: bool = True, track_losses: bool = True,
+                 shard_optimizer: bool = False) -> None:
         if not isinstance(comm, Communicator):
             raise TypeError(f"DataParallel: expected a Communicator (SingleProcess, "
                             f"MpiCommunicator, NcclCommunicator), got {type(comm).__name__}")
@@ -215,6 +228,17 @@ class DataParallel:
         self.first_shard = comm.rank * self.per_rank
         self.fixed_order = fixed_order
         self.track_losses = require_bool("DataParallel: track_losses", track_losses)
+        self.shard_optimizer = require_bool("DataParallel: shard_optimizer", shard_optimizer)
+        if shard_optimizer:
+            precs = sorted({p.value.prec.value for p in loss.params})
+            if len(precs) > 1:
+                raise ValueError(f"DataParallel: shard_optimizer=True lays the parameters out "
+                                 f"in one flat buffer of one precision; loss {loss.label}'s are "
+                                 f"{precs} (build f16/bf16 models with f32 masters: "
+                                 f"mixed_prec.with_master_weights)")
+        self._zero: OptimizerShard | None = None
+        self.flat_params: Tnode | None = None  # with shard_optimizer: the parameters' buffer
+        self._gathered = True  # the parameters were gathered since the last update
         self.tree = ShardTree(n)
         self._covers = [self.tree.cover(r * self.per_rank, (r + 1) * self.per_rank)
                         for r in range(size)]
@@ -255,6 +279,16 @@ class DataParallel:
         return (f"DataParallel({self.comm!r}, {len(self.params)} parameters, "
                 f"{self.shards} shard(s), flat={'unset' if self.flat is None else self.flat.size})")
 
+    @property
+    def optimizer_shard(self) -> OptimizerShard | None:
+        """With ``shard_optimizer=True``, this rank's slice of the parameters (give it to the
+        optimizer's update as ``shard=``; the recipes do); else None."""
+        if not self.shard_optimizer:
+            return None
+        if self._zero is None:
+            self._zero = OptimizerShard(self.params, self.rank, self.size, align=FLAT_ALIGN)
+        return self._zero
+
     # --- setup ---------------------------------------------------------------------------------
 
     def description(self) -> dict[str, Any]:
@@ -264,7 +298,7 @@ class DataParallel:
         shards = [[t.label, list(t.value.dims)] for t in self.inputs]
         graph = graph_description(self.loss)
         return {"model": model, "model_digest": _digest(model), "shards": shards,
-                "shard_count": [self.shards, self.fixed_order],
+                "shard_count": [self.shards, self.fixed_order, self.shard_optimizer],
                 "graph": graph, "graph_digest": _digest(graph), "code": code_description()}
 
     def setup(self, ctx: Context) -> Context:
@@ -294,12 +328,24 @@ class DataParallel:
         counts = [d.get("shard_count") for d in everyone]
         if any(c != counts[0] for c in counts):
             odd = next(r for r, c in enumerate(counts) if c != counts[0])
+            def show(c: list[Any]) -> str:
+                return f"shards={c[0]}, fixed_order={c[1]}, shard_optimizer={c[2]}"
+
             raise Failure(f"data-parallel: the ranks disagree on the shards: rank 0 has "
-                          f"shards={counts[0][0]}, fixed_order={counts[0][1]}; rank {odd} has "
-                          f"shards={counts[odd][0]}, fixed_order={counts[odd][1]}")
+                          f"{show(counts[0])}; rank {odd} has {show(counts[odd])}")
         _refuse_differences(everyone)  # the graphs (twins' precisions, inputs') and the code
-        self.flat = ctx.share_flat([p.grad for p in self.params if p.grad is not None],
-                                   label=self.label)
+        zero = self.optimizer_shard
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if zero is None:
+            self.flat = ctx.share_flat(grads, label=self.label, align=FLAT_ALIGN)
+            return ctx
+        self.flat = ctx.share_flat(grads, label=self.label, align=FLAT_ALIGN, length=zero.length)
+        self.flat_params = ctx.share_flat([p.value for p in self.params],
+                                          label=f"flat_params_{self.loss.label}",
+                                          align=FLAT_ALIGN, length=zero.length)
+        for q in zero.parts:
+            ctx = ctx.share_slice(q.value, self.flat_params, q.offset + q.start)
+            ctx = ctx.share_slice(q.grad, self.flat, q.offset + q.start)
         return ctx
 
     def compile(self, ctx: Context, recipe: Any) -> Context:
@@ -413,6 +459,11 @@ class DataParallel:
         every rank, the same bits."""
         if self.flat is None:
             raise ValueError(f"{self!r}: call setup(ctx) before compiling and stepping")
+        if not self._gathered:
+            raise ValueError(f"{self!r}: shard_optimizer=True: the last step's update changed "
+                             f"this rank's slice of the parameters only; call "
+                             f"dp.after_update(ctx, applied) after the optimizer's update "
+                             f"(the recipes do) so every rank has the whole model")
         want = self._unscale_value(scaler)
         if self._synced.get(ctx) != want:  # each context is brought in step on its own
             ctx = ctx.set_values(self._unscale, np.array(want, np.float32))
@@ -429,6 +480,7 @@ class DataParallel:
             self.comm.allreduce_sum(flat)
             self.reductions += 1
             self.step += 1
+            self._gathered = not self.shard_optimizer
             return ctx
         k = self.per_rank
         losses = [self._loss_now(ctx)] if self.track_losses else []
@@ -476,6 +528,28 @@ class DataParallel:
             ctx = self._average_stats(ctx, stats)
         self.reductions += 1
         self.step += 1
+        self._gathered = not self.shard_optimizer
+        return ctx
+
+    def after_update(self, ctx: Context, applied: bool = True) -> Context:
+        """After the optimizer's update (``applied``: whether it ran; a step skipped on the
+        host changed nothing): with ``shard_optimizer=True``, gather every rank's slice of the
+        updated parameters into the whole model on every rank (one in-place allgather of the
+        parameters' flat buffer; the masters' kept cast twins are recast before their next
+        read). Nothing to do without it."""
+        if not self.shard_optimizer:
+            return ctx
+        if self.flat_params is None:
+            raise ValueError(f"{self!r}: call setup(ctx) before compiling and stepping")
+        zero = self.optimizer_shard
+        assert zero is not None
+        if zero.optimizer is None:
+            raise ValueError(f"{self!r}: shard_optimizer=True but no optimizer update was built "
+                             f"over this rank's slice: build it with optimizer.update(loss, ..., "
+                             f"shard=dp.optimizer_shard) (the mixed_prec recipes do)")
+        if require_bool("after_update: applied", applied):
+            self.comm.allgather_inplace(ctx.device_buffer(self.flat_params))
+        self._gathered = True
         return ctx
 
     def _fold(self, j: int, flat: Any, *, last: bool) -> None:
@@ -602,7 +676,8 @@ class DataParallel:
         """Overwrite ``nodes``' values on every rank with ``root``'s (the start of training:
         the parameters, and whatever else every rank must share). Each node must be
         initialized on every rank (``train.init_params`` on all of them)."""
-        ns = [_as_node(n) for n in nodes]
+        sharded = self._sharded()  # each rank's slice is its own: nothing to broadcast
+        ns = [n for n in map(_as_node, nodes) if n.id not in sharded]
         missing = [n.name for n in ns if not ctx.is_initialized(n)]
         if missing:
             raise ValueError(f"broadcast: {missing} not initialized in this context: initialize "
@@ -613,8 +688,10 @@ class DataParallel:
 
     def check_equal(self, ctx: Context, nodes: Sequence[Tnode | Tensor]) -> None:
         """``ocannl.Failure`` on every rank unless every node holds the same bits on every rank
-        (for parameters drawn from one seed instead of broadcast)."""
-        ns = [_as_node(n) for n in nodes]
+        (for parameters drawn from one seed instead of broadcast). A sharded optimizer's
+        buffers are each rank's own slice: left out."""
+        sharded = self._sharded()
+        ns = [n for n in map(_as_node, nodes) if n.id not in sharded]
         names = checkpoint.node_names(ns)
         mine = [hashlib.sha256(np.ascontiguousarray(ctx.get_values(n)).tobytes()).hexdigest()
                 for n in ns]
@@ -646,11 +723,13 @@ class DataParallel:
 
         progress = dataclasses.replace(progress, extra={**progress.extra,
                                                         SHARDS_KEY: self._shards_state()})
+        nodes = [_as_node(n) for n in nodes]
+        whole = self._whole_state(ctx, nodes)  # a collective: before rank 0 writes alone
         err: str | None = None
         caught: BaseException | None = None
         if self.rank == 0:
             try:
-                checkpoint.save(path, ctx, nodes, progress)
+                checkpoint.save(path, ctx, nodes, progress, values=whole)
             except Exception as e:  # noqa: BLE001 - told to every rank, then re-raised
                 caught, err = e, f"{type(e).__name__}: {e}"
         err = self.comm.bcast(err, root=0)
@@ -668,7 +747,8 @@ class DataParallel:
         not (``exact=False`` loads it anyway: the run then continues the same training up to
         rounding). The step counter continues from ``progress.step``."""
         try:
-            ctx, progress = checkpoint.load(path, ctx, nodes)
+            ctx, progress = checkpoint.load(path, ctx, nodes,
+                                            writers=self._slice_writers(nodes))
             saved = progress.extra.get(SHARDS_KEY)
             if exact and saved is not None and saved != self._shards_state():
                 raise Failure(f"it was written by a run with {saved}, this run has "
@@ -691,6 +771,80 @@ class DataParallel:
         assert progress is not None
         self.step = int(progress.step)
         return ctx, progress
+
+    # --- the sharded optimizer state (ZeRO-1) ----------------------------------------------------
+
+    def _sharded(self) -> dict[int, tuple[Tensor, str]]:
+        """The optimizer's whole-parameter buffers of which each rank holds a slice (the names
+        a checkpoint holds; never allocated), by node id: parameter and buffer name."""
+        if not self.shard_optimizer:
+            return {}
+        zero = self.optimizer_shard
+        opt = None if zero is None else zero.optimizer
+        if opt is None:
+            raise ValueError(f"{self!r}: shard_optimizer=True: build the optimizer's update over "
+                             f"this rank's slice (the recipe, or optimizer.update(loss, ..., "
+                             f"shard=dp.optimizer_shard)) before broadcasting, checking, saving "
+                             f"or loading state: until then no rank holds its slice")
+        return {opt.state_of(p)[name].id: (p, name)  # type: ignore[attr-defined]
+                for p in self.params for name in opt.buffer_names()}  # type: ignore[attr-defined]
+
+    def _whole_state(self, ctx: Context, nodes: Sequence[Tnode]) -> dict[int, np.ndarray]:
+        """The whole values of the sharded buffers among ``nodes``, from every rank's slice (a
+        collective when there are any: every rank calls it with the same nodes)."""
+        sharded = self._sharded()
+        wanted = [k for k, n in enumerate(nodes) if n.id in sharded]
+        if not wanted:
+            return {}
+        zero = self._zero
+        assert zero is not None and zero.optimizer is not None
+        mine = []
+        for k in wanted:
+            p, name = sharded[nodes[k].id]
+            q = zero.owned(p)
+            if q is not None:
+                part = zero.optimizer.part_state(q)[name]  # type: ignore[attr-defined]
+                mine.append((k, q.start, np.asarray(ctx.get_values(part)).reshape(-1)))
+        out = {}
+        filled = {k: 0 for k in wanted}
+        whole = {k: np.empty(nodes[k].size, nodes[k].prec.numpy_dtype) for k in wanted}
+        for theirs in self.comm.allgather(mine):
+            for k, start, values in theirs:
+                whole[k][start:start + values.size] = values
+                filled[k] += values.size
+        for k in wanted:
+            assert filled[k] == nodes[k].size, (nodes[k].name, filled[k])
+            out[nodes[k].id] = whole[k]
+        return out
+
+    def _slice_writers(self, nodes: Sequence[Tnode | Tensor]
+                       ) -> dict[int, Any]:
+        """For each sharded buffer among ``nodes``, what writes this rank's slice of a whole
+        array loaded for it."""
+        zero = self._zero
+        writers = {}
+        for nid, (p, name) in self._sharded().items():
+            assert zero is not None
+            q = zero.owned(p)
+
+            def write(ctx: Context, values: np.ndarray, q: Any = q, name: str = name
+                      ) -> Context:
+                if q is None:  # another rank owns all of it
+                    return ctx
+                part = zero.optimizer.part_state(q)[name]  # type: ignore[union-attr]
+                return ctx.set_values(part, values.reshape(-1)[q.start:q.start + q.size])
+
+            writers[nid] = write
+        return writers
+
+    def gather_state(self, ctx: Context, nodes: Sequence[Tnode | Tensor]) -> list[np.ndarray]:
+        """Each node's values as a host array of its dims; a sharded optimizer buffer's whole
+        values, gathered from every rank's slice (a collective: every rank calls it with the
+        same nodes)."""
+        ns = [_as_node(n) for n in nodes]
+        whole = self._whole_state(ctx, ns)
+        return [whole[n.id].reshape(n.dims) if n.id in whole
+                else np.asarray(ctx.get_values(n)) for n in ns]
 
     def _shards_state(self) -> str:
         return f"shards={self.shards} fixed_order={self.fixed_order}"
