@@ -62,8 +62,9 @@ SHARDABLE = tuple(name for name, w in WORKLOADS.items() if w.model in ("mlp", "l
 # This project with the fixed shard tree (the same bits on any rank count), this project with
 # one shard per rank summed by MPI's allreduce (the order off: bits depend on the rank count),
 # PyTorch DDP over gloo.
-FRAMEWORKS = ("ocannl", "ocannl-allreduce", "torch")
+FRAMEWORKS = ("ocannl", "ocannl-zero", "ocannl-allreduce", "torch")
 NAMES = {"ocannl": "ocannl (MPI, fixed shard tree)",
+         "ocannl-zero": "ocannl (fixed shard tree, ZeRO-1)",
          "ocannl-allreduce": "ocannl (MPI allreduce, order off)", "torch": "PyTorch DDP (gloo)"}
 # The fewest rows a shard keeps, per workload (``parallel.default_shards``): 4 shards each, so
 # 1, 2 and 4 ranks give the same bits. A rank computing several shards pays for each shard's
@@ -139,9 +140,11 @@ def _shard(w: Workload, rank: int, size: int, step: int, fx: fixtures.Fixture,
     return fx.x[k][rows], None if onehot is None else onehot[k][rows], fx.labels[k][rows]
 
 
-def ocannl_worker(w: Workload, steps: int, warmup: int, shards: int) -> dict:
+def ocannl_worker(w: Workload, steps: int, warmup: int, shards: int, zero: bool = False
+                  ) -> dict:
     """This project's rank: ``shards`` shards summed in the shard tree's order (0: one shard
-    per rank summed by MPI's allreduce, the order off)."""
+    per rank summed by MPI's allreduce, the order off); ``zero``: the optimizer state
+    sharded over the ranks (ZeRO-1). Reports the optimizer state's bytes the rank holds."""
     import ocannl.tensor as T
     from ocannl import Context, parallel, train
 
@@ -160,12 +163,19 @@ def ocannl_worker(w: Workload, steps: int, warmup: int, shards: int) -> dict:
         y = T.term(np.zeros((n, w.classes), np.float32), label="y")
     logits, layers = models.ocannl_model(w, x)
     loss = models.ocannl_loss(w, logits, y)
-    dp = parallel.DataParallel(comm, loss, inputs=[x, y], shards=count, fixed_order=fixed)
+    dp = parallel.DataParallel(comm, loss, inputs=[x, y], shards=count, fixed_order=fixed,
+                               shard_optimizer=zero)
     ctx = dp.setup(Context.cpu())
     opt = models.ocannl_optimizer(w)
     ctx, grads = ctx.compile(train.grad_update(loss))
     dp.use_routines(grads)
-    ctx, update = ctx.compile(opt.update(loss, grad_unscale=dp.grad_unscale()))
+    ctx, update = ctx.compile(opt.update(loss, grad_unscale=dp.grad_unscale(),
+                                         shard=dp.optimizer_shard))
+    whole = [n for p in loss.params for n in opt.state_of(p).values()]
+    held = whole if not zero else \
+        [n for q in dp.optimizer_shard.parts for n in opt.part_state(q).values()]
+    state_bytes = sum(ctx.mem(n) for n in held)
+    whole_bytes = sum(n.size * n.prec.itemsize for n in whole)
     ctx = models.set_ocannl_weights(ctx, layers, fx.weights)
     build_s = time.perf_counter() - t0
 
@@ -174,7 +184,7 @@ def ocannl_worker(w: Workload, steps: int, warmup: int, shards: int) -> dict:
         dp.set_batch(ctx, fx.x[k], targets[k])  # the global batch: dp takes this rank's block
         ctx.run(grads)
         dp.reduce(ctx)
-        ctx.run(update)
+        dp.after_update(ctx.run(update))
 
     losses = []
     for i in range(w.parity_steps):
@@ -189,7 +199,8 @@ def ocannl_worker(w: Workload, steps: int, warmup: int, shards: int) -> dict:
     c1 = time.process_time()
     comm.barrier()
     elapsed = time.perf_counter() - t0
-    mine = {"threads": threads_in_use("ocannl"), "cpu_s": c1 - c0, "seconds": elapsed}
+    mine = {"threads": threads_in_use("ocannl"), "cpu_s": c1 - c0, "seconds": elapsed,
+            "state_bytes": state_bytes, "whole_state_bytes": whole_bytes}
     return {"rank": comm.rank, "size": comm.size, "losses": losses, "seconds": elapsed,
             "steps": steps, "build_s": build_s, "ranks": comm.allgather(mine)}
 
@@ -267,8 +278,8 @@ def launch(w: Workload, framework: str, ranks: int, steps: int, warmup: int, thr
     mpiexec = Path(sys.executable).parent / "mpiexec"
     ours = framework.startswith("ocannl")
     py = [sys.executable, "-m", "mpi4py"] if ours else [sys.executable]
-    worker = ["ocannl", "--shards", str(shards if framework == "ocannl" else 0)] if ours \
-        else [framework]
+    worker = ["ocannl", "--shards", str(0 if framework == "ocannl-allreduce" else shards),
+              *(["--zero"] if framework == "ocannl-zero" else [])] if ours else [framework]
     env = dict(os.environ)
     for var in THREAD_VARS:
         env[var] = str(threads)
@@ -308,12 +319,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--zero", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     used = [WORKLOADS[name] for name in dict.fromkeys(args.workloads)]
     if args.worker:
         w = used[0]
         if args.worker == "ocannl":
-            res = ocannl_worker(w, args.steps, args.warmup, args.shards)
+            res = ocannl_worker(w, args.steps, args.warmup, args.shards, args.zero)
         else:
             res = torch_worker(w, args.steps, args.warmup, args.port, args.threads)
         if res["rank"] == 0:
@@ -428,9 +440,15 @@ multiple of every rank count the run should move between (512 ranks: S >= 512, a
 resume running 512 small shards a step). Measured here: the "Cost of the fixed shard order"
 lines above (the same rank count, the tree against MPI's allreduce of one shard per rank).
 
-ZeRO-1 (not built): the optimizer state sharded in N slices of the flat buffer would replace
-the allgather of summed gradient slices by an allgather of updated parameter slices: the same
-2 (N - 1) / N G per rank, with Adam's 2 G of state per rank down to 2 G / N.
+ZeRO-1 (`DataParallel(shard_optimizer=True)`): Adam's 2 G of state per rank is 2 G / N (SGD's
+momentum, G / N), and each rank updates P / N elements. As built, every rank still receives the
+whole summed gradient (the loss scaler's checksum and clipping's norm read every gradient, and
+computing those from slices would sum them in another order, so other bits), then sends its
+updated slice of the parameters in one allgather: (N - 1) / N G more per rank and step than
+without it (at N = 8, 64, 512: 0.88 G, 0.98 G, 1.00 G). Where neither reads the whole gradient,
+the exchange could stop at the summed slices (the all-to-all and the tree sum, without the
+gradients' allgather): then ZeRO-1 sends what the plain tree does, the parameters' allgather in
+place of the gradients'; not built.
 """
 
 
@@ -465,14 +483,32 @@ def cpu_detail() -> str:
 
 
 def same_bits(rows: list[dict]) -> list[tuple[int, bool]]:
-    """Per rank count above 1: whether every run of the fixed shard tree gave the very losses
-    of every 1-rank run (the same bits on any rank count)."""
-    ours = {r["ranks"]: r.get("losses") for r in rows if r["framework"] == "ocannl"}
-    base = ours.get(1)
+    """Per rank count above 1 and per fixed-order framework (the shard tree, with and without
+    ZeRO-1): whether every run gave the very losses of every 1-rank run of the shard tree
+    without ZeRO-1 (the same bits on any rank count, sharded or not)."""
+    ours = {(r["framework"], r["ranks"]): r.get("losses") for r in rows
+            if r["framework"] in ("ocannl", "ocannl-zero")}
+    base = ours.get(("ocannl", 1))
     if not base:
         return []
-    return [(n, all(x == base[0] for x in ls + base)) for n, ls in sorted(ours.items())
-            if n != 1 and ls]
+    return [(f"{n} rank(s){' with ZeRO-1' if fw == 'ocannl-zero' else ''}",
+             all(x == base[0] for x in ls + base))
+            for (fw, n), ls in sorted(ours.items()) if (fw, n) != ("ocannl", 1) and ls]
+
+
+def state_per_rank(rows: list[dict]) -> list[tuple[int, int, int, float]]:
+    """Per rank count of the ZeRO-1 rows: the most optimizer-state bytes a rank held, the
+    whole state's bytes, and their ratio times the rank count (1.0: exactly 1 / N each)."""
+    out = []
+    for r in rows:
+        if r["framework"] != "ocannl-zero" or not r.get("threads_seen"):
+            continue
+        ranks = r["threads_seen"][0]
+        most = max(x.get("state_bytes", 0) for x in ranks)
+        whole = ranks[0].get("whole_state_bytes", 0)
+        if whole:
+            out.append((r["ranks"], most, whole, most / whole * r["ranks"]))
+    return out
 
 
 def shard_order_cost(rows: list[dict]) -> list[tuple[int, float]]:
@@ -521,8 +557,14 @@ def render(rows: list[dict], info: dict) -> str:
         if same:
             lines += ["", "The fixed shard tree's global losses over the parity steps, at each "
                       "rank count against 1 rank's (every run): " + ", ".join(
-                          f"{n} rank(s) {'identical' if ok else 'DIFFERENT'}"
+                          f"{n} {'identical' if ok else 'DIFFERENT'}"
                           for n, ok in same) + "."]
+        state = state_per_rank([r for r in rows if r["workload"] == name])
+        if state:
+            lines += ["", "Optimizer state per rank with ZeRO-1 (the most a rank held, of the "
+                      "whole): " + ", ".join(
+                          f"{n} rank(s) {most:,} of {whole:,} bytes ({most / whole:.3f}, "
+                          f"{ratio:.3f} x 1/{n})" for n, most, whole, ratio in state) + "."]
         cost = shard_order_cost([r for r in rows if r["workload"] == name])
         if cost:
             lines += ["", "Cost of the fixed shard order (steps/s with MPI's allreduce over "
