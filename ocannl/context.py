@@ -176,6 +176,30 @@ class Context:
         ``comp``, in order: what :meth:`compile` compiles."""
         return lower(comp, self._backend.target)
 
+    def compile_split(self, comp: Comp, after: Sequence[Sequence[Any]]
+                      ) -> tuple[Context, list[Routine], list[int]]:
+        """Compile ``comp`` as :meth:`compile` does, cut into consecutive routines: one ends
+        right after the last item writing a node of each group of ``after`` (nodes or
+        tensors). Running the routines in order runs the very items of the whole routine on
+        the same memory (its local nodes included), so the same bits; between two of them
+        the host may start work on what the first ones finished (a data-parallel step starts
+        a bucket's exchange while the backward code goes on). Returns the routines and, per
+        group, the index of the routine after which its nodes are written."""
+        if not isinstance(comp, Comp):
+            raise TypeError(f"compile_split expects a Comp, got {type(comp).__name__}")
+        code = self.lower(comp)
+        groups = [{_as_node(n).id for n in g} for g in after]
+        last = [0] * len(groups)  # per group: the end of the item writing it last
+        for k, item in enumerate(code):
+            wrote = {n.id for n in effects([item]).written}
+            for g, ids in enumerate(groups):
+                if wrote & ids:
+                    last[g] = k + 1
+        ends = sorted({max(e, 1) for e in last} | {len(code)}) if code else [0]
+        segments = [code[a:b] for a, b in zip([0, *ends[:-1]], ends, strict=True)]
+        ctx, routines = self._compile_segments(comp.label, segments)
+        return ctx, routines, [ends.index(max(e, 1)) if code else 0 for e in last]
+
     def compile_lowered(self, label: str, code: list[Lowered], *,
                         local_check: bool = True) -> tuple[Context, Routine]:
         """Compile lowered items (from :meth:`lower`) into a routine bound to this context's
@@ -184,6 +208,15 @@ class Context:
         writing it whole is refused, naming it. ``local_check=False`` gives each local node
         memory of its own with no check, for timing a part of a routine alone
         (``benchmarks/profile_items.py``)."""
+        ctx, (routine,) = self._compile_segments(label, [code], local_check=local_check)
+        return ctx, routine
+
+    def _compile_segments(self, label: str, segments: list[list[Lowered]], *,
+                          local_check: bool = True) -> tuple[Context, list[Routine]]:
+        """One routine per segment of lowered code, run in order; their local nodes share
+        one placement over the whole code (a node may be written by one and read by a
+        later one)."""
+        code = [item for seg in segments for item in seg]
         nodes = stored_nodes(code)
         fx = effects(code)
         local = {n.id: n for n in nodes if n.memory_mode is MemoryMode.local}
@@ -197,19 +230,27 @@ class Context:
                     f"compile it in the same routine as its computation, or call retain_grad() "
                     f"on the tensor to keep its gradient materialized")
         views = self._local_buffers(label, code, list(local.values()), shared=local_check)
-        compiled, compiled_anew = self._backend.compile(label, code, nodes)
-        for n in nodes:
-            if n.id not in local:
-                self._ensure(n)
-        if compiled_anew:
-            self.compile_count += 1
-        bufs = tuple(views[n.id] if n.id in local else self._buffers[n.id][1] for n in nodes)
-        call = self._backend.bind(compiled, bufs)
-        kept = tuple(n for n in nodes if n.id not in local)
-        fx = Effects(fx.inputs, tuple(n for n in fx.written if n.id not in local))
-        routine = Routine(label, self, kept, compiled, bufs, fx, call)
-        self._routines.add(routine)
-        return self, routine
+        routines = []
+        for k, seg in enumerate(segments):
+            name = label if len(segments) == 1 else f"{label}_part{k}"
+            seg_nodes = stored_nodes(seg)
+            compiled, compiled_anew = self._backend.compile(name, seg, seg_nodes)
+            for n in seg_nodes:
+                if n.id not in local:
+                    self._ensure(n)
+            if compiled_anew:
+                self.compile_count += 1
+            bufs = tuple(views[n.id] if n.id in local else self._buffers[n.id][1]
+                         for n in seg_nodes)
+            call = self._backend.bind(compiled, bufs)
+            kept = tuple(n for n in seg_nodes if n.id not in local)
+            seg_fx = effects(seg)
+            seg_fx = Effects(tuple(n for n in seg_fx.inputs if n.id not in local),
+                             tuple(n for n in seg_fx.written if n.id not in local))
+            routine = Routine(name, self, kept, compiled, bufs, seg_fx, call)
+            self._routines.add(routine)
+            routines.append(routine)
+        return self, routines
 
     def _local_buffers(self, label: str, code: list[Lowered], local: list[Tnode],
                        shared: bool) -> dict[int, Buffer]:

@@ -114,6 +114,11 @@ class VirtualRanks:
     def allgather_inplace(self, buf: Any) -> None:
         raise NotImplementedError("virtual ranks hold the whole optimizer state")
 
+    def start_allreduce_sum(self, buf: Any) -> Any:
+        raise NotImplementedError("virtual ranks exchange whole gradients")
+
+    start_alltoall = start_allgather = start_allreduce_sum
+
     def allreduce_max(self, value: int) -> int:
         return int(value)
 

@@ -60,6 +60,7 @@ POINTS = 512
 SHARD_ROWS = 8
 INJECT_STEP = 3  # the optimizer step whose batch holds an infinity
 INJECT_ROW = 11  # its global row (in shard 1 of 4)
+BUCKET_BYTES = 64  # with --overlap: about a parameter a bucket (the models are small)
 
 
 def build(variant: str, rows: int) -> dict[str, Any]:
@@ -101,13 +102,15 @@ def build(variant: str, rows: int) -> dict[str, Any]:
 
 def run(comm: Any, variant: str, *, shards: int = 4, steps: int = 8,
         save_at: int | None = None, ckpt: Path | None = None, resume: Path | None = None,
-        zero: bool = False) -> dict[str, Any]:
+        zero: bool = False, overlap: bool = False) -> dict[str, Any]:
     """Train ``variant`` for ``steps`` optimizer steps of ``shards * SHARD_ROWS`` rows over
-    ``comm`` (``zero``: the optimizer state sharded over the ranks); returns this rank's
-    result, with the optimizer state's bytes this rank holds."""
+    ``comm`` (``zero``: the optimizer state sharded over the ranks; ``overlap``: the exchange
+    in buckets of about a parameter each, started as the backward code writes them); returns
+    this rank's result, with the optimizer state's bytes this rank holds."""
     m = build(variant, SHARD_ROWS)
     x, y, loss, opt, scaler = m["x"], m["y"], m["loss"], m["opt"], m["scaler"]
-    dp = parallel.DataParallel(comm, loss, inputs=[x, y], shards=shards, shard_optimizer=zero)
+    dp = parallel.DataParallel(comm, loss, inputs=[x, y], shards=shards, shard_optimizer=zero,
+                               overlap=overlap, bucket_bytes=BUCKET_BYTES)
     ctx = dp.setup(Context.cpu())
     kw = {"reducer": dp, "clip": m["clip"], "accumulate": m["accumulate"]}
     if m["gate"] == "host":
@@ -168,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--checkpoint", type=Path)
     ap.add_argument("--resume", type=Path)
     ap.add_argument("--zero", action="store_true", help="shard the optimizer state (ZeRO-1)")
+    ap.add_argument("--overlap", action="store_true", help="exchange in buckets, overlapped")
     args = ap.parse_args(argv)
     comm = parallel.world("mpi")
     for variant in args.variants.split(","):
@@ -176,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         resume = None if args.resume is None else args.resume.with_suffix(
             f".{variant}.safetensors")
         res = run(comm, variant, shards=args.shards, steps=args.steps, save_at=args.save_at,
-                  ckpt=ck, resume=resume, zero=args.zero)
+                  ckpt=ck, resume=resume, zero=args.zero, overlap=args.overlap)
         save_result(args.out / f"{args.tag}-{variant}-rank{comm.rank}.npz", res)
     return 0
 

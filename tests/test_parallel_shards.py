@@ -234,14 +234,14 @@ def test_four_ranks_are_the_bits_of_one_and_resume_on_one_then_two(one: dict[str
 
 
 def _ranks_are_the_bits_of_one(out: Path, ranks: int, shards: int, timeout: float,
-                               zero: bool = False) -> None:
+                               *flags: str) -> None:
     """The fused f16 gate with clipping, and batch norm with dropout, on ``ranks`` ranks and
-    ``shards`` shards (``zero``: the optimizer state sharded over the ranks): each rank's run
-    is one unsharded rank's, bit for bit."""
+    ``shards`` shards (``flags``: ``--zero``, the optimizer state sharded over the ranks;
+    ``--overlap``, the exchange in buckets): each rank's run is one plain rank's, bit for
+    bit."""
     variants = ["adamw-fused-f16-clip", "dropbn-host-f32"]
     ok(mpirun(ranks, "--out", out, "--tag", f"r{ranks}", "--shards", str(shards), "--variants",
-              ",".join(variants), *(["--zero"] if zero else []), script=WORKER,
-              timeout=timeout))
+              ",".join(variants), *flags, script=WORKER, timeout=timeout))
     for v in variants:
         ref = SW.run(parallel.SingleProcess(), v, shards=shards)
         for r in results(out, f"r{ranks}", v, ranks):
@@ -251,9 +251,10 @@ def _ranks_are_the_bits_of_one(out: Path, ranks: int, shards: int, timeout: floa
 @needs_mpi
 @pytest.mark.whole_machine  # three ranks on two cores
 def test_three_ranks_with_six_shards_are_the_bits_of_one(tmp_path: Path) -> None:
-    """Two partial sums a rank, and the optimizer state in three slices (ZeRO-1), which cut
-    the parameters at uneven places."""
-    _ranks_are_the_bits_of_one(tmp_path, 3, 6, timeout=150, zero=True)
+    """Two partial sums a rank, folded and exchanged bucket by bucket as the backward code
+    writes them (overlap), and the optimizer state in three slices (ZeRO-1), which cut the
+    parameters at uneven places."""
+    _ranks_are_the_bits_of_one(tmp_path, 3, 6, 150, "--zero", "--overlap")
 
 
 def test_the_loader_hands_a_rank_its_block_through_set_batch() -> None:
@@ -283,5 +284,6 @@ def test_the_loader_hands_a_rank_its_block_through_set_batch() -> None:
 @needs_mpi
 @pytest.mark.whole_machine  # eight ranks on two cores
 def test_eight_ranks_with_eight_shards_are_the_bits_of_one(tmp_path: Path) -> None:
-    """A shard a rank: each rank sums nothing of its own; the whole tree is the collectives'."""
-    _ranks_are_the_bits_of_one(tmp_path, 8, 8, timeout=300)
+    """A shard a rank: each rank sums nothing of its own; the whole tree is the collectives',
+    bucket by bucket (overlap)."""
+    _ranks_are_the_bits_of_one(tmp_path, 8, 8, 300, "--overlap")

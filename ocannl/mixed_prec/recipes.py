@@ -61,7 +61,9 @@ class GradReducer(Protocol):
         ...
 
     def reduce(self, ctx: Context, scaler: Loss_scaler) -> Context:
-        """Run after the gradient routine, before the checksum and the optimizer step."""
+        """Run after the gradient routine, before the checksum and the optimizer step. A
+        reducer may instead have ``run_and_reduce(ctx, routine, scaler)``, which runs the
+        last micro-batch's gradient routine itself (to overlap its exchange with it)."""
         ...
 
 
@@ -373,8 +375,11 @@ class Recipe:
     def _last_grads(self, ctx: Context) -> Context:
         """With a reducer: the last micro-batch's gradients, then the reduction."""
         assert self.reducer is not None
-        ctx = ctx.run(self._first if self.accumulate == 1 else self._more)
-        return self.reducer.reduce(ctx, self.scaler)
+        routine = self._first if self.accumulate == 1 else self._more
+        run_and_reduce = getattr(self.reducer, "run_and_reduce", None)
+        if run_and_reduce is not None:  # it may start exchanges while the routine runs
+            return run_and_reduce(ctx, routine, self.scaler)
+        return self.reducer.reduce(ctx.run(routine), self.scaler)
 
     @property
     def _first(self) -> Routine:

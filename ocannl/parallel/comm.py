@@ -57,6 +57,17 @@ class Communicator(Protocol):
         """A device f32 buffer of ``size`` equal blocks: rank ``r``'s block ``r`` to every
         rank, in place (ZeRO-1's gather of the updated parameters)."""
 
+    def start_allreduce_sum(self, buf: Any) -> Pending:
+        """:meth:`allreduce_sum`, started: its result is in ``buf`` once the returned
+        :class:`Pending` is waited for (a communicator without nonblocking collectives runs
+        it at once)."""
+
+    def start_alltoall(self, send: np.ndarray, recv: np.ndarray) -> Pending:
+        """:meth:`alltoall_buffer`, started."""
+
+    def start_allgather(self, send: np.ndarray, recv: np.ndarray) -> Pending:
+        """:meth:`allgather_buffer`, started."""
+
     def allreduce_max(self, value: int) -> int:
         """The largest of the ranks' integers."""
 
@@ -65,6 +76,30 @@ class Communicator(Protocol):
 
     def abort(self, code: int = 1) -> NoReturn:
         """End every rank of the job (after an error on this one)."""
+
+
+class Pending:
+    """A started collective. ``test()`` lets it progress (MPI moves bytes inside its calls)
+    and says whether it completed; ``wait()`` returns once it has, under the communicator's
+    deadline. One made by :meth:`done` has completed already (the collective ran at once)."""
+
+    def __init__(self, comm: Any = None, req: Any = None, what: str = "",
+                 then: Any = None) -> None:
+        self._comm, self._req, self._what, self._then = comm, req, what, then
+
+    @classmethod
+    def done(cls) -> Pending:
+        return cls()
+
+    def test(self) -> bool:
+        return self._req is None or bool(self._req.Test())
+
+    def wait(self) -> None:
+        if self._req is not None:
+            self._comm._wait(self._req, self._what)
+            self._req = None
+            if self._then is not None:
+                self._then()
 
 
 def _check_f32(buf: Any, what: str) -> None:
@@ -102,6 +137,18 @@ class SingleProcess:
 
     def allgather_inplace(self, buf: Any) -> None:
         _check_f32(buf, "allgather_inplace")
+
+    def start_allreduce_sum(self, buf: Any) -> Pending:
+        self.allreduce_sum(buf)
+        return Pending.done()
+
+    def start_alltoall(self, send: np.ndarray, recv: np.ndarray) -> Pending:
+        self.alltoall_buffer(send, recv)
+        return Pending.done()
+
+    def start_allgather(self, send: np.ndarray, recv: np.ndarray) -> Pending:
+        self.allgather_buffer(send, recv)
+        return Pending.done()
 
     def allreduce_max(self, value: int) -> int:
         return int(value)
@@ -478,6 +525,29 @@ class MpiCommunicator:
         if host is not buf:
             buf.set(host)
 
+    def _started(self, what: str, start: Any, then: Any = None) -> Pending:
+        self._start(what)
+        return Pending(self, start(), what, then)
+
+    def start_allreduce_sum(self, buf: Any) -> Pending:
+        _check_f32(buf, "start_allreduce_sum")
+        what = f"allreduce_sum of {buf.size} f32"
+        if isinstance(buf, np.ndarray):
+            return self._started(what, lambda: self.comm.Iallreduce(self._mpi.IN_PLACE, buf,
+                                                                    op=self._mpi.SUM))
+        host = np.ascontiguousarray(buf.get())
+        return self._started(what, lambda: self.comm.Iallreduce(self._mpi.IN_PLACE, host,
+                                                                op=self._mpi.SUM),
+                             lambda: buf.set(host))
+
+    def start_alltoall(self, send: np.ndarray, recv: np.ndarray) -> Pending:
+        return self._started(f"all-to-all of {send.size} f32",
+                             lambda: self.comm.Ialltoall(send, recv))
+
+    def start_allgather(self, send: np.ndarray, recv: np.ndarray) -> Pending:
+        return self._started(f"allgather of {send.size} f32",
+                             lambda: self.comm.Iallgather(send, recv))
+
     def allreduce_max(self, value: int) -> int:
         a = np.array([int(value)], np.int64)  # OverflowError beyond 64 bits, on every rank
         self._run("allreduce_max", lambda: self.comm.Iallreduce(self._mpi.IN_PLACE, a,
@@ -637,6 +707,17 @@ class NcclCommunicator:
 
     def allgather_buffer(self, send: np.ndarray, recv: np.ndarray) -> None:
         self.mpi.allgather_buffer(send, recv)
+
+    def start_allreduce_sum(self, buf: Any) -> Pending:
+        """On the context's stream, after the kernels before it: ordered, not overlapped."""
+        self.allreduce_sum(buf)
+        return Pending.done()
+
+    def start_alltoall(self, send: np.ndarray, recv: np.ndarray) -> Pending:
+        return self.mpi.start_alltoall(send, recv)
+
+    def start_allgather(self, send: np.ndarray, recv: np.ndarray) -> Pending:
+        return self.mpi.start_allgather(send, recv)
 
     def allgather_inplace(self, buf: Any) -> None:
         _check_f32(buf, "allgather_inplace")

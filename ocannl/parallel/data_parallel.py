@@ -16,10 +16,11 @@ from typing import Any
 import numpy as np
 
 from ocannl import checkpoint
-from ocannl.context import Context
+from ocannl.context import Context, Routine, flat_layout
 from ocannl.errors import Failure, require_bool
 from ocannl.ir.ops import Precision
 from ocannl.ir.tnode import Tnode
+from ocannl.parallel.buckets import BucketExchange, bucket_ranges
 from ocannl.parallel.comm import Communicator
 from ocannl.parallel.shards import ShardTree
 from ocannl.parallel.zero import FLAT_ALIGN, OptimizerShard
@@ -189,7 +190,8 @@ class DataParallel:
     def __init__(self, comm: Communicator, loss: Tensor, *, inputs: Sequence[Tensor] = (),
                  label: str | None = None, shards: int | None = None,
                  fixed_order: bool = True, track_losses: bool = True,
-                 shard_optimizer: bool = False) -> None:
+                 shard_optimizer: bool = False, overlap: bool = False,
+                 bucket_bytes: int = 1 << 20) -> None:
         if not isinstance(comm, Communicator):
             raise TypeError(f"DataParallel: expected a Communicator (SingleProcess, "
                             f"MpiCommunicator, NcclCommunicator), got {type(comm).__name__}")
@@ -236,6 +238,14 @@ class DataParallel:
                                  f"in one flat buffer of one precision; loss {loss.label}'s are "
                                  f"{precs} (build f16/bf16 models with f32 masters: "
                                  f"mixed_prec.with_master_weights)")
+        self.overlap = require_bool("DataParallel: overlap", overlap)
+        if not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) \
+                or bucket_bytes < 1:
+            raise ValueError(f"DataParallel: bucket_bytes must be an integer >= 1, got "
+                             f"{bucket_bytes!r}")
+        self.bucket_bytes = bucket_bytes
+        self._buckets: list[tuple[int, int, list[int]]] = []
+        self._splits: dict[int, tuple[list[Routine], list[int]]] = {}  # whole routine id ->
         self._zero: OptimizerShard | None = None
         self.flat_params: Tnode | None = None  # with shard_optimizer: the parameters' buffer
         self._gathered = True  # the parameters were gathered since the last update
@@ -336,8 +346,11 @@ class DataParallel:
         _refuse_differences(everyone)  # the graphs (twins' precisions, inputs') and the code
         zero = self.optimizer_shard
         grads = [p.grad for p in self.params if p.grad is not None]
+        offsets, _ = flat_layout([g.size for g in grads], FLAT_ALIGN)
         if zero is None:
             self.flat = ctx.share_flat(grads, label=self.label, align=FLAT_ALIGN)
+            self._buckets = bucket_ranges(offsets, [g.size for g in grads], self.flat.size,
+                                          self.bucket_bytes)
             return ctx
         self.flat = ctx.share_flat(grads, label=self.label, align=FLAT_ALIGN, length=zero.length)
         self.flat_params = ctx.share_flat([p.value for p in self.params],
@@ -346,6 +359,8 @@ class DataParallel:
         for q in zero.parts:
             ctx = ctx.share_slice(q.value, self.flat_params, q.offset + q.start)
             ctx = ctx.share_slice(q.grad, self.flat, q.offset + q.start)
+        self._buckets = bucket_ranges(offsets, [g.size for g in grads], self.flat.size,
+                                      self.bucket_bytes)
         return ctx
 
     def compile(self, ctx: Context, recipe: Any) -> Context:
@@ -359,9 +374,31 @@ class DataParallel:
         first = routine(recipe.grad_comp)
         more = routine(recipe.accumulate_comp) if recipe.accumulate_comp is not None else None
         self.use_routines(first, more)
+        for comp, whole in ((recipe.grad_comp, first), (recipe.accumulate_comp, more)):
+            if whole is not None:
+                ctx = self._split(ctx, comp, whole)
         # The random draws of this rank's first shard are keyed by its first global row even
         # when its data are written into the inputs directly (one shard per rank).
         return self._set_row_offset(ctx, self.first_shard)
+
+    def compile_gradients(self, ctx: Context, comp: Any) -> tuple[Context, Routine]:
+        """Compile a gradient computation (``train.grad_update``) into a routine; with
+        ``overlap=True``, also cut after each bucket's last gradient, for
+        :meth:`run_and_reduce` (the mixed-precision recipes' routines get theirs from
+        :meth:`compile`)."""
+        ctx, whole = ctx.compile(comp)
+        return self._split(ctx, comp, whole), whole
+
+    def _split(self, ctx: Context, comp: Any, whole: Routine) -> Context:
+        if not self.overlap:
+            return ctx
+        if self.flat is None:
+            raise ValueError(f"{self!r}: call setup(ctx) before compiling")
+        grads = [p.grad for p in self.params]
+        groups = [[grads[i] for i in members] for _, _, members in self._buckets]
+        ctx, parts, ready = ctx.compile_split(comp, groups)
+        self._splits[id(whole)] = (parts, ready)
+        return ctx
 
     def use_routines(self, first: Any, more: Any = None) -> None:
         """The routines that compute one shard's gradients: ``first`` zeroes them and computes
@@ -457,6 +494,67 @@ class DataParallel:
         others of its block run here (their data from :meth:`set_batch`), then the block's
         partial sums are exchanged and the tree summed; the result is in the flat buffer on
         every rank, the same bits."""
+        return self._reduce(ctx, scaler, None)
+
+    def run_and_reduce(self, ctx: Context, routine: Routine, scaler: Any = None) -> Context:
+        """Run the gradient routine of the step's last micro-batch (this rank's first shard),
+        then :meth:`reduce`. With ``overlap=True`` and a routine from :meth:`compile` or
+        :meth:`compile_gradients`, the block's last shard runs cut at the buckets, and each
+        bucket's exchange starts once that shard has written it, while its backward code goes
+        on (its addition into the block's partial sum first, bucket by bucket): the same
+        additions, the same bits."""
+        split = self._splits.get(id(routine)) if self.overlap else None
+        if split is None:
+            return self._reduce(ctx.run(routine), scaler, None)
+        if self.per_rank > 1:
+            ctx = ctx.run(routine)  # the first shard whole; the last one cut
+        return self._reduce(ctx, scaler, split)
+
+    def _run_bucketed(self, ctx: Context, j: int, split: tuple[list[Routine], list[int]],
+                      flat: Any) -> tuple[Context, list[BucketExchange]]:
+        """Run shard ``j`` (the block's last) cut at the buckets: after each part, fold each
+        bucket it completed into the block's partial sum (as :meth:`_fold` does the whole
+        buffer) and start its exchange. Returns the exchanges, in the order started."""
+        parts, ready = split
+        pops, node = self._fold_plan(j)
+        lefts = [buf for _, buf in self._stack[len(self._stack) - pops:]][::-1]
+        started: list[BucketExchange] = []
+        for s, part in enumerate(parts):
+            ctx = ctx.run(part)
+            for (a, b, _), r in zip(self._buckets, ready, strict=True):
+                if r != s:
+                    continue
+                with np.errstate(all="ignore"):  # a non-finite gradient is the checksum's
+                    for left in lefts:
+                        _array_module(flat).add(left[a:b], flat[a:b], out=flat[a:b])
+                partials = [buf for _, buf in self._stack[:len(self._stack) - pops]] + [flat]
+                started.append(BucketExchange(self.comm, self.tree, self._covers, flat, a, b,
+                                              partials, fixed_order=self.fixed_order))
+            for e in started:
+                e.test()
+        self._free += lefts
+        del self._stack[len(self._stack) - pops:]
+        self._stack.append((node, flat))
+        return ctx, started
+
+    def _fold_plan(self, j: int) -> tuple[int, tuple[int, int]]:
+        """What :meth:`_fold` of the block's last shard ``j`` does: how many left siblings it
+        adds (popped from the stack's top) and the tree node it leaves."""
+        node = (self.first_shard + j, self.first_shard + j + 1)
+        lo, hi = self.first_shard, self.first_shard + self.per_rank
+        pops = 0
+        while pops < len(self._stack):
+            parent = self._parents.get(node)
+            top = self._stack[len(self._stack) - 1 - pops][0]
+            if parent is None or parent[0] < lo or parent[1] > hi or node[0] == parent[0] \
+                    or top != (parent[0], node[0]):
+                break
+            pops += 1
+            node = parent
+        return pops, node
+
+    def _reduce(self, ctx: Context, scaler: Any,
+                split: tuple[list[Routine], list[int]] | None) -> Context:
         if self.flat is None:
             raise ValueError(f"{self!r}: call setup(ctx) before compiling and stepping")
         if not self._gathered:
@@ -474,20 +572,28 @@ class DataParallel:
         pending, self._pending = self._pending, []
         counters_at, self._counters_at = self._counters_at, []
         stats_at, self._stats_at = self._stats_at, None
+        k = self.per_rank
+        self._stack = []
+        exchanges: list[BucketExchange] = []
+        if split is not None and k == 1:  # the first shard is the last: cut at the buckets
+            ctx, exchanges = self._run_bucketed(ctx, 0, split, flat)
         if not self.fixed_order:
             if self.track_losses:
                 self.shard_losses = [self._loss_now(ctx)]
-            self.comm.allreduce_sum(flat)
+            for e in exchanges:
+                e.finish()
+            if not exchanges:
+                self.comm.allreduce_sum(flat)
+            self._stack = []
             self.reductions += 1
             self.step += 1
             self._gathered = not self.shard_optimizer
             return ctx
-        k = self.per_rank
         losses = [self._loss_now(ctx)] if self.track_losses else []
         stats = [[np.array(ctx.get_values(m), np.float32) for m in self.stats]] \
             if self.stats else []
-        self._stack = []
-        self._fold(0, flat, last=k == 1)
+        if not exchanges:
+            self._fold(0, flat, last=k == 1)
         if k > 1:
             if len(pending) == 0:
                 raise ValueError(f"{self!r}: rank {self.rank} computes {k} shards: write each "
@@ -507,21 +613,29 @@ class DataParallel:
                         for r, c in zip(self.rngs, counters_at[micro], strict=True):
                             ctx = ctx.set_values(r.counter, c)
                     ctx = self._put_shard(ctx, j, parts[j - 1])
-                    ctx = ctx.run(self._first if micro == 0 else self._more)
+                    if split is not None and j == k - 1 and micro == len(pending) - 1:
+                        ctx, exchanges = self._run_bucketed(ctx, j, split, flat)
+                    else:
+                        ctx = ctx.run(self._first if micro == 0 else self._more)
                 if self.track_losses:
                     losses.append(self._loss_now(ctx))
                 if self.stats:
                     stats.append([np.array(ctx.get_values(m), np.float32) for m in self.stats])
-                self._fold(j, flat, last=j == k - 1)
+                if not exchanges:
+                    self._fold(j, flat, last=j == k - 1)
             for r, c in zip(self.rngs, counters_end, strict=True):
                 ctx = ctx.set_values(r.counter, c)
         self.shard_losses = losses
         partials = [buf for _, buf in self._stack]
         assert [node for node, _ in self._stack] == self._covers[self.rank]
-        with np.errstate(all="ignore"):  # a non-finite gradient is the checksum's to see
-            total = self._tree_sum(partials, flat)
-        if total is not flat:
-            flat[...] = total
+        if exchanges:
+            for e in exchanges:
+                e.finish()
+        else:
+            with np.errstate(all="ignore"):  # a non-finite gradient is the checksum's to see
+                total = self._tree_sum(partials, flat)
+            if total is not flat:
+                flat[...] = total
         self._free += [buf for buf in partials if buf is not flat]
         self._stack = []
         if self.stats:
