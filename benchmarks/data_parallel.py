@@ -62,8 +62,9 @@ SHARDABLE = tuple(name for name, w in WORKLOADS.items() if w.model in ("mlp", "l
 # This project with the fixed shard tree (the same bits on any rank count), this project with
 # one shard per rank summed by MPI's allreduce (the order off: bits depend on the rank count),
 # PyTorch DDP over gloo.
-FRAMEWORKS = ("ocannl", "ocannl-zero", "ocannl-allreduce", "torch")
+FRAMEWORKS = ("ocannl", "ocannl-overlap", "ocannl-zero", "ocannl-allreduce", "torch")
 NAMES = {"ocannl": "ocannl (MPI, fixed shard tree)",
+         "ocannl-overlap": "ocannl (fixed shard tree, overlapped buckets)",
          "ocannl-zero": "ocannl (fixed shard tree, ZeRO-1)",
          "ocannl-allreduce": "ocannl (MPI allreduce, order off)", "torch": "PyTorch DDP (gloo)"}
 # The fewest rows a shard keeps, per workload (``parallel.default_shards``): 4 shards each, so
@@ -140,11 +141,13 @@ def _shard(w: Workload, rank: int, size: int, step: int, fx: fixtures.Fixture,
     return fx.x[k][rows], None if onehot is None else onehot[k][rows], fx.labels[k][rows]
 
 
-def ocannl_worker(w: Workload, steps: int, warmup: int, shards: int, zero: bool = False
-                  ) -> dict:
+def ocannl_worker(w: Workload, steps: int, warmup: int, shards: int, zero: bool = False,
+                  overlap: bool = False) -> dict:
     """This project's rank: ``shards`` shards summed in the shard tree's order (0: one shard
     per rank summed by MPI's allreduce, the order off); ``zero``: the optimizer state
-    sharded over the ranks (ZeRO-1). Reports the optimizer state's bytes the rank holds."""
+    sharded over the ranks (ZeRO-1); ``overlap``: the exchange in buckets (the default
+    ``bucket_bytes``) started while the last shard's backward code runs. Reports the optimizer
+    state's bytes the rank holds."""
     import ocannl.tensor as T
     from ocannl import Context, parallel, train
 
@@ -164,10 +167,10 @@ def ocannl_worker(w: Workload, steps: int, warmup: int, shards: int, zero: bool 
     logits, layers = models.ocannl_model(w, x)
     loss = models.ocannl_loss(w, logits, y)
     dp = parallel.DataParallel(comm, loss, inputs=[x, y], shards=count, fixed_order=fixed,
-                               shard_optimizer=zero)
+                               shard_optimizer=zero, overlap=overlap)
     ctx = dp.setup(Context.cpu())
     opt = models.ocannl_optimizer(w)
-    ctx, grads = ctx.compile(train.grad_update(loss))
+    ctx, grads = dp.compile_gradients(ctx, train.grad_update(loss))
     dp.use_routines(grads)
     ctx, update = ctx.compile(opt.update(loss, grad_unscale=dp.grad_unscale(),
                                          shard=dp.optimizer_shard))
@@ -182,8 +185,7 @@ def ocannl_worker(w: Workload, steps: int, warmup: int, shards: int, zero: bool 
     def step(i: int) -> None:
         k = i % w.n_batches
         dp.set_batch(ctx, fx.x[k], targets[k])  # the global batch: dp takes this rank's block
-        ctx.run(grads)
-        dp.reduce(ctx)
+        dp.run_and_reduce(ctx, grads)
         dp.after_update(ctx.run(update))
 
     losses = []
@@ -279,7 +281,9 @@ def launch(w: Workload, framework: str, ranks: int, steps: int, warmup: int, thr
     ours = framework.startswith("ocannl")
     py = [sys.executable, "-m", "mpi4py"] if ours else [sys.executable]
     worker = ["ocannl", "--shards", str(0 if framework == "ocannl-allreduce" else shards),
-              *(["--zero"] if framework == "ocannl-zero" else [])] if ours else [framework]
+              *(["--zero"] if framework == "ocannl-zero" else []),
+              *(["--overlap"] if framework == "ocannl-overlap" else [])] if ours \
+        else [framework]
     env = dict(os.environ)
     for var in THREAD_VARS:
         env[var] = str(threads)
@@ -320,12 +324,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--zero", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--overlap", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     used = [WORKLOADS[name] for name in dict.fromkeys(args.workloads)]
     if args.worker:
         w = used[0]
         if args.worker == "ocannl":
-            res = ocannl_worker(w, args.steps, args.warmup, args.shards, args.zero)
+            res = ocannl_worker(w, args.steps, args.warmup, args.shards, args.zero,
+                                args.overlap)
         else:
             res = torch_worker(w, args.steps, args.warmup, args.port, args.threads)
         if res["rank"] == 0:
@@ -487,13 +493,22 @@ def same_bits(rows: list[dict]) -> list[tuple[int, bool]]:
     ZeRO-1): whether every run gave the very losses of every 1-rank run of the shard tree
     without ZeRO-1 (the same bits on any rank count, sharded or not)."""
     ours = {(r["framework"], r["ranks"]): r.get("losses") for r in rows
-            if r["framework"] in ("ocannl", "ocannl-zero")}
+            if r["framework"] in ("ocannl", "ocannl-zero", "ocannl-overlap")}
     base = ours.get(("ocannl", 1))
     if not base:
         return []
-    return [(f"{n} rank(s){' with ZeRO-1' if fw == 'ocannl-zero' else ''}",
+    extra = {"ocannl-zero": " with ZeRO-1", "ocannl-overlap": " overlapped"}
+    return [(f"{n} rank(s){extra.get(fw, '')}",
              all(x == base[0] for x in ls + base))
             for (fw, n), ls in sorted(ours.items()) if (fw, n) != ("ocannl", 1) and ls]
+
+
+def overlap_gain(rows: list[dict]) -> list[tuple[int, float]]:
+    """Per rank count where both were timed: the overlapped shard tree's steps/s over the
+    plain one's (above 1: overlap pays)."""
+    by = {(r["framework"], r["ranks"]): r for r in rows if r.get("timed", r["parity_ok"])}
+    return [(n, by[("ocannl-overlap", n)]["steps_per_s"] / by[("ocannl", n)]["steps_per_s"])
+            for fw, n in sorted(by) if fw == "ocannl" and ("ocannl-overlap", n) in by]
 
 
 def state_per_rank(rows: list[dict]) -> list[tuple[int, int, int, float]]:
@@ -559,6 +574,11 @@ def render(rows: list[dict], info: dict) -> str:
                       "rank count against 1 rank's (every run): " + ", ".join(
                           f"{n} {'identical' if ok else 'DIFFERENT'}"
                           for n, ok in same) + "."]
+        gain = overlap_gain([r for r in rows if r["workload"] == name])
+        if gain:
+            lines += ["", "Overlap (steps/s with the buckets' exchanges started during the "
+                      "backward code over steps/s with one exchange after it): " + ", ".join(
+                          f"{n} rank(s) {g:.3f}x" for n, g in gain) + "."]
         state = state_per_rank([r for r in rows if r["workload"] == name])
         if state:
             lines += ["", "Optimizer state per rank with ZeRO-1 (the most a rank held, of the "
