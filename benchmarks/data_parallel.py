@@ -455,6 +455,15 @@ without it (at N = 8, 64, 512: 0.88 G, 0.98 G, 1.00 G). Where neither reads the 
 the exchange could stop at the summed slices (the all-to-all and the tree sum, without the
 gradients' allgather): then ZeRO-1 sends what the plain tree does, the parameters' allgather in
 place of the gradients'; not built.
+
+Overlap (`DataParallel(overlap=True)`) sends the same bytes as the exchange after the backward
+code, in one collective per bucket (each the tree's: an allreduce of two at N = 2, else an
+all-to-all and an allgather of the bucket): B buckets make B times the messages, each G / B
+long, so it pays where a message of G / B still moves at the link's rate (a bucket of 1 MiB,
+the default, does on any network) and the link runs beside the cores. On one machine's CPU it
+does not: MPI (MPICH, no progress thread) moves a bucket's bytes only inside its calls, on the
+core of the rank that makes them, so the exchange is interleaved with the backward code (tested
+between its parts), not run beside it; the rows above measure that.
 """
 
 

@@ -26,7 +26,6 @@ import weakref
 from dataclasses import replace
 
 from ocannl.ir.assignments import Accum, Get
-from ocannl.ir.expr import rewrite_reads
 from ocannl.ir.lowered import (
     AccessIndex,
     Fill,
@@ -38,6 +37,8 @@ from ocannl.ir.lowered import (
     covers,
     loop_nest,
     nodes_of,
+    renamed_item,
+    renamed_nest,
 )
 from ocannl.ir.ops import Precision
 from ocannl.ir.target import Target
@@ -111,7 +112,7 @@ def keep_twins(code: list[Lowered], target: Target) -> list[Lowered]:
             for n in item.nests:
                 if n.assign.lhs.id in read_kept:
                     continue  # the twin's cast: the kept node holds its values
-                n = _reading(n, read_kept)
+                n = renamed_nest(n, read_kept)
                 nests.append(n)
                 if n.assign.lhs.id in keeps:
                     if _in_pass(n, item):
@@ -121,10 +122,7 @@ def keep_twins(code: list[Lowered], target: Target) -> list[Lowered]:
             if nests:
                 out.append(replace(item, nests=tuple(nests)))
         elif isinstance(item, Gemm):
-            a = replace(item.a, node=read_kept.get(item.a.node.id, item.a.node))
-            b = replace(item.b, node=read_kept.get(item.b.node.id, item.b.node))
-            assign = replace(item.assign, expr=_renamed(item.assign.expr, read_kept))
-            out.append(replace(item, a=a, b=b, assign=assign))
+            out.append(renamed_item(item, read_kept))
             if item.assign.lhs.id in keeps:
                 after.append(item.assign.lhs)
         else:
@@ -161,16 +159,6 @@ def _written_while_read(index: AccessIndex, twin: Tnode) -> bool:
         return False
     start = index.writers.get(twin.id, [0])[0]
     return any(start <= w <= readers[-1] for w in index.writers.get(twin.cast_of.id, []))
-
-
-def _renamed(e, nodes: dict[int, Tnode]):  # noqa: ANN001, ANN202 - an Expr in, an Expr out
-    return rewrite_reads(e, lambda g: Get(nodes[g.node.id], g.idx, g.rounded)
-                         if g.node.id in nodes else g)
-
-
-def _reading(n: LoopNest, read_kept: dict[int, Tnode]) -> LoopNest:
-    expr = _renamed(n.assign.expr, read_kept)
-    return n if expr is n.assign.expr else replace(n, assign=replace(n.assign, expr=expr))
 
 
 def _in_pass(n: LoopNest, group: LoopGroup) -> bool:

@@ -11,9 +11,10 @@ every pass and backend asks.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from ocannl.ir.assignments import Accum, Affine, Get, reads
+from ocannl.ir.assignments import Accum, Affine, Expr, Get, reads
+from ocannl.ir.expr import rewrite_reads
 from ocannl.ir.tnode import Tnode
 
 
@@ -412,3 +413,29 @@ def effects(code: list[Lowered]) -> Effects:
         written.setdefault(a.lhs.id, a.lhs)
     return Effects(tuple(inputs.values()), tuple(written.values()))
 
+
+def renamed_reads(e: Expr, nodes: dict[int, Tnode]) -> Expr:
+    """``e`` reading ``nodes[i]`` wherever it read the node of id ``i``."""
+    return rewrite_reads(e, lambda g: Get(nodes[g.node.id], g.idx, g.rounded)
+                         if g.node.id in nodes else g)
+
+
+def renamed_item(item: Lowered, nodes: dict[int, Tnode]) -> Lowered:
+    """``item`` reading ``nodes[i]`` wherever it read the node of id ``i`` (its writes
+    unchanged); the item itself where it reads none of them."""
+    if isinstance(item, LoopGroup):
+        nests = tuple(renamed_nest(n, nodes) for n in item.nests)
+        return item if all(a is b for a, b in zip(nests, item.nests, strict=True)) \
+            else replace(item, nests=nests)
+    if isinstance(item, Gemm):
+        a = replace(item.a, node=nodes.get(item.a.node.id, item.a.node))
+        b = replace(item.b, node=nodes.get(item.b.node.id, item.b.node))
+        return replace(item, a=a, b=b, assign=replace(item.assign, expr=renamed_reads(
+            item.assign.expr, nodes)))
+    return item
+
+
+def renamed_nest(n: LoopNest, nodes: dict[int, Tnode]) -> LoopNest:
+    """A loop nest reading ``nodes[i]`` wherever it read the node of id ``i``."""
+    expr = renamed_reads(n.assign.expr, nodes)
+    return n if expr is n.assign.expr else replace(n, assign=replace(n.assign, expr=expr))

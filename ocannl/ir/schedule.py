@@ -61,6 +61,8 @@ from ocannl.ir.lowered import (
     covers,
     loop_nest,
     nodes_of,
+    renamed_item,
+    renamed_reads,
 )
 from ocannl.ir.ops import OPS, Precision
 from ocannl.ir.target import Target
@@ -270,21 +272,8 @@ def widened_in_place(code: list[Lowered]) -> list[Lowered]:
                     Precision.f32:  # another copy of a widened node: the copy itself
                 stands[item.nests[0].assign.lhs.id] = stands[src.id]
                 continue
-        out.append(_renamed_item(item, stands) if stands else item)
+        out.append(renamed_item(item, stands) if stands else item)
     return out
-
-
-def _renamed_item(item: Lowered, nodes: dict[int, Tnode]) -> Lowered:
-    """``item`` reading ``nodes[i]`` wherever it read the node of id ``i``."""
-    if isinstance(item, LoopGroup):
-        return replace(item, nests=tuple(replace(n, assign=replace(
-            n.assign, expr=_renamed(n.assign.expr, nodes))) for n in item.nests))
-    if isinstance(item, Gemm):
-        a = replace(item.a, node=nodes.get(item.a.node.id, item.a.node))
-        b = replace(item.b, node=nodes.get(item.b.node.id, item.b.node))
-        return replace(item, a=a, b=b, assign=replace(item.assign, expr=_renamed(
-            item.assign.expr, nodes)))
-    return item
 
 
 # --- registers ----------------------------------------------------------------------------
@@ -460,7 +449,7 @@ def _product(g: Gemm, target: Target, copies: _Copies, direct: set[int], out: li
     a, b = operand(g.a, False), operand(g.b, True)
     # The assignment names the nodes the product reads and writes, as its views do.
     renamed = {v.node.id: w.node for v, w in ((g.a, a), (g.b, b)) if w is not v}
-    assign = replace(g.assign, expr=_renamed(g.assign.expr, renamed)) if renamed else g.assign
+    assign = replace(g.assign, expr=renamed_reads(g.assign.expr, renamed)) if renamed else g.assign
     if not lhs.prec.is_narrow:
         out.append(replace(g, assign=assign, a=a, b=b, kernel=kernel, split=along,
                            split_extent=extent))
@@ -476,12 +465,6 @@ def _product(g: Gemm, target: Target, copies: _Copies, direct: set[int], out: li
         return {lhs.id: wide}
     out.append(copy_group(lhs, wide))
     return {}
-
-
-def _renamed(e: Expr, nodes: dict[int, Tnode]) -> Expr:
-    """``e`` reading ``nodes[i]`` wherever it read the node of id ``i``."""
-    return rewrite_reads(e, lambda g: Get(nodes[g.node.id], g.idx, g.rounded)
-                         if g.node.id in nodes else g)
 
 
 def _widened_reads(item: LoopGroup, copies: _Copies, out: list[Lowered]) -> None:
@@ -507,7 +490,7 @@ def _widened_reads(item: LoopGroup, copies: _Copies, out: list[Lowered]) -> None
     if renamed:
         nests = []
         for n in item.nests:
-            a = replace(n.assign, expr=_renamed(n.assign.expr, renamed))
+            a = replace(n.assign, expr=renamed_reads(n.assign.expr, renamed))
             if wide is not None and a.lhs is lhs:
                 a = replace(a, lhs=wide)
             nests.append(replace(n, assign=a))

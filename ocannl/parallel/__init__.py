@@ -42,6 +42,12 @@ order and an allgather brings the slices to every rank: ``2 (N - 1) / N`` of the
 per rank, a ring allreduce's bytes, with MPI's own reduction never used (its order depends on
 the implementation, the message size and the rank count).
 
+**Overlap** (``overlap=True``, :mod:`ocannl.parallel.buckets`): the exchange runs bucket by
+bucket, each started while the backward code goes on, each the tree's on its elements (the
+same bits). **ZeRO-1** (``shard_optimizer=True``, :mod:`ocannl.parallel.zero`): each rank keeps
+and updates the optimizer state of one slice of the parameters' elements, then the parameters
+are gathered (the same bits; checkpoints hold the whole state).
+
 Narrow (f16 / bf16) buffers are never summed: the model reads cast twins of f32 masters
 (:func:`ocannl.mixed_prec.with_master_weights`) and only the masters' f32 gradients travel.
 Each shard's loss is the mean over its rows, so the sum over the shards is ``shards`` times the

@@ -171,6 +171,12 @@ class DataParallel:
     statistics each shard's run updates from the same starting values are then averaged
     over the shards through the same tree.
 
+    **Overlap** (``overlap=True``): the exchange in buckets of at least ``bucket_bytes``
+    (whole parameters, from the flat buffer's end), each started while the rest of the block's
+    last shard's backward code runs (:meth:`run_and_reduce`; the recipes call it), each the
+    tree's on its elements: the same bits as without. The checksum, clipping and the update
+    wait for the last bucket (they read every gradient).
+
     **Sharded optimizer state** (``shard_optimizer=True``, ZeRO-1): the parameters and their
     gradients lie in flat buffers of one layout cut into ``N`` equal slices of elements; each
     rank's optimizer keeps and updates the state of its slice only (:attr:`optimizer_shard`,
