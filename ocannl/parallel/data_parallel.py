@@ -265,11 +265,14 @@ class DataParallel:
         drawn = {m.id for r in self.rngs for m in r.state_nodes()}
         # What the forward code updates besides random streams: batch-norm running statistics.
         self.stats = [m for m in buffers(loss) if m.id not in drawn]
+        self._unscale_for: tuple[float, float] | None = None  # the last scale and its value
         self._unscale = T.term(np.float32(self._unscale_value(None)),
                                label="dp_grad_unscale", prec=Precision.f32)
         self.flat: Tnode | None = None
         self._synced: weakref.WeakKeyDictionary[Context, float] = weakref.WeakKeyDictionary()
         self._offsets: weakref.WeakKeyDictionary[Context, int] = weakref.WeakKeyDictionary()
+        self._loss_readers: weakref.WeakKeyDictionary[Context, Any] = \
+            weakref.WeakKeyDictionary()
         self.reductions = 0  # reductions run by this process
         self.step = 0  # optimizer steps since the start (or the checkpoint loaded)
         self.shard_losses: list[float] = []  # this rank's shards' losses at the last reduce
@@ -479,10 +482,17 @@ class DataParallel:
     # --- the reducer ---------------------------------------------------------------------------
 
     def _unscale_value(self, scaler: Any) -> float:
+        """``1 / (scale * shards)`` rounded once to f32; the last one is kept (an exact
+        reciprocal costs tens of microseconds, and the scale changes rarely)."""
+        scale = 1.0 if scaler is None else float(scaler.scale_value())
+        last = self._unscale_for
+        if last is not None and last[0] == scale:
+            return last[1]
         from ocannl.mixed_prec import _reciprocal_f32
 
-        scale = 1.0 if scaler is None else float(scaler.scale_value())
-        return _reciprocal_f32(scale * self.shards)
+        value = _reciprocal_f32(scale * self.shards)
+        self._unscale_for = (scale, value)
+        return value
 
     def grad_unscale(self, scaler: Any = None) -> Tensor:
         """The tensor gradients are multiplied by before the optimizer math: ``1 / (scale *
@@ -530,9 +540,8 @@ class DataParallel:
             for (a, b, _), r in zip(self._buckets, ready, strict=True):
                 if r != s:
                     continue
-                with np.errstate(all="ignore"):  # a non-finite gradient is the checksum's
-                    for left in lefts:
-                        _array_module(flat).add(left[a:b], flat[a:b], out=flat[a:b])
+                for left in lefts:
+                    _array_module(flat).add(left[a:b], flat[a:b], out=flat[a:b])
                 partials = [buf for _, buf in self._stack[:len(self._stack) - pops]] + [flat]
                 started.append(BucketExchange(self.comm, self.tree, self._covers, flat, a, b,
                                               partials, fixed_order=self.fixed_order))
@@ -561,6 +570,13 @@ class DataParallel:
 
     def _reduce(self, ctx: Context, scaler: Any,
                 split: tuple[list[Routine], list[int]] | None) -> Context:
+        # The shard sums' overflows are the checksum's to see: NumPy says nothing of them
+        # (one errstate for the whole reduction: entering one costs microseconds).
+        with np.errstate(all="ignore"):
+            return self._reduce_quietly(ctx, scaler, split)
+
+    def _reduce_quietly(self, ctx: Context, scaler: Any,
+                        split: tuple[list[Routine], list[int]] | None) -> Context:
         if self.flat is None:
             raise ValueError(f"{self!r}: call setup(ctx) before compiling and stepping")
         if not self._gathered:
@@ -638,8 +654,7 @@ class DataParallel:
             for e in exchanges:
                 e.finish()
         else:
-            with np.errstate(all="ignore"):  # a non-finite gradient is the checksum's to see
-                total = self._tree_sum(partials, flat)
+            total = self._tree_sum(partials, flat)
             if total is not flat:
                 flat[...] = total
         self._free += [buf for buf in partials if buf is not flat]
@@ -681,22 +696,21 @@ class DataParallel:
         node = (self.first_shard + j, self.first_shard + j + 1)
         lo, hi = self.first_shard, self.first_shard + self.per_rank
         buf = flat
-        with np.errstate(all="ignore"):  # a non-finite gradient is the checksum's to see
-            while self._stack:
-                parent = self._parents.get(node)
-                if parent is None or parent[0] < lo or parent[1] > hi or node[0] == parent[0] \
-                        or self._stack[-1][0] != (parent[0], node[0]):
-                    break
-                _, left = self._stack.pop()
-                if buf is flat and last:
-                    _array_module(flat).add(left, flat, out=flat)
-                    self._free.append(left)
-                else:
-                    left += buf
-                    if buf is not flat:
-                        self._free.append(buf)
-                    buf = left
-                node = parent
+        while self._stack:
+            parent = self._parents.get(node)
+            if parent is None or parent[0] < lo or parent[1] > hi or node[0] == parent[0] \
+                    or self._stack[-1][0] != (parent[0], node[0]):
+                break
+            _, left = self._stack.pop()
+            if buf is flat and last:
+                _array_module(flat).add(left, flat, out=flat)
+                self._free.append(left)
+            else:
+                left += buf
+                if buf is not flat:
+                    self._free.append(buf)
+                buf = left
+            node = parent
         if buf is flat and not last:
             if self._free:
                 buf = self._free.pop()
@@ -769,10 +783,13 @@ class DataParallel:
     def _loss_now(self, ctx: Context) -> Any:
         """The loss of the shard just computed: a number on the CPU; on a GPU a copy of its
         device cell (no wait for the device: :meth:`global_loss` reads it when asked)."""
-        buf = ctx.device_buffer(self.loss.value)
-        if isinstance(buf, np.ndarray):
-            return float(ctx.get_value(self.loss))
-        return buf.copy()
+        read = self._loss_readers.get(ctx)
+        if read is None:
+            buf = ctx._buffer(self.loss.value)
+            if not isinstance(buf, np.ndarray):
+                return buf.copy()
+            read = self._loss_readers[ctx] = ctx.reader(self.loss)
+        return float(read())
 
     def global_loss(self) -> float:
         """The global batch's loss at the last :meth:`reduce`: the shards' losses summed in
