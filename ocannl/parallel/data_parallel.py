@@ -406,7 +406,8 @@ class DataParallel:
         grads = [p.grad for p in self.params]
         groups = [[grads[i] for i in members] for _, _, members in self._buckets]
         ctx, parts, ready = ctx.compile_split(comp, groups)
-        self._splits[id(whole)] = (parts, ready)
+        if min(ready) < len(parts) - 1:  # else every bucket completes at the end: no overlap
+            self._splits[id(whole)] = (parts, ready)
         return ctx
 
     def use_routines(self, first: Any, more: Any = None) -> None:
