@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import shard_worker as SW
+import test_parallel_shards as TS
 from test_parallel import _no_mpi, mpirun, ok
-from test_parallel_shards import WORKER, _bits, assert_same_run, results
 
 import ocannl.tensor as T
 from ocannl import Context, nn_blocks, parallel, train
@@ -49,21 +49,17 @@ def test_a_routine_cut_after_its_gradients_is_the_whole_routine() -> None:
     for part in parts:
         ctx2 = ctx2.run(part)
     for g, w in zip(grads, want, strict=True):
-        assert np.array_equal(_bits(ctx2.get_values(g)), _bits(w))
+        assert np.array_equal(TS._bits(ctx2.get_values(g)), TS._bits(w))
     with pytest.raises(TypeError, match="compile_split expects a Comp"):
         ctx2.compile_split(loss, [])  # type: ignore[arg-type]
 
 
 def test_one_rank_overlapped_is_the_plain_run() -> None:
-    for v in ("adamw-fused-f16-clip", "amsgrad-host-f32-acc2"):
-        assert_same_run(SW.run(parallel.SingleProcess(), v, overlap=True),
-                        SW.run(parallel.SingleProcess(), v))
+    TS.assert_one_rank_is_the_plain_run(overlap=True)
 
 
 def test_overlap_settings_are_checked() -> None:
-    T.set_seed(0)
-    x = T.term(np.zeros((4, 2)), label="x")
-    loss = T.mean(nn_blocks.mlp(x, [4], 2)[0])
+    _, _, loss = TS._mlp(4)
     with pytest.raises(TypeError, match="overlap must be True or False, got 'on'"):
         parallel.DataParallel(parallel.SingleProcess(), loss, overlap="on")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="bucket_bytes must be an integer >= 1, got 0"):
@@ -78,8 +74,8 @@ def test_two_ranks_overlapped_are_the_bits_of_one(tmp_path: Path) -> None:
     """Every variant on 2 ranks, 2 shards each, the exchange in buckets of about a parameter
     (each an allreduce of two, started after the part of the last shard's backward code that
     completes it): one plain rank's bits."""
-    ok(mpirun(2, "--out", tmp_path, "--tag", "over", "--overlap", script=WORKER, timeout=120))
+    ok(mpirun(2, "--out", tmp_path, "--tag", "over", "--overlap", script=TS.WORKER, timeout=120))
     for v in SW.VARIANTS:
         ref = SW.run(parallel.SingleProcess(), v)
-        for r in results(tmp_path, "over", v, 2):
-            assert_same_run(r, ref)
+        for r in TS.results(tmp_path, "over", v, 2):
+            TS.assert_same_run(r, ref)

@@ -41,6 +41,14 @@ def assert_same_run(a: dict[str, Any], b: dict[str, Any]) -> None:
     assert np.array_equal(a["losses"], b["losses"], equal_nan=True)
 
 
+def assert_one_rank_is_the_plain_run(**flags: bool) -> None:
+    """The host gate with accumulation and the fused f16 gate with clipping, on one rank with
+    ``flags`` (``zero``, ``overlap``) on: the plain run's every bit."""
+    for v in ("adamw-fused-f16-clip", "amsgrad-host-f32-acc2"):
+        assert_same_run(SW.run(parallel.SingleProcess(), v, **flags),
+                        SW.run(parallel.SingleProcess(), v))
+
+
 def results(out: Path, tag: str, variant: str, n: int) -> list[dict[str, Any]]:
     return [SW.load_result(out / f"{tag}-{variant}-rank{r}.npz") for r in range(n)]
 

@@ -12,7 +12,13 @@ import numpy as np
 import pytest
 import shard_worker as SW
 from test_parallel import _no_mpi, mpirun, ok
-from test_parallel_shards import WORKER, assert_same_run, results
+from test_parallel_shards import (
+    WORKER,
+    _mlp,
+    assert_one_rank_is_the_plain_run,
+    assert_same_run,
+    results,
+)
 
 import ocannl.tensor as T
 from ocannl import Context, checkpoint, nn_blocks, optim, parallel, train
@@ -54,21 +60,11 @@ def test_slices_cover_every_element_once_and_hold_a_share_each(size: int) -> Non
 def test_one_rank_with_sharded_state_is_the_unsharded_run() -> None:
     """One rank owns every element: the parts are the whole parameters as 1-D views, the
     update runs over them, the allgather is a no-op; every bit as the plain run's."""
-    for v in ("adamw-fused-f16-clip", "amsgrad-host-f32-acc2"):
-        assert_same_run(SW.run(parallel.SingleProcess(), v, zero=True),
-                        SW.run(parallel.SingleProcess(), v))
-
-
-def _model() -> tuple:
-    T.set_seed(0)
-    x = T.term(np.zeros((4, 2)), label="x")
-    y = T.term(np.zeros((4, 2)), label="y")
-    logits, _ = nn_blocks.mlp(x, [8], 2)
-    return x, y, nn_blocks.softmax_cross_entropy(logits, y)
+    assert_one_rank_is_the_plain_run(zero=True)
 
 
 def test_a_sharded_state_is_refused_where_it_would_go_wrong(tmp_path: Path) -> None:
-    x, y, loss = _model()
+    x, y, loss = _mlp(4)
     with pytest.raises(TypeError, match="shard_optimizer must be True or False, got 'yes'"):
         parallel.DataParallel(parallel.SingleProcess(), loss, inputs=[x, y],
                               shard_optimizer="yes")  # type: ignore[arg-type]
@@ -82,7 +78,7 @@ def test_a_sharded_state_is_refused_where_it_would_go_wrong(tmp_path: Path) -> N
     with pytest.raises(ValueError, match="build the optimizer's update over this rank's slice"):
         dp.save(tmp_path / "c.safetensors", ctx, state, checkpoint.Progress(step=0))
     assert not (tmp_path / "c.safetensors").exists()
-    _, _, other = _model()
+    _, _, other = _mlp(4)
     with pytest.raises(ValueError, match="was cut from another model's parameters"):
         opt.update(other, shard=dp.optimizer_shard)
     # an update of the whole parameters, not the slice: the gather is refused
