@@ -143,10 +143,12 @@ def make_comm(kind: str) -> Any:
 def run(comm: Any, variant: str, *, global_batch: int = 32, steps: int = 12,
         inject: bool = True, ckpt: Path | None = None, every: int = 5, resume: bool = False,
         die_at: int | None = None, die_rank: int = 1, backend: str = "cpu",
-        plain: bool = False, exact: bool = True, zero: bool = False) -> dict[str, Any]:
+        plain: bool = False, exact: bool = True, zero: bool = False,
+        overlap: bool = False) -> dict[str, Any]:
     """Train ``variant`` for ``steps`` steps of ``global_batch`` rows over ``comm``; returns
     this rank's result. ``plain``: the recipe without a reducer (no data parallelism);
-    ``zero``: the optimizer state sharded over the ranks."""
+    ``zero``: the optimizer state sharded over the ranks; ``overlap``: the exchange in buckets
+    of about a parameter each."""
     virtual = isinstance(comm, VirtualRanks)
     size = comm.size
     local = global_batch // size
@@ -156,7 +158,8 @@ def run(comm: Any, variant: str, *, global_batch: int = 32, steps: int = 12,
         ctx = Context.cpu()
     else:
         ctx = Context.cuda(comm.device_id)
-    dp = parallel.DataParallel(comm, loss, inputs=[x, y], shard_optimizer=zero)
+    dp = parallel.DataParallel(comm, loss, inputs=[x, y], shard_optimizer=zero,
+                               overlap=overlap, bucket_bytes=64)
     if not plain:
         ctx = dp.setup(ctx)
     reducer = None if plain else dp
@@ -165,7 +168,7 @@ def run(comm: Any, variant: str, *, global_batch: int = 32, steps: int = 12,
     else:
         recipe = mixed_prec.gated_step(scaler, loss, opt, check_interval=CHECK_INTERVAL,
                                        reducer=reducer)
-    ctx = recipe.compile(ctx)
+    ctx = dp.compile(ctx, recipe) if overlap else recipe.compile(ctx)
     ctx = train.init_params(ctx, loss)
     state = checkpoint.training_state(loss, opt) + recipe.state_nodes()
     if not plain:
@@ -281,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--die-at", type=int)
     ap.add_argument("--what", choices=["shards", "model"])
     ap.add_argument("--zero", action="store_true", help="shard the optimizer state (ZeRO-1)")
+    ap.add_argument("--overlap", action="store_true", help="exchange in buckets, overlapped")
     args = ap.parse_args(argv)
     if args.cmd == "hang":  # for the harness: a job that never ends, and ignores SIGTERM
         comm = parallel.world("mpi")
@@ -308,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     for variant in args.variants.split(","):
         res = run(comm, variant, global_batch=args.global_batch, steps=args.steps,
                   ckpt=args.checkpoint, resume=args.resume, die_at=args.die_at,
-                  backend=backend, zero=args.zero)
+                  backend=backend, zero=args.zero, overlap=args.overlap)
         if args.comm == "fake-nccl":
             import fake_nccl
 

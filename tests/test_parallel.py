@@ -564,17 +564,22 @@ def test_nccl_path_through_a_stand_in_reducing_over_mpi(two: Path, tmp_path: Pat
         assert len(reduces) == 12
         assert all(c == ["allReduce", r["flat_size"], 7, 0, stream, True] for c in reduces)
         assert not any(c[0] == "allGather" for c in calls)
-    # The optimizer state sharded (ZeRO-1): the same steps, each followed by an in-place
-    # allGather of the parameters' halves; the bits of the unsharded run.
+    # The optimizer state sharded (ZeRO-1) and the exchange in buckets (overlap): each step's
+    # in-place allReduces of the buckets cover the flat buffer once, then an in-place allGather
+    # of the parameters' halves; the bits of the plain run.
     ok(mpirun(2, "train", "--out", tmp_path, "--tag", "nccl-zero", "--comm", "fake-nccl",
-              "--backend", "fake-cuda", "--variants", v, "--zero"))
+              "--backend", "fake-cuda", "--variants", v, "--zero", "--overlap"))
     zs = ranks(tmp_path, "nccl-zero", v, 2)
     for rank, z in enumerate(zs):
         assert same_state(z, rs[0]) and counters(z) == counters(rs[0])
+        stream = 0x5EED00 + rank
         gathers = [c for c in z["nccl_calls"] if c[0] == "allGather"]
         assert len(gathers) == 12
-        assert all(c == ["allGather", z["flat_size"] // 2, 7, 0x5EED00 + rank, True]
-                   for c in gathers)
+        assert all(c == ["allGather", z["flat_size"] // 2, 7, stream, True] for c in gathers)
+        buckets = [c for c in z["nccl_calls"] if c[0] == "allReduce"]
+        assert len(buckets) % 12 == 0 and len(buckets) > 12
+        assert sum(c[1] for c in buckets) == 12 * z["flat_size"]
+        assert all(c[2:] == [7, 0, stream, True] for c in buckets)
 
 
 @needs_mpi
