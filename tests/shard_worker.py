@@ -102,15 +102,18 @@ def build(variant: str, rows: int) -> dict[str, Any]:
 
 def run(comm: Any, variant: str, *, shards: int = 4, steps: int = 8,
         save_at: int | None = None, ckpt: Path | None = None, resume: Path | None = None,
-        zero: bool = False, overlap: bool = False) -> dict[str, Any]:
+        zero: bool = False, overlap: bool = False, fixed_order: bool = True
+        ) -> dict[str, Any]:
     """Train ``variant`` for ``steps`` optimizer steps of ``shards * SHARD_ROWS`` rows over
     ``comm`` (``zero``: the optimizer state sharded over the ranks; ``overlap``: the exchange
     in buckets of about a parameter each, started as the backward code writes them); returns
-    this rank's result, with the optimizer state's bytes this rank holds."""
+    this rank's result, with the optimizer state's bytes this rank holds. ``fixed_order=False``:
+    one shard per rank, summed by the communicator's allreduce."""
     m = build(variant, SHARD_ROWS)
     x, y, loss, opt, scaler = m["x"], m["y"], m["loss"], m["opt"], m["scaler"]
     dp = parallel.DataParallel(comm, loss, inputs=[x, y], shards=shards, shard_optimizer=zero,
-                               overlap=overlap, bucket_bytes=BUCKET_BYTES)
+                               overlap=overlap, bucket_bytes=BUCKET_BYTES,
+                               fixed_order=fixed_order)
     ctx = dp.setup(Context.cpu())
     kw = {"reducer": dp, "clip": m["clip"], "accumulate": m["accumulate"]}
     if m["gate"] == "host":
@@ -172,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--resume", type=Path)
     ap.add_argument("--zero", action="store_true", help="shard the optimizer state (ZeRO-1)")
     ap.add_argument("--overlap", action="store_true", help="exchange in buckets, overlapped")
+    ap.add_argument("--order-off", action="store_true", help="MPI's allreduce, a shard a rank")
     args = ap.parse_args(argv)
     comm = parallel.world("mpi")
     for variant in args.variants.split(","):
@@ -180,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         resume = None if args.resume is None else args.resume.with_suffix(
             f".{variant}.safetensors")
         res = run(comm, variant, shards=args.shards, steps=args.steps, save_at=args.save_at,
-                  ckpt=ck, resume=resume, zero=args.zero, overlap=args.overlap)
+                  ckpt=ck, resume=resume, zero=args.zero, overlap=args.overlap,
+                  fixed_order=not args.order_off)
         save_result(args.out / f"{args.tag}-{variant}-rank{comm.rank}.npz", res)
     return 0
 

@@ -79,3 +79,16 @@ def test_two_ranks_overlapped_are_the_bits_of_one(tmp_path: Path) -> None:
         ref = SW.run(parallel.SingleProcess(), v)
         for r in TS.results(tmp_path, "over", v, 2):
             TS.assert_same_run(r, ref)
+
+
+@needs_mpi
+def test_with_the_order_off_buckets_sum_as_the_whole_buffer(tmp_path: Path) -> None:
+    """MPI's own allreduce (fixed_order=False, a shard a rank): on 2 ranks each bucket's sum is
+    one addition per element, so the bucketed exchange gives the whole buffer's bits."""
+    v = "adamw-fused-f16-clip"
+    for tag, flags in (("whole", ()), ("buckets", ("--overlap",))):
+        ok(mpirun(2, "--out", tmp_path, "--tag", tag, "--shards", "2", "--order-off",
+                  "--variants", v, *flags, script=TS.WORKER, timeout=120))
+    whole = TS.results(tmp_path, "whole", v, 2)
+    for r in TS.results(tmp_path, "buckets", v, 2):
+        TS.assert_same_run(r, whole[0])
