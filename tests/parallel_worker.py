@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--checkpoint", type=Path)
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--die-at", type=int)
-    ap.add_argument("--what", choices=["shards", "model"])
+    ap.add_argument("--what", choices=["shards", "model", "zero"])
     ap.add_argument("--zero", action="store_true", help="shard the optimizer state (ZeRO-1)")
     ap.add_argument("--overlap", action="store_true", help="exchange in buckets, overlapped")
     args = ap.parse_args(argv)
@@ -298,14 +298,16 @@ def main(argv: list[str] | None = None) -> int:
         broadcast_twins(comm, args.out)
         return 0
     if args.cmd == "refuse":
-        # rank 1 differs: one row fewer (an unequal shard), or a wider hidden layer
+        # rank 1 differs: one row fewer (an unequal shard), a wider hidden layer, or it
+        # shards the optimizer state
         odd = comm.rank == 1
         T.set_seed(0)
         x = T.term(np.zeros((16 - (odd and args.what == "shards"), 2)), label="x")
         y = T.term(np.zeros((16 - (odd and args.what == "shards"), 2)), label="y")
         logits, _ = nn_blocks.mlp(x, [16 + 8 * (odd and args.what == "model")], 2)
         loss = nn_blocks.softmax_cross_entropy(logits, y)
-        dp = parallel.DataParallel(comm, loss, inputs=[x, y])
+        dp = parallel.DataParallel(comm, loss, inputs=[x, y],
+                                   shard_optimizer=odd and args.what == "zero")
         dp.setup(Context.cpu())  # raises on every rank
         return 0
     backend = "cuda" if args.backend == "fake-cuda" else args.backend

@@ -481,6 +481,9 @@ def test_three_ranks_on_two_cores(refs: dict, tmp_path: Path) -> None:
     ("shards", "shards differ (rank 0: x (16, 2), y (16, 2); rank 1: x (15, 2), y (15, 2))"),
     ("model", "first difference, rank 0 vs rank 1: parameter #0: mlp_w0 dims (16, 2) f32 vs "
               "mlp_w0 dims (24, 2) f32"),
+    ("zero", "the ranks disagree on the shards: rank 0 has shards=2, fixed_order=True, "
+             "shard_optimizer=False; rank 1 has shards=2, fixed_order=True, "
+             "shard_optimizer=True"),
 ])
 def test_refusals_end_the_job_with_the_reason(what: str, message: str) -> None:
     job = mpirun(2, "refuse", "--what", what, timeout=60)
