@@ -36,7 +36,8 @@ order (``ocannl.parallel``; NCCL between GPUs)::
 The run is then the same bits on any number of ranks dividing ``--shards`` (1 included):
 every rank skips the same steps and keeps the same loss scale, and a run resumed from the
 checkpoint (rank 0 writes it) on another number of ranks, same --batch and --shards, continues
-exactly.
+exactly. ``--shard-optimizer`` (ZeRO-1) and ``--overlap`` change how the ranks share the work,
+not the bits.
 """
 
 from __future__ import annotations
@@ -148,6 +149,12 @@ def build_parser() -> ExampleParser:
                     help="with --data-parallel: the shards of --batch, summed in one fixed "
                          "order (a multiple of the number of ranks; default: the most of 1, 2, "
                          "4, 8 keeping 8 rows a shard)")
+    ap.add_argument("--shard-optimizer", action="store_true",
+                    help="with --data-parallel: each rank keeps and updates the optimizer state "
+                         "of 1/N of the parameters' elements (ZeRO-1); the same bits")
+    ap.add_argument("--overlap", action="store_true",
+                    help="with --data-parallel: exchange the gradients in buckets, each started "
+                         "while the backward code goes on; the same bits")
     ap.add_argument("--inject-nonfinite", default="", metavar="STEPS",
                     help="comma-separated steps (from 0) whose input batch gets an infinity")
     ap.add_argument("--plot", type=Path, default=Path("moons_mixed_precision.png"),
@@ -182,6 +189,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.check_interval = CHECK_INTERVAL
     if args.resume and args.checkpoint is None:
         ap.error("--resume needs --checkpoint PATH")
+    if not args.data_parallel:
+        given = [f for f, on in (("--shards", args.shards is not None),
+                                 ("--shard-optimizer", args.shard_optimizer),
+                                 ("--overlap", args.overlap)) if on]
+        if given:
+            ap.error(f"{given[0]} applies to --data-parallel only")
     problem = output_path(args.checkpoint, "--checkpoint")
     if problem is None and not args.no_plot:
         problem = output_path(args.plot, "--plot")
@@ -350,7 +363,8 @@ def main(argv: list[str] | None = None) -> int:
     loss = nn_blocks.softmax_cross_entropy(T.cast(logits, "f32"), y)
     dp = None
     if args.data_parallel:  # the gradients become views of one flat buffer, before compiling
-        dp = parallel.DataParallel(comm, loss, inputs=[x, y], shards=shards)
+        dp = parallel.DataParallel(comm, loss, inputs=[x, y], shards=shards,
+                                   shard_optimizer=args.shard_optimizer, overlap=args.overlap)
         ctx = dp.setup(ctx)
         print(f"data-parallel: {comm.size} rank(s) ({comm.name}), global batch {args.batch} = "
               f"{comm.size} x {args.batch // comm.size} ({shards} shards of {local} rows, "

@@ -594,6 +594,11 @@ def test_the_readme_command_trains_the_example_data_parallel(tmp_path: Path) -> 
     job = ok(mpirun(2, *flags, script=example, timeout=120))
     assert job.out.count("data-parallel: 2 rank(s) (mpi), global batch 64 = 2 x 32") == 1
     assert job.out.count("accuracy: ") == 1 and "skipped steps: " in job.out
+    # the optimizer state sharded and the exchange overlapped: the same run, to the digit
+    same = ok(mpirun(2, *flags, "--shard-optimizer", "--overlap", script=example, timeout=120))
+    tail = [line for line in job.out.splitlines() if "accuracy: " in line or "loss" in line]
+    assert tail and tail == [line for line in same.out.splitlines()
+                             if "accuracy: " in line or "loss" in line]
     job = mpirun(2, *flags, "--batch", "63", script=example, timeout=60)
     assert job.rc != 0 and not job.timed_out and job.left == []
     assert "--batch 63 (the global batch) does not split into 2 equal shards" in job.out

@@ -118,6 +118,13 @@ def test_check_interval_with_the_host_gate_is_refused() -> None:
     assert ex.parse_args([]).check_interval == 16
 
 
+@pytest.mark.parametrize("flag", [["--shards", "4"], ["--shard-optimizer"], ["--overlap"]])
+def test_data_parallel_settings_without_data_parallel_are_refused(flag: list[str]) -> None:
+    """Ignored without a word, they would leave a user believing the run was sharded."""
+    err = assert_clean_usage_error(flag)
+    assert f"{flag[0]} applies to --data-parallel only" in err, err
+
+
 def test_batch_past_the_training_set_fails_before_any_work() -> None:
     done = run("--batch", "1000")
     assert done.returncode == 2, done.stderr
