@@ -630,6 +630,14 @@ def test_nccl_for_real_one_rank_per_device(tmp_path: Path) -> None:
         rs = ranks(tmp_path, "gpu", v, ndev)
         assert all(same_state(rs[0], r) and counters(rs[0]) == counters(r) for r in rs[1:])
         assert rs[0]["skipped"] >= 1 and rs[0]["reductions"] == 12
+    # the optimizer state sharded and the exchange in buckets: the same bits on the GPU
+    ok(mpirun(ndev, "train", "--out", tmp_path, "--tag", "gpu-zero", "--comm", "nccl",
+              "--backend", "cuda", "--global-batch", str(16 * ndev), "--variants", variants,
+              "--zero", "--overlap", timeout=300))
+    for v in variants.split(","):
+        plain = ranks(tmp_path, "gpu", v, ndev)[0]
+        for r in ranks(tmp_path, "gpu-zero", v, ndev):
+            assert same_state(r, plain) and counters(r) == counters(plain)
 
 
 def test_checkpoint_helpers_in_a_world_of_one(tmp_path: Path) -> None:
