@@ -40,33 +40,46 @@ def bucket_ranges(offsets: Sequence[int], sizes: Sequence[int], length: int,
 
 class BucketExchange:
     """One bucket's exchange, started at construction: this rank's partial sums over the
-    bucket's elements ``[a, b)`` of the flat buffer (the tree's nodes covering its block; the
-    last one is the flat buffer itself) to the tree's sum there, in place. On 2 ranks (or with
-    the order off) an allreduce; on more, an all-to-all of the slices, each rank's slice
-    summed in the tree's order, an allgather (as ``DataParallel._scatter_sum`` on the whole
-    buffer)."""
+    elements ``[a, b)`` of the flat buffer (the tree's nodes covering its block; the last one
+    is the flat buffer itself) to the tree's sum there, in place, on every rank. The whole
+    buffer's exchange is the bucket ``[0, size)``.
+
+    With one partial sum a rank (1 or 2 ranks, or the order off): the communicator's
+    allreduce, on 2 ranks one addition per element (``a + b`` and ``b + a`` are the same bits:
+    the tree's order). On more ranks, the tree's sum with the bytes of a ring allreduce: each
+    rank owns ``1 / N`` of the elements; an all-to-all sends each rank every partial sum's
+    slice it owns, each rank sums its slice in the tree's order, and an allgather brings every
+    slice to every rank. MPI only moves bytes; every addition is the tree's, elementwise, so
+    slicing changes no bit. ``scratch``: host buffers kept between steps, by range."""
 
     def __init__(self, comm: Communicator, tree: ShardTree, covers: list[list[tuple[int, int]]],
                  flat: Any, a: int, b: int, partials: Sequence[Any], *,
-                 fixed_order: bool = True) -> None:
+                 fixed_order: bool = True,
+                 scratch: dict[tuple[int, int], tuple[np.ndarray, ...]] | None = None) -> None:
         self.comm, self.tree, self.covers = comm, tree, covers
         self.flat, self.a, self.b = flat, a, b
+        self._bufs: tuple[np.ndarray, ...] | None = None  # the all-to-all's (work, recv, out)
         size = comm.size
-        self._gather: Pending | None = None
         if size == 1:
             self._first: Pending | None = None
         elif size == 2 or not fixed_order:
             self._first = comm.start_allreduce_sum(flat[a:b])
         else:
             n, cmax = b - a, max(len(c) for c in covers)
-            self.per = -(-n // size)
-            work = np.zeros((cmax, size * self.per), np.float32)
+            per = -(-n // size)
+            bufs = None if scratch is None else scratch.get((a, b))
+            if bufs is None:
+                bufs = (np.zeros((cmax, size * per), np.float32),
+                        np.empty((size, cmax, per), np.float32),
+                        np.empty((size, per), np.float32))
+                if scratch is not None:
+                    scratch[(a, b)] = bufs
+            self._bufs = bufs
+            work, recv, _ = bufs
             for i, p in enumerate(partials):
-                work[i, :n] = _host(p[a:b])
-            self._send = np.ascontiguousarray(
-                work.reshape(cmax, size, self.per).transpose(1, 0, 2))
-            self._recv = np.empty((size, cmax, self.per), np.float32)
-            self._first = comm.start_alltoall(self._send, self._recv)
+                work[i, :n] = host_values(p[a:b])
+            send = np.ascontiguousarray(work.reshape(cmax, size, per).transpose(1, 0, 2))
+            self._first = comm.start_alltoall(send, recv)
 
     def test(self) -> None:
         """Let it progress (MPI moves bytes inside its calls)."""
@@ -78,14 +91,13 @@ class BucketExchange:
         if self._first is None:
             return
         self._first.wait()
-        if self.comm.size == 2 or not hasattr(self, "_recv"):
+        if self._bufs is None:
             return
-        size = self.comm.size
-        known = {node: self._recv[r, i] for r in range(size)
+        _, recv, out = self._bufs
+        known = {node: recv[r, i] for r in range(self.comm.size)
                  for i, node in enumerate(self.covers[r])}
         mine = np.ascontiguousarray(self.tree.evaluate(known), np.float32)  # under the
         # reduction's errstate: a non-finite gradient is the checksum's to see
-        out = np.empty((size, self.per), np.float32)
         self.comm.start_allgather(mine, out).wait()
         whole = out.reshape(-1)[:self.b - self.a]
         if isinstance(self.flat, np.ndarray):
@@ -94,5 +106,6 @@ class BucketExchange:
             self.flat[self.a:self.b].set(whole)
 
 
-def _host(a: Any) -> np.ndarray:
+def host_values(a: Any) -> np.ndarray:
+    """A device buffer's values as a NumPy array (itself on the CPU)."""
     return a if isinstance(a, np.ndarray) else a.get()

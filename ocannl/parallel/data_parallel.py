@@ -20,7 +20,7 @@ from ocannl.context import Context, Routine, flat_layout
 from ocannl.errors import Failure, require_bool
 from ocannl.ir.ops import Precision
 from ocannl.ir.tnode import Tnode
-from ocannl.parallel.buckets import BucketExchange, bucket_ranges
+from ocannl.parallel.buckets import BucketExchange, bucket_ranges, host_values
 from ocannl.parallel.comm import Communicator
 from ocannl.parallel.shards import ShardTree
 from ocannl.parallel.zero import FLAT_ALIGN, OptimizerShard
@@ -114,20 +114,6 @@ def _as_node(t: Tnode | Tensor) -> Tnode:
 
 #: The key of ``Progress.extra`` where :meth:`DataParallel.save` records the shard count.
 SHARDS_KEY = "data_parallel"
-
-
-def _host(a: Any) -> np.ndarray:
-    """A device buffer's values as a NumPy array (itself on the CPU)."""
-    return a if isinstance(a, np.ndarray) else a.get()
-
-
-def _like(a: np.ndarray, like: Any) -> Any:
-    """``a`` on the device of ``like`` (a NumPy array stays one)."""
-    if isinstance(like, np.ndarray):
-        return a
-    out = like.copy()
-    out.set(np.ascontiguousarray(a, np.float32))
-    return out
 
 
 def _array_module(a: Any) -> Any:
@@ -281,7 +267,7 @@ class DataParallel:
         self._pending: list[list[list[Any]]] = []  # per micro-batch: the other shards' rows
         self._counters_at: list[list[Any]] = []  # per micro-batch: the streams' counters
         self._stats_at: list[Any] | None = None  # the running statistics before the step
-        self._scatter: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._scatter: dict[tuple[int, int], tuple[np.ndarray, ...]] = {}  # by range
         self._stack: list[tuple[tuple[int, int], Any]] = []  # this step's complete nodes
         self._free: list[Any] = []  # buffers of flat's size to reuse
         self._parents = self.tree.parents()
@@ -545,7 +531,8 @@ class DataParallel:
                     _array_module(flat).add(left[a:b], flat[a:b], out=flat[a:b])
                 partials = [buf for _, buf in self._stack[:len(self._stack) - pops]] + [flat]
                 started.append(BucketExchange(self.comm, self.tree, self._covers, flat, a, b,
-                                              partials, fixed_order=self.fixed_order))
+                                              partials, fixed_order=self.fixed_order,
+                                              scratch=self._scatter))
             for e in started:
                 e.test()
         self._free += lefts
@@ -655,9 +642,7 @@ class DataParallel:
             for e in exchanges:
                 e.finish()
         else:
-            total = self._tree_sum(partials, flat)
-            if total is not flat:
-                flat[...] = total
+            self._tree_sum(partials, flat)
         self._free += [buf for buf in partials if buf is not flat]
         self._stack = []
         if self.stats:
@@ -726,45 +711,14 @@ class DataParallel:
                  for j, a in enumerate(leaves)}
         return [self.tree.evaluate(known, lo, hi) for lo, hi in self._covers[self.rank]]
 
-    def _tree_sum(self, partials: Sequence[Any], flat: Any) -> Any:
-        """The sum of every shard's gradient in the tree's order, on every rank, from this
-        rank's partial sums (the nodes covering its block)."""
-        if self.size == 1:
-            return partials[0]
-        if self.size == 2:
-            # Each rank holds one child of the root (the shard count is even): one addition
-            # per element, a + b and b + a being the same bits, so the communicator's own
-            # allreduce of two is the tree's order; it runs in place, on the device.
-            if partials[0] is not flat:
-                flat[...] = partials[0]
-            self.comm.allreduce_sum(flat)
-            return flat
-        return self._scatter_sum(partials, flat)
-
-    def _scatter_sum(self, partials: Sequence[Any], flat: Any) -> Any:
-        """The tree's sum with the bytes of a ring allreduce: each rank owns ``1 / N`` of the
-        elements; an all-to-all sends each rank every partial sum's slice it owns (``(N - 1)
-        / N`` of a partial per partial), each rank sums its slice in the tree's order, and an
-        allgather brings every slice to every rank (``(N - 1) / N`` of the buffer). MPI only
-        moves bytes; every addition is the tree's, elementwise, so slicing changes no bit."""
-        n, size = int(flat.size), self.size
-        cmax = max(len(c) for c in self._covers)
-        per = -(-n // size)
-        bufs = self._scatter.get(n)
-        if bufs is None:
-            bufs = (np.zeros((cmax, size * per), np.float32),
-                    np.empty((size, cmax, per), np.float32), np.empty((size, per), np.float32))
-            self._scatter[n] = bufs
-        work, recv, out = bufs
-        for i, p in enumerate(partials):
-            work[i, :n] = _host(p)
-        send = np.ascontiguousarray(work.reshape(cmax, size, per).transpose(1, 0, 2))
-        self.comm.alltoall_buffer(send, recv)
-        known = {node: recv[r, i] for r in range(size)
-                 for i, node in enumerate(self._covers[r])}
-        mine = np.ascontiguousarray(self.tree.evaluate(known), np.float32)
-        self.comm.allgather_buffer(mine, out)
-        return _like(out.reshape(-1)[:n], flat)
+    def _tree_sum(self, partials: Sequence[Any], flat: Any) -> None:
+        """The sum of every shard's gradient in the tree's order into ``flat``, on every rank,
+        from this rank's partial sums (the nodes covering its block): the whole buffer as one
+        bucket (:class:`BucketExchange`)."""
+        if len(partials) == 1 and partials[0] is not flat:
+            flat[...] = partials[0]
+        BucketExchange(self.comm, self.tree, self._covers, flat, 0, int(flat.size), partials,
+                       scratch=self._scatter).finish()
 
     def _average_stats(self, ctx: Context, stats: list[list[np.ndarray]]) -> Context:
         """The running statistics: each shard's, from the same starting values, averaged over
@@ -798,7 +752,7 @@ class DataParallel:
         collective (every rank must call it)."""
         if not self.track_losses:
             raise ValueError(f"{self!r}: built with track_losses=False")
-        mine = [v if isinstance(v, float) else float(_host(v).reshape(-1)[0])
+        mine = [v if isinstance(v, float) else float(host_values(v).reshape(-1)[0])
                 for v in self.shard_losses]
         self.shard_losses = mine
         everyone = self.comm.allgather(mine) if self.size > 1 else [mine]
