@@ -541,8 +541,9 @@ class DataParallel:
         return ctx, started
 
     def _fold_plan(self, j: int) -> tuple[int, tuple[int, int]]:
-        """What :meth:`_fold` of the block's last shard ``j`` does: how many left siblings it
-        adds (popped from the stack's top) and the tree node it leaves."""
+        """What folding shard ``j`` of the block into the tree does: how many left siblings it
+        adds (popped from the stack's top, each the sibling of the node made so far) and the
+        tree node it leaves."""
         node = (self.first_shard + j, self.first_shard + j + 1)
         lo, hi = self.first_shard, self.first_shard + self.per_rank
         pops = 0
@@ -679,14 +680,9 @@ class DataParallel:
         its left and right children (one addition per element, into the left child's
         buffer, or into ``flat`` for the block's last addition), so a rank sums its block
         as it computes it; a node still waiting for its right sibling keeps a copy."""
-        node = (self.first_shard + j, self.first_shard + j + 1)
-        lo, hi = self.first_shard, self.first_shard + self.per_rank
+        pops, node = self._fold_plan(j)
         buf = flat
-        while self._stack:
-            parent = self._parents.get(node)
-            if parent is None or parent[0] < lo or parent[1] > hi or node[0] == parent[0] \
-                    or self._stack[-1][0] != (parent[0], node[0]):
-                break
+        for _ in range(pops):
             _, left = self._stack.pop()
             if buf is flat and last:
                 _array_module(flat).add(left, flat, out=flat)
@@ -696,7 +692,6 @@ class DataParallel:
                 if buf is not flat:
                     self._free.append(buf)
                 buf = left
-            node = parent
         if buf is flat and not last:
             if self._free:
                 buf = self._free.pop()
@@ -740,7 +735,7 @@ class DataParallel:
         device cell (no wait for the device: :meth:`global_loss` reads it when asked)."""
         read = self._loss_readers.get(ctx)
         if read is None:
-            buf = ctx._buffer(self.loss.value)
+            buf = ctx.device_buffer(self.loss.value)
             if not isinstance(buf, np.ndarray):
                 return buf.copy()
             read = self._loss_readers[ctx] = ctx.reader(self.loss)
