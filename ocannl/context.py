@@ -233,7 +233,8 @@ class Context:
         routines = []
         for k, seg in enumerate(segments):
             name = label if len(segments) == 1 else f"{label}_part{k}"
-            seg_nodes = stored_nodes(seg)
+            whole = len(segments) == 1  # the common case: nothing to compute again
+            seg_nodes = nodes if whole else stored_nodes(seg)
             compiled, compiled_anew = self._backend.compile(name, seg, seg_nodes)
             for n in seg_nodes:
                 if n.id not in local:
@@ -244,7 +245,7 @@ class Context:
                          for n in seg_nodes)
             call = self._backend.bind(compiled, bufs)
             kept = tuple(n for n in seg_nodes if n.id not in local)
-            seg_fx = effects(seg)
+            seg_fx = fx if whole else effects(seg)
             seg_fx = Effects(tuple(n for n in seg_fx.inputs if n.id not in local),
                              tuple(n for n in seg_fx.written if n.id not in local))
             routine = Routine(name, self, kept, compiled, bufs, seg_fx, call)

@@ -873,8 +873,8 @@ class DataParallel:
                              f"this rank's slice (the recipe, or optimizer.update(loss, ..., "
                              f"shard=dp.optimizer_shard)) before broadcasting, checking, saving "
                              f"or loading state: until then no rank holds its slice")
-        return {opt.state_of(p)[name].id: (p, name)  # type: ignore[attr-defined]
-                for p in self.params for name in opt.buffer_names()}  # type: ignore[attr-defined]
+        return {opt.state_of(p)[name].id: (p, name)
+                for p in self.params for name in opt.buffer_names()}
 
     def _whole_state(self, ctx: Context, nodes: Sequence[Tnode]) -> dict[int, np.ndarray]:
         """The whole values of the sharded buffers among ``nodes``, from every rank's slice (a
@@ -890,19 +890,16 @@ class DataParallel:
             p, name = sharded[nodes[k].id]
             q = zero.owned(p)
             if q is not None:
-                part = zero.optimizer.part_state(q)[name]  # type: ignore[attr-defined]
+                part = zero.optimizer.part_state(q)[name]
                 mine.append((k, q.start, np.asarray(ctx.get_values(part)).reshape(-1)))
-        out = {}
         filled = {k: 0 for k in wanted}
         whole = {k: np.empty(nodes[k].size, nodes[k].prec.numpy_dtype) for k in wanted}
         for theirs in self.comm.allgather(mine):
             for k, start, values in theirs:
                 whole[k][start:start + values.size] = values
                 filled[k] += values.size
-        for k in wanted:
-            assert filled[k] == nodes[k].size, (nodes[k].name, filled[k])
-            out[nodes[k].id] = whole[k]
-        return out
+        assert all(filled[k] == nodes[k].size for k in wanted), filled  # every element once
+        return {nodes[k].id: whole[k] for k in wanted}
 
     def _slice_writers(self, nodes: Sequence[Tnode | Tensor]
                        ) -> dict[int, Any]:
@@ -918,7 +915,8 @@ class DataParallel:
                       ) -> Context:
                 if q is None:  # another rank owns all of it
                     return ctx
-                part = zero.optimizer.part_state(q)[name]  # type: ignore[union-attr]
+                assert zero is not None and zero.optimizer is not None
+                part = zero.optimizer.part_state(q)[name]
                 return ctx.set_values(part, values.reshape(-1)[q.start:q.start + q.size])
 
             writers[nid] = write

@@ -17,10 +17,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ocannl.context import flat_layout
 from ocannl.ir.tnode import Tnode
 from ocannl.tensor.tensor import Tensor
+
+if TYPE_CHECKING:
+    from ocannl.optim import Optimizer
 
 #: The alignment, in elements, of each parameter in the flat buffers (``Context.share_flat``).
 FLAT_ALIGN = 64
@@ -63,9 +67,9 @@ class OptimizerShard:
             name = f"{p.value.label}_r{rank}of{size}"
             self.parts.append(Part(p, off, start, n, Tnode(name, (n,), p.value.prec),
                                    Tnode(f"grad_{name}", (n,), p.grad.prec)))
-        self.optimizer: object | None = None  # the one whose update was built over the parts
+        self.optimizer: Optimizer | None = None  # the one whose update was built over the parts
 
-    def bind(self, optimizer: object) -> None:
+    def bind(self, optimizer: Optimizer) -> None:
         """Record the optimizer whose update runs over this shard; a second one is refused (the
         state of one slice has one owner)."""
         if self.optimizer is not None and self.optimizer is not optimizer:
