@@ -29,8 +29,9 @@ import numpy as np
 
 from ocannl.backends.arena import views
 from ocannl.backends.base import Backend, Buffer
-from ocannl.ir.assignments import Comp
+from ocannl.ir.assignments import Comp, reads
 from ocannl.ir.kept import recast
+from ocannl.ir.lowered import Fill, assignments
 from ocannl.ir.lowering import (
     AccessIndex,
     Effects,
@@ -79,6 +80,9 @@ class Routine:
         self.kept_reads = tuple(n for n in effects.inputs if n.keeps is not None)
         # ``context`` once checked, else None: Context.run's steady state is one comparison.
         self._ready_in: Context | None = None
+        # The memory of its local nodes (shared by the routines of one split compile): what
+        # the host saves to hold a run between two of them (a data-parallel rank's shards).
+        self.local_memory: tuple[Buffer, ...] = ()
 
     def __repr__(self) -> str:
         return f"Routine({self.label!r}, {len(self.nodes)} buffers)"
@@ -176,7 +180,8 @@ class Context:
         ``comp``, in order: what :meth:`compile` compiles."""
         return lower(comp, self._backend.target)
 
-    def compile_split(self, comp: Comp, after: Sequence[Sequence[Any]]
+    def compile_split(self, comp: Comp, after: Sequence[Sequence[Any]], *,
+                      replaced: bool | Sequence[bool] = False
                       ) -> tuple[Context, list[Routine], list[int]]:
         """Compile ``comp`` as :meth:`compile` does, cut into consecutive routines: one ends
         right after the last item writing a node of each group of ``after`` (nodes or
@@ -184,7 +189,12 @@ class Context:
         the same memory (its local nodes included), so the same bits; between two of them
         the host may start work on what the first ones finished (a data-parallel step starts
         a bucket's exchange while the backward code goes on). Returns the routines and, per
-        group, the index of the routine after which its nodes are written."""
+        group, the index of the routine after which its nodes are written.
+
+        ``replaced=True`` (or one bool per group): the host replaces the group's values between
+        the routines (a data-parallel step puts in their sums over every shard), so no
+        assignment up to the cut may read them except in writing them; ``ValueError`` names
+        the node otherwise (the cut could not hand the replaced values to every reader)."""
         if not isinstance(comp, Comp):
             raise TypeError(f"compile_split expects a Comp, got {type(comp).__name__}")
         code = self.lower(comp)
@@ -195,10 +205,31 @@ class Context:
             for g, ids in enumerate(groups):
                 if wrote & ids:
                     last[g] = k + 1
+        which = [replaced] * len(groups) if isinstance(replaced, bool) else list(replaced)
+        if len(which) != len(groups):
+            raise ValueError(f"compile_split: replaced names {len(which)} groups, after has "
+                             f"{len(groups)}")
+        self._refuse_early_reads(comp.label, code,
+                                 [(g, e) for g, e, r in zip(groups, last, which, strict=True) if r])
         ends = sorted({max(e, 1) for e in last} | {len(code)}) if code else [0]
         segments = [code[a:b] for a, b in zip([0, *ends[:-1]], ends, strict=True)]
         ctx, routines = self._compile_segments(comp.label, segments)
         return ctx, routines, [ends.index(max(e, 1)) if code else 0 for e in last]
+
+    @staticmethod
+    def _refuse_early_reads(label: str, code: list[Lowered],
+                            groups: list[tuple[set[int], int]]) -> None:
+        for ids, end in groups:
+            for a in assignments(code[:end]):
+                if isinstance(a, Fill):
+                    continue
+                early = {g.node.id: g.node for g in reads(a.expr) if g.node.id in ids}
+                early.pop(a.lhs.id, None)
+                if early:
+                    name = next(iter(early.values())).name
+                    raise ValueError(f"{label}: {a.lhs.name} reads {name} before the cut after "
+                                     f"which its values are replaced (lowering placed the read "
+                                     f"with the writes): it cannot be split there")
 
     def compile_lowered(self, label: str, code: list[Lowered], *,
                         local_check: bool = True) -> tuple[Context, Routine]:
@@ -229,7 +260,8 @@ class Context:
                     f"twin placed 'auto', an intermediate tensor's gradient, or lowering's own): "
                     f"compile it in the same routine as its computation, or call retain_grad() "
                     f"on the tensor to keep its gradient materialized")
-        views = self._local_buffers(label, code, list(local.values()), shared=local_check)
+        arenas: list[Buffer] = []
+        views = self._local_buffers(label, code, list(local.values()), local_check, arenas)
         routines = []
         for k, seg in enumerate(segments):
             name = label if len(segments) == 1 else f"{label}_part{k}"
@@ -249,15 +281,16 @@ class Context:
             seg_fx = Effects(tuple(n for n in seg_fx.inputs if n.id not in local),
                              tuple(n for n in seg_fx.written if n.id not in local))
             routine = Routine(name, self, kept, compiled, bufs, seg_fx, call)
+            routine.local_memory = tuple(arenas)
             self._routines.add(routine)
             routines.append(routine)
         return self, routines
 
     def _local_buffers(self, label: str, code: list[Lowered], local: list[Tnode],
-                       shared: bool) -> dict[int, Buffer]:
+                       shared: bool, arenas: list[Buffer]) -> dict[int, Buffer]:
         """Buffers for a routine's local nodes: views of one arena per precision, each node
         placed apart from those in use at the same items (``arena.pack``), or (``shared``
-        False) one arena each."""
+        False) one arena each. The arenas are appended to ``arenas``."""
         index = AccessIndex(code)
         out: dict[int, Buffer] = {}
         for prec in dict.fromkeys(n.prec for n in local):
@@ -266,7 +299,8 @@ class Context:
             def arena(size: int, prec: Precision = prec) -> Buffer:
                 node = Tnode(f"{label}_local_{prec.value}", (max(size, 1),), prec)
                 self._local_bytes += node.size * prec.itemsize
-                return self._backend.alloc(node)
+                arenas.append(self._backend.alloc(node))
+                return arenas[-1]
 
             placed = views([(n.size, *index.span(n.id)) for n in group], arena, prec.itemsize,
                            shared)

@@ -12,7 +12,7 @@ import numpy as np
 
 import ocannl.tensor as T
 from ocannl.errors import f32_positive, is_int, real, require_bool
-from ocannl.ir.assignments import Accum, Const, Fixed, Get, apply
+from ocannl.ir.assignments import Accum, Const, Expr, Fixed, Get, apply
 from ocannl.ir.ops import Precision, precision_of
 from ocannl.ir.tnode import MemoryMode, Tnode, ids_issued
 from ocannl.tensor.data import dropout_rate
@@ -273,6 +273,7 @@ def batch_norm(
     momentum: float = 0.1,
     label: str = "bn",
     params: BatchNormParams | None = None,
+    sync: bool = False,
 ) -> tuple[Tensor, BatchNormParams]:
     """Batch normalization per channel, the channel being the last output axis (channels-last
     images: per channel over batch, height and width), as torch's BatchNorm in both modes.
@@ -284,8 +285,17 @@ def batch_norm(
     training graph's ``params`` to share parameters and statistics. Returns
     ``(y, BatchNormParams)``. ``train`` must be a bool (a truthy ``"no"`` would build the
     training graph); ``eps`` a finite number > 0 that stays one in f32 (a negative or NaN eps
-    makes every output NaN)."""
+    makes every output NaN).
+
+    ``sync=True`` (synced batch norm): under ``parallel.DataParallel`` the training statistics,
+    and the two sums their gradient needs, are taken over the global batch, every shard's rows
+    (``T.global_standardize``: exchanged inside the forward and the backward code, summed in
+    the shard tree's order, so the same bits on any rank count). The default, ``False``,
+    takes them per shard, as DDP without SyncBatchNorm does per rank; a shard of few rows
+    then normalizes noisily. Outside a data-parallel run both are batch norm over the batch
+    (``sync=True`` sums in f64 at f32)."""
     train = require_bool(f"batch_norm {label}: train", train)
+    sync = require_bool(f"batch_norm {label}: sync", sync)
     eps = f32_positive(f"batch_norm {label}: eps", eps)
     m = real(f"batch_norm {label}: momentum", momentum, "a number in [0, 1]")
     if not 0.0 <= m <= 1.0:
@@ -323,20 +333,31 @@ def batch_norm(
     if count < 2:
         raise ValueError(f"batch_norm {label}: training needs more than one value per channel, "
                          f"{x.label} {x.shape} has {count}")
-    mean = T.reduce(x, "mean", axes, keepdims=True)
-    xc = x - mean
-    var = T.reduce(xc * xc, "mean", axes, keepdims=True)
-    y = xc / T.sqrt(var + eps) * gamma + beta
     at = tuple(0 if k == ax else Fixed(0) for k in range(len(x.dims)))  # (c,) in the stats
 
-    def update(r: Tensor, stat: Tensor, scale: float) -> Accum:
+    def update(r: Tensor, stat: Expr, scale: float) -> Accum:
         old = Get(r.value, (0,))
         new = apply("add", apply("mul", Const(1.0 - momentum), old),
-                    apply("mul", Const(momentum * scale), Get(stat.value, at)))
+                    apply("mul", Const(momentum * scale), stat))
         return Accum(r.value, (0,), "=", new, (c,))
 
-    y.forward_code = y.forward_code + (update(running_mean, mean, 1.0),
-                                       update(running_var, var, count / (count - 1)))
+    if sync:
+        z, sums = T.global_standardize(
+            x, axes, eps, label=f"{label}_standardize",
+            same_on_every_shard=(running_mean.value, running_var.value))
+        y = z * gamma + beta
+        n = Get(sums.count, (Fixed(0),))  # the global batch's cells per channel
+        total, squares = (Get(g[0], at) for g in sums.groups[:2])
+        stats = ((apply("div", total, n), 1.0),
+                 (apply("div", squares, apply("sub", n, Const(1.0))), 1.0))
+    else:
+        mean = T.reduce(x, "mean", axes, keepdims=True)
+        xc = x - mean
+        var = T.reduce(xc * xc, "mean", axes, keepdims=True)
+        y = xc / T.sqrt(var + eps) * gamma + beta
+        stats = ((Get(mean.value, at), 1.0), (Get(var.value, at), count / (count - 1)))
+    y.forward_code = y.forward_code + (update(running_mean, *stats[0]),
+                                       update(running_var, *stats[1]))
     T.register_buffers(y, [running_mean.value, running_var.value])
     return y, params
 

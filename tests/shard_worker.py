@@ -14,7 +14,9 @@ A *variant* names the optimizer, the gate, the model's precision and what else i
 - ``amsgrad-host-f32-acc2``: Adam with amsgrad, the host gate, clipped by value, two
   micro-batches accumulated per optimizer step;
 - ``dropbn-host-f32``: an MLP with batch norm (per-shard statistics, running statistics
-  averaged through the tree) and dropout (masks keyed by the global row), SGD, host gate.
+  averaged through the tree) and dropout (masks keyed by the global row), SGD, host gate;
+- ``syncbn-host-f32``: the same with synced batch norm (statistics over the global batch,
+  exchanged inside the forward and backward code).
 
 Every run has a dynamic loss scale growing every 3 good steps and an infinity injected into
 global row ``INJECT_ROW`` of step ``INJECT_STEP`` (so every rank count skips that step). The
@@ -55,7 +57,8 @@ from ocannl import (  # noqa: E402
     train,
 )
 
-VARIANTS = ("sgd-host-f32", "adamw-fused-f16-clip", "amsgrad-host-f32-acc2", "dropbn-host-f32")
+VARIANTS = ("sgd-host-f32", "adamw-fused-f16-clip", "amsgrad-host-f32-acc2", "dropbn-host-f32",
+            "syncbn-host-f32")
 POINTS = 512
 SHARD_ROWS = 8
 INJECT_STEP = 3  # the optimizer step whose batch holds an infinity
@@ -70,10 +73,10 @@ def build(variant: str, rows: int) -> dict[str, Any]:
     x = T.term(np.zeros((rows, 2)), label="x", prec=prec)
     y = T.term(np.zeros((rows, 2)), label="y")
     rng = None
-    if name == "dropbn":
+    if name in ("dropbn", "syncbn"):
         rng = T.Rng(5)
         h, _ = nn_blocks.mlp(x, [16], 16, label="body")
-        h, _ = nn_blocks.batch_norm(h, train=True, label="bn")
+        h, _ = nn_blocks.batch_norm(h, train=True, label="bn", sync=name == "syncbn")
         h = nn_blocks.dropout(T.relu(h), rate=0.25, train=True, rng=rng)
         logits, _ = nn_blocks.mlp(h, [], 2, label="head")
     elif prec == "f32":
@@ -83,7 +86,7 @@ def build(variant: str, rows: int) -> dict[str, Any]:
             prec=prec, f=lambda: nn_blocks.mlp(x, [16], 2))
     loss = nn_blocks.softmax_cross_entropy(T.cast(logits, "f32"), y)
     opt: optim.Optimizer
-    if name in ("sgd", "dropbn"):
+    if name in ("sgd", "dropbn", "syncbn"):
         opt = optim.SGD(0.1, momentum=0.9)
     elif name == "adamw":
         opt = optim.AdamW(0.01, weight_decay=0.01)

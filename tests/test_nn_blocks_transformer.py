@@ -153,17 +153,20 @@ def test_layer_norm_starts_at_ones_and_zeros_and_needs_an_output_axis():
         nn_blocks.layer_norm(T.term(np.ones(3), label="v", batch_dims=(3,), output_dims=()))
 
 
+@pytest.mark.parametrize("sync", [False, True], ids=["per-batch", "sync"])
 @pytest.mark.parametrize("prec", [F32, F64], ids=lambda p: p.value)
 @few(4, 2, case=norm_case(min_rows=2))
-def test_batch_norm_training_values_gradients_and_running_statistics(prec, case):
+def test_batch_norm_training_values_gradients_and_running_statistics(prec, sync, case):
     """Training mode against ``F.batch_norm(training=True)`` over every axis but the channel
     (the last); then two more forward runs update the running statistics as torch's do
     (momentum 0.1, unbiased variance), and the evaluation graph built on the same params
-    normalizes with them, as torch's eval mode."""
+    normalizes with them, as torch's eval mode. ``sync=True`` outside a data-parallel run
+    is the same batch norm (its global sums over the one batch)."""
     nb, xv, gv, bv = case
     c = xv.shape[-1]
     x = _x("x", xv.shape, nb, prec)
-    y, bn = nn_blocks.batch_norm(x, train=True, eps=1e-5, momentum=0.1)
+    y, bn = nn_blocks.batch_norm(x, train=True, eps=1e-5, momentum=0.1, sync=sync)
+    assert len(T.global_sums(y)) == sync
     assert bn.running_mean.dims == (c,) and set(T.buffers(y)) == {bn.running_mean.value,
                                                                    bn.running_var.value}
 

@@ -5,7 +5,7 @@ computed them (``ocannl.parallel.ShardTree``, ``DataParallel(shards=...)``).
 Under ``mpiexec`` (tests/shard_worker.py): every state node, the scaler's and the recipe's
 counters, the global losses and the loader's position are the same bits on 1 rank (in this
 process), 2 and 4 ranks (4 shards), on 1 and 3 ranks with 6 shards (the optimizer state
-sharded too), and on 1 and 8 ranks with 8 shards; a checkpoint written
+sharded too), and on 1 and 8 ranks with 8 shards, synced batch norm included; a checkpoint written
 by 4 ranks, resumed by 1, whose checkpoint 2 ranks resume, ends as the uninterrupted run.
 """
 
@@ -243,11 +243,11 @@ def test_four_ranks_are_the_bits_of_one_and_resume_on_one_then_two(one: dict[str
 
 def _ranks_are_the_bits_of_one(out: Path, ranks: int, shards: int, timeout: float,
                                *flags: str) -> None:
-    """The fused f16 gate with clipping, and batch norm with dropout, on ``ranks`` ranks and
-    ``shards`` shards (``flags``: ``--zero``, the optimizer state sharded over the ranks;
-    ``--overlap``, the exchange in buckets): each rank's run is one plain rank's, bit for
-    bit."""
-    variants = ["adamw-fused-f16-clip", "dropbn-host-f32"]
+    """The fused f16 gate with clipping, and batch norm (per shard, and synced) with dropout, on
+    ``ranks`` ranks and ``shards`` shards (``flags``: ``--zero``, the optimizer state sharded
+    over the ranks; ``--overlap``, the exchange in buckets): each rank's run is one plain
+    rank's, bit for bit."""
+    variants = ["adamw-fused-f16-clip", "dropbn-host-f32", "syncbn-host-f32"]
     ok(mpirun(ranks, "--out", out, "--tag", f"r{ranks}", "--shards", str(shards), "--variants",
               ",".join(variants), *flags, script=WORKER, timeout=timeout))
     for v in variants:

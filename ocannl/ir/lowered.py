@@ -343,7 +343,8 @@ def nests(code: list[Lowered]) -> list[LoopNest]:
     return [n for item in code if isinstance(item, LoopGroup) for n in item.nests]
 
 
-def _assigns(code: list[Lowered]) -> list[Fill | Accum]:
+def assignments(code: list[Lowered]) -> list[Fill | Accum]:
+    """Every fill and assignment of ``code``, in order (a loop group's nests in turn)."""
     return [a for a, _ in _assigns_and_cells(code)]
 
 
@@ -363,7 +364,7 @@ def nodes_of(code: list[Lowered]) -> list[Tnode]:
     """Every node the lowered code touches, in first-use order (each written node before
     what its assignment reads)."""
     seen: dict[int, Tnode] = {}
-    for a in _assigns(code):
+    for a in assignments(code):
         if isinstance(a, Fill):
             seen.setdefault(a.node.id, a.node)
         else:

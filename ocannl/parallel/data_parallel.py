@@ -23,6 +23,7 @@ from ocannl.ir.tnode import Tnode
 from ocannl.parallel.buckets import BucketExchange, bucket_ranges, host_values
 from ocannl.parallel.comm import Communicator
 from ocannl.parallel.shards import ShardTree
+from ocannl.parallel.synced import ShardMemory, SyncedRoutine, compile_synced
 from ocannl.parallel.zero import FLAT_ALIGN, OptimizerShard
 from ocannl.tensor.tensor import Tensor
 
@@ -249,8 +250,14 @@ class DataParallel:
 
         self.rngs = random_streams(loss)
         drawn = {m.id for r in self.rngs for m in r.state_nodes()}
-        # What the forward code updates besides random streams: batch-norm running statistics.
-        self.stats = [m for m in buffers(loss) if m.id not in drawn]
+        # Sums over the global batch (synced batch norm), and the state updated from them only.
+        self.global_sums = T.global_sums(loss)
+        same = {m.id for g in self.global_sums for m in g.same_on_every_shard}
+        # What the forward code updates besides random streams: batch-norm running statistics
+        # (averaged over the shards, but for those every shard computes alike).
+        self.stats = [m for m in buffers(loss) if m.id not in drawn and m.id not in same]
+        self._synced_routines: dict[int, SyncedRoutine] = {}  # whole routine id ->
+        self._counted: weakref.WeakKeyDictionary[Context, bool] = weakref.WeakKeyDictionary()
         self._unscale_for: tuple[float, float] | None = None  # the last scale and its value
         self._unscale = T.term(np.float32(self._unscale_value(None)),
                                label="dp_grad_unscale", prec=Precision.f32)
@@ -369,6 +376,10 @@ class DataParallel:
         first = routine(recipe.grad_comp)
         more = routine(recipe.accumulate_comp) if recipe.accumulate_comp is not None else None
         self.use_routines(first, more)
+        if self.global_sums and more is not None:
+            raise ValueError(f"{self!r}: synced batch norm with gradient accumulation is not "
+                             f"supported: each micro-batch's statistics would be exchanged "
+                             f"apart; accumulate=1, or batch_norm(sync=False)")
         for comp, whole in ((recipe.grad_comp, first), (recipe.accumulate_comp, more)):
             if whole is not None:
                 ctx = self._split(ctx, comp, whole)
@@ -385,6 +396,8 @@ class DataParallel:
         return self._split(ctx, comp, whole), whole
 
     def _split(self, ctx: Context, comp: Any, whole: Routine) -> Context:
+        if self.global_sums:
+            return self._split_synced(ctx, comp, whole)
         if not self.overlap:
             return ctx
         if self.flat is None:
@@ -394,6 +407,25 @@ class DataParallel:
         ctx, parts, ready = ctx.compile_split(comp, groups)
         if min(ready) < len(parts) - 1:  # else every bucket completes at the end: no overlap
             self._splits[id(whole)] = (parts, ready)
+        return ctx
+
+    def _split_synced(self, ctx: Context, comp: Any, whole: Routine) -> Context:
+        """Cut the gradient routine at the global sums (synced batch norm), for
+        :meth:`run_and_reduce`."""
+        if self.flat is None:
+            raise ValueError(f"{self!r}: call setup(ctx) before compiling")
+        # Overlap with one shard a rank: its buckets' exchanges start between the parts. A
+        # rank of several shards runs them part by part, so its last shard's gradient is
+        # only complete at the end: its exchange waits for the last part.
+        grads = [p.grad for p in self.params]
+        buckets = [[grads[i] for i in members] for _, _, members in self._buckets] \
+            if self.overlap and self.per_rank == 1 else []
+        per_shard = [t.value for t in self.inputs] + [r.row_offset for r in self.rngs]
+        params = {p.value.id for p in self.params}
+        if self.flat_params is not None:
+            params.add(self.flat_params.id)
+        ctx, synced = compile_synced(ctx, comp, self.global_sums, per_shard, params, buckets)
+        self._synced_routines[id(whole)] = synced
         return ctx
 
     def use_routines(self, first: Any, more: Any = None) -> None:
@@ -497,6 +529,11 @@ class DataParallel:
         others of its block run here (their data from :meth:`set_batch`), then the block's
         partial sums are exchanged and the tree summed; the result is in the flat buffer on
         every rank, the same bits."""
+        if self.global_sums:
+            raise ValueError(f"{self!r}: with synced batch norm the gradient routine runs cut "
+                             f"at the statistics' exchanges: run it through "
+                             f"dp.run_and_reduce(ctx, routine, scaler) (the recipes do), not "
+                             f"ctx.run then reduce (its statistics were the shard's alone)")
         return self._reduce(ctx, scaler, None)
 
     def run_and_reduce(self, ctx: Context, routine: Routine, scaler: Any = None) -> Context:
@@ -506,6 +543,15 @@ class DataParallel:
         bucket's exchange starts once that shard has written it, while its backward code goes
         on (its addition into the block's partial sum first, bucket by bucket): the same
         additions, the same bits."""
+        if self.global_sums:
+            synced = self._synced_routines.get(id(routine))
+            if synced is None:
+                raise ValueError(f"{self!r}: {routine!r} was not compiled by this "
+                                 f"DataParallel: with synced batch norm compile the gradient "
+                                 f"routine with dp.compile(ctx, recipe) or "
+                                 f"dp.compile_gradients(ctx, comp), which cut it at the "
+                                 f"statistics' exchanges")
+            return self._reduce(ctx, scaler, synced)
         split = self._splits.get(id(routine)) if self.overlap else None
         if split is None:
             return self._reduce(ctx.run(routine), scaler, None)
@@ -540,6 +586,87 @@ class DataParallel:
         self._stack.append((node, flat))
         return ctx, started
 
+    def _run_synced(self, ctx: Context, synced: SyncedRoutine, flat: Any,
+                    pending: list[list[list[Any]]]
+                    ) -> tuple[Context, list[Any], list[Any], list[BucketExchange]]:
+        """Run this rank's shards through the parts of a routine cut at its global sums: each
+        part on every shard of the block in turn (a shard's memory saved after a part and
+        restored before its next), then each group of sums the part completed replaced, on
+        every shard, by its sum over every shard in the tree's order; the block's gradients
+        folded into the tree as each shard ends. One shard a rank with ``overlap=True``: each
+        bucket's exchange starts after the part that completes it. Returns the shards' losses
+        and statistics, and the exchanges started."""
+        k = self.per_rank
+        if k > 1 and len(pending) != 1:
+            raise ValueError(f"{self!r}: rank {self.rank} computes {k} shards: write each step's "
+                             f"data with set_batch (this rank's block), not into the inputs "
+                             f"directly" if not pending else
+                             f"{self!r}: synced batch norm takes one micro-batch a step")
+        if not self._counted.get(ctx):  # the sums' counts: the global batch's cells
+            for g in self.global_sums:
+                ctx = ctx.set_values(g.count, np.array([g.rows * self.shards], np.float64))
+            self._counted[ctx] = True
+        memory = ShardMemory(synced, k) if k > 1 else None
+        if memory is not None:
+            memory.save(-1)
+        losses: list[Any] = []
+        stats: list[Any] = []
+        sums: list[tuple[tuple[Tnode, ...], np.ndarray]] = []  # to put in before each part
+        last = len(synced.parts) - 1
+        started: list[BucketExchange] = []
+        for p, part in enumerate(synced.parts):
+            leaves: list[list[np.ndarray]] = []
+            for j in range(k):
+                if memory is not None and p == 0 and j > 0:
+                    ctx = memory.restore(ctx, -1)
+                    ctx = self._put_shard(ctx, j, pending[0][j - 1])
+                elif memory is not None and p > 0:
+                    ctx = memory.restore(ctx, j)
+                for group, values in sums:
+                    at = 0
+                    for n in group:
+                        ctx = ctx.set_values(n, values[at:at + n.size].reshape(n.dims))
+                        at += n.size
+                ctx = ctx.run(part)
+                if synced.done[p]:
+                    leaves.append(np.concatenate([np.asarray(ctx.get_values(n)).reshape(-1)
+                                                  for g in synced.done[p] for n in g]))
+                if p == last:
+                    if self.track_losses:
+                        losses.append(self._loss_now(ctx))
+                    if self.stats:
+                        stats.append([np.array(ctx.get_values(m), np.float32)
+                                      for m in self.stats])
+                    self._fold(j, flat, last=j == k - 1)
+                elif memory is not None:
+                    memory.save(j)
+            for (a, b, _), r in zip(self._buckets, synced.buckets, strict=False):
+                if r == p:  # one shard a rank (else no buckets): its flat is its partial sum
+                    started.append(BucketExchange(self.comm, self.tree, self._covers, flat, a, b,
+                                                  [flat], fixed_order=self.fixed_order,
+                                                  scratch=self._scatter))
+            for e in started:
+                e.test()
+            sums = []
+            if leaves:
+                total = self._global_total(leaves)
+                at = 0
+                for g in synced.done[p]:
+                    size = sum(n.size for n in g)
+                    sums.append((g, total[at:at + size]))
+                    at += size
+        return ctx, losses, stats, started
+
+    def _global_total(self, leaves: list[np.ndarray]) -> np.ndarray:
+        """The sum over every shard of a vector each of this rank's shards computed (its
+        ``leaves``, in block order), in the tree's order (a small exchange of its own); the
+        same on every rank."""
+        partials = self._partials(leaves)
+        everyone = self.comm.allgather(partials) if self.size > 1 else [partials]
+        known = {node: p for r, ps in enumerate(everyone)
+                 for node, p in zip(self._covers[r], ps, strict=True)}
+        return self.tree.evaluate(known)
+
     def _fold_plan(self, j: int) -> tuple[int, tuple[int, int]]:
         """What folding shard ``j`` of the block into the tree does: how many left siblings it
         adds (popped from the stack's top, each the sibling of the node made so far) and the
@@ -558,14 +685,15 @@ class DataParallel:
         return pops, node
 
     def _reduce(self, ctx: Context, scaler: Any,
-                split: tuple[list[Routine], list[int]] | None) -> Context:
+                split: tuple[list[Routine], list[int]] | SyncedRoutine | None) -> Context:
         # The shard sums' overflows are the checksum's to see: NumPy says nothing of them
         # (one errstate for the whole reduction: entering one costs microseconds).
         with np.errstate(all="ignore"):
             return self._reduce_quietly(ctx, scaler, split)
 
     def _reduce_quietly(self, ctx: Context, scaler: Any,
-                        split: tuple[list[Routine], list[int]] | None) -> Context:
+                        split: tuple[list[Routine], list[int]] | SyncedRoutine | None
+                        ) -> Context:
         if self.flat is None:
             raise ValueError(f"{self!r}: call setup(ctx) before compiling and stepping")
         if not self._gathered:
@@ -585,6 +713,23 @@ class DataParallel:
         stats_at, self._stats_at = self._stats_at, None
         k = self.per_rank
         self._stack = []
+        if isinstance(split, SyncedRoutine):
+            ctx, self.shard_losses, stats, started = self._run_synced(ctx, split, flat, pending)
+            for e in started:
+                e.finish()
+            if not started and self.fixed_order:
+                partials = [buf for _, buf in self._stack]
+                self._tree_sum(partials, flat)
+                self._free += [buf for buf in partials if buf is not flat]
+            elif not started:
+                self.comm.allreduce_sum(flat)
+            self._stack = []
+            if self.stats:
+                ctx = self._average_stats(ctx, stats)
+            self.reductions += 1
+            self.step += 1
+            self._gathered = not self.shard_optimizer
+            return ctx
         exchanges: list[BucketExchange] = []
         if split is not None and k == 1:  # the first shard is the last: cut at the buckets
             ctx, exchanges = self._run_bucketed(ctx, 0, split, flat)
@@ -719,11 +864,7 @@ class DataParallel:
         """The running statistics: each shard's, from the same starting values, averaged over
         the shards in the tree's order (a small exchange of its own)."""
         leaves = [np.concatenate([v.reshape(-1) for v in vs]) for vs in stats]
-        partials = self._partials(leaves)
-        everyone = self.comm.allgather(partials) if self.size > 1 else [partials]
-        known = {node: p for r, ps in enumerate(everyone)
-                 for node, p in zip(self._covers[r], ps, strict=True)}
-        mean = self.tree.evaluate(known) * np.float32(1.0 / self.shards)
+        mean = self._global_total(leaves) * np.float32(1.0 / self.shards)
         at = 0
         for m in self.stats:
             ctx = ctx.set_values(m, mean[at:at + m.size].reshape(m.dims))

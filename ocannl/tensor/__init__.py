@@ -4,10 +4,11 @@ By concept: ``leaves`` (``param``, ``term``, ``number``), ``pointwise`` (arithme
 activations, comparisons, ``where``, ``gelu``, and ``cast``: the identity stored at another
 precision), ``reductions`` (``sum``, ``max``, ``mean``, ``min``, ``reduce``, and ``matmul``: a
 contraction is a sum of products), ``normalisations`` (``softmax``, ``log_softmax``,
-``standardize``), ``data`` (class ids, ``one_hot``, ``embedding``, ``Rng`` draws and
-``dropout``, ``buffers``), ``einsum``, ``spatial`` (convolution, pooling); ``shape`` and
-``tensor`` underneath. Every op builds its forward assignments and, when differentiable, its
-backprop assignments, each next to the other.
+``standardize``, ``global_standardize`` with its ``global_sums``), ``data`` (class ids,
+``one_hot``, ``embedding``, ``Rng`` draws and ``dropout``, ``buffers``), ``einsum``,
+``spatial`` (convolution, pooling); ``shape`` and ``tensor`` underneath. Every op builds its
+forward assignments and, when differentiable, its backprop assignments, each next to the
+other.
 """
 
 from ocannl.tensor.concat import block, concat
@@ -24,12 +25,14 @@ from ocannl.tensor.data import (
     uniform_expr,
 )
 from ocannl.tensor.einsum import Dims, assign, einsum
+from ocannl.tensor.global_sums import GlobalSums, global_sums
 from ocannl.tensor.leaves import (
     number,
     param,
     term,
 )
 from ocannl.tensor.normalisations import (
+    global_standardize,
     log_softmax,
     softmax,
     standardize,
@@ -81,7 +84,7 @@ __all__ = [
     "ClassIds", "Rng", "abs", "buffers", "class_ids", "dropout", "embedding", "eq", "erf", "ge",
     "gelu", "gt", "le", "log_softmax", "lt", "maximum", "min", "minimum", "ne", "one_hot",
     "reduce", "register_buffers", "set_class_ids", "softmax", "standardize", "uniform_expr",
-    "where", "cos", "sin", "floor",
+    "where", "cos", "sin", "floor", "GlobalSums", "global_standardize", "global_sums",
     "Dims", "Init", "StaticIndex", "assign", "batch_slice", "block", "concat", "rebatch",
     "static_index", "Shape", "Tensor", "op", "set_default_init",
     "add", "cast", "div", "einsum", "exp", "log", "matmul", "max",

@@ -7,10 +7,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import numpy as np
+
 from ocannl.errors import real
 from ocannl.ir.assignments import Accum, Const, Fixed, Get, Index, apply
 from ocannl.ir.ops import Precision
 from ocannl.ir.tnode import MemoryMode, Tnode
+from ocannl.tensor.global_sums import GlobalSums, register_global_sums
 from ocannl.tensor.leaves import _all, _lift, _new, _read
 from ocannl.tensor.pointwise import exp, log, sub
 from ocannl.tensor.reductions import _axes, _kept_shape, _reduce_keep
@@ -123,3 +126,65 @@ def log_softmax(x: Tensor, axes: None | str | int | Sequence[int]) -> Tensor:
     """``x - log(sum(exp(x)))`` over ``axes``, computed stably (max-shifted)."""
     z = sub(x, _reduce_keep("log_softmax_max", x, axes, "max", differentiable=False))
     return sub(z, log(_reduce_keep("log_softmax_sum", exp(z), axes, "+")))
+
+
+def global_standardize(x: Tensor, axes: None | str | int | Sequence[int], eps: float = 1e-5,
+                       *, label: str = "global_standardize",
+                       same_on_every_shard: Sequence[Tnode] = ()) -> tuple[Tensor, GlobalSums]:
+    """:func:`standardize` over the global batch of a data-parallel step (synced batch norm):
+    the statistics and the gradient's two sums are taken over every shard's rows, as if the
+    global batch were one.
+
+    The code runs on one shard; its four sums over ``axes`` (the values', the centered
+    squares', the gradient's and the gradient times the output's) are materialized nodes,
+    taken in the cancelling-sum precision (f64 at f32), that a ``DataParallel`` replaces,
+    right after the item computing each, with the sum over every shard in its shard tree's
+    order (:class:`ocannl.tensor.global_sums.GlobalSums`, returned and registered on the
+    result); it sets the count they are divided by to the global batch's. Without one the
+    shard is the batch: the count stays this tensor's cells per row, and the result is a
+    batch standardization of ``x`` (its sums in the wider precision). ``same_on_every_shard``:
+    state the caller's code updates from these sums only (batch norm's running statistics),
+    which every shard then ends with the same values of."""
+    x = _lift(x)
+    e = real("global_standardize: eps", eps, "a finite number >= 0")
+    if not 0 <= e < math.inf:
+        raise ValueError(f"global_standardize: eps must be a finite number >= 0, got {eps!r}")
+    cells, kept, row_dims, per_row = _rows(x, axes)
+    kept_dims = tuple(int(d) for d in row_dims)  # plain sizes: the sums are buffers
+    wide = _cancelling_sum_prec(x.prec)
+    whole = _all(len(kept_dims))
+    count_node = Tnode(f"{label}_count", (1,), wide,
+                       host_data=np.array([per_row], wide.numpy_dtype))
+    count = Get(count_node, (Fixed(0),))
+    total, squares = Tnode(f"{label}_sum", kept_dims, wide), \
+        Tnode(f"{label}_squares", kept_dims, wide)
+    centered, std = _local(f"{label}_centered", x.dims, x.prec), \
+        _local(f"{label}_std", kept_dims, x.prec)
+    out = _new(label, x.shape, x.prec, (x,))
+    xc, deviation = Get(centered, cells), Get(std, kept)
+    out.forward_code = (
+        Accum(total, kept, "+", _read(x, cells), x.dims, reset=True),
+        Accum(centered, cells, "=",
+              apply("sub", _read(x, cells), apply("div", Get(total, kept), count)), x.dims),
+        Accum(squares, kept, "+", apply("mul", xc, xc), x.dims, reset=True),
+        Accum(std, whole, "=", apply("sqrt", apply("add", apply(
+            "div", Get(squares, whole), count), Const(e))), kept_dims),
+        Accum(out.value, cells, "=", apply("div", xc, deviation), x.dims),
+    )
+    groups: tuple[tuple[Tnode, ...], ...] = ((total,), (squares,))
+    if out.grad is not None and x.grad is not None:
+        g, y = Get(out.grad, cells), Get(out.value, cells)
+        g_sum, gy_sum = Tnode(f"{label}_grad_sum", kept_dims, wide), \
+            Tnode(f"{label}_grad_dot", kept_dims, wide)
+        mean_g, mean_gy = (apply("div", Get(t, kept), count) for t in (g_sum, gy_sum))
+        out.backprop_code = (
+            Accum(g_sum, kept, "+", g, x.dims, reset=True),
+            Accum(gy_sum, kept, "+", apply("mul", g, y), x.dims, reset=True),
+            Accum(x.grad, cells, "+", apply("div", apply("sub", apply("sub", g, mean_g),
+                                                         apply("mul", y, mean_gy)), deviation),
+                  x.dims),
+        )
+        groups += ((g_sum, gy_sum),)
+    sums = GlobalSums(label, per_row, count_node, groups, tuple(same_on_every_shard))
+    register_global_sums(out, sums)
+    return out, sums
