@@ -185,6 +185,18 @@ def test_train_must_be_a_bool_in_the_blocks(block, kw):
     assert ids_issued() == issued
 
 
+def test_batch_norm_sync_must_be_a_bool():
+    """A truthy ``sync="no"`` would build the synced statistics; refused, nothing built."""
+    from ocannl.ir.tnode import ids_issued
+
+    x = _bn_input()
+    issued = ids_issued()
+    with pytest.raises(TypeError, match=r"batch_norm bn: sync must be True or False, got 'no' "
+                                        r"\(str\)"):
+        nn_blocks.batch_norm(x, train=True, sync="no")
+    assert ids_issued() == issued
+
+
 @pytest.mark.parametrize("eps", [-1.0, float("nan"), float("inf"), 0.0, 1e-50, "1e-5", True])
 def test_batch_norm_eps_must_be_a_finite_number_above_zero_in_f32(eps):
     """Issue 38, 4: ``eps=-1.0`` or ``nan`` made every output NaN; ``1e-50`` rounds to 0 in

@@ -154,15 +154,28 @@ class DataParallel:
     **State updated by the forward code.** Random draws with batch axes are keyed by the
     global row (each shard's ``Rng.row_offset`` is set before it runs) and every shard of a
     step starts from the same stream counters, so dropout masks are the same on any rank
-    count. Batch-norm statistics are per shard (the model sees a shard); the running
-    statistics each shard's run updates from the same starting values are then averaged
-    over the shards through the same tree.
+    count. Batch-norm statistics are per shard by default (the model sees a shard); the
+    running statistics each shard's run updates from the same starting values are then
+    averaged over the shards through the same tree.
+
+    **Synced batch norm** (``batch_norm(..., sync=True)``): the statistics, and the two sums
+    their gradient needs, are over the global batch. The gradient routine (compiled by
+    :meth:`compile` or :meth:`compile_gradients`, run by :meth:`run_and_reduce`) is cut right
+    after each such sum a shard computes (three a layer: two in the forward code, one in the
+    backward); between the parts the sums of every shard are exchanged and added in the
+    tree's order, and put in place of the shard's own, so the bits are the same on any rank
+    count. A rank of several shards runs each part on each of its shards in turn, saving
+    and restoring what a shard's run leaves between parts (its activations, its gradients
+    so far: one copy per shard). The running statistics are then the same on every shard.
+    Not with gradient accumulation (refused).
 
     **Overlap** (``overlap=True``): the exchange in buckets of at least ``bucket_bytes``
     (whole parameters, from the flat buffer's end), each started while the rest of the block's
     last shard's backward code runs (:meth:`run_and_reduce`; the recipes call it), each the
     tree's on its elements: the same bits as without. The checksum, clipping and the update
-    wait for the last bucket (they read every gradient).
+    wait for the last bucket (they read every gradient). With synced batch norm, one shard a
+    rank: each bucket's exchange starts after the part of the cut routine that completes it;
+    several shards a rank: after the last part.
 
     **Sharded optimizer state** (``shard_optimizer=True``, ZeRO-1): the parameters and their
     gradients lie in flat buffers of one layout cut into ``N`` equal slices of elements; each

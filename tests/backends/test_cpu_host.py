@@ -162,8 +162,8 @@ CODE = [
     ("cooper_lake", True, True, False),
     ("ice_lake", True, True, False),
     ("skylake", True, True, False),
-    ("zen5", True, True, False),
-    ("zen4", True, True, False),
+    ("zen5", True, True, True),
+    ("zen4", True, True, True),
     ("zen3", True, True, False),
     ("plain_x86", False, False, False),
     ("graviton", True, False, False),
@@ -175,7 +175,8 @@ CODE = [
 def test_the_code_decisions_on_each_cpu(cpu, want_f16, want_avx, want_512):
     """F16C converts f16 with instructions (AArch64 natively; ``OCANNL_SOFT_F16`` forces the
     integer code); AVX clears the upper halves; AVX512-FP16 CPUs (Sapphire Rapids and later)
-    prefer 512-bit vectors, LLVM's features otherwise passed on as they are."""
+    and AMD Zen 4 and 5 prefer 512-bit vectors, the other AVX-512 CPUs 256-bit ones (said to
+    LLVM, whatever its tuning), LLVM's features otherwise passed on as they are."""
     facts = cpus.ALL[cpu]
     assert jit.hardware_f16(facts) is want_f16
     assert jit.hardware_f16(facts, soft=True) is False
@@ -184,6 +185,7 @@ def test_the_code_decisions_on_each_cpu(cpu, want_f16, want_avx, want_512):
     features = jit.features(facts, jit.vector_bits(facts))
     assert features.startswith(facts.llvm_features)
     assert features.endswith(",-prefer-256-bit") is want_512
+    assert features.endswith(",+prefer-256-bit") is (not want_512 and facts.llvm_has("avx512f"))
 
 
 def test_cpuinfo_is_read_from_the_first_processor_block():

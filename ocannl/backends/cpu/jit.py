@@ -23,6 +23,7 @@ import ctypes.util
 import hashlib
 import json
 import os
+import re
 import select
 import signal
 import tempfile
@@ -108,18 +109,26 @@ def has_avx(cpu: CpuFacts) -> bool:
 def vector_bits(cpu: CpuFacts) -> int:
     """The vectors loops are compiled for (``Target.vector_bits``): 512 bits on a CPU with
     AVX512-FP16 (Sapphire Rapids and later Xeons), where LLVM's tuning keeps to 256 bits for
-    the AVX-512 CPUs whose clock drops under 512-bit instructions; else 256 (LLVM's own
-    choice). Each lane computes what a scalar would, so the bits are the same. In-process A/B
-    on such a CPU, steps paired by block, 512 / 256: mlp_small bf16 0.898x, f16-gated16
-    0.933x, f32 0.988x; gpt_mini bf16 0.969x, f16 0.983x; convnet bf16 0.983x, f32 0.995x."""
-    return 512 if cpu.llvm_has("avx512fp16") else 256
+    the AVX-512 CPUs whose clock drops under 512-bit instructions, and on AMD Zen 4 and later
+    (``znver4``...), whose clock does not drop and for which LLVM's own tuning is 512 bits;
+    else 256. Each lane computes what a scalar would, so the bits are the same. In-process A/B
+    on an AVX512-FP16 CPU, steps paired by block, 512 / 256: mlp_small bf16 0.898x,
+    f16-gated16 0.933x, f32 0.988x; gpt_mini bf16 0.969x, f16 0.983x; convnet bf16 0.983x, f32
+    0.995x."""
+    if cpu.llvm_has("avx512fp16"):
+        return 512
+    zen = re.fullmatch(r"znver(\d+)", cpu.llvm_cpu)
+    return 512 if zen is not None and int(zen.group(1)) >= 4 else 256
 
 
 def features(cpu: CpuFacts, bits: int = 256) -> str:
     """The CPU features LLVM compiles for: ``cpu``'s, with 512-bit vectors preferred in loops
-    where the target record says ``bits`` 512."""
+    where the target record says ``bits`` 512 and 256-bit ones where it says 256 on a CPU
+    with AVX-512 (whatever LLVM's tuning for the CPU would prefer): the record is what runs."""
     text = cpu.llvm_features
-    return text + ",-prefer-256-bit" if bits == 512 else text
+    if bits == 512:
+        return text + ",-prefer-256-bit"
+    return text + ",+prefer-256-bit" if cpu.llvm_has("avx512f") else text
 
 
 def target() -> Target:
