@@ -80,9 +80,11 @@ class Routine:
         self.kept_reads = tuple(n for n in effects.inputs if n.keeps is not None)
         # ``context`` once checked, else None: Context.run's steady state is one comparison.
         self._ready_in: Context | None = None
-        # The memory of its local nodes (shared by the routines of one split compile): what
-        # the host saves to hold a run between two of them (a data-parallel rank's shards).
+        # The memory of its local nodes (shared by the routines of one split compile) and its
+        # lowered items: what the host saves to hold a run between two of them, and what
+        # tells it when (a data-parallel rank's shards, ``parallel/synced.py``).
         self.local_memory: tuple[Buffer, ...] = ()
+        self.lowered: tuple[Lowered, ...] = ()
 
     def __repr__(self) -> str:
         return f"Routine({self.label!r}, {len(self.nodes)} buffers)"
@@ -282,6 +284,7 @@ class Context:
                              tuple(n for n in seg_fx.written if n.id not in local))
             routine = Routine(name, self, kept, compiled, bufs, seg_fx, call)
             routine.local_memory = tuple(arenas)
+            routine.lowered = tuple(seg)
             self._routines.add(routine)
             routines.append(routine)
         return self, routines

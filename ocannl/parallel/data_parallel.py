@@ -270,6 +270,7 @@ class DataParallel:
         # (averaged over the shards, but for those every shard computes alike).
         self.stats = [m for m in buffers(loss) if m.id not in drawn and m.id not in same]
         self._synced_routines: dict[int, SyncedRoutine] = {}  # whole routine id ->
+        self._memories: dict[int, ShardMemory] = {}  # SyncedRoutine id -> its shards' copies
         self._counted: weakref.WeakKeyDictionary[Context, bool] = weakref.WeakKeyDictionary()
         self._unscale_for: tuple[float, float] | None = None  # the last scale and its value
         self._unscale = T.term(np.float32(self._unscale_value(None)),
@@ -434,10 +435,9 @@ class DataParallel:
         buckets = [[grads[i] for i in members] for _, _, members in self._buckets] \
             if self.overlap and self.per_rank == 1 else []
         per_shard = [t.value for t in self.inputs] + [r.row_offset for r in self.rngs]
-        params = {p.value.id for p in self.params}
-        if self.flat_params is not None:
-            params.add(self.flat_params.id)
-        ctx, synced = compile_synced(ctx, comp, self.global_sums, per_shard, params, buckets)
+        finals = [*(p.grad for p in self.params if p.grad is not None), self.loss.value,
+                  *self.stats]
+        ctx, synced = compile_synced(ctx, comp, self.global_sums, per_shard, finals, buckets)
         self._synced_routines[id(whole)] = synced
         return ctx
 
@@ -619,9 +619,12 @@ class DataParallel:
             for g in self.global_sums:
                 ctx = ctx.set_values(g.count, np.array([g.rows * self.shards], np.float64))
             self._counted[ctx] = True
-        memory = ShardMemory(synced, k) if k > 1 else None
-        if memory is not None:
-            memory.save(-1)
+        memory = None
+        if k > 1:
+            memory = self._memories.get(id(synced))
+            if memory is None:
+                memory = self._memories[id(synced)] = ShardMemory(ctx, synced, k)
+            memory.save_start()
         losses: list[Any] = []
         stats: list[Any] = []
         sums: list[tuple[tuple[Tnode, ...], np.ndarray]] = []  # to put in before each part
@@ -631,10 +634,10 @@ class DataParallel:
             leaves: list[list[np.ndarray]] = []
             for j in range(k):
                 if memory is not None and p == 0 and j > 0:
-                    ctx = memory.restore(ctx, -1)
+                    ctx = memory.restore_start(ctx)
                     ctx = self._put_shard(ctx, j, pending[0][j - 1])
                 elif memory is not None and p > 0:
-                    ctx = memory.restore(ctx, j)
+                    ctx = memory.restore(ctx, j, p - 1)
                 for group, values in sums:
                     at = 0
                     for n in group:
@@ -652,7 +655,7 @@ class DataParallel:
                                       for m in self.stats])
                     self._fold(j, flat, last=j == k - 1)
                 elif memory is not None:
-                    memory.save(j)
+                    memory.save(j, p)
             for (a, b, _), r in zip(self._buckets, synced.buckets, strict=False):
                 if r == p:  # one shard a rank (else no buckets): its flat is its partial sum
                     started.append(BucketExchange(self.comm, self.tree, self._covers, flat, a, b,
