@@ -80,10 +80,10 @@ class Routine:
         self.kept_reads = tuple(n for n in effects.inputs if n.keeps is not None)
         # ``context`` once checked, else None: Context.run's steady state is one comparison.
         self._ready_in: Context | None = None
-        # The memory of its local nodes (shared by the routines of one split compile) and its
-        # lowered items: what the host saves to hold a run between two of them, and what
-        # tells it when (a data-parallel rank's shards, ``parallel/synced.py``).
-        self.local_memory: tuple[Buffer, ...] = ()
+        # Its local nodes' memory by node id (shared by the routines of one split compile)
+        # and its lowered items: what the host saves to hold a run between two of them, and
+        # what tells it when (a data-parallel rank's shards, ``parallel/synced.py``).
+        self.local_views: dict[int, Buffer] = {}
         self.lowered: tuple[Lowered, ...] = ()
 
     def __repr__(self) -> str:
@@ -262,8 +262,7 @@ class Context:
                     f"twin placed 'auto', an intermediate tensor's gradient, or lowering's own): "
                     f"compile it in the same routine as its computation, or call retain_grad() "
                     f"on the tensor to keep its gradient materialized")
-        arenas: list[Buffer] = []
-        views = self._local_buffers(label, code, list(local.values()), local_check, arenas)
+        views = self._local_buffers(label, code, list(local.values()), shared=local_check)
         routines = []
         for k, seg in enumerate(segments):
             name = label if len(segments) == 1 else f"{label}_part{k}"
@@ -283,17 +282,17 @@ class Context:
             seg_fx = Effects(tuple(n for n in seg_fx.inputs if n.id not in local),
                              tuple(n for n in seg_fx.written if n.id not in local))
             routine = Routine(name, self, kept, compiled, bufs, seg_fx, call)
-            routine.local_memory = tuple(arenas)
+            routine.local_views = views
             routine.lowered = tuple(seg)
             self._routines.add(routine)
             routines.append(routine)
         return self, routines
 
     def _local_buffers(self, label: str, code: list[Lowered], local: list[Tnode],
-                       shared: bool, arenas: list[Buffer]) -> dict[int, Buffer]:
+                       shared: bool) -> dict[int, Buffer]:
         """Buffers for a routine's local nodes: views of one arena per precision, each node
         placed apart from those in use at the same items (``arena.pack``), or (``shared``
-        False) one arena each. The arenas are appended to ``arenas``."""
+        False) one arena each."""
         index = AccessIndex(code)
         out: dict[int, Buffer] = {}
         for prec in dict.fromkeys(n.prec for n in local):
@@ -302,8 +301,7 @@ class Context:
             def arena(size: int, prec: Precision = prec) -> Buffer:
                 node = Tnode(f"{label}_local_{prec.value}", (max(size, 1),), prec)
                 self._local_bytes += node.size * prec.itemsize
-                arenas.append(self._backend.alloc(node))
-                return arenas[-1]
+                return self._backend.alloc(node)
 
             placed = views([(n.size, *index.span(n.id)) for n in group], arena, prec.itemsize,
                            shared)

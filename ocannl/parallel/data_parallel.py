@@ -627,27 +627,27 @@ class DataParallel:
             memory.save_start()
         losses: list[Any] = []
         stats: list[Any] = []
-        sums: list[tuple[tuple[Tnode, ...], np.ndarray]] = []  # to put in before each part
+        sums: list[tuple[Tnode, np.ndarray]] = []  # the last exchange's, to put in
         last = len(synced.parts) - 1
         started: list[BucketExchange] = []
         for p, part in enumerate(synced.parts):
             leaves: list[list[np.ndarray]] = []
             for j in range(k):
-                if memory is not None and p == 0 and j > 0:
-                    ctx = memory.restore_start(ctx)
-                    ctx = self._put_shard(ctx, j, pending[0][j - 1])
-                elif memory is not None and p > 0:
-                    ctx = memory.restore(ctx, j, p - 1)
-                for group, values in sums:
-                    at = 0
-                    for n in group:
-                        ctx = ctx.set_values(n, values[at:at + n.size].reshape(n.dims))
-                        at += n.size
+                if memory is not None:
+                    ctx = memory.restore(ctx, j, p)
+                    if p == 0:
+                        if j > 0:
+                            ctx = self._put_shard(ctx, j, pending[0][j - 1])
+                        memory.save(j, -1)
+                for n, values in sums if memory is None else ():
+                    ctx = ctx.set_values(n, values)
                 ctx = ctx.run(part)
                 if synced.done[p]:
                     leaves.append(np.concatenate([np.asarray(ctx.get_values(n)).reshape(-1)
                                                   for g in synced.done[p] for n in g]))
                 if p == last:
+                    if memory is not None:
+                        ctx = memory.restore(ctx, j, None)
                     if self.track_losses:
                         losses.append(self._loss_now(ctx))
                     if self.stats:
@@ -667,10 +667,11 @@ class DataParallel:
             if leaves:
                 total = self._global_total(leaves)
                 at = 0
-                for g in synced.done[p]:
-                    size = sum(n.size for n in g)
-                    sums.append((g, total[at:at + size]))
-                    at += size
+                for n in (n for g in synced.done[p] for n in g):
+                    sums.append((n, total[at:at + n.size].reshape(n.dims)))
+                    at += n.size
+                if memory is not None:  # each shard's copy: restored where a part reads it
+                    memory.put(sums)
         return ctx, losses, stats, started
 
     def _global_total(self, leaves: list[np.ndarray]) -> np.ndarray:

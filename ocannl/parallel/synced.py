@@ -21,17 +21,19 @@ class SyncedRoutine:
     over every shard); ``buckets``: per gradient bucket given, the part after which it is
     written.
 
-    What a rank computing several shards saves per shard: ``live[p]``, the nodes a shard's
-    run has written by the end of part ``p`` and reads after it (or the host does, after the
-    last part: ``finals``), with ``local_live[p]`` when some local node is among them (the
-    local memory is then saved whole); ``start``, the state the parts update in place
-    (random-stream counters, running statistics), which every shard starts the step from."""
+    What a rank computing several shards keeps of each (local nodes included): ``saves[p +
+    1]``, what a shard's part ``p`` wrote that it reads later (``saves[0]``: its data, which
+    the host wrote first); ``restores[q]``, what part ``q`` reads that the shard wrote
+    before; ``last_restores``, what the host reads after the last part (gradients, loss,
+    statistics) that the last part did not write; ``start``, the state the parts update in
+    place (random-stream counters, running statistics), which every shard starts from."""
 
     parts: list[Routine]
     done: list[list[tuple[Tnode, ...]]]
     buckets: list[int]
-    live: list[list[Tnode]]
-    local_live: list[bool]
+    saves: list[list[Tnode]]
+    restores: list[list[Tnode]]
+    last_restores: list[Tnode]
     start: list[Tnode]
 
 
@@ -50,76 +52,73 @@ def compile_synced(ctx: Context, comp: Any, sums: Sequence[GlobalSums],
     for g, r in zip(groups, ready, strict=False):
         done[r].append(g)
     fx = [effects(list(r.lowered)) for r in parts]
-    written = {n.id for f in fx for n in f.written}
+    reads = [{n.id for n in f.inputs} for f in fx]
+    writes = [{n.id for n in f.written} for f in fx]
+    every = [n for f in fx for n in (*f.inputs, *f.written)]
+    local = parts[0].local_views
+    # What a shard holds: stored (a node neither materialized nor in local memory is computed
+    # where it is read), not a kept twin (recast from its master when the master is restored).
+    nodes = {n.id: n for n in [*set_per_shard, *finals, *every]
+             if (n.memory_mode is MemoryMode.materialized or n.id in local) and n.keeps is None}
     # State updated in place (read before the step writes it): each shard's from the start.
     start = [n for n in effects([i for r in parts for i in r.lowered]).inputs
-             if n.id in written and n.memory_mode is MemoryMode.materialized]
-    # The host writes the shard's data first; a shard's own start state is there from the start.
-    first: dict[int, int] = {n.id: -1 for n in [*set_per_shard, *start]}
-    need: dict[int, int] = {n.id: len(parts) for n in finals}
-    nodes: dict[int, Tnode] = {n.id: n for n in [*set_per_shard, *finals]}
-    for p, f in enumerate(fx):
-        for n in f.written:
-            first.setdefault(n.id, p)
-            nodes.setdefault(n.id, n)
-        for n in f.inputs:
-            need[n.id] = max(need.get(n.id, -1), p)
-            nodes.setdefault(n.id, n)
-    live: list[list[Tnode]] = []
-    local_live: list[bool] = []
-    for p in range(len(parts) - 1):
-        across = [n for i, n in nodes.items() if first.get(i, len(parts)) <= p < need.get(i, -1)
-                  and n.keeps is None]  # a kept twin is recast from its master when restored
-        live.append([n for n in across if n.memory_mode is MemoryMode.materialized])
-        local_live.append(any(n.memory_mode is MemoryMode.local for n in across))
-    return ctx, SyncedRoutine(parts, done, ready[len(groups):], live, local_live, start)
+             if n.id in nodes and any(n.id in w for w in writes)]
+    held = {n.id for n in [*set_per_shard, *start]}  # by a shard from before its first part
+    last = len(parts) - 1
+    need = {i: max([q for q in range(len(parts)) if i in reads[q]], default=-1) for i in nodes}
+    need.update({n.id: len(parts) for n in finals if n.id in nodes})
+    saves = [[nodes[i] for i in held if need[i] > 0 and nodes[i] in set_per_shard]]
+    saves += [[nodes[i] for i in writes[p] if i in nodes and need[i] > p] for p in range(last)]
+    restores = [[nodes[i] for i in reads[q] if i in nodes
+                 and (i in held or any(i in writes[p] for p in range(q)))]
+                for q in range(len(parts))]
+    restores[0] = [n for n in start if n.id in reads[0]]  # the shard's data: just written
+    last_restores = [n for n in finals if n.id in nodes and n.id not in writes[last]
+                     and n.id not in reads[last] and any(n.id in w for w in writes)]
+    return ctx, SyncedRoutine(parts, done, ready[len(groups):], saves, restores,
+                              last_restores, start)
 
 
 class ShardMemory:
-    """What a rank's shards leave between the parts of a :class:`SyncedRoutine`, a copy per
-    shard (saved after a part, restored before the shard's next), and the step's start."""
+    """What a rank's shards leave between the parts of a :class:`SyncedRoutine`: a copy per
+    shard of what it reads again, saved after the part writing it and restored before the
+    part reading it; every shard's copy of the in-place state starts at the step's."""
 
     def __init__(self, ctx: Context, routine: SyncedRoutine, shards: int) -> None:
         self.routine = routine
-        ids = {n.id: n for ns in [*routine.live, routine.start] for n in ns}
-        self.buffers = {i: ctx.device_buffer(n) for i, n in ids.items()}
-        self.local = routine.parts[0].local_memory
+        ids = {n.id: n for ns in [*routine.saves, *routine.restores, routine.start,
+                                  routine.last_restores] for n in ns}
+        local = routine.parts[0].local_views
+        self.buffers = {i: local[i] if n.memory_mode is MemoryMode.local
+                        else ctx.device_buffer(n) for i, n in ids.items()}
         self.copies = [{i: b.copy() for i, b in self.buffers.items()} for _ in range(shards)]
-        self.local_copies = [[b.copy() for b in self.local] if any(routine.local_live) else []
-                             for _ in range(shards)]
-        self.at_start = {n.id: self.buffers[n.id].copy() for n in routine.start}
 
     def save_start(self) -> None:
-        """Keep the step's start state, as every shard's own until it runs."""
-        for i, kept in self.at_start.items():
-            kept[...] = self.buffers[i]
-            for copies in self.copies:
-                copies[i][...] = kept
-
-    def restore_start(self, ctx: Context) -> Context:
-        """Every shard's first part starts from the step's state."""
+        """The step's in-place state, as every shard's own until it runs."""
         for n in self.routine.start:
-            self.buffers[n.id][...] = self.at_start[n.id]
-            ctx = ctx.mark_written(n)
-        return ctx
+            for copies in self.copies:
+                copies[n.id][...] = self.buffers[n.id]
 
     def save(self, j: int, p: int) -> None:
-        """Keep what shard ``j`` left after part ``p`` for its later parts."""
+        """Keep what shard ``j``'s part ``p`` wrote that it reads later (``-1``: its data)."""
         copies = self.copies[j]
-        for n in self.routine.live[p]:
+        for n in self.routine.saves[p + 1]:
             copies[n.id][...] = self.buffers[n.id]
-        if self.routine.local_live[p]:
-            for kept, b in zip(self.local_copies[j], self.local, strict=True):
-                kept[...] = b
 
-    def restore(self, ctx: Context, j: int, p: int) -> Context:
-        """Put back what shard ``j`` left after part ``p``; the kept twins of what it restores
-        are recast before their next read."""
+    def put(self, values: Sequence[tuple[Tnode, Any]]) -> None:
+        """Write the same values of nodes into every shard's copy (the sums over every
+        shard, which replace each shard's own)."""
+        for n, v in values:
+            for copies in self.copies:
+                copies[n.id][...] = v.reshape(-1)
+
+    def restore(self, ctx: Context, j: int, q: int | None) -> Context:
+        """Put back what shard ``j``'s part ``q`` reads (``None``: what the host reads after
+        its last part); the kept twins of what it restores are recast before their next
+        read."""
         copies = self.copies[j]
-        for n in self.routine.live[p]:
+        for n in self.routine.restores[q] if q is not None else self.routine.last_restores:
             self.buffers[n.id][...] = copies[n.id]
-            ctx = ctx.mark_written(n)
-        if self.routine.local_live[p]:
-            for kept, b in zip(self.local_copies[j], self.local, strict=True):
-                b[...] = kept
+            if n.memory_mode is MemoryMode.materialized:
+                ctx = ctx.mark_written(n)
         return ctx
