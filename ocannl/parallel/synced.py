@@ -119,6 +119,6 @@ class ShardMemory:
         copies = self.copies[j]
         for n in self.routine.restores[q] if q is not None else self.routine.last_restores:
             self.buffers[n.id][...] = copies[n.id]
-            if n.memory_mode is MemoryMode.materialized:
+            if n.twins:  # a master: its kept twins, if any, are stale
                 ctx = ctx.mark_written(n)
         return ctx
