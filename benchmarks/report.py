@@ -409,8 +409,9 @@ def render(rows: list[Row], targets: list[Target], info: dict, chart: str | None
             "computes them, plus one pass over the bytes it must touch (parameters, gradients, "
             "optimizer state, inputs, the activations backprop reads) at the bandwidth of a "
             "NumPy copy, both timed in the step's rounds; the note gives the parts and the "
-            "step's transcendental evaluations, which the floor leaves out. On a CPU without "
-            "16-bit product units, each 16-bit step over its own f32 step.")
+            "step's transcendental evaluations, which the floor leaves out. Each 16-bit step "
+            "over its own f32 step where the CPU has no product units of its precision (an "
+            "AVX512-BF16 CPU has none for f16).")
     if chart:
         out += [f"![step times]({chart})", ""]
     if chain is not None:

@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass, replace
 from benchmarks.compile_chain import per_op_growth
 from benchmarks.results import Row, paired_ratio
 from benchmarks.specs import CONTROL_VARIANT, WORKLOADS
+from ocannl.backends.cpu.native_products import UNITS
+from ocannl.ir.ops import Precision
 
 # Variants whose step is held to the f32 step's ("bf16 and f16 step / own f32 step"); "f16" is
 # the host-gated one, the issue's plain f16.
@@ -73,13 +75,13 @@ ISSUE_29_TABLE: tuple[Goal, ...] = (
          "1.11x-1.21x", 1.21, "x"),
 )
 # Issue 42: every f32 step at its floor (``benchmarks.floor``), 16-bit twins at most 1.05x their
-# own f32 step on a CPU without 16-bit product units.
+# own f32 step on a CPU without product units of their precision.
 ISSUE_42_TABLE: tuple[Goal, ...] = (
     Goal("floor", "every f32 step / its floor (its products at NumPy's rate + one pass over "
          "the bytes it must touch, in the same rounds)", "mlp_wide 1.00x on Zen 1; others not "
          "measured", 1.05, "x"),
-    Goal("half_no_units", "bf16 and f16 step / own f32 step on a CPU without 16-bit product "
-         "units, every workload", "1.03-1.21x (Zen 1)", 1.05, "x"),
+    Goal("half_no_units", "bf16 and f16 step / own f32 step on a CPU without product units "
+         "of its precision, every workload", "1.03-1.21x (Zen 1)", 1.05, "x"),
 )
 GOALS = {g.key: g for g in ISSUE_TABLE + ISSUE_29_TABLE + ISSUE_42_TABLE}
 # Issue 29's step rows: goal key -> (workload, what the bf16 step is held to: "own" or
@@ -452,9 +454,10 @@ def _gemm_ratio(rows: list[Row], sgemm_flops: float | None) -> Target:
 def floor_targets(rows: list[Row], floors: dict[str, dict] | None,
                   units: dict[str, bool] | None = None) -> list[Target]:
     """Issue 42's targets: each f32 step over its floor (``floors``: workload -> what
-    ``benchmarks.floor.FloorInRounds.record`` gives), and on a CPU without 16-bit product
-    units (``units``: the flags of ``machine.bf16_units()`` and F16 products' all False) each
-    16-bit variant's step over its own f32 step."""
+    ``benchmarks.floor.FloorInRounds.record`` gives), and each 16-bit variant's step over its
+    own f32 step on a CPU without product units of its precision (``units``: flag -> present,
+    ``machine.bf16_units()``; ``native_products.UNITS`` names each precision's: an AVX512-BF16
+    CPU has bf16 units and no f16 ones, so its f16 twins are held to the goal)."""
     out = []
     names = _ran(rows)
     for wl in names:
@@ -464,8 +467,11 @@ def floor_targets(rows: list[Row], floors: dict[str, dict] | None,
             continue
         out.append(_target("floor", f"{wl} f32 step / its floor",
                            _ratio(_p50(rows, wl, "ocannl", "f32"), f["floor_s"]), f["note"]))
-    out += [_without_units(rows, wl, "half_no_units", v, units, "16-bit")
-            for wl in names for v in HALF_VARIANTS]
+    for wl in names:
+        for v in HALF_VARIANTS:
+            flags = UNITS[Precision(v)]
+            mine = None if units is None else {f: bool(units.get(f)) for f in flags}
+            out.append(_without_units(rows, wl, "half_no_units", v, mine, f"{v} product"))
     return out
 
 

@@ -614,7 +614,8 @@ def test_slowest_rows_one_per_workload() -> None:
 
 def test_floor_targets_hold_each_step_to_its_floor_and_16_bits_without_units_to_f32() -> None:
     """Each workload's f32 step over its floor (a missing floor: not measured); the 16-bit
-    steps over their own f32 step only on a CPU whose flags say it has no 16-bit units."""
+    steps over their own f32 step only on a CPU whose flags say it has no product units of
+    their precision."""
     rows = _suite_rows()
     floors = {"mlp_small": {"floor_s": 1e-4, "note": "floor 0.1 ms: parts"}}
     found = targets.floor_targets(rows, floors, {"avx512_bf16": False, "amx_bf16": False})
@@ -628,9 +629,14 @@ def test_floor_targets_hold_each_step_to_its_floor_and_16_bits_without_units_to_
     half = [t for t in found if t.key == "half_no_units"]
     assert half and all(t.goal == 1.05 for t in half)
     assert any(t.measured is not None for t in half)
-    with_units = targets.floor_targets(rows, floors, {"avx512_bf16": True})
+    # An AVX512-BF16 CPU has bf16 units and no f16 ones: its f16 steps are held to the goal.
+    with_units = targets.floor_targets(rows, floors, {"avx512_bf16": True, "amx_bf16": False,
+                                                      "amx_fp16": False})
+    half = [t for t in with_units if t.key == "half_no_units"]
     assert all(t.measured is None and "avx512_bf16" in t.note
-               for t in with_units if t.key == "half_no_units")
+               for t in half if " bf16 step" in t.name)
+    assert any(t.measured is not None for t in half if " f16 step" in t.name)
+    assert all("no f16 product units" in t.name for t in half if " f16 step" in t.name)
 
 
 def test_a_steps_floor_is_made_of_its_own_products_and_bytes(tmp_path: Path) -> None:
