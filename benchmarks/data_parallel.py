@@ -46,6 +46,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -295,11 +296,30 @@ def launch(w: Workload, framework: str, ranks: int, steps: int, warmup: int, thr
                str(out)]
         res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout,
                              start_new_session=True)
-        if res.returncode != 0 or not out.exists():
+        if not out.exists():
             raise RuntimeError(f"{w.name}: {framework} on {ranks} ranks failed "
                                f"(rc {res.returncode}):\n"
                                f"{(res.stdout + res.stderr)[-3000:]}")
-        return json.loads(out.read_text())
+        got = json.loads(out.read_text())
+        # A run that wrote its result and then failed on its way out (PyTorch's gloo has
+        # aborted in its threads' teardown): the timing stands, the exit is recorded.
+        got["exit_code"] = res.returncode
+        if res.returncode != 0:
+            got["exit_tail"] = (res.stdout + res.stderr)[-300:]
+        return got
+
+
+def launch_retried(*args: Any, tries: int = 3) -> dict:
+    """:func:`launch`, again after a run that ended before writing its result (up to
+    ``tries`` runs; each failure printed); the last failure raised."""
+    for k in range(tries):
+        try:
+            return launch(*args)
+        except RuntimeError as err:
+            if k == tries - 1:
+                raise
+            print(f"{err}\n(run again: attempt {k + 2} of {tries})", flush=True)
+    raise AssertionError("unreachable")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -359,8 +379,8 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(args.rounds):
             for n in args.ranks:
                 for fw in args.frameworks:
-                    res = launch(w, fw, n, args.steps, args.warmup, threads(n), args.timeout,
-                                 shard_count(w, args.shards))
+                    res = launch_retried(w, fw, n, args.steps, args.warmup, threads(n),
+                                         args.timeout, shard_count(w, args.shards))
                     runs.setdefault((fw, n), []).append(res)
                     print(f"{w.name} round {r + 1}: {fw:16s} {n} rank(s): "
                           f"{res['steps'] / res['seconds']:.2f} steps/s", flush=True)
@@ -404,6 +424,7 @@ def workload_rows(w: Workload, runs: dict[tuple[str, int], list[dict]], ref: lis
                          "losses": [x["losses"] for x in rs],
                          "threads_seen": [x["ranks"] for x in rs],
                          "all_steps_per_s": [x["steps"] / x["seconds"] for x in rs],
+                         "exit_codes": [x.get("exit_code", 0) for x in rs],
                          "build_s": [x["build_s"] for x in rs]})
     for r in rows:  # a timing counts where parity passed and the threads were the label's
         r["timed"] = r["parity_ok"] and not r["threads_refused"]
@@ -614,6 +635,12 @@ def render(rows: list[dict], info: dict) -> str:
     if not all(r["parity_ok"] for r in rows):
         lines += ["", "A row that failed the parity gate is not timed here; its measured "
                   "steps/s stay in `DATA_PARALLEL.json` (`all_steps_per_s`), for diagnosis only."]
+    crashed = [r for r in rows if any(r.get("exit_codes", ()))]
+    if crashed:
+        lines += ["", "Runs that wrote their result, then exited with an error (their timing "
+                  "stands; `exit_codes` in `DATA_PARALLEL.json`):", ""]
+        lines += [f"- {r['workload']}, {r['framework']}, {r['ranks']} rank(s): exit codes "
+                  f"{r['exit_codes']}" for r in crashed]
     return "\n".join(lines) + "\n"
 
 
