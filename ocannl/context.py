@@ -439,7 +439,7 @@ class Context:
                               f"{self.backend_name()} backend: {err}") from None
 
     def share_flat(self, nodes: Sequence[Any], *, label: str = "flat", align: int = 64,
-                   length: int | None = None) -> Tnode:
+                   length: int | None = None, storage: np.ndarray | None = None) -> Tnode:
         """Allocate one flat, zero-filled buffer holding ``nodes`` back to back, and make each
         node's buffer a view of its part of it; returns a 1-D node standing for the whole
         buffer (``get_values`` / ``set_values`` / :meth:`device_buffer` work on it).
@@ -452,6 +452,10 @@ class Context:
         it must be longer than the nodes need (zero padding at the end: an allgather's blocks
         of equal size). Every node must be materialized, of known dims, not yet allocated in
         this context, and of one precision; ``ValueError`` names the first that is not.
+
+        ``storage``: on the CPU, zero-filled memory to hold the flat buffer instead of a new
+        allocation (a data-parallel rank's block of memory every rank maps): a contiguous
+        NumPy array of the buffer's dtype and length.
         """
         ns = [_as_node(n) for n in nodes]
         if not ns:
@@ -470,7 +474,20 @@ class Context:
                                  f"nodes' elements with their alignment), got {length!r}")
             total = length
         flat = Tnode(label, (total,), prec, zero_start=True)
-        self._ensure(flat)
+        if storage is None:
+            self._ensure(flat)
+        else:
+            want = prec.numpy_dtype
+            if self.backend_name() != "cpu" or not isinstance(storage, np.ndarray) \
+                    or storage.dtype != want or storage.shape != (total,) \
+                    or not storage.flags.c_contiguous:
+                got = (f"{type(storage).__name__} {getattr(storage, 'dtype', '')} "
+                       f"{getattr(storage, 'shape', '')}")
+                raise ValueError(f"share_flat: storage must be a contiguous NumPy array of "
+                                 f"{want} and shape ({total},) on the cpu backend, got {got} "
+                                 f"on {self.backend_name()}")
+            self._buffers[flat.id] = (flat, storage)
+            self._initialized.add(flat.id)
         self._flat_members[flat.id] = ns
         for n, off in zip(ns, offsets, strict=True):
             self._view(n, flat, off)

@@ -162,7 +162,7 @@ def run(comm: Any, variant: str, *, shards: int = 4, steps: int = 8,
         **trained_state(ctx, state, scaler, recipe, dp),
         "state_bytes": sum(ctx.mem(n) for n in held),
         "losses": losses, "start": start, "loader": data.save_state(),
-        "size": comm.size, "shards": shards,
+        "size": comm.size, "shards": shards, "shared_memory": dp.shared_memory,
     }
 
 

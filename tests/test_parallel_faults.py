@@ -68,9 +68,10 @@ def test_a_stopped_or_dead_rank_ends_the_others_naming_it_and_the_step(fault: st
                                                                        tmp_path: Path) -> None:
     """Rank 1 stops itself (SIGSTOP: the launcher sees nothing) or dies (SIGKILL, under a
     shell that outlives it, so the launcher does not see it either: a lost node) after 7
-    steps; rank 0 waits in step 7's gradient allreduce, times out, asks rank 1 where it is,
-    gets no answer, and raises the named error, sleeping, not spinning, while it waits; the
-    job ends. The checkpoint of step 5 is intact."""
+    steps; rank 0 waits in step 7's gradient exchange (the barrier before the shard tree's
+    sum in the memory both ranks map), times out, asks rank 1 where it is, gets no answer,
+    and raises the named error, sleeping, not spinning, while it waits; the job ends. The
+    checkpoint of step 5 is intact."""
     ck = tmp_path / "run.safetensors"
     job, ended = launch(2, "train", "--out", tmp_path, "--checkpoint", ck, "--fault", fault,
                         "--at", "7", "--timeout", TIMEOUT_S, out=tmp_path,
@@ -79,9 +80,9 @@ def test_a_stopped_or_dead_rank_ends_the_others_naming_it_and_the_step(fault: st
     assert not (tmp_path / "done").exists()
     pid = int(job.out.split("rank 1 (pid ")[1].split()[0])
     state = "stopped (SIGSTOP?)" if fault == "stop" else "gone (it died or exited)"
-    want = (re.escape("ocannl.parallel.CollectiveTimeout: mpi rank 0: allreduce_sum of 194 "
-                      "f32 (collective #") + r"\d+" + re.escape(") at step 7 did not complete "
-                                                          "within 3 s ") + WAITED
+    want = (re.escape("ocannl.parallel.CollectiveTimeout: mpi rank 0: the shard tree's sum "
+                      "in shared memory (partial sums written) (collective #") + r"\d+"
+            + re.escape(") at step 7 did not complete within 3 s ") + WAITED
             + re.escape(f": rank 1 (pid {pid} on this host, {state}) did not answer. A rank "
                         f"that died, hung or is stuck outside the collectives ends the job"))
     assert re.search(want, job.out), job.out[-3000:]

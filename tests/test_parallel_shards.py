@@ -207,7 +207,10 @@ def test_two_ranks_are_the_bits_of_one(one: dict[str, Any]) -> None:
     for v in SW.VARIANTS:
         for r in results(out, "two", v, 2):
             assert_same_run(r, one["refs"][v])
+            # ranks on one node sum in memory they both map (DataParallel._shared_sum)
+            assert r["shared_memory"] is True
         assert one["refs"][v]["skipped"] >= 1  # the injected step, skipped on any rank count
+        assert one["refs"][v]["shared_memory"] is False
 
 
 @needs_mpi

@@ -299,6 +299,7 @@ class MpiCommunicator:
         self._asked = 0  # this rank's rounds of questions
         self._side: Any = None
         self._where: list[tuple[str, int]] = []
+        self._shared: Any = None  # the shared window and its node communicator
         self._start("the side channel (Idup)")
         side, req = self.comm.Idup()
         self._wait(req, "the side channel (Idup)")
@@ -556,6 +557,42 @@ class MpiCommunicator:
 
     def barrier(self) -> None:
         self._run("barrier", self.comm.Ibarrier)
+
+    # --- memory every rank maps (ranks on one node) ------------------------------------------
+
+    def shared_blocks(self, length: int) -> list[np.ndarray] | None:
+        """``length`` zero f32 a rank in memory every rank maps (an MPI-3 shared window), as
+        every rank's block, by rank (this rank's at ``[rank]``), or None where the ranks are
+        not all on one node. Collective. A rank reads and writes another's block between two
+        :meth:`shared_sync` calls: no bytes go through MPI."""
+        if not isinstance(length, int) or isinstance(length, bool) or length < 1:
+            raise ValueError(f"shared_blocks: length must be an integer >= 1, got {length!r}")
+        MPI = self._mpi
+        node = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        if node.Get_size() != self.size:  # the same answer on every rank
+            node.Free()
+            return None
+        info = MPI.Info.Create()
+        info.Set("alloc_shared_noncontig", "true")  # each block aligned on its own page
+        win = MPI.Win.Allocate_shared(4 * length, 4, info, comm=node)
+        info.Free()
+        blocks = []
+        for r in range(self.size):  # the node's ranks are this communicator's, in order
+            mem, _ = win.Shared_query(r)
+            blocks.append(np.ndarray((length,), np.float32, buffer=mem))
+        blocks[self.rank][...] = 0.0
+        win.Lock_all(MPI.MODE_NOCHECK)
+        self._shared = (win, node)
+        self.shared_sync("shared_blocks (zeroed)")
+        return blocks
+
+    def shared_sync(self, what: str) -> None:
+        """Every rank's writes to the shared blocks before it seen by every rank after it (a
+        barrier, with the deadline)."""
+        win = self._shared[0]
+        win.Sync()
+        self._run(what, self.comm.Ibarrier)
+        win.Sync()
 
     def abort(self, code: int = 1) -> NoReturn:
         sys.stdout.flush()

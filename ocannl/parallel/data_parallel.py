@@ -276,6 +276,7 @@ class DataParallel:
         self._unscale = T.term(np.float32(self._unscale_value(None)),
                                label="dp_grad_unscale", prec=Precision.f32)
         self.flat: Tnode | None = None
+        self._shared: list[np.ndarray] | None = None  # every rank's flat, mapped here
         self._synced: weakref.WeakKeyDictionary[Context, float] = weakref.WeakKeyDictionary()
         self._offsets: weakref.WeakKeyDictionary[Context, int] = weakref.WeakKeyDictionary()
         self._loss_readers: weakref.WeakKeyDictionary[Context, Any] = \
@@ -304,6 +305,13 @@ class DataParallel:
     def __repr__(self) -> str:
         return (f"DataParallel({self.comm!r}, {len(self.params)} parameters, "
                 f"{self.shards} shard(s), flat={'unset' if self.flat is None else self.flat.size})")
+
+    @property
+    def shared_memory(self) -> bool:
+        """Whether the whole gradient buffer's sum is taken in memory every rank maps (ranks on
+        one node, on the CPU, one partial sum a rank: :meth:`setup` decides) rather than
+        through MPI's exchange."""
+        return self._shared is not None
 
     @property
     def optimizer_shard(self) -> OptimizerShard | None:
@@ -362,13 +370,18 @@ class DataParallel:
         _refuse_differences(everyone)  # the graphs (twins' precisions, inputs') and the code
         zero = self.optimizer_shard
         grads = [p.grad for p in self.params if p.grad is not None]
-        offsets, _ = flat_layout([g.size for g in grads], FLAT_ALIGN)
+        offsets, total = flat_layout([g.size for g in grads], FLAT_ALIGN)
+        length = total if zero is None else zero.length
+        self._shared = self._shared_blocks(ctx, length)
+        storage = None if self._shared is None else self._shared[self.rank]
         if zero is None:
-            self.flat = ctx.share_flat(grads, label=self.label, align=FLAT_ALIGN)
+            self.flat = ctx.share_flat(grads, label=self.label, align=FLAT_ALIGN,
+                                       storage=storage)
             self._buckets = bucket_ranges(offsets, [g.size for g in grads], self.flat.size,
                                           self.bucket_bytes)
             return ctx
-        self.flat = ctx.share_flat(grads, label=self.label, align=FLAT_ALIGN, length=zero.length)
+        self.flat = ctx.share_flat(grads, label=self.label, align=FLAT_ALIGN, length=zero.length,
+                                   storage=storage)
         self.flat_params = ctx.share_flat([p.value for p in self.params],
                                           label=f"flat_params_{self.loss.label}",
                                           align=FLAT_ALIGN, length=zero.length)
@@ -378,6 +391,19 @@ class DataParallel:
         self._buckets = bucket_ranges(offsets, [g.size for g in grads], self.flat.size,
                                       self.bucket_bytes)
         return ctx
+
+    def _shared_blocks(self, ctx: Context, length: int) -> list[np.ndarray] | None:
+        """Every rank's flat gradient buffer in memory every rank maps, where the ranks are
+        on one node, on the CPU, and each sends the tree one partial sum (its block one
+        subtree): the whole buffer's sum is then taken from the others' buffers directly
+        (:meth:`_shared_sum`), no bytes through MPI. Else None (MPI's exchange)."""
+        start = getattr(self.comm, "shared_blocks", None)
+        mine = (start is not None and self.size > 1 and self.fixed_order
+                and ctx.backend_name() == "cpu" and all(len(c) == 1 for c in self._covers))
+        if not all(self.comm.allgather(bool(mine))):  # every rank, or none
+            return None
+        assert start is not None
+        return start(length)
 
     def compile(self, ctx: Context, recipe: Any) -> Context:
         """Compile a mixed-precision ``recipe`` built with ``reducer=self`` (its own
@@ -874,8 +900,30 @@ class DataParallel:
         bucket (:class:`BucketExchange`)."""
         if len(partials) == 1 and partials[0] is not flat:
             flat[...] = partials[0]
+        if self._shared is not None:
+            self._shared_sum()
+            return
         BucketExchange(self.comm, self.tree, self._covers, flat, 0, int(flat.size), partials,
                        scratch=self._scatter).finish()
+
+    def _shared_sum(self) -> None:
+        """The tree's sum in memory every rank maps: once every rank has written its partial
+        sum (its flat buffer), each rank sums its ``1 / N`` of the elements over every rank's
+        buffer in the tree's order and writes the sum into every rank's buffer; after the
+        second barrier every buffer holds the whole sum. The additions are the tree's,
+        elementwise: the bits of MPI's exchange, without its copies."""
+        blocks = self._shared
+        assert blocks is not None
+        n = int(blocks[0].size)
+        per = -(-n // self.size)
+        lo, hi = min(self.rank * per, n), min((self.rank + 1) * per, n)
+        self.comm.shared_sync("the shard tree's sum in shared memory (partial sums written)")
+        if lo < hi:
+            known = {self._covers[q][0]: blocks[q][lo:hi] for q in range(self.size)}
+            total = self.tree.evaluate(known)
+            for b in blocks:
+                b[lo:hi] = total
+        self.comm.shared_sync("the shard tree's sum in shared memory (sums written)")
 
     def _average_stats(self, ctx: Context, stats: list[list[np.ndarray]]) -> Context:
         """The running statistics: each shard's, from the same starting values, averaged over
