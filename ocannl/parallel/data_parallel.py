@@ -766,13 +766,7 @@ class DataParallel:
                 self._free += [buf for buf in partials if buf is not flat]
             elif not started:
                 self.comm.allreduce_sum(flat)
-            self._stack = []
-            if self.stats:
-                ctx = self._average_stats(ctx, stats)
-            self.reductions += 1
-            self.step += 1
-            self._gathered = not self.shard_optimizer
-            return ctx
+            return self._reduced(ctx, stats)
         exchanges: list[BucketExchange] = []
         if split is not None and k == 1:  # the first shard is the last: cut at the buckets
             ctx, exchanges = self._run_bucketed(ctx, 0, split, flat)
@@ -783,11 +777,9 @@ class DataParallel:
                 e.finish()
             if not exchanges:
                 self.comm.allreduce_sum(flat)
-            self._stack = []
-            self.reductions += 1
-            self.step += 1
-            self._gathered = not self.shard_optimizer
-            return ctx
+            # the running statistics too: every rank's, averaged (the same on every rank)
+            return self._reduced(ctx, [[np.array(ctx.get_values(m), np.float32)
+                                        for m in self.stats]] if self.stats else [])
         losses = [self._loss_now(ctx)] if self.track_losses else []
         stats = [[np.array(ctx.get_values(m), np.float32) for m in self.stats]] \
             if self.stats else []
@@ -833,6 +825,10 @@ class DataParallel:
         else:
             self._tree_sum(partials, flat)
         self._free += [buf for buf in partials if buf is not flat]
+        return self._reduced(ctx, stats)
+
+    def _reduced(self, ctx: Context, stats: list[Any]) -> Context:
+        """A reduction's end: the running statistics averaged, the step counted."""
         self._stack = []
         if self.stats:
             ctx = self._average_stats(ctx, stats)

@@ -5,12 +5,12 @@ computing them."""
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from ocannl.errors import real
-from ocannl.ir.assignments import Accum, Const, Fixed, Get, Index, apply
+from ocannl.ir.assignments import Accum, Const, Expr, Fixed, Get, Index, apply
 from ocannl.ir.ops import Precision
 from ocannl.ir.tnode import MemoryMode, Tnode
 from ocannl.tensor.global_sums import GlobalSums, register_global_sums
@@ -75,6 +75,53 @@ def softmax(x: Tensor, axes: None | str | int | Sequence[int]) -> Tensor:
     return out
 
 
+def _standardize_code(out: Tensor, x: Tensor, axes: None | str | int | Sequence[int], eps: float,
+                      count: Expr, row_dims: tuple[int, ...], prefix: str,
+                      sum_node: Callable[[str, Precision], Tnode], sum_prec: Precision
+                      ) -> tuple[tuple[Tnode, Tnode], tuple[Tnode, Tnode] | None]:
+    """``out``'s code: ``x`` standardized over ``axes`` (the rows), each row's sums divided
+    by ``count``; its forward and (where ``x`` has a gradient) backward code, torch's gradient.
+    The four sums are nodes of ``row_dims`` from ``sum_node(name, prec)`` (the forward's in
+    ``sum_prec``, the gradient's in the cancelling-sum precision); the centered values and the
+    deviations are local. Returns the forward sums and the gradient's (None without one)."""
+    cells, kept, _, _ = _rows(x, axes)
+    whole = _all(len(row_dims))
+    total, squares = sum_node(f"{prefix}_sum", sum_prec), sum_node(f"{prefix}_squares", sum_prec)
+    centered, std = _local(f"{prefix}_centered", x.dims, x.prec), \
+        _local(f"{prefix}_std", row_dims, x.prec)
+    xc, deviation = Get(centered, cells), Get(std, kept)
+    out.forward_code = (
+        Accum(total, kept, "+", _read(x, cells), x.dims, reset=True),
+        Accum(centered, cells, "=",
+              apply("sub", _read(x, cells), apply("div", Get(total, kept), count)), x.dims),
+        Accum(squares, kept, "+", apply("mul", xc, xc), x.dims, reset=True),
+        Accum(std, whole, "=", apply("sqrt", apply("add", apply(
+            "div", Get(squares, whole), count), Const(eps))), row_dims),
+        Accum(out.value, cells, "=", apply("div", xc, deviation), x.dims),
+    )
+    if out.grad is None or x.grad is None:
+        return (total, squares), None
+    g, y = Get(out.grad, cells), Get(out.value, cells)
+    wide = _cancelling_sum_prec(x.prec)
+    g_sum, gy_sum = sum_node(f"{prefix}_grad_sum", wide), sum_node(f"{prefix}_grad_dot", wide)
+    mean_g, mean_gy = (apply("div", Get(t, kept), count) for t in (g_sum, gy_sum))
+    out.backprop_code = (
+        Accum(g_sum, kept, "+", g, x.dims, reset=True),
+        Accum(gy_sum, kept, "+", apply("mul", g, y), x.dims, reset=True),
+        Accum(x.grad, cells, "+", apply("div", apply("sub", apply("sub", g, mean_g),
+                                                     apply("mul", y, mean_gy)), deviation),
+              x.dims),
+    )
+    return (total, squares), (g_sum, gy_sum)
+
+
+def _eps(what: str, eps: float) -> float:
+    e = real(f"{what}: eps", eps, "a finite number >= 0")
+    if not 0 <= e < math.inf:
+        raise ValueError(f"{what}: eps must be a finite number >= 0, got {eps!r}")
+    return e
+
+
 def standardize(x: Tensor, axes: None | str | int | Sequence[int], eps: float = 1e-5) -> Tensor:
     """``(x - mean) / sqrt(var + eps)`` over ``axes``, the variance biased: a layer norm
     without its gain and bias (``nn_blocks.layer_norm``).
@@ -86,39 +133,11 @@ def standardize(x: Tensor, axes: None | str | int | Sequence[int], eps: float = 
     values are those of the composition. Its intermediates are local to the routines computing
     them."""
     x = _lift(x)
-    e = real("standardize: eps", eps, "a finite number >= 0")
-    if not 0 <= e < math.inf:
-        raise ValueError(f"standardize: eps must be a finite number >= 0, got {eps!r}")
-    cells, kept, kept_dims, per_row = _rows(x, axes)
-    count = Const(float(per_row))
-    total, centered = _local("standardize_sum", kept_dims, x.prec), \
-        _local("standardize_centered", x.dims, x.prec)
-    squares, std = _local("standardize_squares", kept_dims, x.prec), \
-        _local("standardize_std", kept_dims, x.prec)
+    e = _eps("standardize", eps)
+    _, _, kept_dims, per_row = _rows(x, axes)
     out = _new("standardize", x.shape, x.prec, (x,))
-    xc, deviation = Get(centered, cells), Get(std, kept)
-    out.forward_code = (
-        Accum(total, kept, "+", _read(x, cells), x.dims, reset=True),
-        Accum(centered, cells, "=",
-              apply("sub", _read(x, cells), apply("div", Get(total, kept), count)), x.dims),
-        Accum(squares, kept, "+", apply("mul", xc, xc), x.dims, reset=True),
-        Accum(std, _all(len(kept_dims)), "=", apply("sqrt", apply("add", apply(
-            "div", Get(squares, _all(len(kept_dims))), count), Const(e))), kept_dims),
-        Accum(out.value, cells, "=", apply("div", xc, deviation), x.dims),
-    )
-    if out.grad is not None and x.grad is not None:
-        g, y = Get(out.grad, cells), Get(out.value, cells)
-        wide = _cancelling_sum_prec(x.prec)
-        g_sum, gy_sum = _local("standardize_grad_sum", kept_dims, wide), \
-            _local("standardize_grad_dot", kept_dims, wide)
-        mean_g, mean_gy = (apply("div", Get(t, kept), count) for t in (g_sum, gy_sum))
-        out.backprop_code = (
-            Accum(g_sum, kept, "+", g, x.dims, reset=True),
-            Accum(gy_sum, kept, "+", apply("mul", g, y), x.dims, reset=True),
-            Accum(x.grad, cells, "+", apply("div", apply("sub", apply("sub", g, mean_g),
-                                                         apply("mul", y, mean_gy)), deviation),
-                  x.dims),
-        )
+    _standardize_code(out, x, axes, e, Const(float(per_row)), kept_dims, "standardize",
+                      lambda name, prec: _local(name, kept_dims, prec), x.prec)
     return out
 
 
@@ -146,45 +165,17 @@ def global_standardize(x: Tensor, axes: None | str | int | Sequence[int], eps: f
     state the caller's code updates from these sums only (batch norm's running statistics),
     which every shard then ends with the same values of."""
     x = _lift(x)
-    e = real("global_standardize: eps", eps, "a finite number >= 0")
-    if not 0 <= e < math.inf:
-        raise ValueError(f"global_standardize: eps must be a finite number >= 0, got {eps!r}")
-    cells, kept, row_dims, per_row = _rows(x, axes)
+    e = _eps("global_standardize", eps)
+    _, _, row_dims, per_row = _rows(x, axes)
     kept_dims = tuple(int(d) for d in row_dims)  # plain sizes: the sums are buffers
     wide = _cancelling_sum_prec(x.prec)
-    whole = _all(len(kept_dims))
     count_node = Tnode(f"{label}_count", (1,), wide,
                        host_data=np.array([per_row], wide.numpy_dtype))
-    count = Get(count_node, (Fixed(0),))
-    total, squares = Tnode(f"{label}_sum", kept_dims, wide), \
-        Tnode(f"{label}_squares", kept_dims, wide)
-    centered, std = _local(f"{label}_centered", x.dims, x.prec), \
-        _local(f"{label}_std", kept_dims, x.prec)
     out = _new(label, x.shape, x.prec, (x,))
-    xc, deviation = Get(centered, cells), Get(std, kept)
-    out.forward_code = (
-        Accum(total, kept, "+", _read(x, cells), x.dims, reset=True),
-        Accum(centered, cells, "=",
-              apply("sub", _read(x, cells), apply("div", Get(total, kept), count)), x.dims),
-        Accum(squares, kept, "+", apply("mul", xc, xc), x.dims, reset=True),
-        Accum(std, whole, "=", apply("sqrt", apply("add", apply(
-            "div", Get(squares, whole), count), Const(e))), kept_dims),
-        Accum(out.value, cells, "=", apply("div", xc, deviation), x.dims),
-    )
-    groups: tuple[tuple[Tnode, ...], ...] = ((total,), (squares,))
-    if out.grad is not None and x.grad is not None:
-        g, y = Get(out.grad, cells), Get(out.value, cells)
-        g_sum, gy_sum = Tnode(f"{label}_grad_sum", kept_dims, wide), \
-            Tnode(f"{label}_grad_dot", kept_dims, wide)
-        mean_g, mean_gy = (apply("div", Get(t, kept), count) for t in (g_sum, gy_sum))
-        out.backprop_code = (
-            Accum(g_sum, kept, "+", g, x.dims, reset=True),
-            Accum(gy_sum, kept, "+", apply("mul", g, y), x.dims, reset=True),
-            Accum(x.grad, cells, "+", apply("div", apply("sub", apply("sub", g, mean_g),
-                                                         apply("mul", y, mean_gy)), deviation),
-                  x.dims),
-        )
-        groups += ((g_sum, gy_sum),)
+    forward, backward = _standardize_code(
+        out, x, axes, e, Get(count_node, (Fixed(0),)), kept_dims, label,
+        lambda name, prec: Tnode(name, kept_dims, prec), wide)
+    groups = ((forward[0],), (forward[1],)) + (() if backward is None else (backward,))
     sums = GlobalSums(label, per_row, count_node, groups, tuple(same_on_every_shard))
     register_global_sums(out, sums)
     return out, sums
