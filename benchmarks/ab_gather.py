@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -32,6 +31,7 @@ import numpy as np
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.interleaved import interleaved  # noqa: E402
 from ocannl import Context  # noqa: E402
 from ocannl.backends.cpu import jit  # noqa: E402
 from ocannl.ir import lowering  # noqa: E402
@@ -125,21 +125,7 @@ def main(argv: list[str] | None = None) -> None:
             values = [s[0]().astype(np.float64) for s in sides]
             diff = float(np.max(np.abs(values[0] - values[1])))
             scale = float(np.max(np.abs(values[0])))
-            times: dict[int, list[float]] = {0: [], 1: []}
-            ratios = []
-            for r in range(args.rounds):
-                median = {}
-                for side in ((0, 1) if r % 2 == 0 else (1, 0)):
-                    run = sides[side][1]
-                    run()
-                    spent = []
-                    for _ in range(args.calls):
-                        t0 = time.perf_counter()
-                        run()
-                        spent.append(time.perf_counter() - t0)
-                    times[side] += spent
-                    median[side] = statistics.median(spent)
-                ratios.append(median[1] / median[0])
+            times, ratios = interleaved([s[1] for s in sides], args.rounds, args.calls)
             ratios.sort()
             p10, p90 = ratios[len(ratios) // 10], ratios[(len(ratios) * 9) // 10]
             s_p50, g_p50 = (statistics.median(times[s]) * 1e6 for s in (0, 1))

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -27,6 +26,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import ocannl.tensor as T  # noqa: E402
+from benchmarks.interleaved import interleaved  # noqa: E402
 from ocannl import Context, nn_blocks, optim, parallel, train  # noqa: E402
 
 BATCH, FEATURES, WIDTH, CLASSES = 256, 256, 512, 10
@@ -74,21 +74,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
     out = []
     for shards in args.shards:
         sides = [step_of(shards, sync) for sync in (False, True)]
-        times: dict[int, list[float]] = {0: [], 1: []}
-        ratios = []
-        for r in range(args.rounds):
-            median = {}
-            for side in ((0, 1) if r % 2 == 0 else (1, 0)):
-                step = sides[side]
-                step()
-                spent = []
-                for _ in range(args.steps):
-                    t0 = time.perf_counter()
-                    step()
-                    spent.append(time.perf_counter() - t0)
-                times[side] += spent
-                median[side] = statistics.median(spent)
-            ratios.append(median[1] / median[0])
+        times, ratios = interleaved(sides, args.rounds, args.steps)
         deciles = statistics.quantiles(ratios, n=10) if len(ratios) > 1 else ratios * 9
         row = {"shards": shards, "per_shard_s": statistics.median(times[0]),
                "synced_s": statistics.median(times[1]), "ratio": statistics.median(ratios),
