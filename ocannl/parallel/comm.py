@@ -299,7 +299,7 @@ class MpiCommunicator:
         self._asked = 0  # this rank's rounds of questions
         self._side: Any = None
         self._where: list[tuple[str, int]] = []
-        self._shared: Any = None  # the shared window and its node communicator
+        self._shared: list[Any] = []  # every shared window made, with its node communicator
         self._start("the side channel (Idup)")
         side, req = self.comm.Idup()
         self._wait(req, "the side channel (Idup)")
@@ -582,17 +582,18 @@ class MpiCommunicator:
             blocks.append(np.ndarray((length,), np.float32, buffer=mem))
         blocks[self.rank][...] = 0.0
         win.Lock_all(MPI.MODE_NOCHECK)
-        self._shared = (win, node)
+        self._shared.append((win, node))  # kept for the process's life: the blocks view it
         self.shared_sync("shared_blocks (zeroed)")
         return blocks
 
     def shared_sync(self, what: str) -> None:
         """Every rank's writes to the shared blocks before it seen by every rank after it (a
         barrier, with the deadline)."""
-        win = self._shared[0]
-        win.Sync()
+        for win, _ in self._shared:
+            win.Sync()
         self._run(what, self.comm.Ibarrier)
-        win.Sync()
+        for win, _ in self._shared:
+            win.Sync()
 
     def abort(self, code: int = 1) -> NoReturn:
         sys.stdout.flush()
