@@ -109,8 +109,8 @@ def test_a_sharded_state_is_refused_where_it_would_go_wrong(tmp_path: Path) -> N
 @needs_mpi
 def test_two_ranks_with_sharded_state_are_the_bits_of_one_and_resume_either_way(
         tmp_path: Path) -> None:
-    """Every variant on 2 ranks, each holding half the optimizer state: the unsharded 1-rank
-    run's bits; its checkpoint at step 5 (the whole state, gathered) resumed by one unsharded
+    """Every variant on 2 ranks, each holding half the optimizer state (the parameters
+    gathered in shared memory): the unsharded 1-rank run's bits; its checkpoint at step 5 (the whole state, gathered) resumed by one unsharded
     rank, whose checkpoint at step 6 two sharded ranks resume: the uninterrupted run."""
     refs = {v: SW.run(parallel.SingleProcess(), v) for v in SW.VARIANTS}
     ck = tmp_path / "zero.safetensors"
@@ -120,6 +120,8 @@ def test_two_ranks_with_sharded_state_are_the_bits_of_one_and_resume_either_way(
         rs = results(tmp_path, "zero", v, 2)
         for r in rs:
             assert_same_run(r, refs[v])
+            # the gradients' sum and the parameters' gather in memory both ranks map
+            assert r["shared_memory"] is True
         # the optimizer's buffers are split, never held twice: about half each
         assert sum(r["state_bytes"] for r in rs) == refs[v]["state_bytes"]
         assert all(0 < r["state_bytes"] < refs[v]["state_bytes"] for r in rs)

@@ -11,7 +11,7 @@ import platform
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -277,6 +277,7 @@ class DataParallel:
                                label="dp_grad_unscale", prec=Precision.f32)
         self.flat: Tnode | None = None
         self._shared: list[np.ndarray] | None = None  # every rank's flat, mapped here
+        self._shared_params: list[np.ndarray] | None = None  # with ZeRO-1: their parameters
         self._synced: weakref.WeakKeyDictionary[Context, float] = weakref.WeakKeyDictionary()
         self._offsets: weakref.WeakKeyDictionary[Context, int] = weakref.WeakKeyDictionary()
         self._loss_readers: weakref.WeakKeyDictionary[Context, Any] = \
@@ -382,9 +383,14 @@ class DataParallel:
             return ctx
         self.flat = ctx.share_flat(grads, label=self.label, align=FLAT_ALIGN, length=zero.length,
                                    storage=storage)
-        self.flat_params = ctx.share_flat([p.value for p in self.params],
-                                          label=f"flat_params_{self.loss.label}",
-                                          align=FLAT_ALIGN, length=zero.length)
+        # the parameters too, where the gradients are: each rank's updated slice is copied
+        # into the others' buffers (after_update), no bytes through MPI
+        self._shared_params = None if self._shared is None else \
+            cast(Any, self.comm).shared_blocks(zero.length)  # an MpiCommunicator's
+        self.flat_params = ctx.share_flat(
+            [p.value for p in self.params], label=f"flat_params_{self.loss.label}",
+            align=FLAT_ALIGN, length=zero.length,
+            storage=None if self._shared_params is None else self._shared_params[self.rank])
         for q in zero.parts:
             ctx = ctx.share_slice(q.value, self.flat_params, q.offset + q.start)
             ctx = ctx.share_slice(q.grad, self.flat, q.offset + q.start)
@@ -854,9 +860,25 @@ class DataParallel:
                              f"over this rank's slice: build it with optimizer.update(loss, ..., "
                              f"shard=dp.optimizer_shard) (the mixed_prec recipes do)")
         if require_bool("after_update: applied", applied):
-            self.comm.allgather_inplace(ctx.device_buffer(self.flat_params))
+            mine = ctx.device_buffer(self.flat_params)  # marks the masters written
+            if self._shared_params is None:
+                self.comm.allgather_inplace(mine)
+            else:
+                self._shared_gather(zero.per)
         self._gathered = True
         return ctx
+
+    def _shared_gather(self, per: int) -> None:
+        """The parameters' allgather in memory every rank maps: once every rank has updated
+        its slice, each copies its slice into every other rank's buffer."""
+        blocks = self._shared_params
+        assert blocks is not None
+        part = slice(self.rank * per, (self.rank + 1) * per)
+        self.comm.shared_sync("the parameters' gather in shared memory (slices updated)")
+        for q, b in enumerate(blocks):
+            if q != self.rank:
+                b[part] = blocks[self.rank][part]
+        self.comm.shared_sync("the parameters' gather in shared memory (slices copied)")
 
     def _fold(self, j: int, flat: Any, *, last: bool) -> None:
         """Shard ``j`` of this rank's block has just written its gradient into ``flat``: add
