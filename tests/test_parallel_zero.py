@@ -110,8 +110,9 @@ def test_a_sharded_state_is_refused_where_it_would_go_wrong(tmp_path: Path) -> N
 def test_two_ranks_with_sharded_state_are_the_bits_of_one_and_resume_either_way(
         tmp_path: Path) -> None:
     """Every variant on 2 ranks, each holding half the optimizer state (the parameters
-    gathered in shared memory): the unsharded 1-rank run's bits; its checkpoint at step 5 (the whole state, gathered) resumed by one unsharded
-    rank, whose checkpoint at step 6 two sharded ranks resume: the uninterrupted run."""
+    gathered in shared memory): the unsharded 1-rank run's bits; its checkpoint at step 5
+    (the whole state, gathered) resumed by one unsharded rank, whose checkpoint at step 6 two
+    sharded ranks resume: the uninterrupted run."""
     refs = {v: SW.run(parallel.SingleProcess(), v) for v in SW.VARIANTS}
     ck = tmp_path / "zero.safetensors"
     ok(mpirun(2, "--out", tmp_path, "--tag", "zero", "--zero", "--save-at", "5",
