@@ -764,14 +764,13 @@ class DataParallel:
         self._stack = []
         if isinstance(split, SyncedRoutine):
             ctx, self.shard_losses, stats, started = self._run_synced(ctx, split, flat, pending)
-            for e in started:
-                e.finish()
-            if not started and self.fixed_order:
-                partials = [buf for _, buf in self._stack]
-                self._tree_sum(partials, flat)
-                self._free += [buf for buf in partials if buf is not flat]
-            elif not started:
-                self.comm.allreduce_sum(flat)
+            if self.fixed_order:
+                self._sum_block(flat, started)
+            else:
+                for e in started:
+                    e.finish()
+                if not started:
+                    self.comm.allreduce_sum(flat)
             return self._reduced(ctx, stats)
         exchanges: list[BucketExchange] = []
         if split is not None and k == 1:  # the first shard is the last: cut at the buckets
@@ -823,15 +822,20 @@ class DataParallel:
             for r, c in zip(self.rngs, counters_end, strict=True):
                 ctx = ctx.set_values(r.counter, c)
         self.shard_losses = losses
+        self._sum_block(flat, exchanges)
+        return self._reduced(ctx, stats)
+
+    def _sum_block(self, flat: Any, exchanges: list[BucketExchange]) -> None:
+        """This rank's partial sums (the tree's nodes on the stack, its block folded) to the
+        whole sum in ``flat``: the buckets' exchanges started during the backward code waited
+        for, else one exchange of the whole buffer now."""
         partials = [buf for _, buf in self._stack]
         assert [node for node, _ in self._stack] == self._covers[self.rank]
-        if exchanges:
-            for e in exchanges:
-                e.finish()
-        else:
+        for e in exchanges:
+            e.finish()
+        if not exchanges:
             self._tree_sum(partials, flat)
         self._free += [buf for buf in partials if buf is not flat]
-        return self._reduced(ctx, stats)
 
     def _reduced(self, ctx: Context, stats: list[Any]) -> Context:
         """A reduction's end: the running statistics averaged, the step counted."""
