@@ -8,8 +8,10 @@ manager making it current; ``begin_capture`` / ``end_capture`` returning a :clas
 whose ``launch`` replays what was recorded, in order), ``zeros`` / ``empty``, ``ndarray.set``
 / ``get``, ``RawModule`` (``compile``, ``get_function``) and its kernels' launches, and the
 low-level cuBLAS of ``cupy_backends.cuda.libs.cublas`` (``create``, ``setStream``,
-``setPointerMode``, ``setMathMode``, ``gemmEx``, ``gemmStridedBatchedEx``, plus the
-``setWorkspace`` CuPy lacks, which the backend otherwise reaches through ``ctypes``).
+``setPointerMode``, ``setMathMode``, ``gemmEx``, ``gemmStridedBatchedEx``, the GEMMs setting the
+handle's stream to the current one and refusing to while it is captured, as CuPy does), and, as
+``c_library``, cuBLAS's own ``cublasGemmEx``, ``cublasGemmStridedBatchedEx`` and
+``cublasSetWorkspace_v2``, which the backend reaches through ``ctypes``.
 
 Its checks are strict where CuPy would misbehave silently or fail only on a GPU: ``set`` takes
 only an array of the buffer's dtype and shape; launch shapes are tuples; every kernel argument
@@ -406,19 +408,40 @@ def _gemm(name: str, handle: int, transa: int, transb: int, m: int, n: int, k: i
 
 def _gemm_ex(handle: int, transa: int, transb: int, m: int, n: int, k: int, alpha: int, A: int,
              Atype: int, lda: int, B: int, Btype: int, ldb: int, beta: int, C: int, Ctype: int,
-             ldc: int, computeType: int, algo: int) -> None:
+             ldc: int, computeType: int, algo: int) -> int:
     _gemm("gemmEx", handle, transa, transb, m, n, k, alpha, A, Atype, lda, 0, B, Btype, ldb, 0,
           beta, C, Ctype, ldc, 0, 1, computeType, algo)
+    return 0
 
 
 def _gemm_strided_batched_ex(handle: int, transa: int, transb: int, m: int, n: int, k: int,
                              alpha: int, A: int, Atype: int, lda: int, strideA: int, B: int,
                              Btype: int, ldb: int, strideB: int, beta: int, C: int, Ctype: int,
                              ldc: int, strideC: int, batchCount: int, computeType: int,
-                             algo: int) -> None:
+                             algo: int) -> int:
     _gemm("gemmStridedBatchedEx", handle, transa, transb, m, n, k, alpha, A, Atype, lda,
           strideA, B, Btype, ldb, strideB, beta, C, Ctype, ldc, strideC, batchCount,
           computeType, algo)
+    return 0
+
+
+def _c_set_workspace(handle: Any, ptr: Any, size: Any) -> int:
+    _set_workspace(handle.value, ptr.value, size.value)
+    return 0
+
+
+def _cupy_binding(c_function: Any) -> Any:
+    """A GEMM as CuPy's binding calls it: the handle's stream set to the current one first,
+    which CuPy refuses while that stream is captured (its own message)."""
+
+    def binding(handle: int, *args: Any) -> None:
+        s = current_stream()
+        if s is not None and s._capture is not None:
+            raise NotImplementedError("calling cuBLAS API during stream capture is currently "
+                                      "unsupported")
+        _set_stream(handle, 0 if s is None else s.ptr)
+        c_function(handle, *args)
+    return binding
 
 
 def _cublas_module() -> types.ModuleType:
@@ -429,11 +452,15 @@ def _cublas_module() -> types.ModuleType:
         setattr(mod, name, globals()[name])
     mod.create = _create
     mod.setStream = _set_stream
-    mod.setWorkspace = _set_workspace
     mod.setPointerMode = _set_pointer_mode
     mod.setMathMode = _set_math_mode
-    mod.gemmEx = _gemm_ex
-    mod.gemmStridedBatchedEx = _gemm_strided_batched_ex
+    mod.gemmEx = _cupy_binding(_gemm_ex)
+    mod.gemmStridedBatchedEx = _cupy_binding(_gemm_strided_batched_ex)
+    # cuBLAS's own C functions, which the backend reaches through ctypes in the library CuPy
+    # loaded (statuses returned, the stream the handle was given)
+    mod.c_library = types.SimpleNamespace(cublasGemmEx=_gemm_ex,
+                                          cublasGemmStridedBatchedEx=_gemm_strided_batched_ex,
+                                          cublasSetWorkspace_v2=_c_set_workspace)
     return mod
 
 class Device:

@@ -273,6 +273,7 @@ class Blas:
             self.workspace = backend.cp.empty(WORKSPACE_BYTES, dtype=np.uint8)
             self.workspace_set = _set_workspace(lib, self.handle, self.workspace.data.ptr,
                                                 WORKSPACE_BYTES, backend.cuda_major)
+        self.gemm, self.gemm_strided = _gemm_entries(lib, backend.cuda_major)
         # alpha and beta, read from the host (when captured: at capture time)
         self.scalars = {p: (np.ones(1, p.numpy_dtype), np.zeros(1, p.numpy_dtype))
                         for p in (Precision.f32, Precision.f64)}
@@ -309,27 +310,32 @@ class Blas:
         h = self.handle
         algo = lib.CUBLAS_GEMM_DEFAULT
         if run is None:
-            return [partial(lib.gemmEx, h, ta, tb, m, n, k, alpha, pb, at, g.b.ld, pa, at,
+            return [partial(self.gemm, h, ta, tb, m, n, k, alpha, pb, at, g.b.ld, pa, at,
                             g.a.ld, beta_ptr, pc, ct, g.out_ld, compute, algo)]
-        return [partial(lib.gemmStridedBatchedEx, h, ta, tb, m, n, k, alpha,
+        return [partial(self.gemm_strided, h, ta, tb, m, n, k, alpha,
                         pb + ob * isz, at, g.b.ld, run.b, pa + oa * isz, at, g.a.ld, run.a,
                         beta_ptr, pc + oo * osz, ct, g.out_ld, run.out, run.size, compute, algo)
                 for oo, oa, ob in batch_offsets(outer)]
 
 
+def _loaded_cublas(lib: Any, major: int | None) -> Any:
+    """cuBLAS's own library, the copy CuPy loaded (``RTLD_NOLOAD``: never a second copy, whose
+    functions would not know CuPy's handles); a library module may carry a stand-in for it
+    (``lib.c_library``, the tests'). Raises ``OSError`` where it is not loaded."""
+    own = getattr(lib, "c_library", None)
+    if own is not None:
+        return own
+    return ctypes.CDLL(f"libcublas.so.{major or 12}", mode=os.RTLD_NOLOAD)
+
+
 def _set_workspace(lib: Any, handle: int, ptr: int, size: int, major: int | None) -> bool:
     """Give the handle its workspace (``cublasSetWorkspace``): CuPy's cuBLAS module has no
-    binding for it, so it is called in the cuBLAS library CuPy loaded, through ``ctypes``
-    (dlopen of the soname finds the loaded one). False, warned, where neither works: captures
-    may then fail, and the routines run eagerly, saying so."""
-    fn = getattr(lib, "setWorkspace", None)
-    if fn is not None:
-        fn(handle, ptr, size)
-        return True
+    binding for it, so it is called in the cuBLAS library CuPy loaded, through ``ctypes``.
+    False, warned, where that fails: captures may then fail, and the routines run eagerly,
+    saying so."""
     try:
-        so = ctypes.CDLL(f"libcublas.so.{major or 12}")
-        status = so.cublasSetWorkspace_v2(ctypes.c_void_p(handle), ctypes.c_void_p(ptr),
-                                          ctypes.c_size_t(size))
+        status = _loaded_cublas(lib, major).cublasSetWorkspace_v2(
+            ctypes.c_void_p(handle), ctypes.c_void_p(ptr), ctypes.c_size_t(size))
         if status != 0:
             raise RuntimeError(f"cublasSetWorkspace_v2 returned status {status}")
     except Exception as err:  # noqa: BLE001 - any failure: carry on without, saying so
@@ -337,6 +343,48 @@ def _set_workspace(lib: Any, handle: int, ptr: int, size: int, major: int | None
                       f"captured in CUDA graphs", RuntimeWarning, stacklevel=4)
         return False
     return True
+
+
+# cuBLAS's statuses (cublas_api.h), for its errors' messages.
+CUBLAS_STATUS = {1: "NOT_INITIALIZED", 3: "ALLOC_FAILED", 7: "INVALID_VALUE",
+                 8: "ARCH_MISMATCH", 11: "MAPPING_ERROR", 13: "EXECUTION_FAILED",
+                 14: "INTERNAL_ERROR", 15: "NOT_SUPPORTED", 16: "LICENSE_ERROR"}
+_I, _P, _L = ctypes.c_int, ctypes.c_void_p, ctypes.c_longlong
+# handle, transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta, C, Ctype, ldc,
+# computeType, algo (the strided form adds each matrix's stride after its leading dimension
+# and the batch count before computeType)
+_GEMM_EX = (_P, _I, _I, _I, _I, _I, _P, _P, _I, _I, _P, _I, _I, _P, _P, _I, _I, _I, _I)
+_GEMM_STRIDED_EX = (_P, _I, _I, _I, _I, _I, _P, _P, _I, _I, _L, _P, _I, _I, _L, _P, _P, _I, _I,
+                    _L, _I, _I, _I)
+
+
+def _c_call(so: Any, name: str, argtypes: tuple[Any, ...]) -> Callable[..., None]:
+    fn = getattr(so, name)
+    fn.argtypes, fn.restype = argtypes, ctypes.c_int
+
+    def call(*args: Any) -> None:
+        status = fn(*args)
+        if status != 0:
+            raise RuntimeError(f"{name} returned CUBLAS_STATUS_"
+                               f"{CUBLAS_STATUS.get(status, str(status))}")
+    return call
+
+
+def _gemm_entries(lib: Any, major: int | None) -> tuple[Callable[..., None], Callable[..., None]]:
+    """``gemmEx`` and ``gemmStridedBatchedEx`` as cuBLAS's own C functions, on the stream the
+    handle was given: CuPy's bindings set the handle's stream to the current one at every
+    call, and refuse to while a stream is captured, so no routine with a product could be one
+    graph through them. Where the library is not found, CuPy's bindings, and a routine with a
+    product runs its launches one by one, saying so."""
+    try:
+        so = _loaded_cublas(lib, major)
+        return (_c_call(so, "cublasGemmEx", _GEMM_EX),
+                _c_call(so, "cublasGemmStridedBatchedEx", _GEMM_STRIDED_EX))
+    except (OSError, AttributeError) as err:
+        warnings.warn(f"ocannl: cuBLAS's own gemmEx is not reachable ({err}); products go "
+                      f"through CuPy's bindings, which CUDA graphs cannot capture",
+                      RuntimeWarning, stacklevel=4)
+        return lib.gemmEx, lib.gemmStridedBatchedEx
 
 
 def _gemm_key(s: GemmCall) -> tuple:
