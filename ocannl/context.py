@@ -96,6 +96,12 @@ class Routine:
 _LOCAL = MemoryMode.local
 
 
+def _address(buf: Buffer) -> int:
+    """Where a buffer's memory starts: a NumPy array's (CPU) or a CuPy array's (CUDA)."""
+    data = getattr(buf, "ctypes", None)
+    return int(data.data) if data is not None else int(buf.data.ptr)
+
+
 def _as_node(x: Any) -> Tnode:
     node = getattr(x, "value", x)
     if not isinstance(node, Tnode):
@@ -287,6 +293,45 @@ class Context:
             self._routines.add(routine)
             routines.append(routine)
         return self, routines
+
+    def rebound(self, routine: Routine, flat: Any, storage: Buffer) -> Routine:
+        """``routine``'s machine code bound again, with its views of ``flat`` (a node from
+        :meth:`share_flat`) moved to the same elements of ``storage``, a buffer of ``flat``'s
+        kind (:meth:`new_buffer`); every other buffer is the routine's own. No compile: a
+        data-parallel rank computes each shard's gradients straight into a buffer of their
+        own (``parallel.DataParallel``), where copying them out would cost a pass over them.
+        ``ValueError`` names what does not fit."""
+        f = _as_node(flat)
+        if not isinstance(routine, Routine) or routine.context is not self:
+            raise ValueError(f"rebound: {routine!r} is not a routine of this context")
+        if f.id not in self._flat_members:
+            raise ValueError(f"rebound: {f.name} is not a flat buffer from share_flat")
+        whole = self._buffer(f)
+        if type(storage) is not type(whole) or storage.dtype != whole.dtype \
+                or storage.shape != whole.shape:
+            raise ValueError(f"rebound: storage must be a buffer like {f.name}'s "
+                             f"({type(whole).__name__} {whole.dtype} {whole.shape}), got "
+                             f"{type(storage).__name__} {getattr(storage, 'dtype', '')} "
+                             f"{getattr(storage, 'shape', '')}")
+        base, end = _address(whole), _address(whole) + whole.nbytes
+        bufs = []
+        for b in routine.buffers:  # a view inside the flat buffer moves with it
+            at = _address(b)
+            if base <= at < end:
+                off = (at - base) // whole.itemsize
+                b = storage[off:off + b.size].reshape(b.shape)
+            bufs.append(b)
+        moved = Routine(f"{routine.label}@{f.name}'", self, routine.nodes, routine.compiled,
+                        tuple(bufs), Effects(routine.inputs, routine.written),
+                        self._backend.bind(routine.compiled, tuple(bufs)))
+        moved.local_views, moved.lowered = routine.local_views, routine.lowered
+        self._routines.add(moved)
+        return moved
+
+    def new_buffer(self, t: Any) -> Buffer:
+        """A zero-filled buffer of the backend's kind for ``t``'s dims and precision, bound to
+        nothing (:meth:`rebound` binds routines to one)."""
+        return self._alloc(_as_node(t))
 
     def _local_buffers(self, label: str, code: list[Lowered], local: list[Tnode],
                        shared: bool) -> dict[int, Buffer]:

@@ -21,7 +21,7 @@ ROOT="$PWD"
 
 # part | limit (s) | what it does
 PARTS=(env tests sanitizer timing moons)
-declare -A LIMIT=([env]=40 [tests]=100 [sanitizer]=70 [timing]=95 [moons]=45)
+declare -A LIMIT=([env]=40 [tests]=70 [sanitizer]=45 [timing]=130 [moons]=45)
 declare -A WHAT=(
     [env]="versions, nvidia-smi, wheels from gpu_wheels/, packages; smoke: one f16 and one bf16 kernel, cuBLAS GEMMs, 16-bit buffers (tests/backends/gpu_smoke.py)"
     [tests]="the gpu-marked tests of tests/backends/test_cuda_gpu.py but the sanitizer and moons ones, each under a per-test limit of ${TEST_LIMIT:-40} s"
@@ -245,7 +245,7 @@ if wants sanitizer; then
         "$GPU_TESTS"
 fi
 if wants timing; then
-    run_part timing "$PY" scripts/gpu_timing.py --budget-s $((LIMIT[timing] - 10))
+    run_part timing "$PY" scripts/gpu_timing.py --budget-s $((LIMIT[timing] - 25))
 fi
 if wants moons; then
     GPU_CHECK_TEST_LIMIT="${LIMIT[moons]}" run_part moons "${PYTEST[@]}" -k moons "$GPU_TESTS"

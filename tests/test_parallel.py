@@ -308,6 +308,39 @@ def test_gradients_are_views_of_one_flat_buffer() -> None:
         Context.cpu().share_flat([])
 
 
+def test_a_routine_rebound_writes_its_gradients_into_other_memory() -> None:
+    """A data-parallel rank's later shards write their gradients into buffers of their own: the
+    same machine code bound there (no compile), the same bits, flat untouched."""
+    x, y, loss = _model()
+    dp = parallel.DataParallel(parallel.SingleProcess(), loss, inputs=[x, y])
+    ctx = dp.setup(Context.cpu())
+    ctx, grads = ctx.compile(train.grad_update(loss))
+    ctx = train.init_params(ctx, loss)
+    rng = np.random.default_rng(3)
+    ctx = ctx.set_values(x, rng.normal(size=(16, 2)))
+    ctx = ctx.set_values(y, np.eye(2)[rng.integers(0, 2, 16)])
+    want = np.array(ctx.run(grads).get_values(dp.flat))
+    assert np.count_nonzero(want) > 0
+    compiles = ctx.compile_count
+    spare = ctx.new_buffer(dp.flat)
+    moved = ctx.rebound(grads, dp.flat, spare)
+    sentinel = np.full(dp.flat.size, 7.0, np.float32)
+    ctx = ctx.set_values(dp.flat, sentinel).run(moved)
+    assert ctx.compile_count == compiles
+    assert np.array_equal(spare, want)  # every bit, the padding's zeros too
+    assert np.array_equal(ctx.get_values(dp.flat), sentinel)
+    with pytest.raises(ValueError, match=r"storage must be a buffer like .*float32 \(\d+,\).*"
+                                         r"float64"):
+        ctx.rebound(grads, dp.flat, np.zeros(dp.flat.size))
+    with pytest.raises(ValueError, match=r"storage must be a buffer like .* got ndarray float32 "
+                                         r"\(3,\)"):
+        ctx.rebound(grads, dp.flat, np.zeros(3, np.float32))
+    with pytest.raises(ValueError, match="is not a flat buffer from share_flat"):
+        ctx.rebound(grads, loss.params[0].value, spare)
+    with pytest.raises(ValueError, match="is not a routine of this context"):
+        Context.cpu().rebound(grads, dp.flat, spare)
+
+
 def test_narrow_gradients_are_never_summed() -> None:
     _, _, loss = _model(prec="f16")
     with pytest.raises(ValueError, match=r"must be f32.*narrow buffers are never summed.*"

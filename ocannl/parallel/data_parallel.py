@@ -293,6 +293,9 @@ class DataParallel:
         self._scatter: dict[tuple[int, int], tuple[np.ndarray, ...]] = {}  # by range
         self._stack: list[tuple[tuple[int, int], Any]] = []  # this step's complete nodes
         self._free: list[Any] = []  # buffers of flat's size to reuse
+        # Gradient routines bound to write into one of those buffers instead of flat, by the
+        # buffer's and the routine's ids (Context.rebound: no compile, no copy out of flat).
+        self._moved: dict[tuple[int, int], Any] = {}
         self._parents = self.tree.parents()
 
     @property
@@ -685,7 +688,7 @@ class DataParallel:
                     if self.stats:
                         stats.append([np.array(ctx.get_values(m), np.float32)
                                       for m in self.stats])
-                    self._fold(j, flat, last=j == k - 1)
+                    self._fold(ctx, j, flat, flat, keep_flat_free=j < k - 1)
                 elif memory is not None:
                     memory.save(j, p)
             for (a, b, _), r in zip(self._buckets, synced.buckets, strict=False):
@@ -788,8 +791,12 @@ class DataParallel:
         losses = [self._loss_now(ctx)] if self.track_losses else []
         stats = [[np.array(ctx.get_values(m), np.float32) for m in self.stats]] \
             if self.stats else []
+        # Shard 0's gradient is in flat; the later shards' go into buffers of their own (flat
+        # keeps the block's leftmost node, which every addition in it goes into), but for a
+        # last shard cut at the buckets, bound to flat: then shard 0's moves out first.
+        bucketed = split is not None and k > 1
         if not exchanges:
-            self._fold(0, flat, last=k == 1)
+            self._fold(ctx, 0, flat, flat, keep_flat_free=bucketed)
         if k > 1:
             if len(pending) == 0:
                 raise ValueError(f"{self!r}: rank {self.rank} computes {k} shards: write each "
@@ -804,21 +811,24 @@ class DataParallel:
                 if stats_at is not None:
                     for m, v in zip(self.stats, stats_at, strict=True):
                         ctx = ctx.set_values(m, v)
+                into = flat if bucketed and j == k - 1 else self._spare(ctx)
                 for micro, parts in enumerate(pending):
                     if counters_at:
                         for r, c in zip(self.rngs, counters_at[micro], strict=True):
                             ctx = ctx.set_values(r.counter, c)
                     ctx = self._put_shard(ctx, j, parts[j - 1])
-                    if split is not None and j == k - 1 and micro == len(pending) - 1:
+                    if into is flat and micro == len(pending) - 1:
                         ctx, exchanges = self._run_bucketed(ctx, j, split, flat)
                     else:
-                        ctx = ctx.run(self._first if micro == 0 else self._more)
+                        ctx = ctx.run(self._moved_routine(ctx, flat, into,
+                                                          self._first if micro == 0
+                                                          else self._more))
                 if self.track_losses:
                     losses.append(self._loss_now(ctx))
                 if self.stats:
                     stats.append([np.array(ctx.get_values(m), np.float32) for m in self.stats])
                 if not exchanges:
-                    self._fold(j, flat, last=j == k - 1)
+                    self._fold(ctx, j, flat, into)
             for r, c in zip(self.rngs, counters_end, strict=True):
                 ctx = ctx.set_values(r.counter, c)
         self.shard_losses = losses
@@ -884,17 +894,18 @@ class DataParallel:
                 b[part] = blocks[self.rank][part]
         self.comm.shared_sync("the parameters' gather in shared memory (slices copied)")
 
-    def _fold(self, j: int, flat: Any, *, last: bool) -> None:
-        """Shard ``j`` of this rank's block has just written its gradient into ``flat``: add
-        it into the tree as far up as its block's nodes are complete, each node the sum of
-        its left and right children (one addition per element, into the left child's
-        buffer, or into ``flat`` for the block's last addition), so a rank sums its block
-        as it computes it; a node still waiting for its right sibling keeps a copy."""
+    def _fold(self, ctx: Context, j: int, flat: Any, buf: Any, *,
+              keep_flat_free: bool = False) -> None:
+        """Shard ``j`` of this rank's block has just written its gradient into ``buf`` (flat,
+        or a buffer of its own): add it into the tree as far up as its block's nodes are
+        complete, each node the sum of its left and right children (one addition per
+        element, into flat where a child is there, else into the left child's buffer), so a
+        rank sums its block as it computes it. ``keep_flat_free``: a later shard of the block
+        writes into flat, so a node left there is copied out first."""
         pops, node = self._fold_plan(j)
-        buf = flat
         for _ in range(pops):
             _, left = self._stack.pop()
-            if buf is flat and last:
+            if buf is flat and not keep_flat_free:
                 _array_module(flat).add(left, flat, out=flat)
                 self._free.append(left)
             else:
@@ -902,13 +913,26 @@ class DataParallel:
                 if buf is not flat:
                     self._free.append(buf)
                 buf = left
-        if buf is flat and not last:
-            if self._free:
-                buf = self._free.pop()
-                buf[...] = flat
-            else:
-                buf = flat.copy()
+        if buf is flat and keep_flat_free:
+            buf = self._spare(ctx)
+            buf[...] = flat
         self._stack.append((node, buf))
+
+    def _spare(self, ctx: Context) -> Any:
+        """A buffer of flat's size and kind (the backend's alignment: routines are bound to
+        it), zero-filled at first, to hold a tree node's partial sum."""
+        return self._free.pop() if self._free else ctx.new_buffer(self.flat)
+
+    def _moved_routine(self, ctx: Context, flat: Any, into: Any, routine: Any) -> Any:
+        """``routine`` writing its gradients into ``into`` (flat itself, or a spare buffer:
+        the same machine code bound there once, :meth:`Context.rebound`)."""
+        if into is flat:
+            return routine
+        key = (id(into), id(routine))
+        moved = self._moved.get(key)
+        if moved is None:
+            moved = self._moved[key] = ctx.rebound(routine, self.flat, into)
+        return moved
 
     def _partials(self, leaves: Sequence[Any]) -> list[Any]:
         """This rank's partial sums: the tree's nodes covering its block, from its leaves."""
