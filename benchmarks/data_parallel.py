@@ -176,8 +176,10 @@ def ocannl_worker(w: Workload, steps: int, warmup: int, shards: int, zero: bool 
     opt = models.ocannl_optimizer(w)
     ctx, grads = dp.compile_gradients(ctx, train.grad_update(loss))
     dp.use_routines(grads)
-    ctx, update = ctx.compile(opt.update(loss, grad_unscale=dp.grad_unscale(),
-                                         shard=dp.optimizer_shard))
+    # with overlap, the update runs part by part as its buckets' sums arrive
+    ctx, update = dp.compile_update(ctx, opt.update(loss, grad_unscale=dp.grad_unscale(),
+                                                    shard=dp.optimizer_shard,
+                                                    order=dp.update_order))
     whole = [n for p in loss.params for n in opt.state_of(p).values()]
     held = whole if not zero else \
         [n for q in dp.optimizer_shard.parts for n in opt.part_state(q).values()]
@@ -189,8 +191,7 @@ def ocannl_worker(w: Workload, steps: int, warmup: int, shards: int, zero: bool 
     def step(i: int) -> None:
         k = i % w.n_batches
         dp.set_batch(ctx, fx.x[k], targets[k])  # the global batch: dp takes this rank's block
-        dp.run_and_reduce(ctx, grads)
-        dp.after_update(ctx.run(update))
+        dp.after_update(dp.run_and_reduce(ctx, grads, update=update))
 
     losses = []
     for i in range(w.parity_steps):

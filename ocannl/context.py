@@ -96,7 +96,7 @@ class Routine:
 _LOCAL = MemoryMode.local
 
 
-def _address(buf: Buffer) -> int:
+def buffer_address(buf: Buffer) -> int:
     """Where a buffer's memory starts: a NumPy array's (CPU) or a CuPy array's (CUDA)."""
     data = getattr(buf, "ctypes", None)
     return int(data.data) if data is not None else int(buf.data.ptr)
@@ -313,10 +313,10 @@ class Context:
                              f"({type(whole).__name__} {whole.dtype} {whole.shape}), got "
                              f"{type(storage).__name__} {getattr(storage, 'dtype', '')} "
                              f"{getattr(storage, 'shape', '')}")
-        base, end = _address(whole), _address(whole) + whole.nbytes
+        base, end = buffer_address(whole), buffer_address(whole) + whole.nbytes
         bufs = []
         for b in routine.buffers:  # a view inside the flat buffer moves with it
-            at = _address(b)
+            at = buffer_address(b)
             if base <= at < end:
                 off = (at - base) // whole.itemsize
                 b = storage[off:off + b.size].reshape(b.shape)

@@ -321,7 +321,8 @@ class Optimizer:
 
     def update(self, loss: Tensor, *, grad_unscale: Scalar | None = None,
                gate: Expr | None = None, clip: GradClipper | None = None,
-               shard: OptimizerShard | None = None) -> Comp:
+               shard: OptimizerShard | None = None,
+               order: Sequence[Tensor] | None = None) -> Comp:
         """One optimizer step over every parameter of ``loss``, reading their gradients (run it
         after ``train.grad_update(loss)``).
 
@@ -335,7 +336,10 @@ class Optimizer:
         (``clipping.clipped_update`` does). ``shard`` (ZeRO-1, from ``DataParallel(
         shard_optimizer=True).optimizer_shard``): update only this rank's parts of the
         parameters, with buffers of their size (:meth:`part_state`); the data-parallel
-        reducer gathers the parameters after it.
+        reducer gathers the parameters after it. ``order``: the parameters in the order their
+        updates run (every one of the loss's, once; default the loss's order): each update is
+        elementwise and apart, so the order changes no bit, only when each parameter's
+        gradient is first needed (``DataParallel.update_order``: as its buckets' sums arrive).
         """
         if not isinstance(loss, Tensor):
             raise TypeError(f"update expects the loss Tensor, got {type(loss).__name__}")
@@ -351,9 +355,10 @@ class Optimizer:
                                 f"clipping.clipped_update builds both")
             clip.check_for(loss, grad_unscale)
             gate = clip.gate(gate)
+        rank = self._update_rank(loss, order)
         targets: list[tuple[Tnode, Tnode, dict[str, Tnode]]] = []
         if shard is None:
-            for p in loss.params:
+            for p in sorted(loss.params, key=lambda p: rank[p.value.id]):
                 assert p.grad is not None
                 targets.append((p.value, p.grad, self.state_of(p)))
         else:
@@ -364,7 +369,8 @@ class Optimizer:
             self.shard = shard
             for p in loss.params:
                 self.state_of(p)  # the whole buffers: the names a checkpoint holds
-            targets = [(q.value, q.grad, self.part_state(q)) for q in shard.parts]
+            targets = [(q.value, q.grad, self.part_state(q))
+                       for q in sorted(shard.parts, key=lambda q: rank[q.param.value.id])]
         code = lr_code + self._prologue(lr_wide, gate)
         for value, grad, state in targets:
             idx = tuple(range(len(value.dims)))
@@ -375,6 +381,27 @@ class Optimizer:
                 g = clip.apply(g)
             code.extend(self._param_update(value, state, idx, g, lr, gate))
         return Comp(tuple(code), f"{self.label}_{loss.label}")
+
+
+    def _update_rank(self, loss: Tensor, order: Sequence[Tensor] | None) -> dict[int, int]:
+        """Each parameter's place in the update's order (by its value node's id), checked:
+        ``order`` holds every parameter of the loss once, and nothing else."""
+        params = list(loss.params)
+        if order is None:
+            return {p.value.id: i for i, p in enumerate(params)}
+        given = list(order)
+        ids = [getattr(getattr(p, "value", None), "id", None) for p in given]
+        want = [p.value.id for p in params]
+        if sorted(ids, key=str) != sorted(want, key=str):
+            names = {p.value.id: p.label for p in params}
+            extra = [getattr(p, "label", repr(p)) for p, i in zip(given, ids, strict=True)
+                     if i not in names]
+            missing = [names[i] for i in want if i not in ids]
+            twice = sorted({names[i] for i in ids if i in names and ids.count(i) > 1})
+            raise ValueError(f"{self.label}.update: order must list each of the loss's "
+                             f"{len(want)} parameters once; missing {missing}, not the loss's "
+                             f"{extra}, twice {twice}")
+        return {i: k for k, i in enumerate(ids)}
 
 
 class SGD(Optimizer):

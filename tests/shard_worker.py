@@ -166,6 +166,42 @@ def run(comm: Any, variant: str, *, shards: int = 4, steps: int = 8,
     }
 
 
+def run_plain(comm: Any, *, shards: int = 4, steps: int = 6, overlap: bool = False,
+              zero: bool = False) -> dict[str, Any]:
+    """SGD with momentum and no recipe (``train.grad_update`` and ``optimizer.update``
+    compiled by the reducer), the update run by ``run_and_reduce``: with ``overlap``, cut at
+    the buckets and in ``dp.update_order``, each part waiting only for the buckets it reads.
+    ``zero``: the optimizer state sharded (ZeRO-1). Returns the parameters' and momenta's
+    values (whole), the global losses and what each of the update's parts reads."""
+    m = build("sgd-host-f32", SHARD_ROWS)
+    x, y, loss, opt = m["x"], m["y"], m["loss"], m["opt"]
+    dp = parallel.DataParallel(comm, loss, inputs=[x, y], shards=shards, overlap=overlap,
+                               bucket_bytes=BUCKET_BYTES, shard_optimizer=zero)
+    ctx = dp.setup(Context.cpu())
+    ctx, grads = dp.compile_gradients(ctx, train.grad_update(loss))
+    dp.use_routines(grads)
+    ctx, update = dp.compile_update(ctx, opt.update(loss, grad_unscale=dp.grad_unscale(),
+                                                    shard=dp.optimizer_shard,
+                                                    order=dp.update_order))
+    ctx = train.init_params(ctx, loss)
+    state = checkpoint.training_state(loss, opt)
+    ctx = dp.broadcast(ctx, state)
+    points, labels = datasets.half_moons(POINTS, seed=3)
+    targets = datasets.one_hot(labels, 2)
+    batch = shards * SHARD_ROWS
+    losses = []
+    for step in range(steps):
+        rows = slice(step * batch, (step + 1) * batch)
+        dp.set_batch(ctx, points[rows], targets[rows])
+        ctx = dp.after_update(dp.run_and_reduce(ctx, grads, update=update))
+        losses.append(dp.global_loss())
+    plan = dp._update_splits.get(id(update), [])
+    return {"state_names": [n.name for n in state],
+            "state": [np.array(a, copy=True) for a in dp.gather_state(ctx, state)],
+            "losses": np.array(losses), "parts_read": [reads for _, reads in plan],
+            "buckets": len(dp._buckets)}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
@@ -179,8 +215,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--zero", action="store_true", help="shard the optimizer state (ZeRO-1)")
     ap.add_argument("--overlap", action="store_true", help="exchange in buckets, overlapped")
     ap.add_argument("--order-off", action="store_true", help="MPI's allreduce, a shard a rank")
+    ap.add_argument("--plain", action="store_true", help="run_plain, no recipe")
     args = ap.parse_args(argv)
     comm = parallel.world("mpi")
+    if args.plain:
+        res = run_plain(comm, shards=args.shards, steps=args.steps, overlap=args.overlap,
+                        zero=args.zero)
+        save_result(args.out / f"{args.tag}-plain-rank{comm.rank}.npz", res)
+        return 0
     for variant in args.variants.split(","):
         ck = None if args.checkpoint is None else args.checkpoint.with_suffix(
             f".{variant}.safetensors")

@@ -12,7 +12,7 @@ import test_parallel_shards as TS
 from test_parallel import _no_mpi, mpirun, ok
 
 import ocannl.tensor as T
-from ocannl import Context, nn_blocks, parallel, train
+from ocannl import Context, nn_blocks, optim, parallel, train
 from ocannl.parallel.buckets import bucket_ranges
 
 needs_mpi = pytest.mark.skipif(_no_mpi is not None, reason=str(_no_mpi))
@@ -92,3 +92,67 @@ def test_with_the_order_off_buckets_sum_as_the_whole_buffer(tmp_path: Path) -> N
     whole = TS.results(tmp_path, "whole", v, 2)
     for r in TS.results(tmp_path, "buckets", v, 2):
         TS.assert_same_run(r, whole[0])
+
+
+def _same_plain(a: dict, b: dict) -> None:
+    def plain(names: list[str]) -> list[str]:  # without the node ids
+        return [n.rsplit("_", 1)[0] for n in names]
+
+    assert plain(a["state_names"]) == plain(b["state_names"])
+    for n, x, y in zip(a["state_names"], a["state"], b["state"], strict=True):
+        assert np.array_equal(TS._bits(x), TS._bits(y)), n
+    assert np.array_equal(TS._bits(np.asarray(a["losses"])), TS._bits(np.asarray(b["losses"])))
+
+
+def test_the_update_waits_only_for_the_buckets_it_reads() -> None:
+    """dp.compile_update with overlap: the update in dp.update_order, cut after each bucket's
+    parameters; each part reads the gradients of its own bucket only (so it runs once that
+    bucket is summed), and the run is the plain run's every bit."""
+    plain = SW.run_plain(parallel.SingleProcess())
+    assert plain["parts_read"] == []  # no overlap: the update is one routine
+    over = SW.run_plain(parallel.SingleProcess(), overlap=True)
+    assert over["buckets"] > 2
+    assert over["parts_read"] == [[b] for b in range(over["buckets"])]
+    _same_plain(over, plain)
+    # ZeRO-1's update over 1-D parts: lowering fuses the loops of parts of one size (mlp_w0's
+    # and mlp_w1's 32 elements), so a part may read two buckets; what it reads is found by
+    # memory, and it waits for both
+    zero = SW.run_plain(parallel.SingleProcess(), overlap=True, zero=True)
+    assert zero["parts_read"] == [[0, 2], [1]]
+    _same_plain(zero, plain)
+
+
+def test_update_order_and_routine_are_checked() -> None:
+    _, _, loss = TS._mlp(4)
+    opt = optim.SGD(0.1)
+    params = list(loss.params)
+    with pytest.raises(ValueError, match=r"order must list each of the loss's 4 parameters "
+                                         r"once; missing \['.*'\], not the loss's \[\], twice "
+                                         r"\['.*'\]"):
+        opt.update(loss, order=[params[0], *params[:-1]])
+    assert opt.update(loss, order=params[::-1]).label  # every parameter once: accepted
+    dp = parallel.DataParallel(parallel.SingleProcess(), loss, overlap=True, bucket_bytes=64)
+    with pytest.raises(ValueError, match=r"call setup\(ctx\) before asking for update_order"):
+        dp.update_order  # noqa: B018
+    ctx = dp.setup(Context.cpu())
+    assert [p.value.id for p in dp.update_order] == [p.value.id for p in params[::-1]]
+    ctx, grads = dp.compile_gradients(ctx, train.grad_update(loss))
+    with pytest.raises(TypeError, match="update must be a Routine .*got str"):
+        dp.run_and_reduce(ctx, grads, update="sgd")  # type: ignore[arg-type]
+
+
+@needs_mpi
+def test_two_ranks_update_as_their_buckets_arrive_with_the_bits_of_one(tmp_path: Path) -> None:
+    """2 ranks of 2 shards, overlapped, the update run part by part as its buckets' sums
+    arrive: one plain rank's bits."""
+    ref = SW.run_plain(parallel.SingleProcess())
+    # ZeRO-1: rank 0 updates mlp_w0 and mlp_b0 (two buckets, two parts), rank 1 mlp_w1 and
+    # mlp_b1 (one bucket: its update is one routine)
+    parts = {"plain": [[[0], [1], [2]]] * 2, "zero": [[[1], [2]], []]}
+    for tag, more in (("plain", ()), ("zero", ("--zero",))):
+        ok(mpirun(2, "--out", tmp_path, "--tag", tag, "--plain", "--overlap", "--steps", "6",
+                  *more, script=TS.WORKER, timeout=120))
+        for r in range(2):
+            got = SW.load_result(tmp_path / f"{tag}-plain-rank{r}.npz")
+            assert got["parts_read"] == parts[tag][r], (tag, r)
+            _same_plain(got, ref)

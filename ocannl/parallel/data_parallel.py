@@ -16,7 +16,7 @@ from typing import Any, cast
 import numpy as np
 
 from ocannl import checkpoint
-from ocannl.context import Context, Routine, flat_layout
+from ocannl.context import Context, Routine, buffer_address, flat_layout
 from ocannl.errors import Failure, require_bool
 from ocannl.ir.ops import Precision
 from ocannl.ir.tnode import Tnode
@@ -251,6 +251,9 @@ class DataParallel:
                              f"{bucket_bytes!r}")
         self.bucket_bytes = bucket_bytes
         self._buckets: list[tuple[int, int, list[int]]] = []
+        # The optimizer's update cut at the buckets, by the whole update routine's id: its
+        # parts, and the buckets each part reads the gradients of (compile_update).
+        self._update_splits: dict[int, list[tuple[Routine, list[int]]]] = {}
         self._splits: dict[int, tuple[list[Routine], list[int]]] = {}  # whole routine id ->
         self._zero: OptimizerShard | None = None
         self.flat_params: Tnode | None = None  # with shard_optimizer: the parameters' buffer
@@ -444,6 +447,54 @@ class DataParallel:
         ctx, whole = ctx.compile(comp)
         return self._split(ctx, comp, whole), whole
 
+    @property
+    def update_order(self) -> list[Tensor]:
+        """The parameters in the order their summed gradients arrive: with ``overlap=True``,
+        the buckets' order (the last layers first, as the backward code writes them), else the
+        model's. Give it to ``optimizer.update(..., order=)`` so that an update compiled with
+        :meth:`compile_update` waits for each bucket just before it reads it."""
+        if not self.overlap:
+            return list(self.params)
+        if self.flat is None:
+            raise ValueError(f"{self!r}: call setup(ctx) before asking for update_order (the "
+                             f"buckets are cut from the gradients' flat buffer)")
+        return [self.params[i] for _, _, members in self._buckets for i in reversed(members)]
+
+    def compile_update(self, ctx: Context, comp: Any) -> tuple[Context, Routine]:
+        """Compile the optimizer's update (``optimizer.update(loss, ..., order=
+        dp.update_order)``) into a routine for :meth:`run_and_reduce`'s ``update``; with
+        ``overlap=True``, also cut after each bucket's parameters, so that each part waits
+        only for the exchanges of the buckets whose gradients it reads (the same items, the
+        same bits). A part that reads every gradient (a clipping norm, a checksum) waits for
+        them all."""
+        ctx, whole = ctx.compile(comp)
+        if not self.overlap or len(self._buckets) < 2 or self.global_sums:
+            return ctx, whole
+        if self.flat is None:
+            raise ValueError(f"{self!r}: call setup(ctx) before compiling")
+        zero = self.optimizer_shard
+        if zero is None:
+            groups = [[self.params[i].value for i in members] for _, _, members in self._buckets]
+        else:  # this rank's parts of each bucket
+            groups = [[q.value for q in zero.parts
+                       if a < q.offset + q.start + q.size and q.offset + q.start < b]
+                      for a, b, _ in self._buckets]
+        ctx, parts, _ = ctx.compile_split(comp, [g for g in groups if g])
+        # What a part reads of the gradients, by memory: any of its buffers inside the flat
+        # buffer (the update writes no gradient), whatever node views it.
+        flat = ctx.device_buffer(self.flat)
+        base, item = buffer_address(flat), flat.itemsize
+        plan = []
+        for part in parts:
+            spans = [((at - base) // item, (at - base) // item + b.size)
+                     for b in part.buffers
+                     if 0 <= (at := buffer_address(b)) - base < flat.nbytes]
+            plan.append((part, [k for k, (a, z, _) in enumerate(self._buckets)
+                                if any(lo < z and a < hi for lo, hi in spans)]))
+        if len(parts) > 1 and len(plan[0][1]) < len(self._buckets):
+            self._update_splits[id(whole)] = plan
+        return ctx, whole
+
     def _split(self, ctx: Context, comp: Any, whole: Routine) -> Context:
         if self.global_sums:
             return self._split_synced(ctx, comp, whole)
@@ -584,13 +635,19 @@ class DataParallel:
                              f"ctx.run then reduce (its statistics were the shard's alone)")
         return self._reduce(ctx, scaler, None)
 
-    def run_and_reduce(self, ctx: Context, routine: Routine, scaler: Any = None) -> Context:
+    def run_and_reduce(self, ctx: Context, routine: Routine, scaler: Any = None,
+                       update: Routine | None = None) -> Context:
         """Run the gradient routine of the step's last micro-batch (this rank's first shard),
         then :meth:`reduce`. With ``overlap=True`` and a routine from :meth:`compile` or
         :meth:`compile_gradients`, the block's last shard runs cut at the buckets, and each
         bucket's exchange starts once that shard has written it, while its backward code goes
         on (its addition into the block's partial sum first, bucket by bucket): the same
-        additions, the same bits."""
+        additions, the same bits. ``update``: the optimizer's update, run after the sum; one
+        from :meth:`compile_update` runs part by part, each waiting only for the buckets it
+        reads."""
+        if update is not None and not isinstance(update, Routine):
+            raise TypeError(f"{self!r}: update must be a Routine (dp.compile_update), got "
+                            f"{type(update).__name__}: {update!r:.80}")
         if self.global_sums:
             synced = self._synced_routines.get(id(routine))
             if synced is None:
@@ -599,13 +656,13 @@ class DataParallel:
                                  f"routine with dp.compile(ctx, recipe) or "
                                  f"dp.compile_gradients(ctx, comp), which cut it at the "
                                  f"statistics' exchanges")
-            return self._reduce(ctx, scaler, synced)
+            return self._reduce(ctx, scaler, synced, update)
         split = self._splits.get(id(routine)) if self.overlap else None
         if split is None:
-            return self._reduce(ctx.run(routine), scaler, None)
+            return self._reduce(ctx.run(routine), scaler, None, update)
         if self.per_rank > 1:
             ctx = ctx.run(routine)  # the first shard whole; the last one cut
-        return self._reduce(ctx, scaler, split)
+        return self._reduce(ctx, scaler, split, update)
 
     def _run_bucketed(self, ctx: Context, j: int, split: tuple[list[Routine], list[int]],
                       flat: Any) -> tuple[Context, list[BucketExchange]]:
@@ -737,15 +794,22 @@ class DataParallel:
         return pops, node
 
     def _reduce(self, ctx: Context, scaler: Any,
-                split: tuple[list[Routine], list[int]] | SyncedRoutine | None) -> Context:
+                split: tuple[list[Routine], list[int]] | SyncedRoutine | None,
+                update: Routine | None = None) -> Context:
         # The shard sums' overflows are the checksum's to see: NumPy says nothing of them
         # (one errstate for the whole reduction: entering one costs microseconds).
+        plan = None if update is None else self._update_splits.get(id(update))
         with np.errstate(all="ignore"):
-            return self._reduce_quietly(ctx, scaler, split)
+            ctx, updated = self._reduce_quietly(ctx, scaler, split, plan)
+        return ctx.run(update) if update is not None and not updated else ctx
 
     def _reduce_quietly(self, ctx: Context, scaler: Any,
-                        split: tuple[list[Routine], list[int]] | SyncedRoutine | None
-                        ) -> Context:
+                        split: tuple[list[Routine], list[int]] | SyncedRoutine | None,
+                        plan: list[tuple[Routine, list[int]]] | None = None
+                        ) -> tuple[Context, bool]:
+        """The reduction; with ``plan`` (the update cut at the buckets) and the buckets'
+        exchanges started during the backward code, the update runs too, each part once the
+        buckets it reads are summed. Returns whether the update ran."""
         if self.flat is None:
             raise ValueError(f"{self!r}: call setup(ctx) before compiling and stepping")
         if not self._gathered:
@@ -768,26 +832,25 @@ class DataParallel:
         if isinstance(split, SyncedRoutine):
             ctx, self.shard_losses, stats, started = self._run_synced(ctx, split, flat, pending)
             if self.fixed_order:
-                self._sum_block(flat, started)
+                self._sum_block(ctx, flat, started)
             else:
                 for e in started:
                     e.finish()
                 if not started:
                     self.comm.allreduce_sum(flat)
-            return self._reduced(ctx, stats)
+            return self._reduced(ctx, stats), False
         exchanges: list[BucketExchange] = []
         if split is not None and k == 1:  # the first shard is the last: cut at the buckets
             ctx, exchanges = self._run_bucketed(ctx, 0, split, flat)
         if not self.fixed_order:
             if self.track_losses:
                 self.shard_losses = [self._loss_now(ctx)]
-            for e in exchanges:
-                e.finish()
+            ctx, updated = self._finish(ctx, exchanges, plan)
             if not exchanges:
                 self.comm.allreduce_sum(flat)
             # the running statistics too: every rank's, averaged (the same on every rank)
             return self._reduced(ctx, [[np.array(ctx.get_values(m), np.float32)
-                                        for m in self.stats]] if self.stats else [])
+                                        for m in self.stats]] if self.stats else []), updated
         losses = [self._loss_now(ctx)] if self.track_losses else []
         stats = [[np.array(ctx.get_values(m), np.float32) for m in self.stats]] \
             if self.stats else []
@@ -832,20 +895,46 @@ class DataParallel:
             for r, c in zip(self.rngs, counters_end, strict=True):
                 ctx = ctx.set_values(r.counter, c)
         self.shard_losses = losses
-        self._sum_block(flat, exchanges)
-        return self._reduced(ctx, stats)
+        ctx, updated = self._sum_block(ctx, flat, exchanges, plan)
+        return self._reduced(ctx, stats), updated
 
-    def _sum_block(self, flat: Any, exchanges: list[BucketExchange]) -> None:
+    def _sum_block(self, ctx: Context, flat: Any, exchanges: list[BucketExchange],
+                   plan: list[tuple[Routine, list[int]]] | None = None
+                   ) -> tuple[Context, bool]:
         """This rank's partial sums (the tree's nodes on the stack, its block folded) to the
         whole sum in ``flat``: the buckets' exchanges started during the backward code waited
-        for, else one exchange of the whole buffer now."""
+        for (the update's parts run as their buckets arrive, :meth:`_finish`), else one
+        exchange of the whole buffer now. Returns whether the update ran."""
         partials = [buf for _, buf in self._stack]
         assert [node for node, _ in self._stack] == self._covers[self.rank]
-        for e in exchanges:
-            e.finish()
+        ctx, updated = self._finish(ctx, exchanges, plan)
         if not exchanges:
             self._tree_sum(partials, flat)
         self._free += [buf for buf in partials if buf is not flat]
+        return ctx, updated
+
+    def _finish(self, ctx: Context, exchanges: list[BucketExchange],
+                plan: list[tuple[Routine, list[int]]] | None) -> tuple[Context, bool]:
+        """Wait for the buckets' exchanges; with ``plan`` (the update cut at the buckets),
+        run each part of the update as soon as the buckets it reads are summed, the other
+        exchanges progressing meanwhile. Returns whether the update ran."""
+        if plan is None or not exchanges:
+            for e in exchanges:
+                e.finish()
+            return ctx, False
+        waiting = {(e.a, e.b): e for e in exchanges}
+        for part, reads in plan:
+            for b in reads:
+                a, z, _ = self._buckets[b]
+                e = waiting.pop((a, z), None)
+                if e is not None:
+                    e.finish()
+            for e in waiting.values():
+                e.test()
+            ctx = ctx.run(part)
+        for e in waiting.values():
+            e.finish()
+        return ctx, True
 
     def _reduced(self, ctx: Context, stats: list[Any]) -> Context:
         """A reduction's end: the running statistics averaged, the step counted."""
