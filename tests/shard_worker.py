@@ -167,17 +167,18 @@ def run(comm: Any, variant: str, *, shards: int = 4, steps: int = 8,
 
 
 def run_plain(comm: Any, *, shards: int = 4, steps: int = 6, overlap: bool = False,
-              zero: bool = False) -> dict[str, Any]:
+              zero: bool = False, backend: str = "cpu") -> dict[str, Any]:
     """SGD with momentum and no recipe (``train.grad_update`` and ``optimizer.update``
     compiled by the reducer), the update run by ``run_and_reduce``: with ``overlap``, cut at
     the buckets and in ``dp.update_order``, each part waiting only for the buckets it reads.
-    ``zero``: the optimizer state sharded (ZeRO-1). Returns the parameters' and momenta's
-    values (whole), the global losses and what each of the update's parts reads."""
+    ``zero``: the optimizer state sharded (ZeRO-1); ``backend``: ``cpu`` or ``cuda``. Returns
+    the parameters' and momenta's values (whole), the global losses and what each of the
+    update's parts reads."""
     m = build("sgd-host-f32", SHARD_ROWS)
     x, y, loss, opt = m["x"], m["y"], m["loss"], m["opt"]
     dp = parallel.DataParallel(comm, loss, inputs=[x, y], shards=shards, overlap=overlap,
                                bucket_bytes=BUCKET_BYTES, shard_optimizer=zero)
-    ctx = dp.setup(Context.cpu())
+    ctx = dp.setup(Context.cuda() if backend == "cuda" else Context.cpu())
     ctx, grads = dp.compile_gradients(ctx, train.grad_update(loss))
     dp.use_routines(grads)
     ctx, update = dp.compile_update(ctx, opt.update(loss, grad_unscale=dp.grad_unscale(),

@@ -8,7 +8,9 @@ and parameters at the benchmark's parity tolerances (relative), which are order-
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import cuda_cases
 import cuda_models as M
@@ -157,3 +159,23 @@ def bit_identical_runs(make_ctx: MakeCtx, prec: str, *, dims: tuple[int, ...],
         runs.append((losses, state))
     assert runs[0][0] == runs[1][0], "losses differ between two runs"
     assert runs[0][1] == runs[1][1], "parameters or momenta differ between two runs"
+
+
+def data_parallel_shards() -> None:
+    """4 shards on one rank of a CUDA context: the later shards' gradient routines rebound to
+    buffers of their own (``Context.rebound`` on device buffers, each its own graph), the
+    tree's additions on the device; with overlap the last shard's routine cut at the buckets
+    and the update run part by part: the same bits, and the CPU's run within f32 rounding."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the workers
+    import shard_worker as SW
+
+    from ocannl import parallel
+
+    plain = SW.run_plain(parallel.SingleProcess(), backend="cuda")
+    over = SW.run_plain(parallel.SingleProcess(), backend="cuda", overlap=True)
+    assert over["parts_read"] == [[b] for b in range(over["buckets"])]
+    for a, b in zip(plain["state"], over["state"], strict=True):
+        assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
+    cpu = SW.run_plain(parallel.SingleProcess())
+    for a, b in zip(plain["state"], cpu["state"], strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)

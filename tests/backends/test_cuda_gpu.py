@@ -264,6 +264,11 @@ def test_moons_example_on_cuda_resumes_exactly_and_tracks_the_cpu(tmp_path: Path
 # --- one graph launch per routine call, products through gemmEx --------------------------------
 
 
+
+def test_a_data_parallel_rank_of_several_shards() -> None:
+    C.data_parallel_shards()
+
+
 @pytest.mark.parametrize("prec", ["f32", "bf16", "f16"])
 def test_routines_capture_and_replay_as_eager_launches(
         monkeypatch: pytest.MonkeyPatch, prec: str) -> None:

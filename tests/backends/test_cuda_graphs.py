@@ -337,3 +337,8 @@ def test_the_context_names_its_products_and_graphs(monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv("OCANNL_CUDA_TF32", "1")
     line = Context.cuda().describe()
     assert "with TF32" in line and line.endswith("CUDA graphs off (OCANNL_CUDA_GRAPHS=0)")
+
+
+@needs_emu
+def test_a_data_parallel_rank_of_several_shards_on_the_cuda_backend() -> None:
+    C.data_parallel_shards()
