@@ -63,11 +63,14 @@ SHARDABLE = tuple(name for name, w in WORKLOADS.items() if w.model in ("mlp", "l
 # This project with the fixed shard tree (the same bits on any rank count), this project with
 # one shard per rank summed by MPI's allreduce (the order off: bits depend on the rank count),
 # PyTorch DDP over gloo.
-FRAMEWORKS = ("ocannl", "ocannl-overlap", "ocannl-zero", "ocannl-allreduce", "torch")
+FRAMEWORKS = ("ocannl", "ocannl-overlap", "ocannl-zero", "ocannl-allreduce", "ocannl-alone",
+              "torch")
 NAMES = {"ocannl": "ocannl (MPI, fixed shard tree)",
          "ocannl-overlap": "ocannl (fixed shard tree, overlapped buckets)",
          "ocannl-zero": "ocannl (fixed shard tree, ZeRO-1)",
-         "ocannl-allreduce": "ocannl (MPI allreduce, order off)", "torch": "PyTorch DDP (gloo)"}
+         "ocannl-allreduce": "ocannl (MPI allreduce, order off)",
+         "ocannl-alone": "ocannl (no exchange: each rank its block alone, the ceiling)",
+         "torch": "PyTorch DDP (gloo)"}
 # The fewest rows a shard keeps, per workload (``parallel.default_shards``): 4 shards for
 # convnet and gpt_mini (1, 2 and 4 ranks give the same bits), 2 for mlp_wide (1 and 2 ranks;
 # ``--shards 4`` for 4). A rank computing several shards pays for each shard's whole gradient
@@ -146,7 +149,7 @@ def _shard(w: Workload, rank: int, size: int, step: int, fx: fixtures.Fixture,
 
 
 def ocannl_worker(w: Workload, steps: int, warmup: int, shards: int, zero: bool = False,
-                  overlap: bool = False) -> dict:
+                  overlap: bool = False, alone: bool = False) -> dict:
     """This project's rank: ``shards`` shards summed in the shard tree's order (0: one shard
     per rank summed by MPI's allreduce, the order off); ``zero``: the optimizer state
     sharded over the ranks (ZeRO-1); ``overlap``: the exchange in buckets (the default
@@ -161,6 +164,10 @@ def ocannl_worker(w: Workload, steps: int, warmup: int, shards: int, zero: bool 
     fixed = shards > 0
     count = shards if fixed else comm.size
     n = w.batch // count  # rows of a shard: what the model is built over
+    block = slice(None)  # the rows of the global batch this rank's reducer is given
+    if alone:
+        count //= comm.size
+        block = slice(comm.rank * count * n, (comm.rank + 1) * count * n)
     t0 = time.perf_counter()
     if w.model == "gpt":
         x = T.class_ids(fx.x[0][:n], num_classes=w.vocab, label="ids")
@@ -170,7 +177,8 @@ def ocannl_worker(w: Workload, steps: int, warmup: int, shards: int, zero: bool 
         y = T.term(np.zeros((n, w.classes), np.float32), label="y")
     logits, layers = models.ocannl_model(w, x)
     loss = models.ocannl_loss(w, logits, y)
-    dp = parallel.DataParallel(comm, loss, inputs=[x, y], shards=count, fixed_order=fixed,
+    dp = parallel.DataParallel(parallel.SingleProcess() if alone else comm, loss,
+                               inputs=[x, y], shards=count, fixed_order=fixed,
                                shard_optimizer=zero, overlap=overlap)
     ctx = dp.setup(Context.cpu())
     opt = models.ocannl_optimizer(w)
@@ -190,7 +198,7 @@ def ocannl_worker(w: Workload, steps: int, warmup: int, shards: int, zero: bool 
 
     def step(i: int) -> None:
         k = i % w.n_batches
-        dp.set_batch(ctx, fx.x[k], targets[k])  # the global batch: dp takes this rank's block
+        dp.set_batch(ctx, fx.x[k][block], targets[k][block])  # dp takes this rank's block
         dp.after_update(dp.run_and_reduce(ctx, grads, update=update))
 
     losses = []
@@ -287,7 +295,8 @@ def launch(w: Workload, framework: str, ranks: int, steps: int, warmup: int, thr
     py = [sys.executable, "-m", "mpi4py"] if ours else [sys.executable]
     worker = ["ocannl", "--shards", str(0 if framework == "ocannl-allreduce" else shards),
               *(["--zero"] if framework == "ocannl-zero" else []),
-              *(["--overlap"] if framework == "ocannl-overlap" else [])] if ours \
+              *(["--overlap"] if framework == "ocannl-overlap" else []),
+              *(["--alone"] if framework == "ocannl-alone" else [])] if ours \
         else [framework]
     env = dict(os.environ)
     for var in THREAD_VARS:
@@ -349,13 +358,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--zero", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--overlap", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--alone", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     used = [WORKLOADS[name] for name in dict.fromkeys(args.workloads)]
     if args.worker:
         w = used[0]
         if args.worker == "ocannl":
             res = ocannl_worker(w, args.steps, args.warmup, args.shards, args.zero,
-                                args.overlap)
+                                args.overlap, args.alone)
         else:
             res = torch_worker(w, args.steps, args.warmup, args.port, args.threads)
         if res["rank"] == 0:
@@ -417,13 +427,17 @@ def workload_rows(w: Workload, runs: dict[tuple[str, int], list[dict]], ref: lis
         for n in ranks:
             rs = runs[(fw, n)]
             sps = statistics.median(x["steps"] / x["seconds"] for x in rs)
-            err = max(abs(a - b) / abs(b) for a, b in zip(rs[0]["losses"], ref, strict=True))
+            # each rank alone trains its own block: its losses are not the global batch's
+            na = fw == "ocannl-alone" and n > 1
+            err = 0.0 if na else max(abs(a - b) / abs(b)
+                                     for a, b in zip(rs[0]["losses"], ref, strict=True))
             label = threads(n)
             refused = sorted({p for x in rs for p in check_threads(label, x["ranks"])})
             rows.append({"workload": w.name, "framework": fw, "ranks": n,
                          "rows_per_rank": w.batch // n, "threads_per_rank": label,
                          "steps_per_s": sps, "samples_per_s": sps * w.batch,
                          "parity_max_rel": err, "parity_ok": err <= TOLERANCE["f32"],
+                         "parity_na": na,
                          "threads_refused": refused,
                          "losses": [x["losses"] for x in rs],
                          "threads_seen": [x["ranks"] for x in rs],
@@ -560,6 +574,19 @@ def state_per_rank(rows: list[dict]) -> list[tuple[int, int, int, float]]:
     return out
 
 
+def scaling_ceiling(rows: list[dict]) -> list[tuple[int, float, float]]:
+    """Per rank count above 1 where both were timed: the scaling efficiency of the ranks
+    training alone (``ocannl-alone``, against the fixed shard tree's 1 rank: the same work per
+    rank, no exchange) and the fixed shard tree's own."""
+    by = {(r["framework"], r["ranks"]): r for r in rows if r.get("timed", r["parity_ok"])}
+    one = by.get(("ocannl", 1))
+    if one is None:
+        return []
+    return [(n, by[("ocannl-alone", n)]["steps_per_s"] / (n * one["steps_per_s"]),
+             by[("ocannl", n)]["steps_per_s"] / (n * one["steps_per_s"]))
+            for fw, n in sorted(by) if fw == "ocannl" and n > 1 and ("ocannl-alone", n) in by]
+
+
 def shard_order_cost(rows: list[dict]) -> list[tuple[int, float]]:
     """Per rank count where both were timed: ocannl-allreduce's steps/s over ocannl's."""
     by = {(r["framework"], r["ranks"]): r for r in rows if r.get("timed", r["parity_ok"])}
@@ -598,10 +625,11 @@ def render(rows: list[dict], info: dict) -> str:
                    "(parity failed)" if not ok else "(refused: threads)")
             samples = f"{r['samples_per_s']:.0f}" if timed else "-"
             busy = cores_busy(r)
+            parity = "n/a (no exchange)" if r.get("parity_na") else \
+                f"{'ok' if ok else 'FAIL'} ({r['parity_max_rel']:.1e})"
             lines.append(f"| {fw} | {r['ranks']} | {r['rows_per_rank']} | "
                          f"{r['threads_per_rank']} | {'-' if busy is None else f'{busy:.2f}'} | "
-                         f"{sps} | {samples} | {eff} | "
-                         f"{'ok' if ok else 'FAIL'} ({r['parity_max_rel']:.1e}) |")
+                         f"{sps} | {samples} | {eff} | {parity} |")
         same = same_bits([r for r in rows if r["workload"] == name])
         if same:
             lines += ["", "The fixed shard tree's global losses over the parity steps, at each "
@@ -619,6 +647,13 @@ def render(rows: list[dict], info: dict) -> str:
                       "whole): " + ", ".join(
                           f"{n} rank(s) {most:,} of {whole:,} bytes ({most / whole:.3f}, "
                           f"{ratio:.3f} x 1/{n})" for n, most, whole, ratio in state) + "."]
+        ceiling = scaling_ceiling([r for r in rows if r["workload"] == name])
+        if ceiling:
+            lines += ["", "The ceiling (each rank training its own block of the tree's shards "
+                      "with no exchange at all: what the ranks of this machine reach with "
+                      "nothing between them): " + ", ".join(
+                          f"{n} ranks {c:.2f}, the fixed shard tree {t:.2f} ({t / c:.2f} of it)"
+                          for n, c, t in ceiling) + " (scaling efficiency)."]
         cost = shard_order_cost([r for r in rows if r["workload"] == name])
         if cost:
             lines += ["", "Cost of the fixed shard order (steps/s with MPI's allreduce over "

@@ -65,3 +65,24 @@ def test_every_rank_gets_each_thread_variable() -> None:
                           text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "1"
+
+
+def test_the_ranks_alone_are_the_ceiling_with_no_parity_of_their_own() -> None:
+    """Each rank training its own block (no exchange) is timed without the parity gate at
+    more than one rank (its losses are its block's) and gives the scaling's ceiling."""
+    w = WORKLOADS["mlp_wide"]
+    runs = _runs({})
+    for n in (1, 2):
+        runs[("ocannl-alone", n)][0]["losses"] = [1.0 if n == 1 else 5.0]
+    runs[("ocannl", 2)][0]["seconds"] = 0.6  # the tree at 2 ranks: 0.83 of 2x
+    rows = D.workload_rows(w, runs, [1.0], [1, 2], lambda n: 1)
+    alone = {r["ranks"]: r for r in rows if r["framework"] == "ocannl-alone"}
+    assert alone[2]["parity_na"] and alone[2]["timed"] and not alone[1]["parity_na"]
+    assert D.scaling_ceiling(rows) == [(2, 1.0, (10 / 0.6) / 20)]
+    info = {"cpu": "cpu", "cores": 2, "commit": "c", "load_avg": (0, 0, 0), "rounds": 1,
+            "steps": 10, "command": "cmd",
+            "workloads": {"mlp_wide": {"describe": "d", "dataset": "ds", "global_batch": 256,
+                                       "shards": 2}}}
+    text = D.render(rows, info)
+    assert "| n/a (no exchange) |" in text
+    assert "2 ranks 1.00, the fixed shard tree 0.83 (0.83 of it)" in text
