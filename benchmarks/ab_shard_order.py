@@ -38,9 +38,8 @@ import numpy as np  # noqa: E402
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import ocannl.tensor as T  # noqa: E402
 from benchmarks import fixtures, models  # noqa: E402
-from benchmarks.data_parallel import shard_count  # noqa: E402
+from benchmarks.data_parallel import shard_count, shard_model  # noqa: E402
 from benchmarks.interleaved import interleaved  # noqa: E402
 from benchmarks.specs import WORKLOADS, Workload  # noqa: E402
 from ocannl import Context, parallel, train  # noqa: E402
@@ -52,15 +51,7 @@ def build(w: Workload, shards: int) -> dict[str, Any]:
     fx = fixtures.load(w)
     targets = models.feed_targets(fx)
     count = shards or 1
-    n = w.batch // count
-    if w.model == "gpt":
-        x = T.class_ids(fx.x[0][:n], num_classes=w.vocab, label="ids")
-        y = T.class_ids(fx.labels[0][:n], num_classes=w.vocab, label="targets")
-    else:
-        x = models.ocannl_input(np.zeros((n, *w.input_shape), np.float32))
-        y = T.term(np.zeros((n, w.classes), np.float32), label="y")
-    logits, layers = models.ocannl_model(w, x)
-    loss = models.ocannl_loss(w, logits, y)
+    x, y, loss, layers = shard_model(w, fx, w.batch // count)
     dp = parallel.DataParallel(parallel.SingleProcess(), loss, inputs=[x, y], shards=count,
                                fixed_order=shards > 0)
     ctx = dp.setup(Context.cpu())

@@ -148,14 +148,30 @@ def _shard(w: Workload, rank: int, size: int, step: int, fx: fixtures.Fixture,
     return fx.x[k][rows], None if onehot is None else onehot[k][rows], fx.labels[k][rows]
 
 
+def shard_model(w: Workload, fx: fixtures.Fixture, rows: int) -> tuple[Any, Any, Any, Any]:
+    """This project's model of ``w`` over a shard of ``rows`` rows: its inputs, targets, loss
+    and layers (for the fixture's weights)."""
+    import ocannl.tensor as T
+
+    if w.model == "gpt":
+        x = T.class_ids(fx.x[0][:rows], num_classes=w.vocab, label="ids")
+        y = T.class_ids(fx.labels[0][:rows], num_classes=w.vocab, label="targets")
+    else:
+        x = models.ocannl_input(np.zeros((rows, *w.input_shape), np.float32))
+        y = T.term(np.zeros((rows, w.classes), np.float32), label="y")
+    logits, layers = models.ocannl_model(w, x)
+    return x, y, models.ocannl_loss(w, logits, y), layers
+
+
 def ocannl_worker(w: Workload, steps: int, warmup: int, shards: int, zero: bool = False,
                   overlap: bool = False, alone: bool = False) -> dict:
     """This project's rank: ``shards`` shards summed in the shard tree's order (0: one shard
     per rank summed by MPI's allreduce, the order off); ``zero``: the optimizer state
     sharded over the ranks (ZeRO-1); ``overlap``: the exchange in buckets (the default
-    ``bucket_bytes``) started while the last shard's backward code runs. Reports the optimizer
-    state's bytes the rank holds."""
-    import ocannl.tensor as T
+    ``bucket_bytes``) started while the last shard's backward code runs; ``alone``: each rank
+    trains its own block of the tree's shards with no exchange at all (what the ranks reach
+    with nothing between them: the ceiling of the others' scaling on this machine). Reports
+    the optimizer state's bytes the rank holds."""
     from ocannl import Context, parallel, train
 
     comm = parallel.world("mpi")
@@ -169,14 +185,7 @@ def ocannl_worker(w: Workload, steps: int, warmup: int, shards: int, zero: bool 
         count //= comm.size
         block = slice(comm.rank * count * n, (comm.rank + 1) * count * n)
     t0 = time.perf_counter()
-    if w.model == "gpt":
-        x = T.class_ids(fx.x[0][:n], num_classes=w.vocab, label="ids")
-        y = T.class_ids(fx.labels[0][:n], num_classes=w.vocab, label="targets")
-    else:
-        x = models.ocannl_input(np.zeros((n, *w.input_shape), np.float32))
-        y = T.term(np.zeros((n, w.classes), np.float32), label="y")
-    logits, layers = models.ocannl_model(w, x)
-    loss = models.ocannl_loss(w, logits, y)
+    x, y, loss, layers = shard_model(w, fx, n)
     dp = parallel.DataParallel(parallel.SingleProcess() if alone else comm, loss,
                                inputs=[x, y], shards=count, fixed_order=fixed,
                                shard_optimizer=zero, overlap=overlap)

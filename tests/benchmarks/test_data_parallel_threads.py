@@ -39,6 +39,14 @@ def _runs(threads_seen: dict) -> dict:
     return out
 
 
+def _info(shards: int) -> dict:
+    """A report's header facts, for rendering mlp_wide's rows."""
+    return {"cpu": "cpu", "cores": 2, "commit": "c", "load_avg": (0, 0, 0), "rounds": 1,
+            "steps": 10, "command": "cmd",
+            "workloads": {"mlp_wide": {"describe": "d", "dataset": "ds", "global_batch": 256,
+                                       "shards": shards}}}
+
+
 def test_a_refused_row_shows_no_timing_and_says_why() -> None:
     w = WORKLOADS["mlp_wide"]
     runs = _runs({("ocannl", 2): _rank({"ocannl": 2})})
@@ -46,11 +54,7 @@ def test_a_refused_row_shows_no_timing_and_says_why() -> None:
     bad = [r for r in rows if r["threads_refused"]]
     assert [(r["framework"], r["ranks"]) for r in bad] == [("ocannl", 2)]
     assert not bad[0]["timed"] and not bad[0]["efficiency_ok"]
-    info = {"cpu": "cpu", "cores": 2, "commit": "c", "load_avg": (0, 0, 0), "rounds": 1,
-            "steps": 10, "command": "cmd",
-            "workloads": {"mlp_wide": {"describe": "d", "dataset": "ds", "global_batch": 256,
-                                       "shards": 8}}}
-    text = D.render(rows, info)
+    text = D.render(rows, _info(shards=8))
     assert "(refused: threads)" in text
     assert "- mlp_wide, ocannl, 2 rank(s): rank 0: ocannl ran 2 thread(s), not 1" in text
     assert "Cost of the fixed shard order" in text and "1 rank(s) 1.000x" in text
@@ -79,10 +83,6 @@ def test_the_ranks_alone_are_the_ceiling_with_no_parity_of_their_own() -> None:
     alone = {r["ranks"]: r for r in rows if r["framework"] == "ocannl-alone"}
     assert alone[2]["parity_na"] and alone[2]["timed"] and not alone[1]["parity_na"]
     assert D.scaling_ceiling(rows) == [(2, 1.0, (10 / 0.6) / 20)]
-    info = {"cpu": "cpu", "cores": 2, "commit": "c", "load_avg": (0, 0, 0), "rounds": 1,
-            "steps": 10, "command": "cmd",
-            "workloads": {"mlp_wide": {"describe": "d", "dataset": "ds", "global_batch": 256,
-                                       "shards": 2}}}
-    text = D.render(rows, info)
+    text = D.render(rows, _info(shards=2))
     assert "| n/a (no exchange) |" in text
     assert "2 ranks 1.00, the fixed shard tree 0.83 (0.83 of it)" in text
