@@ -90,6 +90,18 @@ class Routine:
         return f"Routine({self.label!r}, {len(self.nodes)} buffers)"
 
 
+class Checked:
+    """Host values already checked for one node (:meth:`Context.checked`), written later by
+    :meth:`Context.set_values` without checking them again: a data-parallel rank's later
+    shards are checked when the batch is given, before anything is written, and written as
+    each shard runs."""
+
+    __slots__ = ("host", "node_id")
+
+    def __init__(self, node_id: int, host: np.ndarray) -> None:
+        self.node_id, self.host = node_id, host
+
+
 # An Enum member read through its class is a slow attribute lookup next to a module global
 # (benchmarks/OBSTACLES.md, "A small step's fixed costs"): the host's every-step paths
 # (set_values, get_value) read this one instead.
@@ -654,12 +666,26 @@ class Context:
         scrambled), and so do non-numeric values; nothing is written or allocated then. Values
         are rounded once, to nearest (ties to even), to the node's precision."""
         node = _as_node(t)
-        host = self._checked(node, values)
+        if type(values) is Checked:
+            if values.node_id != node.id:
+                raise ValueError(f"set_values on {node.name}: the values were checked for "
+                                 f"another node (id {values.node_id})")
+            host = values.host
+        else:
+            host = self._checked(node, values)
         self._backend.write(node, self._ensure(node), host)
         self._initialized.add(node.id)
         if node.twins:
             self._master_written(node)
         return self
+
+    def checked(self, t: Any, values: Any) -> Checked:
+        """``values`` checked for ``t`` as :meth:`set_values` checks them (``ValueError`` /
+        ``TypeError`` naming what is wrong, nothing written), to write later with
+        ``set_values(t, checked)``. The host array is kept as given: copy it first if it may
+        change before then."""
+        node = _as_node(t)
+        return Checked(node.id, self._checked(node, values))
 
     def get_values(self, t: Any) -> np.ndarray:
         """The node's values as a host array shaped by its dims. ``ValueError`` when nothing

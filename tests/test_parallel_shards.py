@@ -119,6 +119,27 @@ def test_shard_settings_are_checked() -> None:
         dp.reduce(ctx)
 
 
+def test_a_bad_value_in_a_later_shard_is_refused_before_anything_is_written() -> None:
+    """set_batch checks every shard's values before it writes the first one: a class id out
+    of range in the second shard is refused there, naming it, and the inputs and the pending
+    shards stay as they were (reduce would otherwise stop halfway through the step)."""
+    T.set_seed(0)
+    x = T.term(np.zeros((4, 2)), label="x")
+    ids = T.class_ids(batch_dims=(4,), num_classes=2, label="ids")
+    logits, _ = nn_blocks.mlp(x, [8], 2)
+    dp = parallel.DataParallel(parallel.SingleProcess(), nn_blocks.cross_entropy(logits, ids),
+                               inputs=[x, ids], shards=2)
+    ctx = dp.setup(Context.cpu())
+    ctx = ctx.set_values(x, np.full((4, 2), 5.0)).set_values(ids, np.zeros(4))
+    with pytest.raises(ValueError, match=r"class ids ids: value 7 at position \(2,\) is out "
+                                         r"of range: expected an integer in \[0, 2\)"):
+        dp.set_batch(ctx, np.ones((8, 2)), np.array([0, 1, 0, 1, 0, 1, 7, 0]))
+    assert np.array_equal(ctx.get_values(x), np.full((4, 2), 5.0))
+    assert np.array_equal(ctx.get_values(ids), np.zeros(4)) and dp._pending == []
+    with pytest.raises(ValueError, match=r"set_values on x.*checked for another node"):
+        ctx.set_values(x, ctx.checked(ids, np.zeros(4)))
+
+
 class _TwoRanks(parallel.SingleProcess):  # a stand-in: rank 0 of 2
     size = 2
 
@@ -281,7 +302,8 @@ def test_the_loader_hands_a_rank_its_block_through_set_batch() -> None:
     ld = loader.Loader([data, targets], [x, y], batch=8, shuffle=False, parallel=dp)
     ctx = ld.next(ctx)
     assert np.array_equal(ctx.get_values(x), data[:4])
-    assert len(dp._pending) == 1 and np.array_equal(dp._pending[0][0][0], data[4:8])
+    kept = dp._pending[0][0][0].host  # the second shard's rows, checked and copied
+    assert len(dp._pending) == 1 and np.array_equal(kept.reshape(4, 2), data[4:8])
     with pytest.raises(ValueError, match=r"expected \(2, 2\): 2 rows \(a shard: the batch over "
                                          r"4 shards\)"):
         x4, y4, loss4 = _mlp(4)

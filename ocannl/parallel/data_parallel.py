@@ -572,9 +572,12 @@ class DataParallel:
                     f"DataParallel.set_batch: {t.label} got {n} rows, expected this rank's "
                     f"block of {k} shard(s) of {rows} rows ({rows * k}) or the global batch "
                     f"({rows * self.shards})")
-            for j in range(k):  # the first shard is copied by set_values, the others here
+            # Every shard's values checked now, before anything is written (a bad value in a
+            # later shard would otherwise stop reduce halfway); the first shard is written
+            # now, the others are copies kept for reduce.
+            for j in range(k):
                 part = a[j * rows:(j + 1) * rows]
-                parts[j].append(part if j == 0 else np.array(part, copy=True))
+                parts[j].append(ctx.checked(t, part if j == 0 else np.array(part, copy=True)))
         if not self._pending and self.stats and k > 1:
             self._stats_at = [np.array(ctx.get_values(m), copy=True) for m in self.stats]
         if self.rngs and k > 1:
