@@ -108,10 +108,17 @@ class Checked:
 _LOCAL = MemoryMode.local
 
 
-def buffer_address(buf: Buffer) -> int:
+def _buffer_address(buf: Buffer) -> int:
     """Where a buffer's memory starts: a NumPy array's (CPU) or a CuPy array's (CUDA)."""
     data = getattr(buf, "ctypes", None)
     return int(data.data) if data is not None else int(buf.data.ptr)
+
+
+def offset_in(buf: Buffer, whole: Buffer) -> int | None:
+    """The element of ``whole`` at which ``buf`` starts when it is a view inside it (a flat
+    buffer's member), else None."""
+    at = _buffer_address(buf) - _buffer_address(whole)
+    return at // whole.itemsize if 0 <= at < whole.nbytes else None
 
 
 def _as_node(x: Any) -> Tnode:
@@ -325,12 +332,10 @@ class Context:
                              f"({type(whole).__name__} {whole.dtype} {whole.shape}), got "
                              f"{type(storage).__name__} {getattr(storage, 'dtype', '')} "
                              f"{getattr(storage, 'shape', '')}")
-        base, end = buffer_address(whole), buffer_address(whole) + whole.nbytes
         bufs = []
         for b in routine.buffers:  # a view inside the flat buffer moves with it
-            at = buffer_address(b)
-            if base <= at < end:
-                off = (at - base) // whole.itemsize
+            off = offset_in(b, whole)
+            if off is not None:
                 b = storage[off:off + b.size].reshape(b.shape)
             bufs.append(b)
         moved = Routine(f"{routine.label}@{f.name}'", self, routine.nodes, routine.compiled,

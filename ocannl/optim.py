@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections import Counter
 from collections.abc import MutableMapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -392,7 +393,7 @@ class Optimizer:
         given = list(order)
         ids = [getattr(getattr(p, "value", None), "id", None) for p in given]
         want = [p.value.id for p in params]
-        if sorted(ids, key=str) != sorted(want, key=str):
+        if Counter(ids) != Counter(want):
             names = {p.value.id: p.label for p in params}
             extra = [getattr(p, "label", repr(p)) for p, i in zip(given, ids, strict=True)
                      if i not in names]

@@ -196,7 +196,7 @@ def run_plain(comm: Any, *, shards: int = 4, steps: int = 6, overlap: bool = Fal
         dp.set_batch(ctx, points[rows], targets[rows])
         ctx = dp.after_update(dp.run_and_reduce(ctx, grads, update=update))
         losses.append(dp.global_loss())
-    plan = dp._update_splits.get(id(update), [])
+    plan = dp._update_splits.get(update, [])
     return {"state_names": [n.name for n in state],
             "state": [np.array(a, copy=True) for a in dp.gather_state(ctx, state)],
             "losses": np.array(losses), "parts_read": [reads for _, reads in plan],

@@ -134,6 +134,8 @@ def test_update_order_and_routine_are_checked() -> None:
     dp = parallel.DataParallel(parallel.SingleProcess(), loss, overlap=True, bucket_bytes=64)
     with pytest.raises(ValueError, match=r"call setup\(ctx\) before asking for update_order"):
         dp.update_order  # noqa: B018
+    with pytest.raises(ValueError, match=r"call setup\(ctx\) before compiling \(the update"):
+        dp.compile_update(Context.cpu(), opt.update(loss))
     ctx = dp.setup(Context.cpu())
     assert [p.value.id for p in dp.update_order] == [p.value.id for p in params[::-1]]
     ctx, grads = dp.compile_gradients(ctx, train.grad_update(loss))

@@ -16,7 +16,7 @@ from typing import Any, cast
 import numpy as np
 
 from ocannl import checkpoint
-from ocannl.context import Context, Routine, buffer_address, flat_layout
+from ocannl.context import Context, Routine, flat_layout, offset_in
 from ocannl.errors import Failure, require_bool
 from ocannl.ir.ops import Precision
 from ocannl.ir.tnode import Tnode
@@ -251,10 +251,13 @@ class DataParallel:
                              f"{bucket_bytes!r}")
         self.bucket_bytes = bucket_bytes
         self._buckets: list[tuple[int, int, list[int]]] = []
-        # The optimizer's update cut at the buckets, by the whole update routine's id: its
-        # parts, and the buckets each part reads the gradients of (compile_update).
-        self._update_splits: dict[int, list[tuple[Routine, list[int]]]] = {}
-        self._splits: dict[int, tuple[list[Routine], list[int]]] = {}  # whole routine id ->
+        # Keyed by the routine itself, held weakly (an id could be a later routine's): the
+        # optimizer's update cut at the buckets, its parts and the buckets each part reads
+        # the gradients of (compile_update); the gradient routine cut at the buckets.
+        self._update_splits: weakref.WeakKeyDictionary[Routine, list[tuple[Routine, list[int]]]] \
+            = weakref.WeakKeyDictionary()
+        self._splits: weakref.WeakKeyDictionary[Routine, tuple[list[Routine], list[int]]] = \
+            weakref.WeakKeyDictionary()
         self._zero: OptimizerShard | None = None
         self.flat_params: Tnode | None = None  # with shard_optimizer: the parameters' buffer
         self._gathered = True  # the parameters were gathered since the last update
@@ -272,8 +275,10 @@ class DataParallel:
         # What the forward code updates besides random streams: batch-norm running statistics
         # (averaged over the shards, but for those every shard computes alike).
         self.stats = [m for m in buffers(loss) if m.id not in drawn and m.id not in same]
-        self._synced_routines: dict[int, SyncedRoutine] = {}  # whole routine id ->
-        self._memories: dict[int, ShardMemory] = {}  # SyncedRoutine id -> its shards' copies
+        self._synced_routines: weakref.WeakKeyDictionary[Routine, SyncedRoutine] = \
+            weakref.WeakKeyDictionary()  # the whole routine's cut
+        self._memories: weakref.WeakKeyDictionary[SyncedRoutine, ShardMemory] = \
+            weakref.WeakKeyDictionary()  # a cut routine's shards' copies
         self._counted: weakref.WeakKeyDictionary[Context, bool] = weakref.WeakKeyDictionary()
         self._unscale_for: tuple[float, float] | None = None  # the last scale and its value
         self._unscale = T.term(np.float32(self._unscale_value(None)),
@@ -467,11 +472,12 @@ class DataParallel:
         only for the exchanges of the buckets whose gradients it reads (the same items, the
         same bits). A part that reads every gradient (a clipping norm, a checksum) waits for
         them all."""
+        if self.overlap and self.flat is None:
+            raise ValueError(f"{self!r}: call setup(ctx) before compiling (the update is cut "
+                             f"at the gradients' buckets)")
         ctx, whole = ctx.compile(comp)
         if not self.overlap or len(self._buckets) < 2 or self.global_sums:
             return ctx, whole
-        if self.flat is None:
-            raise ValueError(f"{self!r}: call setup(ctx) before compiling")
         zero = self.optimizer_shard
         if zero is None:
             groups = [[self.params[i].value for i in members] for _, _, members in self._buckets]
@@ -483,16 +489,14 @@ class DataParallel:
         # What a part reads of the gradients, by memory: any of its buffers inside the flat
         # buffer (the update writes no gradient), whatever node views it.
         flat = ctx.device_buffer(self.flat)
-        base, item = buffer_address(flat), flat.itemsize
         plan = []
         for part in parts:
-            spans = [((at - base) // item, (at - base) // item + b.size)
-                     for b in part.buffers
-                     if 0 <= (at := buffer_address(b)) - base < flat.nbytes]
+            spans = [(at, at + b.size) for b in part.buffers
+                     if (at := offset_in(b, flat)) is not None]
             plan.append((part, [k for k, (a, z, _) in enumerate(self._buckets)
                                 if any(lo < z and a < hi for lo, hi in spans)]))
         if len(parts) > 1 and len(plan[0][1]) < len(self._buckets):
-            self._update_splits[id(whole)] = plan
+            self._update_splits[whole] = plan
         return ctx, whole
 
     def _split(self, ctx: Context, comp: Any, whole: Routine) -> Context:
@@ -506,7 +510,7 @@ class DataParallel:
         groups = [[grads[i] for i in members] for _, _, members in self._buckets]
         ctx, parts, ready = ctx.compile_split(comp, groups)
         if min(ready) < len(parts) - 1:  # else every bucket completes at the end: no overlap
-            self._splits[id(whole)] = (parts, ready)
+            self._splits[whole] = (parts, ready)
         return ctx
 
     def _split_synced(self, ctx: Context, comp: Any, whole: Routine) -> Context:
@@ -524,7 +528,7 @@ class DataParallel:
         finals = [*(p.grad for p in self.params if p.grad is not None), self.loss.value,
                   *self.stats]
         ctx, synced = compile_synced(ctx, comp, self.global_sums, per_shard, finals, buckets)
-        self._synced_routines[id(whole)] = synced
+        self._synced_routines[whole] = synced
         return ctx
 
     def use_routines(self, first: Any, more: Any = None) -> None:
@@ -532,6 +536,7 @@ class DataParallel:
         (``train.grad_update``), ``more`` adds a micro-batch's (``accumulate=True``; with
         gradient accumulation only). Needed when a rank computes more than one shard."""
         self._first, self._more = first, more
+        self._moved.clear()  # bound from the routines these replace
 
     # --- feeding the shards --------------------------------------------------------------------
 
@@ -652,7 +657,7 @@ class DataParallel:
             raise TypeError(f"{self!r}: update must be a Routine (dp.compile_update), got "
                             f"{type(update).__name__}: {update!r:.80}")
         if self.global_sums:
-            synced = self._synced_routines.get(id(routine))
+            synced = self._synced_routines.get(routine)
             if synced is None:
                 raise ValueError(f"{self!r}: {routine!r} was not compiled by this "
                                  f"DataParallel: with synced batch norm compile the gradient "
@@ -660,7 +665,7 @@ class DataParallel:
                                  f"dp.compile_gradients(ctx, comp), which cut it at the "
                                  f"statistics' exchanges")
             return self._reduce(ctx, scaler, synced, update)
-        split = self._splits.get(id(routine)) if self.overlap else None
+        split = self._splits.get(routine) if self.overlap else None
         if split is None:
             return self._reduce(ctx.run(routine), scaler, None, update)
         if self.per_rank > 1:
@@ -716,9 +721,9 @@ class DataParallel:
             self._counted[ctx] = True
         memory = None
         if k > 1:
-            memory = self._memories.get(id(synced))
+            memory = self._memories.get(synced)
             if memory is None:
-                memory = self._memories[id(synced)] = ShardMemory(ctx, synced, k)
+                memory = self._memories[synced] = ShardMemory(ctx, synced, k)
             memory.save_start()
         losses: list[Any] = []
         stats: list[Any] = []
@@ -801,7 +806,7 @@ class DataParallel:
                 update: Routine | None = None) -> Context:
         # The shard sums' overflows are the checksum's to see: NumPy says nothing of them
         # (one errstate for the whole reduction: entering one costs microseconds).
-        plan = None if update is None else self._update_splits.get(id(update))
+        plan = None if update is None else self._update_splits.get(update)
         with np.errstate(all="ignore"):
             ctx, updated = self._reduce_quietly(ctx, scaler, split, plan)
         return ctx.run(update) if update is not None and not updated else ctx

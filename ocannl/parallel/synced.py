@@ -14,7 +14,7 @@ from ocannl.ir.tnode import MemoryMode, Tnode
 from ocannl.tensor.global_sums import GlobalSums
 
 
-@dataclass
+@dataclass(eq=False)  # by identity: a reducer's caches are keyed by it
 class SyncedRoutine:
     """A gradient routine cut at its global sums. ``parts`` run in order; ``done[p]``: the
     groups of sums complete after part ``p`` (each replaced, before part ``p + 1``, by its sum
