@@ -101,6 +101,11 @@ class Checked:
     def __init__(self, node_id: int, host: np.ndarray) -> None:
         self.node_id, self.host = node_id, host
 
+    def copy(self) -> Checked:
+        """The same values in an array of their own (the caller's may change before the
+        write)."""
+        return Checked(self.node_id, self.host.copy())
+
 
 # An Enum member read through its class is a slow attribute lookup next to a module global
 # (benchmarks/OBSTACLES.md, "A small step's fixed costs"): the host's every-step paths
@@ -465,8 +470,9 @@ class Context:
         the node already when it hands the buffer out; call this after a later write."""
         node = _as_node(t)
         self._buffer(node)
-        for n in self._flat_members.get(node.id, [node]):
-            self._master_written(n)
+        if self._kept:  # else no node has a twin to spoil
+            for n in self._flat_members.get(node.id, [node]):
+                self._master_written(n)
         return self
 
     # --- buffers ------------------------------------------------------------------------------
@@ -630,12 +636,13 @@ class Context:
         return entry[1]
 
     @staticmethod
-    def _checked(node: Tnode, values: Any) -> np.ndarray:
-        """``values`` as a flat host array for ``node``, or ``ValueError`` naming the node, what
-        was given and what was expected. Accepted: an array-like of real numbers (or booleans)
-        shaped exactly as the node's dims, or flat with the node's size, or a scalar for a
-        one-element node. Any other shape is refused, even one with the right element count: a
-        transposed batch would otherwise scramble the data."""
+    def _checked(node: Tnode, values: Any, blocks: int = 1) -> np.ndarray:
+        """``values`` as a flat host array for ``node`` (``blocks`` of them stacked on the first
+        axis), or ``ValueError`` naming the node, what was given and what was expected.
+        Accepted: an array-like of real numbers (or booleans) shaped exactly as the node's dims
+        (the first one ``blocks`` times as long), or flat with the node's size (times
+        ``blocks``), or a scalar for a one-element node. Any other shape is refused, even one
+        with the right element count: a transposed batch would otherwise scramble the data."""
         if type(values) is np.ndarray:  # the every-step case, a batch: no np.asarray
             arr = values
         else:
@@ -650,16 +657,27 @@ class Context:
             raise ValueError(f"set_values on {node.name}: values must be numbers (real), got dtype "
                              f"{dtype}" + (" (non-numeric values, or integers too large "
                                            "for int64)" if dtype.kind == "O" else ""))
-        dims = node.dims
-        if arr.shape != dims:
-            size = node.size
-            if arr.shape != (size,) and not (size == 1 and arr.ndim == 0):
+        dims, size = node.dims, node.size
+        if blocks == 1:
+            if arr.shape != dims and arr.shape != (size,) and not (size == 1 and arr.ndim == 0):
                 raise ValueError(
                     f"set_values on {node.name}: got {arr.size} values of shape {arr.shape}, "
                     f"expected {size} values shaped as the node's dims {dims} or flat ({size},)"
                 )
+        elif not dims or (arr.shape != (dims[0] * blocks, *dims[1:])
+                          and arr.shape != (size * blocks,)):
+            stacked = (dims[0] * blocks, *dims[1:]) if dims else "(none: the node has no axis)"
+            raise ValueError(
+                f"set_values on {node.name}: got {arr.size} values of shape {arr.shape}, "
+                f"expected {blocks} blocks of the node's dims {dims} stacked on the first axis "
+                f"{stacked} or flat ({size * blocks},)")
         if node.check_values is not None:  # e.g. class ids: integers in range
-            node.check_values(arr.reshape(dims))
+            if blocks == 1:
+                node.check_values(arr.reshape(dims))
+            else:
+                whole = arr.reshape(-1)
+                for b in range(blocks):
+                    node.check_values(whole[b * size:(b + 1) * size].reshape(dims))
         return arr.ravel()  # the backend rounds to the node's precision as it writes
 
     def set_values(self, t: Any, values: Any) -> Context:
@@ -691,6 +709,41 @@ class Context:
         change before then."""
         node = _as_node(t)
         return Checked(node.id, self._checked(node, values))
+
+    def checked_blocks(self, t: Any, values: Any, count: int) -> list[Checked]:
+        """``values``: ``count`` blocks of ``t``'s values stacked on the first axis (a rank's
+        shards of a batch), checked as :meth:`checked` checks one (the dtype and the shape
+        once, the node's own value check per block), or ``ValueError`` naming what is wrong.
+        One :class:`Checked` per block, each a view of the values as given."""
+        node = _as_node(t)
+        if type(count) is not int or count < 1:
+            raise ValueError(f"checked_blocks on {node.name}: count must be an int >= 1, got "
+                             f"{count!r}")
+        whole, size = self._checked(node, values, count), node.size
+        return [Checked(node.id, whole[b * size:(b + 1) * size]) for b in range(count)]
+
+    def writer(self, t: Any) -> Callable[[Checked], None]:
+        """:meth:`set_values` for one node with its lookups done once, for a write every step (a
+        data-parallel rank's shards): the callable takes values checked for ``t``
+        (:meth:`checked`, :meth:`checked_blocks`), ``ValueError`` for values checked for
+        another node. It allocates the node's buffer now if it has none."""
+        node = _as_node(t)
+        buf, nid = self._ensure(node), node.id
+        write, initialized = self._backend.write, self._initialized
+        context = weakref.ref(self)  # a writer kept beside its context does not keep it alive
+
+        def write_checked(values: Checked) -> None:
+            if type(values) is not Checked or values.node_id != nid:
+                got = (f"values checked for another node (id {values.node_id})"
+                       if type(values) is Checked else f"{type(values).__name__} {values!r:.60}")
+                raise ValueError(f"the writer of {node.name} takes values checked for it "
+                                 f"(Context.checked), got {got}")
+            write(node, buf, values.host)
+            initialized.add(nid)
+            if node.twins:
+                context()._master_written(node)  # type: ignore[union-attr]
+
+        return write_checked
 
     def get_values(self, t: Any) -> np.ndarray:
         """The node's values as a host array shaped by its dims. ``ValueError`` when nothing

@@ -211,6 +211,59 @@ def test_exact_dims_flat_and_one_element_scalars_are_accepted() -> None:
     assert ctx.get_value(col, (0,)) == 3.0
 
 
+def test_checked_blocks_split_stacked_values_and_refuse_any_other_shape() -> None:
+    """``checked_blocks``: ``count`` blocks of the node's dims stacked on the first axis (or
+    flat), one check of the dtype and shape, each block written as ``set_values`` writes it;
+    a shape that is not exactly that is refused naming both, with nothing written."""
+    node = Tnode("x", (2, 3), Precision.bf16)
+    values = np.arange(18.0).reshape(6, 3) / 7  # not bf16 numbers: each write rounds once
+    ctx = Context.cpu().set_values(node, np.zeros((2, 3)))
+    for parts in (ctx.checked_blocks(node, values, 3), ctx.checked_blocks(node, values.ravel(), 3)):
+        assert len(parts) == 3
+        for b, part in enumerate(parts):
+            got = ctx.set_values(node, part).get_values(node)
+            want = Context.cpu().set_values(node, values[2 * b:2 * b + 2]).get_values(node)
+            assert got.tobytes() == want.tobytes()
+    for bad in (np.zeros((3, 6)), np.zeros((6, 2)), np.zeros((4, 3)), np.zeros(17)):
+        with pytest.raises(ValueError, match=rf"set_values on x\w*: got {bad.size} values of shape "
+                                             rf"{re_shape(bad.shape)}, expected 3 blocks of the "
+                                             r"node's dims \(2, 3\) stacked on the first axis "
+                                             r"\(6, 3\) or flat \(18,\)"):
+            ctx.checked_blocks(node, bad, 3)
+    for count in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match=rf"checked_blocks on x\w*: count must be an int >= 1, "
+                                             rf"got {count!r}"):
+            ctx.checked_blocks(node, values, count)
+    scalar = Tnode("lr", (), Precision.f32)
+    with pytest.raises(ValueError, match=r"expected 2 blocks .* \(none: the node has no axis\)"):
+        ctx.checked_blocks(scalar, np.zeros(2), 2)
+    ids = T.class_ids(batch_dims=(2,), num_classes=3, label="ids")
+    with pytest.raises(ValueError, match=r"class ids ids: value 5 at position \(1,\) is out"):
+        ctx.checked_blocks(ids, np.array([0, 1, 2, 5]), 2)  # the second block's second id
+    np.testing.assert_array_equal(ctx.get_values(node), want)
+
+
+def test_a_writer_writes_as_set_values_and_takes_only_values_checked_for_its_node() -> None:
+    """``Context.writer``: the lookups once, then each call writes checked values as
+    ``set_values`` would (rounded once; the node initialized); values checked for another node,
+    or not checked, are refused naming the node, with nothing written."""
+    node, other = Tnode("x", (2, 2), Precision.f16), Tnode("y", (2, 2), Precision.f16)
+    ctx = Context.cpu()
+    write = ctx.writer(node)
+    with pytest.raises(ValueError, match="nothing has initialized"):
+        ctx.get_values(node)
+    values = np.array([[1 / 3, 2 / 3], [1e5, -1e-8]])
+    write(ctx.checked(node, values))
+    want = Context.cpu().set_values(node, values).get_values(node)
+    assert ctx.get_values(node).tobytes() == want.tobytes()
+    for bad, got in ((ctx.checked(other, np.ones((2, 2))), "values checked for another node"),
+                     (np.ones((2, 2)), "ndarray")):
+        with pytest.raises(ValueError, match=rf"the writer of x\w* takes values checked for it "
+                                             rf"\(Context.checked\), got {got}"):
+            write(bad)
+    assert ctx.get_values(node).tobytes() == want.tobytes()
+
+
 @pytest.mark.parametrize("prec", [Precision.f64, Precision.f32, Precision.bf16])
 def test_strided_and_column_major_values_are_written_in_row_major_order(prec: Precision) -> None:
     """A view (a column slice, a transpose of the transposed, Fortran order) is written by its

@@ -9,14 +9,14 @@ import json
 import os
 import platform
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
 
 from ocannl import checkpoint
-from ocannl.context import Context, Routine, flat_layout, offset_in
+from ocannl.context import Checked, Context, Routine, flat_layout, offset_in
 from ocannl.errors import Failure, require_bool
 from ocannl.ir.ops import Precision
 from ocannl.ir.tnode import Tnode
@@ -115,6 +115,18 @@ def _as_node(t: Tnode | Tensor) -> Tnode:
 
 #: The key of ``Progress.extra`` where :meth:`DataParallel.save` records the shard count.
 SHARDS_KEY = "data_parallel"
+
+
+class _Feeds:
+    """A context's every-shard host calls, made once: the inputs' writers
+    (:meth:`Context.writer`) and the loss's reader (made after the first shard has run). They
+    hold no reference to the context."""
+
+    __slots__ = ("read_loss", "writers")
+
+    def __init__(self, writers: list[Callable[[Checked], None]]) -> None:
+        self.writers = writers
+        self.read_loss: Callable[[], Any] | None = None
 
 
 def _array_module(a: Any) -> Any:
@@ -288,8 +300,8 @@ class DataParallel:
         self._shared_params: list[np.ndarray] | None = None  # with ZeRO-1: their parameters
         self._synced: weakref.WeakKeyDictionary[Context, float] = weakref.WeakKeyDictionary()
         self._offsets: weakref.WeakKeyDictionary[Context, int] = weakref.WeakKeyDictionary()
-        self._loss_readers: weakref.WeakKeyDictionary[Context, Any] = \
-            weakref.WeakKeyDictionary()
+        self._feeds: weakref.WeakKeyDictionary[Context, _Feeds] = weakref.WeakKeyDictionary()
+        self._last_feeds: tuple[weakref.ref[Context], _Feeds] | None = None
         self.reductions = 0  # reductions run by this process
         self.step = 0  # optimizer steps since the start (or the checkpoint loaded)
         self.shard_losses: list[float] = []  # this rank's shards' losses at the last reduce
@@ -579,10 +591,9 @@ class DataParallel:
                     f"({rows * self.shards})")
             # Every shard's values checked now, before anything is written (a bad value in a
             # later shard would otherwise stop reduce halfway); the first shard is written
-            # now, the others are copies kept for reduce.
-            for j in range(k):
-                part = a[j * rows:(j + 1) * rows]
-                parts[j].append(ctx.checked(t, part if j == 0 else np.array(part, copy=True)))
+            # now, the others from a copy kept for reduce (the caller's array may change).
+            for j, block in enumerate(ctx.checked_blocks(t, a, k)):
+                parts[j].append(block if j == 0 else block.copy())
         if not self._pending and self.stats and k > 1:
             self._stats_at = [np.array(ctx.get_values(m), copy=True) for m in self.stats]
         if self.rngs and k > 1:
@@ -590,10 +601,22 @@ class DataParallel:
         self._pending.append(parts[1:])
         return self._put_shard(ctx, 0, parts[0])
 
-    def _put_shard(self, ctx: Context, j: int, arrays: Sequence[Any]) -> Context:
-        for a, t in zip(arrays, self.inputs, strict=True):
-            ctx = ctx.set_values(t, a)
-        return self._set_row_offset(ctx, self.first_shard + j)
+    def _put_shard(self, ctx: Context, j: int, arrays: Sequence[Checked]) -> Context:
+        for write, a in zip(self._feeds_of(ctx).writers, arrays, strict=True):
+            write(a)
+        return self._set_row_offset(ctx, self.first_shard + j) if self.rngs else ctx
+
+    def _feeds_of(self, ctx: Context) -> _Feeds:
+        """``ctx``'s every-shard host calls, looked up once (the last context's without a
+        dictionary lookup: a rank's shards run in one context)."""
+        last = self._last_feeds
+        if last is not None and last[0]() is ctx:
+            return last[1]
+        feeds = self._feeds.get(ctx)
+        if feeds is None:
+            feeds = self._feeds[ctx] = _Feeds([ctx.writer(t) for t in self.inputs])
+        self._last_feeds = (weakref.ref(ctx), feeds)
+        return feeds
 
     def _set_row_offset(self, ctx: Context, shard: int) -> Context:
         if not self.rngs:
@@ -787,19 +810,30 @@ class DataParallel:
     def _fold_plan(self, j: int) -> tuple[int, tuple[int, int]]:
         """What folding shard ``j`` of the block into the tree does: how many left siblings it
         adds (popped from the stack's top, each the sibling of the node made so far) and the
-        tree node it leaves."""
-        node = (self.first_shard + j, self.first_shard + j + 1)
+        tree node it leaves. The same every step: a block folds its shards in order, so the
+        stack before shard ``j`` is always the same (worked out once, :attr:`_fold_plans`)."""
+        return self._fold_plans[j]
+
+    @functools.cached_property
+    def _fold_plans(self) -> list[tuple[int, tuple[int, int]]]:
         lo, hi = self.first_shard, self.first_shard + self.per_rank
-        pops = 0
-        while pops < len(self._stack):
-            parent = self._parents.get(node)
-            top = self._stack[len(self._stack) - 1 - pops][0]
-            if parent is None or parent[0] < lo or parent[1] > hi or node[0] == parent[0] \
-                    or top != (parent[0], node[0]):
-                break
-            pops += 1
-            node = parent
-        return pops, node
+        stack: list[tuple[int, int]] = []
+        plans = []
+        for j in range(self.per_rank):
+            node = (lo + j, lo + j + 1)
+            pops = 0
+            while pops < len(stack):
+                parent = self._parents.get(node)
+                top = stack[len(stack) - 1 - pops]
+                if parent is None or parent[0] < lo or parent[1] > hi or node[0] == parent[0] \
+                        or top != (parent[0], node[0]):
+                    break
+                pops += 1
+                node = parent
+            del stack[len(stack) - pops:]
+            stack.append(node)
+            plans.append((pops, node))
+        return plans
 
     def _reduce(self, ctx: Context, scaler: Any,
                 split: tuple[list[Routine], list[int]] | SyncedRoutine | None,
@@ -1043,6 +1077,8 @@ class DataParallel:
         bucket (:class:`BucketExchange`)."""
         if len(partials) == 1 and partials[0] is not flat:
             flat[...] = partials[0]
+        if self.size == 1:  # the block is the whole batch: its sum is the tree's
+            return
         if self._shared is not None:
             self._shared_sum()
             return
@@ -1082,13 +1118,11 @@ class DataParallel:
     def _loss_now(self, ctx: Context) -> Any:
         """The loss of the shard just computed: a number on the CPU; on a GPU a copy of its
         device cell (no wait for the device: :meth:`global_loss` reads it when asked)."""
-        read = self._loss_readers.get(ctx)
-        if read is None:
+        feeds = self._feeds_of(ctx)
+        if feeds.read_loss is None:
             buf = ctx.device_buffer(self.loss.value)
-            if not isinstance(buf, np.ndarray):
-                return buf.copy()
-            read = self._loss_readers[ctx] = ctx.reader(self.loss)
-        return float(read())
+            feeds.read_loss = ctx.reader(self.loss) if isinstance(buf, np.ndarray) else buf.copy
+        return feeds.read_loss()
 
     def global_loss(self) -> float:
         """The global batch's loss at the last :meth:`reduce`: the shards' losses summed in
