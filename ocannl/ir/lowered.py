@@ -97,7 +97,9 @@ class LoopGroup:
     copy, a rounding back): no user cast, so a signalling NaN's payload need not survive it
     and the plain conversion instructions serve; ``flat``, every nest is pointwise and reads
     and writes each node at the point's own cell: one loop over the cells in row-major order
-    (``split`` then counts cells), which vectorizes whatever the axes' extents. On a GPU
+    (``split`` then counts cells), which vectorizes whatever the axes' extents;
+    ``inner_vector``, a pointwise group walked point by point whose innermost loop is short:
+    that loop is vectorized at this width and never unrolled (0: as the compiler sees fit). On a GPU
     (``Target.gpu_block``), ``mapping``: ``"map"`` (a thread per cell, nothing to reduce),
     ``"serial"`` (a thread per cell, reducing in a loop: in order) or ``"reduce"`` (a block of
     threads per cell, each cell's terms cut into ``reduce_splits`` chunks of ``reduce_chunk``
@@ -115,6 +117,7 @@ class LoopGroup:
     packed: tuple[int, ...] = ()
     conversion: bool = False
     flat: bool = False
+    inner_vector: int = 0
     mapping: str = ""
     reduce_splits: int = 0
     reduce_chunk: int = 0

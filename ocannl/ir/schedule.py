@@ -605,6 +605,10 @@ ROW_BLOCK, ROW_BLOCKS_MIN = 64, 4
 JAM_WIDTH, JAM_TERMS = 8, 8
 # At most this many cells of a read are packed for the lanes (a stack array each).
 PACK_LANES = 1 << 12
+# A pointwise group walked point by point whose innermost loop runs over 4 to this many cells
+# (a power of two) is vectorized at that width (``short_inner``): LLVM unrolls so short a loop
+# whole before its loop vectorizer sees it, and leaves scalar code.
+SHORT_INNER = 16
 
 
 def _threaded(item: Lowered, target: Target) -> Lowered:
@@ -622,7 +626,35 @@ def _threaded(item: Lowered, target: Target) -> Lowered:
     width = jam(item)
     packed: tuple[int, ...] | None = lanes(item.lead, width, target) if width else None
     return replace(item, split=split, chunks=CHUNKS_PER_THREAD if split else 0, jam=width,
-                   lanes=packed is not None, packed=packed or ())
+                   lanes=packed is not None, packed=packed or (),
+                   inner_vector=0 if width else short_inner(item))
+
+
+def short_inner(item: LoopGroup) -> int:
+    """The width to vectorize a pointwise group's innermost loop at, walked point by point (not
+    ``flat``: a read is broadcast along some axis, a bias over a convolution's channels), or 0.
+    Its extent must be a power of two from 4 to ``SHORT_INNER``, every access contiguous along
+    it or the same cell for all of it, every op one that runs in lanes: the vector loop then
+    does each cell's scalar operations, the same bits (measured: a convnet's bias and ReLU over
+    8 channels, f16 on a CPU without f16 arithmetic, 13.6 -> 4.5 us)."""
+    lead = item.lead
+    if len(lead.par) < 2:
+        return 0
+    it = lead.par[-1]
+    extent = lead.space[it]
+    if not 4 <= extent <= SHORT_INNER or extent & (extent - 1):
+        return 0
+    for n in item.nests:
+        a = n.assign
+        if n.red or n.scatter or n.walk_rows or n.space != lead.space or n.par != lead.par:
+            return 0
+        for g in (Get(a.lhs, a.lhs_idx), *reads(a.expr)):
+            if any(isinstance(i, Affine) and any(t == it and c for c, t in i.terms)
+                   for i in g.idx) or read_stride(g, it) not in (0, 1):
+                return 0
+        if not all(OPS[e.op].lanes for e in applies(a.expr)):
+            return 0
+    return extent
 
 
 def applies(e: Expr) -> list[Apply]:

@@ -173,3 +173,64 @@ def test_reading_the_cpu_target_leaves_the_pool_as_it_is(monkeypatch):
 def test_the_cuda_target_refuses_a_flag_that_is_not_a_bool(flag):
     with pytest.raises(TypeError, match=rf"cuda_target: {flag} must be True or False, got 'no'"):
         cuda_target(**{flag: "no"})
+
+
+@pytest.mark.parametrize("prec", [Precision.bf16, Precision.f16, Precision.f32])
+def test_a_short_inner_loop_vectorized_whole_stores_the_interpreter_s_bits(
+        prec, tmp_path, monkeypatch):
+    """``y = relu(x + b)``, the bias ``b`` broadcast over the rows of 8 (``inner_vector``):
+    rendered with the loop id asking LLVM for 8 lanes, and over every 16-bit pattern of ``x``
+    (f32: those patterns as the top halves, so every class of value) the bits of the
+    interpreter and of the same code with the loop left to LLVM (unrolled, scalar)."""
+    from ocannl.backends.cpu.codegen import routine_ir
+
+    x = Tnode("x", (N // 8, 8), prec, memory_mode=MemoryMode.materialized)
+    b = Tnode("b", (8,), prec, memory_mode=MemoryMode.materialized)
+    y = Tnode("y", (N // 8, 8), prec, memory_mode=MemoryMode.materialized)
+    comp = Comp((Accum(y, (0, 1), "=", apply("relu", apply("add", Get(x, (0, 1)),
+                                                              Get(b, (1,)))), (N // 8, 8)),))
+    patterns = np.arange(N, dtype=np.uint32).astype(np.uint16)
+    if prec is Precision.f32:
+        xs = (patterns.astype(np.uint32) << 16 | 0x1234).view(np.float32)
+    else:
+        xs = patterns.view(prec.numpy_dtype)
+    bias = np.array([0.0, -0.0, 1.5, -3.25, 1e-3, np.inf, -np.inf, np.nan], np.float32)
+    values = {x.id: xs.reshape(N // 8, 8), b.id: bias.astype(prec.numpy_dtype)}
+    # Which payload an f32 addition of two NaNs keeps is the compiler's (LLVM may order a
+    # commutative operation's operands either way); the 16-bit stores make every NaN their
+    # sign's quiet one.
+    both_nan = (np.isnan(values[x.id].astype(np.float32)) & np.isnan(bias)
+                if prec is Precision.f32 else np.zeros((N // 8, 8), bool))
+
+    def run(width: int) -> tuple[np.ndarray, str]:
+        monkeypatch.setattr(schedule, "SHORT_INNER", width)
+        code = lower(comp, Target())
+        [group] = [g for g in code if isinstance(g, LoopGroup)]
+        assert group.inner_vector == (8 if width else 0)
+        text = "\n".join(routine_ir(code, nodes_of(code), Target()))
+        with warnings.catch_warnings(), np.errstate(all="ignore"):
+            warnings.simplefilter("ignore", RuntimeWarning)
+            got = _on_cpu(code, {k: v.ravel() for k, v in values.items()}, tmp_path,
+                          monkeypatch)[y.id].reshape(y.dims)
+            want = {k: v.copy() for k, v in values.items()}
+            interpret.run(code, want)
+        _same_bits_but_two_nans_payload(got, want[y.id], both_nan)
+        return got, text
+
+    vector, vector_ir = run(schedule.SHORT_INNER)
+    scalar, scalar_ir = run(0)
+    assert '!"llvm.loop.vectorize.width", i32 8' in vector_ir
+    assert "llvm.loop" not in scalar_ir
+    _same_bits_but_two_nans_payload(vector, scalar, both_nan)
+    assert both_nan.sum() == (prec is Precision.f32) * np.isnan(xs).sum() // 8
+
+
+def _same_bits_but_two_nans_payload(got: np.ndarray, want: np.ndarray, both_nan: np.ndarray
+                                    ) -> None:
+    """The same bits in every cell but those of ``both_nan``, where both are a NaN."""
+    g, w = (a.view(np.uint16 if a.itemsize == 2 else np.uint32) for a in (got, want))
+    bad = np.argwhere((g != w) & ~both_nan)
+    assert bad.size == 0, f"{len(bad)} cells differ, e.g. {tuple(bad[0])}: {g[tuple(bad[0])]:#x}" \
+                          f" against {w[tuple(bad[0])]:#x}"
+    assert np.isnan(got[both_nan].astype(np.float32)).all()
+    assert np.isnan(want[both_nan].astype(np.float32)).all()

@@ -100,3 +100,53 @@ def test_copies_in_writers_and_in_place_keep_the_bits(width, monkeypatch, tmp_pa
     plain, plain_items = run(False)
     assert fused == plain
     assert fused_items < plain_items
+
+
+def _broadcast_add(c: int, op: str = "relu", transposed: bool = False,
+                   prec: Precision = Precision.f32) -> LoopGroup:
+    """The one loop group of ``y[i, j] = op(x[i, j] + b[j])`` over 64 rows of ``c``: a bias
+    broadcast over the rows (``transposed``: ``x`` stored ``c x 64``, read 64 cells apart
+    along the innermost loop)."""
+    from ocannl.ir.assignments import Accum, Comp, Get, apply
+    from ocannl.ir.tnode import Tnode
+
+    x = Tnode("x", (c, 64) if transposed else (64, c), prec)
+    b, y = Tnode("b", (c,), prec), Tnode("y", (64, c), prec)
+    read = Get(x, (1, 0) if transposed else (0, 1))
+    [group] = [g for g in lower(Comp((Accum(y, (0, 1), "=", apply(op, apply("add", read,
+                                                                             Get(b, (1,)))),
+                                            (64, c)),)), Target())
+               if isinstance(g, LoopGroup)]
+    return group
+
+
+@pytest.mark.parametrize("c", [4, 8, 16])
+@pytest.mark.parametrize("prec", [Precision.f32, Precision.bf16, Precision.f16])
+def test_a_short_innermost_loop_of_a_broadcast_is_vectorized_whole(c, prec):
+    """A pointwise group that is not one walk over the cells (a bias read along one axis) and
+    whose innermost loop is short: vectorized at its extent (LLVM would unroll it first and
+    leave scalar code)."""
+    g = _broadcast_add(c, prec=prec)
+    assert not g.flat and g.inner_vector == c
+
+
+@pytest.mark.parametrize(("c", "op", "transposed"), [
+    (2, "relu", False), (3, "relu", False), (12, "relu", False), (32, "relu", False),
+    (8, "exp", False),  # a libm call: no lanes
+    (8, "relu", True),  # x read 64 cells apart along the innermost loop
+])
+def test_other_innermost_loops_are_left_to_the_compiler(c, op, transposed):
+    assert _broadcast_add(c, op, transposed).inner_vector == 0
+
+
+def test_flat_groups_and_reductions_are_not_given_an_inner_width():
+    from ocannl.ir.assignments import Accum, Comp, Get, apply
+    from ocannl.ir.tnode import Tnode
+
+    x, y = Tnode("x", (64, 8), Precision.f32), Tnode("y", (64, 8), Precision.f32)
+    s = Tnode("s", (64,), Precision.f32)
+    code = lower(Comp((Accum(y, (0, 1), "=", apply("relu", Get(x, (0, 1))), (64, 8)),
+                       Accum(s, (0,), "+", Get(x, (0, 1)), (64, 8), reset=True))), Target())
+    groups = [g for g in code if isinstance(g, LoopGroup)]
+    assert any(g.flat for g in groups) and len(groups) == 2
+    assert all(g.inner_vector == 0 for g in groups)

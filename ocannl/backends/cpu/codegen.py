@@ -190,9 +190,10 @@ class RoutineIR:
         return self.functions[key]
 
     @contextmanager
-    def loop(self, lo: int | ir.Value, hi: ir.Value | None = None) -> Iterator[ir.Value]:
+    def loop(self, lo: int | ir.Value, hi: ir.Value | None = None, vector: int = 0
+             ) -> Iterator[ir.Value]:
         """``for i in range(lo)``, or ``range(lo, hi)``, never empty, as a bottom-tested loop
-        over an i64."""
+        over an i64; ``vector``: vectorized at that width, never unrolled."""
         if hi is None:
             lo, hi = const_int(0), const_int(lo)
         b = self.b
@@ -206,8 +207,23 @@ class RoutineIR:
         yield i
         nxt = b.add(i, const_int(1), flags=["nuw", "nsw"])
         i.add_incoming(nxt, b.block)
-        b.cbranch(b.icmp_unsigned("<", nxt, hi), head, after)
+        latch = b.cbranch(b.icmp_unsigned("<", nxt, hi), head, after)
+        if vector:
+            latch.set_metadata("llvm.loop", self._vector_loop_id(vector))
         b.position_at_end(after)
+
+    def _vector_loop_id(self, width: int) -> ir.MDValue:
+        """A loop id (its own first operand, so distinct) asking LLVM's loop vectorizer for
+        ``width`` lanes and its unroller to leave the loop alone."""
+        m = self.module
+        props = [m.add_metadata([ir.MetaDataString(m, "llvm.loop.unroll.disable")]),
+                 m.add_metadata([ir.MetaDataString(m, "llvm.loop.vectorize.enable"),
+                                 ir.Constant(ir.IntType(1), 1)]),
+                 m.add_metadata([ir.MetaDataString(m, "llvm.loop.vectorize.width"),
+                                 ir.Constant(I32, width)])]
+        loop_id = ir.values.MDValue(m, [], name=str(len(m.metadata)))  # appended to m's
+        loop_id.operands = (loop_id, *props)
+        return loop_id
 
     @contextmanager
     def when_(self, cond: ir.Value) -> Iterator[None]:
@@ -464,20 +480,21 @@ class RoutineIR:
         else:
             self.registers = g.registers
             self._loops(list(lead.par), space, iters, lambda: self._par_body(g, space, iters),
-                        outer=True)
+                        outer=True, vector=g.inner_vector)
             self.registers, self.held_values = frozenset(), {}
 
     def _loops(self, order: list[int], space: tuple[int, ...], iters: dict[int, ir.Value],
-               body: Callable[[], None], outer: bool = False) -> None:
+               body: Callable[[], None], outer: bool = False, vector: int = 0) -> None:
         """Loops over ``order`` around ``body``; ``outer``: the first runs over this item's
-        range when it has one (a thread's share)."""
+        range when it has one (a thread's share); ``vector``: the innermost one is vectorized
+        at that width."""
         if not order:
             body()
             return
         bounds = self.range if outer and self.range else (const_int(0), const_int(space[order[0]]))
-        with self.loop(*bounds) as i:
+        with self.loop(*bounds, vector=vector if len(order) == 1 else 0) as i:
             iters[order[0]] = i
-            self._loops(order[1:], space, iters, body)
+            self._loops(order[1:], space, iters, body, vector=vector)
 
     def _par_body(self, g: LoopGroup, space: tuple[int, ...], iters: dict[int, ir.Value]) -> None:
         """Every nest's body at the point (``core.nest``), its conversions keeping a NaN's
@@ -898,7 +915,8 @@ def signature(code: list[Lowered], nodes: list[Tnode], target: Target) -> str:
                              f"{nest.exact_store} {nest.any_order}")
             lines.append(f"end {sorted(slot[i] for i in item.registers)} {item.split} "
                          f"{item.chunks} {item.jam} {item.lanes} {item.packed} "
-                         f"{item.conversion} {item.flat} {item.lane_store}")
+                         f"{item.conversion} {item.flat} {item.lane_store} "
+                         f"{item.inner_vector}")
     return "\n".join(lines)
 
 
