@@ -117,6 +117,23 @@ def _as_node(t: Tnode | Tensor) -> Tnode:
 SHARDS_KEY = "data_parallel"
 
 
+class _BlockPlan:
+    """A rank's later shards in the plain step (no running statistics, no draws, the last shard
+    not cut at the buckets), worked out once for a context and its gradient routines: per
+    shard, its routines bound to the buffer its gradient goes into (``first``, and ``more``
+    for a later micro-batch) and the tree's additions that fold it in (``left += right``);
+    then the block's partial sums left, the tree's nodes with their buffers. ``flat`` keeps
+    the block's leftmost node; the other buffers are the plan's own."""
+
+    __slots__ = ("context", "routines", "shards", "stack")
+
+    def __init__(self, context: Context, routines: tuple[Any, Any]) -> None:
+        self.context = weakref.ref(context)
+        self.routines = routines
+        self.shards: list[tuple[Routine, Routine | None, list[tuple[Any, Any]]]] = []
+        self.stack: list[tuple[tuple[int, int], Any]] = []
+
+
 class _Feeds:
     """A context's every-shard host calls, made once: the inputs' writers
     (:meth:`Context.writer`) and the loss's reader (made after the first shard has run). They
@@ -316,6 +333,7 @@ class DataParallel:
         # Gradient routines bound to write into one of those buffers instead of flat, by the
         # buffer's and the routine's ids (Context.rebound: no compile, no copy out of flat).
         self._moved: dict[tuple[int, int], Any] = {}
+        self._block: _BlockPlan | None = None  # the plain step's (one context's)
         self._parents = self.tree.parents()
 
     @property
@@ -549,6 +567,7 @@ class DataParallel:
         gradient accumulation only). Needed when a rank computes more than one shard."""
         self._first, self._more = first, more
         self._moved.clear()  # bound from the routines these replace
+        self._block = None
 
     # --- feeding the shards --------------------------------------------------------------------
 
@@ -900,8 +919,6 @@ class DataParallel:
         # keeps the block's leftmost node, which every addition in it goes into), but for a
         # last shard cut at the buckets, bound to flat: then shard 0's moves out first.
         bucketed = split is not None and k > 1
-        if not exchanges:
-            self._fold(ctx, 0, flat, flat, keep_flat_free=bucketed)
         if k > 1:
             if len(pending) == 0:
                 raise ValueError(f"{self!r}: rank {self.rank} computes {k} shards: write each "
@@ -911,6 +928,12 @@ class DataParallel:
                 raise ValueError(f"{self!r}: rank {self.rank} computes {k} shards: compile the "
                                  f"recipe with dp.compile(ctx, recipe) (or give the gradient "
                                  f"routines to use_routines) so reduce can run them")
+        plain = k > 1 and not bucketed and not self.stats and not self.rngs
+        if plain:
+            ctx = self._run_block(ctx, flat, pending, losses)
+        elif not exchanges:
+            self._fold(ctx, 0, flat, flat, keep_flat_free=bucketed)
+        if k > 1 and not plain:
             counters_end = [ctx.get_values(r.counter) for r in self.rngs]
             for j in range(1, k):
                 if stats_at is not None:
@@ -937,22 +960,74 @@ class DataParallel:
             for r, c in zip(self.rngs, counters_end, strict=True):
                 ctx = ctx.set_values(r.counter, c)
         self.shard_losses = losses
-        ctx, updated = self._sum_block(ctx, flat, exchanges, plan)
+        ctx, updated = self._sum_block(ctx, flat, exchanges, plan, pooled=not plain)
         return self._reduced(ctx, stats), updated
 
+    def _run_block(self, ctx: Context, flat: Any, pending: list[list[list[Any]]],
+                   losses: list[Any]) -> Context:
+        """The plain step's later shards of the block (:class:`_BlockPlan`): each shard's data
+        written, its routines run into its own buffer, its loss read, its additions done;
+        the block's partial sums then on the stack. Shard 0's gradient is in flat."""
+        block = self._block_plan(ctx, flat)
+        writers = self._feeds_of(ctx).writers
+        for s, (first, more, adds) in enumerate(block.shards):
+            for micro, parts in enumerate(pending):
+                for write, a in zip(writers, parts[s], strict=True):
+                    write(a)
+                ctx = ctx.run(first if micro == 0 else more)
+            if self.track_losses:
+                losses.append(self._loss_now(ctx))
+            for left, right in adds:
+                left += right
+        self._stack = list(block.stack)
+        return ctx
+
+    def _block_plan(self, ctx: Context, flat: Any) -> _BlockPlan:
+        """The plain step's plan for ``ctx`` and the routines in use (made once: the fold of
+        :meth:`_fold` worked out on the tree's nodes, each shard's buffer taken from the
+        plan's own as the fold frees them)."""
+        block = self._block
+        routines = (self._first, self._more)
+        if block is not None and block.context() is ctx and block.routines == routines:
+            return block
+        block = _BlockPlan(ctx, routines)
+        lo = self.first_shard
+        assert self._fold_plans[0][0] == 0  # the block's first leaf completes no node
+        block.stack = [((lo, lo + 1), flat)]
+        free: list[Any] = []
+        bound: dict[int, tuple[Routine, Routine | None]] = {}  # by buffer
+        for j in range(1, self.per_rank):
+            into = free.pop() if free else ctx.new_buffer(self.flat)
+            if id(into) not in bound:
+                bound[id(into)] = tuple(  # type: ignore[assignment]
+                    None if r is None else ctx.rebound(r, self.flat, into) for r in routines)
+            pops, node = self._fold_plans[j]
+            adds, buf = [], into
+            for _ in range(pops):
+                _, left = block.stack.pop()
+                adds.append((left, buf))
+                free.append(buf)
+                buf = left
+            block.stack.append((node, buf))
+            block.shards.append((*bound[id(into)], adds))
+        self._block = block
+        return block
+
     def _sum_block(self, ctx: Context, flat: Any, exchanges: list[BucketExchange],
-                   plan: list[tuple[Routine, list[int]]] | None = None
+                   plan: list[tuple[Routine, list[int]]] | None = None, pooled: bool = True
                    ) -> tuple[Context, bool]:
         """This rank's partial sums (the tree's nodes on the stack, its block folded) to the
         whole sum in ``flat``: the buckets' exchanges started during the backward code waited
         for (the update's parts run as their buckets arrive, :meth:`_finish`), else one
-        exchange of the whole buffer now. Returns whether the update ran."""
+        exchange of the whole buffer now. ``pooled``: their buffers go back to the pool
+        (:meth:`_spare`; not a :class:`_BlockPlan`'s own). Returns whether the update ran."""
         partials = [buf for _, buf in self._stack]
         assert [node for node, _ in self._stack] == self._covers[self.rank]
         ctx, updated = self._finish(ctx, exchanges, plan)
         if not exchanges:
             self._tree_sum(partials, flat)
-        self._free += [buf for buf in partials if buf is not flat]
+        if pooled:
+            self._free += [buf for buf in partials if buf is not flat]
         return ctx, updated
 
     def _finish(self, ctx: Context, exchanges: list[BucketExchange],
