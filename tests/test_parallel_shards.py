@@ -168,6 +168,18 @@ def test_one_rank_sums_its_shards_in_the_tree_order() -> None:
         assert np.array_equal(_bits(ctx.get_values(p.grad)), _bits(want))
     assert ctx.get_value(dp.grad_unscale()) == 0.25 and len(dp.shard_losses) == 4
     assert dp.step == 1 and dp.global_loss() == pytest.approx(np.mean(dp.shard_losses))
+    # A second step (the shards' plan reused), then the routines replaced by ones seeding the
+    # loss gradient with 4: every shard's gradient is then 4 times its own, bit for bit (the
+    # plan follows use_routines: a stale one would run the old routines for shards 1..3).
+    scale = T.term(np.array([4.0]), label="seed")
+    ctx, scaled = ctx.compile(train.grad_update(loss, loss_scale=scale))
+    for routine, factor in ((grads, 1.0), (scaled, 4.0)):
+        dp.use_routines(routine)
+        ctx = dp.reduce(dp.set_batch(ctx, xb, yb).run(routine))
+        for k, p in enumerate(loss.params):
+            want = [gj[k] * np.float32(factor) for gj in g]  # a power of two: exact
+            assert np.array_equal(_bits(ctx.get_values(p.grad)),
+                                  _bits((want[0] + want[1]) + (want[2] + want[3])))
 
 
 def test_dropout_draws_are_keyed_by_the_global_row() -> None:

@@ -125,10 +125,9 @@ class _BlockPlan:
     then the block's partial sums left, the tree's nodes with their buffers. ``flat`` keeps
     the block's leftmost node; the other buffers are the plan's own."""
 
-    __slots__ = ("context", "routines", "shards", "stack")
+    __slots__ = ("routines", "shards", "stack")
 
-    def __init__(self, context: Context, routines: tuple[Any, Any]) -> None:
-        self.context = weakref.ref(context)
+    def __init__(self, routines: tuple[Any, Any]) -> None:
         self.routines = routines
         self.shards: list[tuple[Routine, Routine | None, list[tuple[Any, Any]]]] = []
         self.stack: list[tuple[tuple[int, int], Any]] = []
@@ -333,7 +332,7 @@ class DataParallel:
         # Gradient routines bound to write into one of those buffers instead of flat, by the
         # buffer's and the routine's ids (Context.rebound: no compile, no copy out of flat).
         self._moved: dict[tuple[int, int], Any] = {}
-        self._block: _BlockPlan | None = None  # the plain step's (one context's)
+        self._blocks: dict[int, _BlockPlan] = {}  # the plain step's, by its context's id
         self._parents = self.tree.parents()
 
     @property
@@ -567,7 +566,7 @@ class DataParallel:
         gradient accumulation only). Needed when a rank computes more than one shard."""
         self._first, self._more = first, more
         self._moved.clear()  # bound from the routines these replace
-        self._block = None
+        self._blocks.clear()
 
     # --- feeding the shards --------------------------------------------------------------------
 
@@ -983,14 +982,15 @@ class DataParallel:
         return ctx
 
     def _block_plan(self, ctx: Context, flat: Any) -> _BlockPlan:
-        """The plain step's plan for ``ctx`` and the routines in use (made once: the fold of
+        """The plain step's plan for ``ctx`` and the routines in use (made once per context, until
+        :meth:`use_routines` replaces them: the fold of
         :meth:`_fold` worked out on the tree's nodes, each shard's buffer taken from the
         plan's own as the fold frees them)."""
-        block = self._block
-        routines = (self._first, self._more)
-        if block is not None and block.context() is ctx and block.routines == routines:
+        block = self._blocks.get(id(ctx))  # a plan's routines hold its context: no id reuse
+        if block is not None:
             return block
-        block = _BlockPlan(ctx, routines)
+        routines = (self._first, self._more)
+        block = _BlockPlan(routines)
         lo = self.first_shard
         assert self._fold_plans[0][0] == 0  # the block's first leaf completes no node
         block.stack = [((lo, lo + 1), flat)]
@@ -1010,7 +1010,7 @@ class DataParallel:
                 buf = left
             block.stack.append((node, buf))
             block.shards.append((*bound[id(into)], adds))
-        self._block = block
+        self._blocks[id(ctx)] = block
         return block
 
     def _sum_block(self, ctx: Context, flat: Any, exchanges: list[BucketExchange],
