@@ -72,14 +72,16 @@ NAMES = {"ocannl": "ocannl (MPI, fixed shard tree)",
          "ocannl-alone": "ocannl (no exchange: each rank its block alone, the ceiling)",
          "torch": "PyTorch DDP (gloo)"}
 # The fewest rows a shard keeps, per workload (``parallel.default_shards``): 4 shards for
-# convnet and gpt_mini (1, 2 and 4 ranks give the same bits), 2 for mlp_wide (1 and 2 ranks;
+# convnet (1, 2 and 4 ranks give the same bits), 2 for mlp_wide and gpt_mini (1 and 2 ranks;
 # ``--shards 4`` for 4). A rank computing several shards pays for each shard's whole gradient
 # write: one thread on an AMD EPYC (Zen 3), the gradient routine per global batch cut into 1 /
 # 2 / 4 / 8 shards took mlp_wide 67 / 67 / 76 / 96 ms, gpt_mini 210 / 205 / 207 / 257 ms,
 # convnet 0.37 / 0.61 / 0.64 / 0.61 ms (its 64-row routine is lowered otherwise). On an AMD EPYC
 # (Zen 5, AVX-512), this benchmark's order cost for mlp_wide (steps/s with MPI's allreduce over
-# the tree's) was 1.257x at 1 rank and 1.275x at 2 with 4 shards, 1.082x and 0.971x with 2.
-MIN_SHARD_ROWS = {"mlp_small": 8, "mlp_wide": 128, "convnet": 16, "gpt_mini": 4}
+# the tree's) was 1.257x at 1 rank and 1.275x at 2 with 4 shards, 1.082x and 0.971x with 2; in
+# ``ab_shard_order.py`` on the same CPU, gpt_mini's was 1.051x with 4 shards (its 4 shard
+# routines 1.031x its whole one) and 1.002x with 2, convnet's 1.036x with 4.
+MIN_SHARD_ROWS = {"mlp_small": 8, "mlp_wide": 128, "convnet": 16, "gpt_mini": 8}
 
 
 def shard_count(w: Workload, given: int = 0) -> int:
