@@ -23,6 +23,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ocannl.parallel import MpiCommunicator, ShardTree  # noqa: E402
+from ocannl.parallel.data_parallel import sum_in_shared_memory  # noqa: E402
 
 
 def time_size(comm: MpiCommunicator, tree: ShardTree, n: int, rounds: int
@@ -35,16 +36,10 @@ def time_size(comm: MpiCommunicator, tree: ShardTree, n: int, rounds: int
         raise SystemExit("the ranks are not on one node: no memory to share")
     mine = np.random.default_rng(comm.rank).normal(size=n).astype(np.float32)
     plain = mine.copy()
-    per = -(-n // comm.size)
-    lo, hi = min(comm.rank * per, n), min((comm.rank + 1) * per, n)
     calls = max(10, int(3e6 // n))
 
     def shared() -> None:
-        comm.shared_sync("ab_shared_sum: written")
-        total = tree.evaluate({covers[q][0]: blocks[q][lo:hi] for q in range(comm.size)})
-        for b in blocks:
-            b[lo:hi] = total
-        comm.shared_sync("ab_shared_sum: summed")
+        sum_in_shared_memory(comm, tree, covers, blocks)
 
     def mpi() -> None:
         comm.allreduce_sum(plain)

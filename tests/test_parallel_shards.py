@@ -74,6 +74,15 @@ def test_the_tree_aligns_with_power_of_two_blocks_and_covers_any_block() -> None
     partial = {(0, 3): six.evaluate(leaves, 0, 3), **{k: v for k, v in leaves.items()
                                                      if k[0] >= 3}}
     assert six.evaluate(partial) == want
+    # into an array given, which may be one of the known ones (the shared-memory sum's own
+    # buffer): the same bits, the array returned
+    for node in (None, (0, 1), (5, 6)):
+        arrays = {k: np.full(3, v, np.float32) for k, v in leaves.items()}
+        into = np.zeros(3, np.float32) if node is None else arrays[node]
+        got = six.evaluate(arrays, out=into)
+        assert got is into and np.array_equal(into, np.full(3, want, np.float32))
+    root = np.ones(3, np.float32)
+    assert parallel.ShardTree(1).evaluate({(0, 1): root}, out=root) is root
     with pytest.raises(ValueError, match="shards must be an integer >= 1"):
         parallel.ShardTree(0)
 

@@ -111,6 +111,29 @@ def _as_node(t: Tnode | Tensor) -> Tnode:
     return node
 
 
+def sum_in_shared_memory(comm: Any, tree: ShardTree, covers: list[list[tuple[int, int]]],
+                         blocks: list[np.ndarray]) -> None:
+    """The tree's sum of every rank's partial sum, each in its buffer ``blocks[q]`` (memory
+    every rank maps: ``MpiCommunicator.shared_blocks``; one partial sum a rank, its node
+    ``covers[q][0]``), written into every buffer. Once every rank has written its own (a
+    barrier), each rank sums its ``1 / N`` of the elements over every buffer in the tree's
+    order, into its own buffer, and copies that slice into the others; after the second
+    barrier every buffer holds the whole sum. The additions are the tree's, elementwise: the
+    bits of MPI's exchange, without its copies."""
+    size, rank = comm.size, comm.rank
+    n = int(blocks[0].size)
+    per = -(-n // size)
+    lo, hi = min(rank * per, n), min((rank + 1) * per, n)
+    comm.shared_sync("the shard tree's sum in shared memory (partial sums written)")
+    if lo < hi:
+        mine = blocks[rank][lo:hi]
+        tree.evaluate({covers[q][0]: blocks[q][lo:hi] for q in range(size)}, out=mine)
+        for q, b in enumerate(blocks):
+            if q != rank:
+                b[lo:hi] = mine
+    comm.shared_sync("the shard tree's sum in shared memory (sums written)")
+
+
 # --- data-parallel training ---------------------------------------------------------------------
 
 #: The key of ``Progress.extra`` where :meth:`DataParallel.save` records the shard count.
@@ -1166,18 +1189,8 @@ class DataParallel:
         buffer in the tree's order and writes the sum into every rank's buffer; after the
         second barrier every buffer holds the whole sum. The additions are the tree's,
         elementwise: the bits of MPI's exchange, without its copies."""
-        blocks = self._shared
-        assert blocks is not None
-        n = int(blocks[0].size)
-        per = -(-n // self.size)
-        lo, hi = min(self.rank * per, n), min((self.rank + 1) * per, n)
-        self.comm.shared_sync("the shard tree's sum in shared memory (partial sums written)")
-        if lo < hi:
-            known = {self._covers[q][0]: blocks[q][lo:hi] for q in range(self.size)}
-            total = self.tree.evaluate(known)
-            for b in blocks:
-                b[lo:hi] = total
-        self.comm.shared_sync("the shard tree's sum in shared memory (sums written)")
+        assert self._shared is not None
+        sum_in_shared_memory(self.comm, self.tree, self._covers, self._shared)
 
     def _average_stats(self, ctx: Context, stats: list[list[np.ndarray]]) -> Context:
         """The running statistics: each shard's, from the same starting values, averaged over

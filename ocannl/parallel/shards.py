@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 
 def shard(rows: Any, rank: int, size: int) -> Any:
     """Rank ``rank``'s equal part of ``rows`` (split along the first axis): rows
@@ -58,19 +60,26 @@ class ShardTree:
         walk(0, self.shards)
         return out
 
-    def evaluate(self, known: dict[tuple[int, int], Any], lo: int = 0, hi: int | None = None
-                 ) -> Any:
+    def evaluate(self, known: dict[tuple[int, int], Any], lo: int = 0, hi: int | None = None,
+                 out: Any = None) -> Any:
         """The sum over node ``[lo, hi)`` (the root by default) from the sums ``known`` (by
         node: leaves, or partial sums of subtrees), added in the tree's order. Arrays (NumPy
-        or CuPy, elementwise) or numbers."""
+        or CuPy, elementwise) or numbers; ``out``: an array the sum is written into (it may be
+        one of ``known``'s, read elementwise before it is written), returned."""
         hi = self.shards if hi is None else hi
         got = known.get((lo, hi))
         if got is not None:
-            return got
+            if out is not None and got is not out:
+                out[...] = got
+            return got if out is None else out
         if hi - lo <= 1:
             raise KeyError(f"ShardTree.evaluate: shard {lo} is in no known node")
         mid = self.split(lo, hi)
-        return self.evaluate(known, lo, mid) + self.evaluate(known, mid, hi)
+        left, right = self.evaluate(known, lo, mid), self.evaluate(known, mid, hi)
+        if out is None:
+            return left + right
+        np.add(left, right, out=out)  # CuPy arrays take NumPy's ufuncs too
+        return out
 
     def parents(self) -> dict[tuple[int, int], tuple[int, int]]:
         """Every node's parent (the root has none)."""
