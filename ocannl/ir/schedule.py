@@ -26,7 +26,8 @@ items:
   and in how many chunks (on a GPU: which groups run a thread per cell, which a block per
   cell, and how a long reduction is cut over blocks); which reductions run several cells at
   once (``jam``) and as vectors of their cells (``lanes``), with which reads packed first;
-  which pointwise groups walk their cells in one loop (``flat``).
+  which pointwise groups walk their cells in one loop (``flat``), and which, walked point by
+  point, have a short innermost loop vectorized whole (``inner_vector``).
 - **Conversions, stores and launches** (:func:`rendering`). Which conversions keep a NaN's
   payload, which bf16 stores are exact, which sums may be reassociated, which vectors are
   stored whole, whether the library runs single-threaded, TF32 products; on a GPU, each
