@@ -83,6 +83,11 @@ def test_the_tree_aligns_with_power_of_two_blocks_and_covers_any_block() -> None
         assert got is into and np.array_equal(into, np.full(3, want, np.float32))
     root = np.ones(3, np.float32)
     assert parallel.ShardTree(1).evaluate({(0, 1): root}, out=root) is root
+    for bad in (np.zeros(4, np.float32), np.zeros(3, np.float64), [0.0, 0.0, 0.0]):
+        with pytest.raises(ValueError, match=r"out must be an array of the sum's shape \(3,\) "
+                                             r"and dtype float32, got"):
+            six.evaluate(arrays, out=bad)
+        assert not np.any(bad)  # nothing written
     with pytest.raises(ValueError, match="shards must be an integer >= 1"):
         parallel.ShardTree(0)
 

@@ -70,6 +70,7 @@ class ShardTree:
         got = known.get((lo, hi))
         if got is not None:
             if out is not None and got is not out:
+                self._fits(out, got)
                 out[...] = got
             return got if out is None else out
         if hi - lo <= 1:
@@ -78,8 +79,20 @@ class ShardTree:
         left, right = self.evaluate(known, lo, mid), self.evaluate(known, mid, hi)
         if out is None:
             return left + right
+        self._fits(out, left)
         np.add(left, right, out=out)  # CuPy arrays take NumPy's ufuncs too
         return out
+
+    @staticmethod
+    def _fits(out: Any, like: Any) -> None:
+        """``ValueError`` unless ``out`` is an array of ``like``'s shape and dtype."""
+        if getattr(out, "shape", None) != getattr(like, "shape", ()) \
+                or getattr(out, "dtype", None) != getattr(like, "dtype", None):
+            raise ValueError(f"ShardTree.evaluate: out must be an array of the sum's shape "
+                             f"{getattr(like, 'shape', ())} and dtype "
+                             f"{getattr(like, 'dtype', type(like).__name__)}, got "
+                             f"{type(out).__name__} {getattr(out, 'shape', '')} "
+                             f"{getattr(out, 'dtype', '')}")
 
     def parents(self) -> dict[tuple[int, int], tuple[int, int]]:
         """Every node's parent (the root has none)."""
