@@ -148,10 +148,9 @@ class _BlockPlan:
     then the block's partial sums left, the tree's nodes with their buffers. ``flat`` keeps
     the block's leftmost node; the other buffers are the plan's own."""
 
-    __slots__ = ("routines", "shards", "stack")
+    __slots__ = ("shards", "stack")
 
-    def __init__(self, routines: tuple[Any, Any]) -> None:
-        self.routines = routines
+    def __init__(self) -> None:
         self.shards: list[tuple[Routine, Routine | None, list[tuple[Any, Any]]]] = []
         self.stack: list[tuple[tuple[int, int], Any]] = []
 
@@ -1005,15 +1004,15 @@ class DataParallel:
         return ctx
 
     def _block_plan(self, ctx: Context, flat: Any) -> _BlockPlan:
-        """The plain step's plan for ``ctx`` and the routines in use (made once per context, until
-        :meth:`use_routines` replaces them: the fold of
-        :meth:`_fold` worked out on the tree's nodes, each shard's buffer taken from the
-        plan's own as the fold frees them)."""
+        """The plain step's plan for ``ctx`` and the routines in use, made once per context
+        (until :meth:`use_routines` replaces the routines): the fold of :meth:`_fold` worked
+        out on the tree's nodes, each shard's buffer taken from the plan's own as the fold
+        frees them."""
         block = self._blocks.get(id(ctx))  # a plan's routines hold its context: no id reuse
         if block is not None:
             return block
         routines = (self._first, self._more)
-        block = _BlockPlan(routines)
+        block = _BlockPlan()
         lo = self.first_shard
         assert self._fold_plans[0][0] == 0  # the block's first leaf completes no node
         block.stack = [((lo, lo + 1), flat)]
