@@ -126,12 +126,18 @@ def sum_in_shared_memory(comm: Any, tree: ShardTree, covers: list[list[tuple[int
     lo, hi = min(rank * per, n), min((rank + 1) * per, n)
     comm.shared_sync("the shard tree's sum in shared memory (partial sums written)")
     if lo < hi:
-        mine = blocks[rank][lo:hi]
-        tree.evaluate({covers[q][0]: blocks[q][lo:hi] for q in range(size)}, out=mine)
-        for q, b in enumerate(blocks):
-            if q != rank:
-                b[lo:hi] = mine
+        tree.evaluate({covers[q][0]: blocks[q][lo:hi] for q in range(size)},
+                      out=blocks[rank][lo:hi])
+        _copy_to_the_others(blocks, rank, slice(lo, hi))
     comm.shared_sync("the shard tree's sum in shared memory (sums written)")
+
+
+def _copy_to_the_others(blocks: list[np.ndarray], rank: int, part: slice) -> None:
+    """``part`` of ``rank``'s shared block copied into every other rank's block."""
+    mine = blocks[rank][part]
+    for q, b in enumerate(blocks):
+        if q != rank:
+            b[part] = mine
 
 
 # --- data-parallel training ---------------------------------------------------------------------
@@ -1115,11 +1121,8 @@ class DataParallel:
         its slice, each copies its slice into every other rank's buffer."""
         blocks = self._shared_params
         assert blocks is not None
-        part = slice(self.rank * per, (self.rank + 1) * per)
         self.comm.shared_sync("the parameters' gather in shared memory (slices updated)")
-        for q, b in enumerate(blocks):
-            if q != self.rank:
-                b[part] = blocks[self.rank][part]
+        _copy_to_the_others(blocks, self.rank, slice(self.rank * per, (self.rank + 1) * per))
         self.comm.shared_sync("the parameters' gather in shared memory (slices copied)")
 
     def _fold(self, ctx: Context, j: int, flat: Any, buf: Any, *,
