@@ -94,17 +94,79 @@ class Checked:
     """Host values already checked for one node (:meth:`Context.checked`), written later by
     :meth:`Context.set_values` without checking them again: a data-parallel rank's later
     shards are checked when the batch is given, before anything is written, and written as
-    each shard runs."""
+    each shard runs. ``blocks``: how many of the node's values it holds, stacked (a rank's
+    shards of a batch; a :class:`Staged` takes them whole)."""
 
-    __slots__ = ("host", "node_id")
+    __slots__ = ("blocks", "host", "node_id")
 
-    def __init__(self, node_id: int, host: np.ndarray) -> None:
-        self.node_id, self.host = node_id, host
+    def __init__(self, node_id: int, host: np.ndarray, blocks: int = 1) -> None:
+        self.node_id, self.host, self.blocks = node_id, host, blocks
 
     def copy(self) -> Checked:
         """The same values in an array of their own (the caller's may change before the
         write)."""
-        return Checked(self.node_id, self.host.copy())
+        return Checked(self.node_id, self.host.copy(), self.blocks)
+
+    def part(self, start: int, stop: int) -> Checked:
+        """Blocks ``[start, stop)`` of the values, a view of them."""
+        if not 0 <= start < stop <= self.blocks:
+            raise ValueError(f"Checked.part: blocks [{start}, {stop}) of {self.blocks}: expected "
+                             f"0 <= start < stop <= {self.blocks}")
+        size = self.host.size // self.blocks
+        return Checked(self.node_id, self.host[start * size:stop * size], stop - start)
+
+
+class Staged:
+    """``blocks`` of a node's values held in a buffer apart from the node's own, rounded to its
+    precision as :meth:`Context.set_values` rounds them: a data-parallel rank's later shards'
+    inputs, written in one pass when the batch is given. A routine reads a block through
+    :meth:`Context.rebound` (``reads``), or :meth:`put` copies one into the node's buffer.
+    Made by :meth:`Context.staged`; it holds only a weak reference to its context."""
+
+    __slots__ = ("__weakref__", "_context", "_node_buffer", "blocks", "node", "storage",
+                 "views")
+
+    def __init__(self, context: Context, node: Tnode, blocks: int) -> None:
+        self.node, self.blocks = node, blocks
+        self._node_buffer = context._ensure(node)
+        size = node.size
+        self.storage = context._alloc(Tnode(f"{node.name}_staged", (blocks * size,), node.prec))
+        # each block a buffer like the node's own: what a rebound routine reads
+        self.views = [self.storage[b * size:(b + 1) * size] for b in range(blocks)]
+        self._context = weakref.ref(context)
+
+    def __repr__(self) -> str:
+        return f"Staged({self.node.name}, {self.blocks} blocks)"
+
+    @property
+    def context(self) -> Context | None:
+        """The context whose buffers these are (None once it is gone)."""
+        return self._context()
+
+    def write(self, values: Checked) -> None:
+        """Write every block at once: ``values`` checked for the node with as many blocks
+        (:meth:`Context.checked`), else ``ValueError`` and nothing written."""
+        if type(values) is not Checked or values.node_id != self.node.id \
+                or values.blocks != self.blocks:
+            got = (f"values checked for node id {values.node_id}, {values.blocks} block(s)"
+                   if type(values) is Checked else f"{type(values).__name__} {values!r:.60}")
+            raise ValueError(f"{self!r} takes values checked for {self.node.name} with "
+                             f"{self.blocks} blocks (Context.checked(t, values, blocks=)), got "
+                             f"{got}")
+        context = self._context()
+        if context is None:
+            raise ValueError(f"{self!r}: its context is gone")
+        context._backend.write(self.node, self.storage, values.host)
+
+    def put(self, block: int) -> None:
+        """Copy block ``block`` into the node's own buffer (a device copy: the values were
+        rounded when written), the node then written as by :meth:`Context.set_values`."""
+        context = self._context()
+        if context is None:
+            raise ValueError(f"{self!r}: its context is gone")
+        self._node_buffer[...] = self.views[block]
+        context.mark_written(self.node)
+        context._initialized.add(self.node.id)
 
 
 # An Enum member read through its class is a slow attribute lookup next to a module global
@@ -117,6 +179,18 @@ def _buffer_address(buf: Buffer) -> int:
     """Where a buffer's memory starts: a NumPy array's (CPU) or a CuPy array's (CUDA)."""
     data = getattr(buf, "ctypes", None)
     return int(data.data) if data is not None else int(buf.data.ptr)
+
+
+def _like(buf: Any, other: Buffer) -> bool:
+    """Whether ``buf`` can stand for ``other`` in a routine's binding: the same kind of array,
+    dtype and shape."""
+    return (type(buf) is type(other) and buf.dtype == other.dtype
+            and buf.shape == other.shape)
+
+
+def _buffer_kind(buf: Any) -> str:
+    return (f"{type(buf).__name__} {getattr(buf, 'dtype', '')} "
+            f"{getattr(buf, 'shape', '')}").rstrip()
 
 
 def offset_in(buf: Buffer, whole: Buffer) -> int | None:
@@ -318,31 +392,49 @@ class Context:
             routines.append(routine)
         return self, routines
 
-    def rebound(self, routine: Routine, flat: Any, storage: Buffer) -> Routine:
+    def rebound(self, routine: Routine, flat: Any, storage: Buffer,
+                reads: Mapping[Any, Buffer] | None = None) -> Routine:
         """``routine``'s machine code bound again, with its views of ``flat`` (a node from
         :meth:`share_flat`) moved to the same elements of ``storage``, a buffer of ``flat``'s
-        kind (:meth:`new_buffer`); every other buffer is the routine's own. No compile: a
-        data-parallel rank computes each shard's gradients straight into a buffer of their
-        own (``parallel.DataParallel``), where copying them out would cost a pass over them.
-        ``ValueError`` names what does not fit."""
+        kind (:meth:`new_buffer`); ``reads``: nodes the routine only reads, each moved to a
+        buffer like its own (a :class:`Staged` block); every other buffer is the routine's own.
+        No compile: a data-parallel rank computes each shard's gradients straight into a buffer
+        of their own (``parallel.DataParallel``), where copying them out would cost a pass over
+        them, from its inputs where the batch put them. ``ValueError`` names what does not
+        fit."""
         f = _as_node(flat)
         if not isinstance(routine, Routine) or routine.context is not self:
             raise ValueError(f"rebound: {routine!r} is not a routine of this context")
         if f.id not in self._flat_members:
             raise ValueError(f"rebound: {f.name} is not a flat buffer from share_flat")
         whole = self._buffer(f)
-        if type(storage) is not type(whole) or storage.dtype != whole.dtype \
-                or storage.shape != whole.shape:
+        if not _like(storage, whole):
             raise ValueError(f"rebound: storage must be a buffer like {f.name}'s "
-                             f"({type(whole).__name__} {whole.dtype} {whole.shape}), got "
-                             f"{type(storage).__name__} {getattr(storage, 'dtype', '')} "
-                             f"{getattr(storage, 'shape', '')}")
+                             f"({_buffer_kind(whole)}), got {_buffer_kind(storage)}")
+        moved_reads = {}
+        for t, buf in (reads or {}).items():
+            node = _as_node(t)
+            own = self._buffers.get(node.id)  # the routine's buffers: its nodes' and local views
+            where = [i for i, b in enumerate(routine.buffers) if own is not None and b is own[1]]
+            if not where or any(n.id == node.id for n in routine.written):
+                raise ValueError(f"rebound: {routine!r} " + (
+                    "writes" if where else "does not read") + f" {node.name}: reads= moves a "
+                    f"node the routine only reads")
+            if node.twins or offset_in(routine.buffers[where[0]], whole) is not None:
+                raise ValueError(f"rebound: {node.name} " + (
+                    "has kept cast twins, which routines read in its place" if node.twins
+                    else f"lies in {f.name}, which storage moves") + ": its reads cannot move")
+            if not _like(buf, routine.buffers[where[0]]):
+                raise ValueError(f"rebound: {node.name}'s reads must move to a buffer like its "
+                                 f"own ({_buffer_kind(routine.buffers[where[0]])}), got "
+                                 f"{_buffer_kind(buf)}")
+            moved_reads[where[0]] = buf
         bufs = []
-        for b in routine.buffers:  # a view inside the flat buffer moves with it
+        for i, b in enumerate(routine.buffers):  # a view inside the flat buffer moves with it
             off = offset_in(b, whole)
             if off is not None:
                 b = storage[off:off + b.size].reshape(b.shape)
-            bufs.append(b)
+            bufs.append(moved_reads.get(i, b))
         moved = Routine(f"{routine.label}@{f.name}'", self, routine.nodes, routine.compiled,
                         tuple(bufs), Effects(routine.inputs, routine.written),
                         self._backend.bind(routine.compiled, tuple(bufs)))
@@ -690,9 +782,11 @@ class Context:
         are rounded once, to nearest (ties to even), to the node's precision."""
         node = _as_node(t)
         if type(values) is Checked:
-            if values.node_id != node.id:
+            if values.node_id != node.id or values.blocks != 1:
                 raise ValueError(f"set_values on {node.name}: the values were checked for "
-                                 f"another node (id {values.node_id})")
+                                 + (f"another node (id {values.node_id})"
+                                    if values.node_id != node.id else
+                                    f"{values.blocks} blocks (a Staged takes them)"))
             host = values.host
         else:
             host = self._checked(node, values)
@@ -702,25 +796,39 @@ class Context:
             self._master_written(node)
         return self
 
-    def checked(self, t: Any, values: Any) -> Checked:
+    def checked(self, t: Any, values: Any, blocks: int = 1) -> Checked:
         """``values`` checked for ``t`` as :meth:`set_values` checks them (``ValueError`` /
         ``TypeError`` naming what is wrong, nothing written), to write later with
-        ``set_values(t, checked)``. The host array is kept as given: copy it first if it may
-        change before then."""
+        ``set_values(t, checked)``. ``blocks``: that many of the node's values stacked on the
+        first axis (a rank's shards of a batch: the dtype and the shape checked once, the
+        node's own value check per block), for a :class:`Staged` or split with
+        :meth:`Checked.part`. The host array is kept as given: copy it first if it may change
+        before then."""
         node = _as_node(t)
-        return Checked(node.id, self._checked(node, values))
+        if type(blocks) is not int or blocks < 1:
+            raise ValueError(f"checked on {node.name}: blocks must be an int >= 1, got "
+                             f"{blocks!r}")
+        return Checked(node.id, self._checked(node, values, blocks), blocks)
 
     def checked_blocks(self, t: Any, values: Any, count: int) -> list[Checked]:
-        """``values``: ``count`` blocks of ``t``'s values stacked on the first axis (a rank's
-        shards of a batch), checked as :meth:`checked` checks one (the dtype and the shape
-        once, the node's own value check per block), or ``ValueError`` naming what is wrong.
-        One :class:`Checked` per block, each a view of the values as given."""
+        """``values``: ``count`` blocks of ``t``'s values stacked on the first axis, checked as
+        :meth:`checked` checks them, or ``ValueError`` naming what is wrong. One
+        :class:`Checked` per block, each a view of the values as given."""
         node = _as_node(t)
         if type(count) is not int or count < 1:
             raise ValueError(f"checked_blocks on {node.name}: count must be an int >= 1, got "
                              f"{count!r}")
-        whole, size = self._checked(node, values, count), node.size
-        return [Checked(node.id, whole[b * size:(b + 1) * size]) for b in range(count)]
+        whole = self.checked(node, values, count)
+        return [whole.part(b, b + 1) for b in range(count)]
+
+    def staged(self, t: Any, blocks: int) -> Staged:
+        """A :class:`Staged` for ``t``: ``blocks`` of its values in a buffer of their own, zero
+        at first (the node's buffer allocated too, if it has none)."""
+        node = _as_node(t)
+        if type(blocks) is not int or blocks < 1:
+            raise ValueError(f"staged on {node.name}: blocks must be an int >= 1, got "
+                             f"{blocks!r}")
+        return Staged(self, node, blocks)
 
     def writer(self, t: Any) -> Callable[[Checked], None]:
         """:meth:`set_values` for one node with its lookups done once, for a write every step (a
@@ -733,9 +841,10 @@ class Context:
         context = weakref.ref(self)  # a writer kept beside its context does not keep it alive
 
         def write_checked(values: Checked) -> None:
-            if type(values) is not Checked or values.node_id != nid:
-                got = (f"values checked for another node (id {values.node_id})"
-                       if type(values) is Checked else f"{type(values).__name__} {values!r:.60}")
+            if type(values) is not Checked or values.node_id != nid or values.blocks != 1:
+                got = (f"{type(values).__name__} {values!r:.60}" if type(values) is not Checked
+                       else f"values checked for another node (id {values.node_id})"
+                       if values.node_id != nid else f"{values.blocks} blocks of values")
                 raise ValueError(f"the writer of {node.name} takes values checked for it "
                                  f"(Context.checked), got {got}")
             write(node, buf, values.host)

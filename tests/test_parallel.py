@@ -341,6 +341,40 @@ def test_a_routine_rebound_writes_its_gradients_into_other_memory() -> None:
         Context.cpu().rebound(grads, dp.flat, spare)
 
 
+def test_a_routine_rebound_to_read_staged_inputs_computes_their_gradients() -> None:
+    """``rebound(reads=)``: the routine reads the inputs from staged blocks instead of their
+    own buffers: the gradients of those rows, bit for bit as writing them into the inputs,
+    the inputs untouched. A node the routine writes, or does not read, or a buffer unlike the
+    node's own, is refused naming it."""
+    x, y, loss = _model()
+    dp = parallel.DataParallel(parallel.SingleProcess(), loss, inputs=[x, y])
+    ctx = dp.setup(Context.cpu())
+    ctx, grads = ctx.compile(train.grad_update(loss))
+    ctx = train.init_params(ctx, loss)
+    rng = np.random.default_rng(4)
+    xs, ys = rng.normal(size=(32, 2)), np.eye(2)[rng.integers(0, 2, 32)]
+    ctx = ctx.set_values(x, xs[16:]).set_values(y, ys[16:])
+    want = np.array(ctx.run(grads).get_values(dp.flat))
+    ctx = ctx.set_values(x, xs[:16]).set_values(y, ys[:16])
+    sx, sy = ctx.staged(x, 1), ctx.staged(y, 1)
+    sx.write(ctx.checked(x, xs[16:], 1))
+    sy.write(ctx.checked(y, ys[16:], 1))
+    spare = ctx.new_buffer(dp.flat)
+    moved = ctx.rebound(grads, dp.flat, spare, reads={x: sx.views[0], y: sy.views[0]})
+    ctx.run(moved)
+    assert np.array_equal(spare, want)
+    assert np.array_equal(ctx.get_values(x), np.float32(xs[:16]))
+    with pytest.raises(ValueError, match=rf"writes {loss.value.name}: reads= moves a node the "
+                                         r"routine only reads"):
+        ctx.rebound(grads, dp.flat, spare, reads={loss: np.zeros(1, np.float32)})
+    with pytest.raises(ValueError, match=r"does not read stray"):
+        ctx.rebound(grads, dp.flat, spare,
+                    reads={T.term(np.zeros(2), label="stray"): np.zeros(2, np.float32)})
+    with pytest.raises(ValueError, match=r"x\w*'s reads must move to a buffer like its own "
+                                         r"\(ndarray float32 \(32,\)\), got ndarray float64"):
+        ctx.rebound(grads, dp.flat, spare, reads={x: np.zeros(32)})
+
+
 def test_narrow_gradients_are_never_summed() -> None:
     _, _, loss = _model(prec="f16")
     with pytest.raises(ValueError, match=r"must be f32.*narrow buffers are never summed.*"

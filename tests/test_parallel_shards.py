@@ -196,6 +196,39 @@ def test_one_rank_sums_its_shards_in_the_tree_order() -> None:
                                   _bits((want[0] + want[1]) + (want[2] + want[3])))
 
 
+def test_a_step_staged_in_one_context_is_refused_in_another_and_kept() -> None:
+    """The later shards are staged in the context set_batch was given: a reduce (or another
+    micro-batch) in another context is refused naming both, and the step is kept, so the
+    reduce in the right context still gives the shards' bits. The caller's arrays may change
+    after set_batch: the staged rows are the batch's as given."""
+    x, y, loss = _mlp(4)
+    dp = parallel.DataParallel(parallel.SingleProcess(), loss, inputs=[x, y], shards=2)
+    ctx = dp.setup(Context.cpu())
+    ctx, grads = ctx.compile(train.grad_update(loss))
+    dp.use_routines(grads)
+    ctx = train.init_params(ctx, loss)
+    rng = np.random.default_rng(2)
+    xb, yb = rng.normal(size=(8, 2)), np.eye(2)[rng.integers(0, 2, 8)]
+    g = []
+    for j in range(2):
+        ctx = ctx.set_values(x, xb[4 * j:4 * j + 4]).set_values(y, yb[4 * j:4 * j + 4])
+        ctx = ctx.run(grads)
+        g.append([ctx.get_values(p.grad).copy() for p in loss.params])
+    other = Context.cpu()
+    given = xb.copy()
+    ctx = dp.set_batch(ctx, given, yb).run(grads)
+    given[...] = 0.0  # the caller reuses its array
+    for call in (lambda: dp.reduce(other), lambda: dp.set_batch(other, xb, yb)):
+        with pytest.raises(ValueError, match=r"got .*Context.*, but this step's data went to "
+                                             r".*Context.* \(set_batch\): a step's micro-batches "
+                                             r"and its reduce use one context"):
+            call()
+    assert len(dp._pending) == 1 and dp.step == 0 and other.mem() == 0  # nothing written
+    ctx = dp.reduce(ctx)
+    for k, p in enumerate(loss.params):
+        assert np.array_equal(_bits(ctx.get_values(p.grad)), _bits(g[0][k] + g[1][k]))
+
+
 def test_dropout_draws_are_keyed_by_the_global_row() -> None:
     """A draw over 8 rows with row_offset 8 is rows 8..15 of the same draw over 16 rows; a
     plain run (offset 0) draws what it drew before the offset existed."""
@@ -317,7 +350,7 @@ def test_three_ranks_with_six_shards_are_the_bits_of_one(tmp_path: Path) -> None
 
 def test_the_loader_hands_a_rank_its_block_through_set_batch() -> None:
     """Loader(parallel=dp): the input nodes hold a shard; each batch goes to dp.set_batch,
-    which writes the first shard of the rank's block and keeps the others."""
+    which writes the first shard of the rank's block and stages the others."""
     from ocannl import loader
 
     x, y, loss = _mlp(4)
@@ -328,7 +361,7 @@ def test_the_loader_hands_a_rank_its_block_through_set_batch() -> None:
     ld = loader.Loader([data, targets], [x, y], batch=8, shuffle=False, parallel=dp)
     ctx = ld.next(ctx)
     assert np.array_equal(ctx.get_values(x), data[:4])
-    kept = dp._pending[0][0][0].host  # the second shard's rows, checked and copied
+    kept = dp._pending[0][0].views[0]  # the second shard's rows, staged in x's precision
     assert len(dp._pending) == 1 and np.array_equal(kept.reshape(4, 2), data[4:8])
     with pytest.raises(ValueError, match=r"expected \(2, 2\): 2 rows \(a shard: the batch over "
                                          r"4 shards\)"):

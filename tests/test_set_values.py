@@ -243,6 +243,49 @@ def test_checked_blocks_split_stacked_values_and_refuse_any_other_shape() -> Non
     np.testing.assert_array_equal(ctx.get_values(node), want)
 
 
+def test_staged_blocks_round_as_set_values_and_refuse_values_of_another_count() -> None:
+    """``Context.staged``: blocks of a node's values in a buffer of their own, written in one
+    call from values checked with as many blocks (each rounded once, as ``set_values`` rounds),
+    ``put`` copying one into the node; values of another node or block count are refused
+    naming both, with nothing written (the block views, the node)."""
+    node, other = Tnode("x", (2, 3), Precision.bf16), Tnode("y", (2, 3), Precision.bf16)
+    values = np.arange(18.0).reshape(6, 3) / 7  # not bf16 numbers
+    ctx = Context.cpu()
+    whole = ctx.checked(node, values, blocks=3)
+    staged = ctx.staged(node, 2)
+    assert len(staged.views) == 2 and staged.context is ctx
+    staged.write(whole.part(1, 3))
+    ctx.set_values(node, whole.part(0, 1))
+    for b in range(3):
+        want = Context.cpu().set_values(node, values[2 * b:2 * b + 2]).get_values(node)
+        if b:
+            staged.put(b - 1)
+        assert ctx.get_values(node).tobytes() == want.tobytes()
+    before = [v.copy() for v in staged.views]
+    for bad, named in ((whole, r"with 2 blocks .*got values checked for node id \d+, 3 block"),
+                       (ctx.checked(other, values[2:], 2), r"got values checked for node id"),
+                       (values[2:], r"got ndarray")):
+        with pytest.raises(ValueError, match=rf"Staged\(x\w*, 2 blocks\) takes values checked "
+                                             rf"for x\w*.*{named}"):
+            staged.write(bad)
+    assert all(np.array_equal(v, w) for v, w in zip(staged.views, before, strict=True))
+    with pytest.raises(ValueError, match=r"the writer of x\w* takes values checked for it .*got 2 "
+                                         r"blocks of values"):
+        ctx.writer(node)(whole.part(1, 3))
+    with pytest.raises(ValueError, match=r"set_values on x\w*: the values were checked for 3 "
+                                         r"blocks"):
+        ctx.set_values(node, whole)
+    for start, stop in ((2, 1), (0, 4), (-1, 1)):
+        with pytest.raises(ValueError, match=rf"blocks \[{start}, {stop}\) of 3"):
+            whole.part(start, stop)
+    for blocks in (0, 1.0, True):
+        with pytest.raises(ValueError, match=r"blocks must be an int >= 1"):
+            ctx.checked(node, values, blocks)
+        with pytest.raises(ValueError, match=r"blocks must be an int >= 1"):
+            ctx.staged(node, blocks)
+    assert ctx.get_values(node).tobytes() == want.tobytes()
+
+
 def test_a_writer_writes_as_set_values_and_takes_only_values_checked_for_its_node() -> None:
     """``Context.writer``: the lookups once, then each call writes checked values as
     ``set_values`` would (rounded once; the node initialized); values checked for another node,

@@ -16,7 +16,7 @@ from typing import Any, cast
 import numpy as np
 
 from ocannl import checkpoint
-from ocannl.context import Checked, Context, Routine, flat_layout, offset_in
+from ocannl.context import Checked, Context, Routine, Staged, flat_layout, offset_in
 from ocannl.errors import Failure, require_bool
 from ocannl.ir.ops import Precision
 from ocannl.ir.tnode import Tnode
@@ -149,27 +149,31 @@ SHARDS_KEY = "data_parallel"
 class _BlockPlan:
     """A rank's later shards in the plain step (no running statistics, no draws, the last shard
     not cut at the buckets), worked out once for a context and its gradient routines: per
-    shard, its routines bound to the buffer its gradient goes into (``first``, and ``more``
-    for a later micro-batch) and the tree's additions that fold it in (``left += right``);
+    shard, the buffer its gradient goes into, its routines bound to that buffer and to the
+    shard's staged inputs (``first``, then ``more`` for each later micro-batch; added as a
+    step first has that many), and the tree's additions that fold it in (``left += right``);
     then the block's partial sums left, the tree's nodes with their buffers. ``flat`` keeps
     the block's leftmost node; the other buffers are the plan's own."""
 
     __slots__ = ("shards", "stack")
 
     def __init__(self) -> None:
-        self.shards: list[tuple[Routine, Routine | None, list[tuple[Any, Any]]]] = []
+        self.shards: list[tuple[Any, list[Routine], list[tuple[Any, Any]]]] = []
         self.stack: list[tuple[tuple[int, int], Any]] = []
 
 
 class _Feeds:
     """A context's every-shard host calls, made once: the inputs' writers
-    (:meth:`Context.writer`) and the loss's reader (made after the first shard has run). They
-    hold no reference to the context."""
+    (:meth:`Context.writer`: the block's first shard), their :class:`Staged` buffers (the
+    later shards, one list of the inputs' per micro-batch of a step, made as a step first
+    has that many) and the loss's reader (made after the first shard has run). They hold no
+    reference to the context."""
 
-    __slots__ = ("read_loss", "writers")
+    __slots__ = ("read_loss", "staged", "writers")
 
     def __init__(self, writers: list[Callable[[Checked], None]]) -> None:
         self.writers = writers
+        self.staged: list[list[Staged]] = []
         self.read_loss: Callable[[], Any] | None = None
 
 
@@ -351,7 +355,7 @@ class DataParallel:
         self.shard_losses: list[float] = []  # this rank's shards' losses at the last reduce
         self._first: Any = None  # the gradient routine (zeroes, then computes) and the
         self._more: Any = None  # accumulating one (adds a micro-batch)
-        self._pending: list[list[list[Any]]] = []  # per micro-batch: the other shards' rows
+        self._pending: list[list[Staged]] = []  # per micro-batch: the other shards' inputs
         self._counters_at: list[list[Any]] = []  # per micro-batch: the streams' counters
         self._stats_at: list[Any] | None = None  # the running statistics before the step
         self._scatter: dict[tuple[int, int], tuple[np.ndarray, ...]] = {}  # by range
@@ -618,13 +622,17 @@ class DataParallel:
     def set_batch(self, ctx: Context, *arrays: Any) -> Context:
         """Write a step's (or micro-batch's) data: one array per input, each this rank's block
         (``per_rank`` shards of rows) or the whole global batch (``shards`` shards). The
-        first shard of the block goes into the inputs now (the recipe's gradient routine
-        reads it); the others are kept for :meth:`reduce`, which runs them."""
+        first shard of the block goes into the inputs (the recipe's gradient routine reads
+        it); the others into buffers of their own (:class:`Staged`), in one write per input,
+        for :meth:`reduce`, which runs them. Every shard's values are checked before anything
+        is written (a bad value in a later shard would otherwise stop reduce halfway)."""
         if len(arrays) != len(self.inputs):
             raise ValueError(f"DataParallel.set_batch: expected {len(self.inputs)} arrays (one "
                              f"per input: {[t.label for t in self.inputs]}), got {len(arrays)}")
         k = self.per_rank
-        parts: list[list[Any]] = [[] for _ in range(k)]
+        if k > 1:
+            self._refuse_another_context(ctx, "set_batch")
+        checked: list[Checked] = []
         for a, t in zip(arrays, self.inputs, strict=True):
             rows = int(t.value.dims[0])
             n = len(a)
@@ -635,21 +643,38 @@ class DataParallel:
                     f"DataParallel.set_batch: {t.label} got {n} rows, expected this rank's "
                     f"block of {k} shard(s) of {rows} rows ({rows * k}) or the global batch "
                     f"({rows * self.shards})")
-            # Every shard's values checked now, before anything is written (a bad value in a
-            # later shard would otherwise stop reduce halfway); the first shard is written
-            # now, the others from a copy kept for reduce (the caller's array may change).
-            for j, block in enumerate(ctx.checked_blocks(t, a, k)):
-                parts[j].append(block if j == 0 else block.copy())
-        if not self._pending and self.stats and k > 1:
-            self._stats_at = [np.array(ctx.get_values(m), copy=True) for m in self.stats]
-        if self.rngs and k > 1:
-            self._counters_at.append([ctx.get_values(r.counter) for r in self.rngs])
-        self._pending.append(parts[1:])
-        return self._put_shard(ctx, 0, parts[0])
+            checked.append(ctx.checked(t, a, blocks=k))
+        feeds = self._feeds_of(ctx)
+        staged: list[Staged] = []
+        if k > 1:
+            micro = len(self._pending)
+            while len(feeds.staged) <= micro:
+                feeds.staged.append([ctx.staged(t, k - 1) for t in self.inputs])
+            staged = feeds.staged[micro]
+            if not self._pending and self.stats:
+                self._stats_at = [np.array(ctx.get_values(m), copy=True) for m in self.stats]
+            if self.rngs:
+                self._counters_at.append([ctx.get_values(r.counter) for r in self.rngs])
+            for st, c in zip(staged, checked, strict=True):
+                st.write(c.part(1, k))
+            checked = [c.part(0, 1) for c in checked]
+        for write, c in zip(feeds.writers, checked, strict=True):
+            write(c)
+        self._pending.append(staged)
+        return self._set_row_offset(ctx, self.first_shard) if self.rngs else ctx
 
-    def _put_shard(self, ctx: Context, j: int, arrays: Sequence[Checked]) -> Context:
-        for write, a in zip(self._feeds_of(ctx).writers, arrays, strict=True):
-            write(a)
+    def _refuse_another_context(self, ctx: Context, what: str) -> None:
+        """A step's later shards are staged in the context its first micro-batch was given
+        (set_batch): its other micro-batches and its reduce must use that one."""
+        if self._pending and self._pending[0] and self._pending[0][0].context is not ctx:
+            raise ValueError(f"{self!r}: {what} got {ctx!r}, but this step's data went to "
+                             f"{self._pending[0][0].context!r} (set_batch): a step's "
+                             f"micro-batches and its reduce use one context")
+
+    def _put_shard(self, ctx: Context, j: int, staged: Sequence[Staged]) -> Context:
+        """Shard ``j`` (``j >= 1``) of the block into the inputs, from its staged copy."""
+        for st in staged:
+            st.put(j - 1)
         return self._set_row_offset(ctx, self.first_shard + j) if self.rngs else ctx
 
     def _feeds_of(self, ctx: Context) -> _Feeds:
@@ -769,7 +794,7 @@ class DataParallel:
         return ctx, started
 
     def _run_synced(self, ctx: Context, synced: SyncedRoutine, flat: Any,
-                    pending: list[list[list[Any]]]
+                    pending: list[list[Staged]]
                     ) -> tuple[Context, list[Any], list[Any], list[BucketExchange]]:
         """Run this rank's shards through the parts of a routine cut at its global sums: each
         part on every shard of the block in turn (a shard's memory saved after a part and
@@ -806,7 +831,7 @@ class DataParallel:
                     ctx = memory.restore(ctx, j, p)
                     if p == 0:
                         if j > 0:
-                            ctx = self._put_shard(ctx, j, pending[0][j - 1])
+                            ctx = self._put_shard(ctx, j, pending[0])
                         memory.save(j, -1)
                 for n, values in sums if memory is None else ():
                     ctx = ctx.set_values(n, values)
@@ -900,6 +925,7 @@ class DataParallel:
         buckets it reads are summed. Returns whether the update ran."""
         if self.flat is None:
             raise ValueError(f"{self!r}: call setup(ctx) before compiling and stepping")
+        self._refuse_another_context(ctx, "reduce")
         if not self._gathered:
             raise ValueError(f"{self!r}: shard_optimizer=True: the last step's update changed "
                              f"this rank's slice of the parameters only; call "
@@ -967,11 +993,11 @@ class DataParallel:
                     for m, v in zip(self.stats, stats_at, strict=True):
                         ctx = ctx.set_values(m, v)
                 into = flat if bucketed and j == k - 1 else self._spare(ctx)
-                for micro, parts in enumerate(pending):
+                for micro, staged in enumerate(pending):
                     if counters_at:
                         for r, c in zip(self.rngs, counters_at[micro], strict=True):
                             ctx = ctx.set_values(r.counter, c)
-                    ctx = self._put_shard(ctx, j, parts[j - 1])
+                    ctx = self._put_shard(ctx, j, staged)
                     if into is flat and micro == len(pending) - 1:
                         ctx, exchanges = self._run_bucketed(ctx, j, split, flat)
                     else:
@@ -990,18 +1016,16 @@ class DataParallel:
         ctx, updated = self._sum_block(ctx, flat, exchanges, plan, pooled=not plain)
         return self._reduced(ctx, stats), updated
 
-    def _run_block(self, ctx: Context, flat: Any, pending: list[list[list[Any]]],
+    def _run_block(self, ctx: Context, flat: Any, pending: list[list[Staged]],
                    losses: list[Any]) -> Context:
-        """The plain step's later shards of the block (:class:`_BlockPlan`): each shard's data
-        written, its routines run into its own buffer, its loss read, its additions done;
-        the block's partial sums then on the stack. Shard 0's gradient is in flat."""
-        block = self._block_plan(ctx, flat)
-        writers = self._feeds_of(ctx).writers
-        for s, (first, more, adds) in enumerate(block.shards):
-            for micro, parts in enumerate(pending):
-                for write, a in zip(writers, parts[s], strict=True):
-                    write(a)
-                ctx = ctx.run(first if micro == 0 else more)
+        """The plain step's later shards of the block (:class:`_BlockPlan`): each shard's
+        routines run into its own buffer from its staged inputs, its loss read, its additions
+        done; the block's partial sums then on the stack. Shard 0's gradient is in flat."""
+        block = self._block_plan(ctx, flat, pending)
+        micros = len(pending)
+        for _, runs, adds in block.shards:
+            for m in range(micros):
+                ctx = ctx.run(runs[m])
             if self.track_losses:
                 losses.append(self._loss_now(ctx))
             for left, right in adds:
@@ -1009,36 +1033,35 @@ class DataParallel:
         self._stack = list(block.stack)
         return ctx
 
-    def _block_plan(self, ctx: Context, flat: Any) -> _BlockPlan:
+    def _block_plan(self, ctx: Context, flat: Any, pending: list[list[Staged]]) -> _BlockPlan:
         """The plain step's plan for ``ctx`` and the routines in use, made once per context
         (until :meth:`use_routines` replaces the routines): the fold of :meth:`_fold` worked
         out on the tree's nodes, each shard's buffer taken from the plan's own as the fold
-        frees them."""
+        frees them; each shard's routines for as many micro-batches as ``pending`` holds."""
         block = self._blocks.get(id(ctx))  # a plan's routines hold its context: no id reuse
-        if block is not None:
-            return block
-        routines = (self._first, self._more)
-        block = _BlockPlan()
-        lo = self.first_shard
-        assert self._fold_plans[0][0] == 0  # the block's first leaf completes no node
-        block.stack = [((lo, lo + 1), flat)]
-        free: list[Any] = []
-        bound: dict[int, tuple[Routine, Routine | None]] = {}  # by buffer
-        for j in range(1, self.per_rank):
-            into = free.pop() if free else ctx.new_buffer(self.flat)
-            if id(into) not in bound:
-                bound[id(into)] = tuple(  # type: ignore[assignment]
-                    None if r is None else ctx.rebound(r, self.flat, into) for r in routines)
-            pops, node = self._fold_plans[j]
-            adds, buf = [], into
-            for _ in range(pops):
-                _, left = block.stack.pop()
-                adds.append((left, buf))
-                free.append(buf)
-                buf = left
-            block.stack.append((node, buf))
-            block.shards.append((*bound[id(into)], adds))
-        self._blocks[id(ctx)] = block
+        if block is None:
+            block = self._blocks[id(ctx)] = _BlockPlan()
+            lo = self.first_shard
+            assert self._fold_plans[0][0] == 0  # the block's first leaf completes no node
+            block.stack = [((lo, lo + 1), flat)]
+            free: list[Any] = []
+            for j in range(1, self.per_rank):
+                into = free.pop() if free else ctx.new_buffer(self.flat)
+                pops, node = self._fold_plans[j]
+                adds, buf = [], into
+                for _ in range(pops):
+                    _, left = block.stack.pop()
+                    adds.append((left, buf))
+                    free.append(buf)
+                    buf = left
+                block.stack.append((node, buf))
+                block.shards.append((into, [], adds))
+        for j, (into, runs, _) in enumerate(block.shards):
+            while len(runs) < len(pending):
+                routine = self._first if not runs else self._more
+                bound = {n.id for n in routine.nodes}
+                runs.append(ctx.rebound(routine, self.flat, into, reads={
+                    st.node: st.views[j] for st in pending[len(runs)] if st.node.id in bound}))
         return block
 
     def _sum_block(self, ctx: Context, flat: Any, exchanges: list[BucketExchange],
