@@ -8,7 +8,7 @@ machine, for the workloads (``benchmarks.specs``, models from ``benchmarks.model
 - ``gpt_mini``: ``nn_blocks.gpt`` (2 blocks, d_model 128) over 16 sequences of 64 tokens.
 
     .venv/bin/python benchmarks/data_parallel.py [--workloads mlp_wide convnet gpt_mini]
-        [--ranks 1 2] [--steps 40] [--rounds 3] [--threads-per-rank 1] [--shards N]
+        [--ranks 1 2] [--steps N] [--rounds 3] [--threads-per-rank 1] [--shards N]
 
 Strong scaling: the global batch stays fixed. This project runs twice: with the fixed shard
 tree (``DataParallel(shards=S)``, S per workload from ``MIN_SHARD_ROWS``: each rank computes
@@ -82,6 +82,16 @@ NAMES = {"ocannl": "ocannl (MPI, fixed shard tree)",
 # ``ab_shard_order.py`` on the same CPU, gpt_mini's was 1.051x with 4 shards (its 4 shard
 # routines 1.031x its whole one) and 1.002x with 2, convnet's 1.036x with 4.
 MIN_SHARD_ROWS = {"mlp_small": 8, "mlp_wide": 128, "convnet": 16, "gpt_mini": 8}
+# Timed steps per run (``--steps`` overrides): at least about half a second of this project's
+# one-rank step. convnet's step is about 0.2 ms: 40 steps timed 9 ms, where one preemption
+# moved a row by 20% (an AMD EPYC, Zen 5: its 2-rank efficiency read 0.89 and 0.82 in two runs).
+TIMED_STEPS = {"convnet": 2000}
+DEFAULT_STEPS = 40
+
+
+def timed_steps(w: Workload, given: int = 0) -> int:
+    """The timed steps of a run of ``w``: ``given``, else ``TIMED_STEPS`` or ``DEFAULT_STEPS``."""
+    return given or TIMED_STEPS.get(w.name, DEFAULT_STEPS)
 
 
 def shard_count(w: Workload, given: int = 0) -> int:
@@ -351,7 +361,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workloads", nargs="+", choices=list(SHARDABLE),
                     default=list(DEFAULT_WORKLOADS))
     ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--steps", type=int, default=40, help="timed steps per run")
+    ap.add_argument("--steps", type=int, default=0,
+                    help="timed steps per run (default: per workload, TIMED_STEPS)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps after the parity ones")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved runs per row (median)")
     ap.add_argument("--threads-per-rank", type=int, default=0,
@@ -404,7 +415,8 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(args.rounds):
             for n in args.ranks:
                 for fw in args.frameworks:
-                    res = launch_retried(w, fw, n, args.steps, args.warmup, threads(n),
+                    res = launch_retried(w, fw, n, timed_steps(w, args.steps), args.warmup,
+                                         threads(n),
                                          args.timeout, shard_count(w, args.shards))
                     runs.setdefault((fw, n), []).append(res)
                     print(f"{w.name} round {r + 1}: {fw:16s} {n} rank(s): "
@@ -417,8 +429,9 @@ def main(argv: list[str] | None = None) -> int:
             "load_avg_start": load_start, "load_avg": os.getloadavg(),
             "workloads": {w.name: {"describe": w.describe(), "dataset": w.dataset,
                                    "global_batch": w.batch,
-                                   "shards": shard_count(w, args.shards)} for w in used},
-            "steps": args.steps, "rounds": args.rounds,
+                                   "shards": shard_count(w, args.shards),
+                                   "steps": timed_steps(w, args.steps)} for w in used},
+            "rounds": args.rounds,
             "command": ".venv/bin/python " + shlex.join(command)}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "DATA_PARALLEL.json").write_text(json.dumps({"info": info, "rows": rows},
@@ -605,6 +618,16 @@ def shard_order_cost(rows: list[dict]) -> list[tuple[int, float]]:
             for fw, n in sorted(by) if fw == "ocannl" and ("ocannl-allreduce", n) in by]
 
 
+def _steps_said(info: dict) -> str:
+    """The timed steps of a run: one count, or each workload's (older reports: ``steps``)."""
+    if "steps" in info:
+        return str(info["steps"])
+    counts = {name: wi["steps"] for name, wi in info["workloads"].items()}
+    if len(set(counts.values())) == 1:
+        return str(next(iter(counts.values())))
+    return ", ".join(f"{n} ({name})" for name, n in counts.items())
+
+
 def render(rows: list[dict], info: dict) -> str:
     load = ", ".join(f"{v:.1f}" for v in info["load_avg"])
     load0 = ", ".join(f"{v:.1f}" for v in info.get("load_avg_start", info["load_avg"]))
@@ -613,8 +636,8 @@ def render(rows: list[dict], info: dict) -> str:
         f"{info['cpu']} ({info.get('cpu_detail', '')}), {info['cores']} cores, commit "
         f"{info['commit']}; load average (1, 5, "
         f"15 min) at the start {load0}, at the end {load} (other processes share the cores: "
-        f"every figure is noisy). Median of {info['rounds']} runs of {info['steps']} timed "
-        f"steps. Generated by `{info['command']}`.", "",
+        f"every figure is noisy). Median of {info['rounds']} runs of "
+        f"{_steps_said(info)} timed steps. Generated by `{info['command']}`.", "",
         "Each workload's global batch is split over the ranks; every run starts from the "
         "same fixture weights and trains on the same batches. Parity: the first steps' global "
         "losses against single-process PyTorch f32, max relative error, tolerance "
