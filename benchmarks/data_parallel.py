@@ -490,6 +490,7 @@ S / N shards first:
 | ring allreduce (MPI's, NCCL's; order off) | 2 (N - 1) / N G | 2 (N - 1) | (N - 1) / N P |
 | shard tree, N = 2 (an allreduce of two) | G | as the allreduce | as the allreduce |
 | shard tree, N > 2 (all-to-all, sum, allgather) | (c + 1)(N - 1)/N G | 2 (N - 1) | (cN - 1)/N P |
+| shard tree, N > 2 over NCCL (allgather of the partials, sum) | (N - 1) c G | N - 1 | (cN - 1) P |
 
 ``c``: partial sums per rank, 1 when the shard and rank counts are powers of two (every
 block is a subtree), at most S / N otherwise (3 ranks over 6 shards: 2). With ``c = 1`` the
@@ -503,8 +504,10 @@ fixed order sends a ring allreduce's bytes at every scale:
 
 So the tree's price is not in bytes: an all-to-all of N - 1 messages of G / N (mlp_wide at
 512 ranks: 10 KB each) is latency-bound like the ring's steps (a Bruck or pairwise all-to-all
-inside MPI; NCCL would need grouped send / recv), and the order costs what cutting the batch
-into S shards costs a rank that computes several of them one after the other: S must be a
+inside MPI). Over NCCL (no all-to-all without grouped send / recv) the tree's sum gathers every
+rank's partial sums and each GPU adds all of them: the right-hand column's bytes, bound by the
+interconnect past a few ranks; the all-to-all there is not built. The order costs what cutting
+the batch into S shards costs a rank that computes several of them one after the other: S must be a
 multiple of every rank count the run should move between (512 ranks: S >= 512, a 1-rank
 resume running 512 small shards a step). Measured here: the "Cost of the fixed shard order"
 lines above (the same rank count, the tree against MPI's allreduce of one shard per rank).

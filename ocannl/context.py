@@ -262,6 +262,13 @@ class Context:
     def backend_name(self) -> str:
         return self._backend.name
 
+    @property
+    def stream(self) -> Any:
+        """The device stream its routines run on (a CuPy stream on CUDA; None on the CPU): a
+        communicator orders its collectives after the work submitted there
+        (``NcclCommunicator.follow``)."""
+        return getattr(self._backend, "stream", None)
+
     def describe(self) -> str:
         """The backend in one line: on the CPU its threads, its BLAS and which 16-bit products
         run native (``backends/cpu/native_products.py``)."""

@@ -4,9 +4,11 @@
 machine without a GPU, under ``mpiexec``.
 
 Strict where NCCL would misbehave silently: the communicator is created with the id rank 0
-drew and every rank's distinct rank, on the rank's current device; every collective names the
-current stream of the current device and a buffer of it; data types and operations are NCCL's
-enum values. Every call is logged in :data:`calls`.
+drew and every rank's distinct rank, on the rank's current device; every collective names a
+non-blocking stream of the current device, current while it is called, which has waited
+(``Stream.wait_event``) for every kernel and graph submitted to any other stream before it
+(the gradients it sums were written); data types and operations are NCCL's enum values. Every
+call is logged in :data:`calls`, and every event's record and wait too (with the event's id).
 """
 
 from __future__ import annotations
@@ -64,11 +66,18 @@ class NcclCommunicator:
         calls.append(["init", ndev, rank, self._device])
 
     def _check(self, what: str, stream: int) -> None:
-        from fake_cupy import current_device
+        import fake_cupy
 
-        assert current_device() == self._device, (
-            f"{what}: current device {current_device()}, the communicator's {self._device}")
-        assert stream == _stream_ptr(self._device), f"{what}: stream {stream:#x} is not current"
+        assert fake_cupy.current_device() == self._device, (
+            f"{what}: current device {fake_cupy.current_device()}, the communicator's "
+            f"{self._device}")
+        own = fake_cupy.current_stream()
+        assert own is not None and own.ptr == stream and own.non_blocking, (
+            f"{what}: stream {stream:#x} is not a non-blocking stream made current")
+        behind = {ptr: n for ptr, n in fake_cupy.submitted.items()
+                  if ptr != stream and own.waited.get(ptr, 0) < n}
+        assert not behind, (f"{what} on stream {stream:#x} has not waited for the work before "
+                            f"it on other streams (submissions not covered, by stream: {behind})")
 
     def allReduce(self, sendbuf: int, recvbuf: int, count: int, datatype: int, op: int,  # noqa: N802
                   stream: int) -> None:
@@ -120,17 +129,36 @@ def install(devices: int = 2) -> types.ModuleType:
     cp = fake_cupy.install(pytest.MonkeyPatch(), devices=devices)
 
     def get_current_stream(device_id: int | None = None) -> Any:
+        """The legacy stream (the stand-in's ``None``): recorded, an event covers every
+        stream's work; it waits as a stream does."""
         dev = fake_cupy.current_device() if device_id is None else device_id
-        return types.SimpleNamespace(ptr=_stream_ptr(dev), synchronize=lambda: None)
+
+        def wait_event(event: Event) -> None:
+            for hook in fake_cupy.wait_hooks:
+                hook(_stream_ptr(dev), event)
+
+        return types.SimpleNamespace(ptr=_stream_ptr(dev), synchronize=lambda: None,
+                                     wait_event=wait_event, legacy=True)
 
     class Event:  # the stand-in runs every call at once: an event is reached when recorded
+        ids = iter(range(1, 1 << 30))
+
         def __init__(self, block: bool = False, disable_timing: bool = False,
                       interprocess: bool = False) -> None:
             self.done = False
+            self.id = next(Event.ids)
+            self.covers: dict[int | None, int] = {}
 
         def record(self, stream: Any = None) -> None:
-            calls.append(["event.record", getattr(stream, "ptr", stream)])
+            ptr = getattr(stream, "ptr", stream)
+            calls.append(["event.record", ptr, self.id])
+            if getattr(stream, "legacy", False):  # it waits for every blocking stream
+                self.covers = dict(fake_cupy.submitted)
+            else:
+                self.covers = {ptr: fake_cupy.submitted.get(ptr, 0)}
             self.done = not stuck
+
+    fake_cupy.wait_hooks[:] = [lambda ptr, event: calls.append(["wait_event", ptr, event.id])]
 
     cp.cuda.get_current_stream = get_current_stream
     cp.cuda.Event = Event

@@ -323,6 +323,8 @@ def main(argv: list[str] | None = None) -> int:
             import fake_nccl
 
             res["nccl_calls"] = fake_nccl.calls
+            res["nccl_stream"] = comm.stream.ptr  # its own
+            res["compute_stream"] = comm._follows.ptr  # the context's (DataParallel.setup)
         save_result(args.out / f"{args.tag}-{variant}-rank{comm.rank}.npz", res)
     return 0
 

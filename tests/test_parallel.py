@@ -603,12 +603,30 @@ def test_a_hung_job_is_terminated_then_killed_leaving_nothing(tmp_path: Path) ->
     assert [p for p in pids if p in procs and procs[p][2] != "Z"] == []
 
 
+def _on_own_stream(calls: list, own: int, compute: int) -> list[list]:
+    """The device collectives of an NCCL call log, each checked to run on the communicator's
+    stream after the compute stream's work (an event recorded there, waited for by its own
+    stream) and to be waited for by the compute stream later (its end's event)."""
+    kinds = {"allReduce", "allGather", "bcast"}
+    out = []
+    for i, c in enumerate(calls):
+        if c[0] not in kinds:
+            continue
+        ready, waits, done = calls[i - 2], calls[i - 1], calls[i + 1]
+        assert ready[:2] == ["event.record", compute] and waits == ["wait_event", own, ready[2]]
+        assert done[:2] == ["event.record", own]
+        assert ["wait_event", compute, done[2]] in calls[i + 2:], f"{c} is never waited for"
+        out.append(c)
+    return out
+
+
 @needs_mpi
 def test_nccl_path_through_a_stand_in_reducing_over_mpi(two: Path, tmp_path: Path) -> None:
     """NcclCommunicator's bootstrap and calls, on the stand-in CuPy (tests/backends) and
     tests/fake_nccl.py: rank 0 draws the id, every rank joins on its own device, the state is
-    broadcast from rank 0, and each step is one in-place allReduce of the flat f32 buffer on
-    the current stream."""
+    broadcast from rank 0, and each step is one in-place allReduce of the flat f32 buffer, on
+    the communicator's own stream after the context's kernels (the stand-in refuses it
+    otherwise), the context's stream waiting for it afterwards."""
     cuda_emu = pytest.importorskip("cuda_emu")
     why = cuda_emu.emulator_unavailable()
     if why:
@@ -624,32 +642,63 @@ def test_nccl_path_through_a_stand_in_reducing_over_mpi(two: Path, tmp_path: Pat
     n_state = len(rs[0]["state"])
     for rank, r in enumerate(rs):
         calls = r["nccl_calls"]
-        kinds = [c[0] for c in calls]
-        stream = 0x5EED00 + rank  # the current stream of the rank's device (rank % 2)
+        kinds = [c[0] for c in calls if c[0] not in ("event.record", "wait_event")]
+        own, compute = int(r["nccl_stream"]), int(r["compute_stream"])
+        assert own != compute
         assert kinds[:2] == (["get_unique_id", "init"] if rank == 0 else ["init", "bcast"])[:2]
-        assert calls[kinds.index("init")] == ["init", 2, rank, rank]
-        bcasts = [c for c in calls if c[0] == "bcast"]
-        assert len(bcasts) == n_state and all(c[3] == 0 and c[4] == stream for c in bcasts)
-        reduces = [c for c in calls if c[0] == "allReduce"]
+        assert ["init", 2, rank, rank] in calls
+        device = _on_own_stream(calls, own, compute)
+        bcasts = [c for c in device if c[0] == "bcast"]
+        assert len(bcasts) == n_state and all(c[3] == 0 and c[4] == own for c in bcasts)
+        reduces = [c for c in device if c[0] == "allReduce"]
         assert len(reduces) == 12
-        assert all(c == ["allReduce", r["flat_size"], 7, 0, stream, True] for c in reduces)
+        assert all(c == ["allReduce", r["flat_size"], 7, 0, own, True] for c in reduces)
         assert not any(c[0] == "allGather" for c in calls)
     # The optimizer state sharded (ZeRO-1) and the exchange in buckets (overlap): each step's
     # in-place allReduces of the buckets cover the flat buffer once, then an in-place allGather
-    # of the parameters' halves; the bits of the plain run.
+    # of the parameters' halves; the bits of the plain run. A bucket's exchange is waited for
+    # by the context's stream only after the later buckets' have started (the backward code
+    # going on meanwhile).
     ok(mpirun(2, "train", "--out", tmp_path, "--tag", "nccl-zero", "--comm", "fake-nccl",
               "--backend", "fake-cuda", "--variants", v, "--zero", "--overlap"))
     zs = ranks(tmp_path, "nccl-zero", v, 2)
-    for rank, z in enumerate(zs):
+    for z in zs:
         assert same_state(z, rs[0]) and counters(z) == counters(rs[0])
-        stream = 0x5EED00 + rank
-        gathers = [c for c in z["nccl_calls"] if c[0] == "allGather"]
+        own, compute = int(z["nccl_stream"]), int(z["compute_stream"])
+        calls = z["nccl_calls"]
+        device = _on_own_stream(calls, own, compute)
+        gathers = [c for c in device if c[0] == "allGather"]
         assert len(gathers) == 12
-        assert all(c == ["allGather", z["flat_size"] // 2, 7, stream, True] for c in gathers)
-        buckets = [c for c in z["nccl_calls"] if c[0] == "allReduce"]
+        assert all(c == ["allGather", z["flat_size"] // 2, 7, own, True] for c in gathers)
+        buckets = [c for c in device if c[0] == "allReduce"]
         assert len(buckets) % 12 == 0 and len(buckets) > 12
         assert sum(c[1] for c in buckets) == 12 * z["flat_size"]
-        assert all(c[2:] == [7, 0, stream, True] for c in buckets)
+        assert all(c[2:] == [7, 0, own, True] for c in buckets)
+        first = calls.index(buckets[0])
+        done = calls[first + 1][2]
+        waited = calls.index(["wait_event", compute, done])
+        assert [c[0] for c in calls[first + 1:waited]].count("allReduce") >= 1
+
+
+@needs_mpi
+def test_nccl_sums_the_shard_tree_on_the_device_over_three_ranks(tmp_path: Path) -> None:
+    """Three ranks over the stand-in NCCL: the tree's sum of each bucket is an allGather of
+    every rank's partial sums and the tree's additions, on the communicator's stream (no
+    allReduce, no host exchange): the bits of three ranks on the CPU."""
+    cuda_emu = pytest.importorskip("cuda_emu")
+    why = cuda_emu.emulator_unavailable()
+    if why:
+        pytest.skip(f"no CUDA emulator: {why}")
+    v = "sgd-fused-f32"
+    for tag, comm, backend in (("cpu3", "mpi", "cpu"), ("nccl3", "fake-nccl", "fake-cuda")):
+        ok(mpirun(3, "train", "--out", tmp_path, "--tag", tag, "--comm", comm, "--backend",
+                  backend, "--variants", v, "--global-batch", "48", "--steps", "4"))
+    cpu, gpu = ranks(tmp_path, "cpu3", v, 3), ranks(tmp_path, "nccl3", v, 3)
+    for g in gpu:
+        assert same_state(g, cpu[0]) and counters(g) == counters(cpu[0])
+        device = _on_own_stream(g["nccl_calls"], int(g["nccl_stream"]), int(g["compute_stream"]))
+        sums = [c for c in device if c[0] == "allGather"]
+        assert len(sums) == 4 and not any(c[0] == "allReduce" for c in device)
 
 
 @needs_mpi

@@ -50,7 +50,9 @@ class BucketExchange:
     rank owns ``1 / N`` of the elements; an all-to-all sends each rank every partial sum's
     slice it owns, each rank sums its slice in the tree's order, and an allgather brings every
     slice to every rank. MPI only moves bytes; every addition is the tree's, elementwise, so
-    slicing changes no bit. ``scratch``: host buffers kept between steps, by range."""
+    slicing changes no bit. A communicator summing on the device (NCCL's ``start_tree_sum``)
+    does the tree's sum there instead, on its own stream. ``scratch``: host buffers kept
+    between steps, by range."""
 
     def __init__(self, comm: Communicator, tree: ShardTree, covers: list[list[tuple[int, int]]],
                  flat: Any, a: int, b: int, partials: Sequence[Any], *,
@@ -64,6 +66,8 @@ class BucketExchange:
             self._first: Pending | None = None
         elif size == 2 or not fixed_order:
             self._first = comm.start_allreduce_sum(flat[a:b])
+        elif hasattr(comm, "start_tree_sum"):  # NCCL's: device buffers, summed there
+            self._first = comm.start_tree_sum(tree, covers, flat, a, b, partials)
         else:
             n, cmax = b - a, max(len(c) for c in covers)
             per = -(-n // size)

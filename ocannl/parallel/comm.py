@@ -10,7 +10,7 @@ import socket
 import struct
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn, Protocol, runtime_checkable
 
 import numpy as np
@@ -613,8 +613,17 @@ class NcclCommunicator:
     ``device_id``: this rank's GPU; by default its rank among the ranks on its node, modulo the
     number of GPUs there. Build the context on it: ``Context.cuda(comm.device_id)``. Rank 0
     draws the unique id and broadcasts it over MPI; every rank then joins the NCCL
-    communicator. Device buffers are reduced and broadcast on CuPy's current stream of the
-    device, where the context's kernels run, so a step never waits for the GPU on the host.
+    communicator.
+
+    **Streams.** Every device collective runs on the communicator's own stream
+    (:attr:`stream`), after the work submitted so far to the stream the context's kernels run
+    on (:meth:`follow`; ``DataParallel.setup`` tells it), and that stream waits for it only
+    when its :class:`Pending` is waited for: a bucket's exchange started during the backward
+    code overlaps the rest of it on the GPU, and the host never waits for the GPU there. The
+    blocking forms (:meth:`allreduce_sum`, :meth:`bcast_buffer`, :meth:`allgather_inplace`)
+    are started and waited for at once. With more than 2 ranks, the shard tree's sum
+    (:meth:`start_tree_sum`) is an NCCL allgather of every rank's partial sums and the tree's
+    additions on the device, on the same stream.
 
     **Faults.** NCCL's collectives have no deadline of their own: a rank that died or hung
     leaves the others' kernels waiting on the GPU, and their hosts in the next synchronisation.
@@ -635,6 +644,8 @@ class NcclCommunicator:
         if mpi is not None and timeout is not None:
             self.mpi.timeout = timeout
         self._last: Any = None  # the event after the last device collective
+        self._follows: Any = None  # the stream the context's kernels run on (follow)
+        self._gathered: dict[tuple[int, int], Any] = {}  # start_tree_sum's device scratch
         self.rank, self.size = self.mpi.rank, self.mpi.size
         # Every rank must be able to use NCCL before any NCCL call, or the others would wait.
         problem = None
@@ -669,6 +680,8 @@ class NcclCommunicator:
             raise uid
         with cupy.cuda.Device(self.device_id):
             self.comm = nccl.NcclCommunicator(self.size, uid, self.rank)
+            # its collectives' own: it does not wait for the legacy stream's work, nor it for it
+            self.stream = cupy.cuda.Stream(non_blocking=True)
 
     @property
     def step(self) -> int:
@@ -686,8 +699,37 @@ class NcclCommunicator:
     def timeout(self, value: float | None) -> None:
         self.mpi.timeout = value
 
-    def _stream(self) -> int:
-        return int(self._cupy.cuda.get_current_stream().ptr)
+    def follow(self, stream: Any) -> None:
+        """The CuPy stream the context's kernels run on (``Context.stream``; DataParallel's
+        setup tells it): each device collective runs on the communicator's own stream after
+        the work submitted there so far, and that stream waits for the collective's end
+        before what is submitted after :meth:`Pending.wait`. Without it, the current stream
+        (the legacy one: it orders every blocking stream's work around it)."""
+        self._follows = stream
+
+    def _compute_stream(self) -> Any:
+        return self._follows if self._follows is not None \
+            else self._cupy.cuda.get_current_stream()
+
+    def _start(self, what: str, enqueue: Callable[[int], None]) -> Pending:
+        """Run ``enqueue(stream_ptr)`` (the NCCL calls, and the device work between them) on
+        the communicator's stream once the compute stream's work so far is done; returns the
+        :class:`Pending` whose ``wait`` makes the compute stream wait for it (the host does
+        not). The host waits (with the deadline) only for the device collective before this
+        one, so a fault still ends the job (see the class docstring)."""
+        cupy = self._cupy
+        with cupy.cuda.Device(self.device_id):
+            self._settle(what)
+            compute = self._compute_stream()
+            ready = cupy.cuda.Event(block=False, disable_timing=True)
+            ready.record(compute)
+            self.stream.wait_event(ready)
+            with self.stream:
+                enqueue(int(self.stream.ptr))
+            done = cupy.cuda.Event(block=False, disable_timing=True)
+            done.record(self.stream)
+            self._last = (done, f"NCCL {what} at step {self.step}")
+        return _DeviceWait(done, compute, self.device_id, cupy)
 
     def _settle(self, what: str) -> None:
         """Wait, with the deadline, until the GPU has done the last device collective."""
@@ -702,11 +744,6 @@ class NcclCommunicator:
             self.comm.abort()  # the waiting kernels return; the communicator is unusable
             raise
 
-    def _enqueued(self, what: str) -> None:
-        event = self._cupy.cuda.Event(block=False, disable_timing=True)
-        event.record(self._cupy.cuda.get_current_stream())
-        self._last = (event, f"NCCL {what} at step {self.step}")
-
     def _ptr(self, buf: Any, what: str) -> int:
         data = getattr(buf, "data", None)
         ptr = getattr(data, "ptr", None)
@@ -716,22 +753,51 @@ class NcclCommunicator:
         return int(ptr)
 
     def allreduce_sum(self, buf: Any) -> None:
+        self.start_allreduce_sum(buf).wait()
+
+    def start_allreduce_sum(self, buf: Any) -> Pending:
+        """On the communicator's stream, after the context's kernels before it: in place."""
         _check_f32(buf, "allreduce_sum")
         nccl = self._nccl
-        with self._cupy.cuda.Device(self.device_id):
-            ptr = self._ptr(buf, "allreduce_sum")
-            self._settle("allreduce_sum")
-            self.comm.allReduce(ptr, ptr, int(buf.size), nccl.NCCL_FLOAT32, nccl.NCCL_SUM,
-                                self._stream())
-            self._enqueued(f"allreduce_sum of {buf.size} f32")
+        ptr = self._ptr(buf, "allreduce_sum")
+        return self._start(f"allreduce_sum of {buf.size} f32", lambda stream: self.comm.allReduce(
+            ptr, ptr, int(buf.size), nccl.NCCL_FLOAT32, nccl.NCCL_SUM, stream))
 
     def bcast_buffer(self, buf: Any, root: int = 0) -> None:
         _check_root(root, self.size)
-        with self._cupy.cuda.Device(self.device_id):
-            ptr = self._ptr(buf, "bcast_buffer")
-            self._settle("bcast_buffer")
-            self.comm.bcast(ptr, int(buf.nbytes), self._nccl.NCCL_UINT8, root, self._stream())
-            self._enqueued(f"bcast_buffer of {buf.nbytes} bytes from rank {root}")
+        ptr = self._ptr(buf, "bcast_buffer")
+        self._start(f"bcast_buffer of {buf.nbytes} bytes from rank {root}",
+                    lambda stream: self.comm.bcast(ptr, int(buf.nbytes), self._nccl.NCCL_UINT8,
+                                                   root, stream)).wait()
+
+    def start_tree_sum(self, tree: Any, covers: list[list[tuple[int, int]]], flat: Any, a: int,
+                       b: int, partials: Sequence[Any]) -> Pending:
+        """The shard tree's sum over ``flat[a:b]`` on the device, started: this rank's partial
+        sums (the tree's nodes covering its block, ``partials``, the last one ``flat``
+        itself) allgathered from every rank (NCCL), then the tree's additions over them, in
+        its order, into ``flat[a:b]``; all on the communicator's stream. Each rank receives
+        every partial sum of the range: (N - 1) x its nodes' count x (b - a) f32, against a
+        ring allreduce's 2 (N - 1) / N x (b - a)."""
+        cupy, nccl = self._cupy, self._nccl
+        n, most = b - a, max(len(c) for c in covers)
+        key = (n, most)
+        with cupy.cuda.Device(self.device_id):
+            gathered = self._gathered.get(key)
+            if gathered is None:  # every rank's partial sums, each padded to ``most`` nodes
+                gathered = self._gathered[key] = cupy.zeros((self.size, most, n), np.float32)
+        mine = gathered[self.rank]
+        ptr = self._ptr(gathered, "start_tree_sum")
+
+        def enqueue(stream: int) -> None:
+            for i, p in enumerate(partials):
+                mine[i] = p[a:b]
+            self.comm.allGather(ptr + self.rank * most * n * 4, ptr, most * n,
+                                nccl.NCCL_FLOAT32, stream)
+            known = {node: gathered[r, i] for r in range(self.size)
+                     for i, node in enumerate(covers[r])}
+            tree.evaluate(known, out=flat[a:b])
+
+        return self._start(f"the shard tree's sum of {n} f32", enqueue)
 
     def bcast(self, obj: Any, root: int = 0) -> Any:
         return self.mpi.bcast(obj, root)
@@ -746,11 +812,6 @@ class NcclCommunicator:
     def allgather_buffer(self, send: np.ndarray, recv: np.ndarray) -> None:
         self.mpi.allgather_buffer(send, recv)
 
-    def start_allreduce_sum(self, buf: Any) -> Pending:
-        """On the context's stream, after the kernels before it: ordered, not overlapped."""
-        self.allreduce_sum(buf)
-        return Pending.done()
-
     def start_alltoall(self, send: np.ndarray, recv: np.ndarray) -> Pending:
         return self.mpi.start_alltoall(send, recv)
 
@@ -761,13 +822,11 @@ class NcclCommunicator:
         _check_f32(buf, "allgather_inplace")
         _check_blocks(buf, self.size)
         k = int(buf.size) // self.size
-        with self._cupy.cuda.Device(self.device_id):
-            ptr = self._ptr(buf, "allgather_inplace")
-            self._settle("allgather_inplace")
-            # NCCL's in-place form: this rank's block is the send buffer
-            self.comm.allGather(ptr + self.rank * k * 4, ptr, k, self._nccl.NCCL_FLOAT32,
-                                self._stream())
-            self._enqueued(f"allgather of {buf.size} f32 in {self.size} blocks")
+        ptr = self._ptr(buf, "allgather_inplace")
+        # NCCL's in-place form: this rank's block is the send buffer
+        self._start(f"allgather of {buf.size} f32 in {self.size} blocks",
+                    lambda stream: self.comm.allGather(ptr + self.rank * k * 4, ptr, k,
+                                                       self._nccl.NCCL_FLOAT32, stream)).wait()
 
     def allreduce_max(self, value: int) -> int:
         return self.mpi.allreduce_max(value)
@@ -775,7 +834,7 @@ class NcclCommunicator:
     def barrier(self) -> None:
         with self._cupy.cuda.Device(self.device_id):
             self._settle("barrier")
-            self._cupy.cuda.get_current_stream().synchronize()
+            self._compute_stream().synchronize()
         self.mpi.barrier()
 
     def abort(self, code: int = 1) -> NoReturn:
@@ -796,6 +855,24 @@ class _EventDone:
 
     def Test(self) -> bool:  # noqa: N802 - mpi4py's name
         return bool(self.event.done)
+
+
+class _DeviceWait(Pending):
+    """A device collective started on a communicator's stream: ``wait`` makes the compute
+    stream wait for it on the GPU (the host goes on); ``test`` says whether the GPU is done."""
+
+    def __init__(self, done: Any, compute: Any, device_id: int, cupy: Any) -> None:
+        super().__init__()
+        self._done, self._compute, self._device_id, self._cupy = done, compute, device_id, cupy
+
+    def test(self) -> bool:
+        return self._done is None or bool(self._done.done)
+
+    def wait(self) -> None:
+        if self._done is not None:
+            with self._cupy.cuda.Device(self._device_id):
+                self._compute.wait_event(self._done)
+            self._done = None
 
 
 _MPI_ENV = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALRANKID",

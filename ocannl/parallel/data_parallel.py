@@ -441,6 +441,9 @@ class DataParallel:
             raise Failure(f"data-parallel: the ranks disagree on the shards: rank 0 has "
                           f"{show(counts[0])}; rank {odd} has {show(counts[odd])}")
         _refuse_differences(everyone)  # the graphs (twins' precisions, inputs') and the code
+        follow = getattr(self.comm, "follow", None)  # NCCL: its stream after the context's
+        if follow is not None and ctx.stream is not None:
+            follow(ctx.stream)
         zero = self.optimizer_shard
         grads = [p.grad for p in self.params if p.grad is not None]
         offsets, total = flat_layout([g.size for g in grads], FLAT_ALIGN)

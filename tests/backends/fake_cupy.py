@@ -130,6 +130,16 @@ def current_stream() -> Stream | None:
     return _current_stream[-1] if _current_stream else None
 
 
+submitted: dict[int | None, int] = {}  # per stream's ptr (None: legacy), the work run there
+# called with (the waiting stream's ptr, the event) at every wait_event (tests/fake_nccl.py)
+wait_hooks: list[Any] = []
+
+
+def _count(stream: Stream | None) -> None:
+    key = None if stream is None else stream.ptr
+    submitted[key] = submitted.get(key, 0) + 1
+
+
 def _submit(stream: Stream | None, kind: str, name: str, run: Any) -> None:
     """Run ``run`` now on ``stream``, or record it there when the stream is capturing; work
     for any other stream while one captures is refused (the legacy stream's implicit
@@ -145,6 +155,7 @@ def _submit(stream: Stream | None, kind: str, name: str, run: Any) -> None:
         s._capture.append((kind, name, run))
         return
     submissions.append((kind, name))
+    _count(stream)
     run()
 
 
@@ -162,6 +173,7 @@ class Graph:
         stream = current_stream() if stream is None else stream
         _refuse_during_capture("a graph launch")
         submissions.append(("graph", str(self.id)))
+        _count(stream)
         self.launches += 1
         for _, _, run in self.steps:
             run()
@@ -179,7 +191,18 @@ class Stream:
         self.device_id = current_device()
         self._capture: list[tuple[str, str, Any]] | None = None
         self._invalid = ""
+        # what it has waited for (wait_event): per stream, how many of its submissions
+        self.waited: dict[int | None, int] = {}
         _streams[self.ptr] = self
+
+    def wait_event(self, event: Any) -> None:
+        """Later work here follows what ``event`` covers (an event records, per stream, the
+        submissions made there before it)."""
+        _refuse_during_capture("Stream.wait_event on an event of outside the capture")
+        for ptr, n in event.covers.items():
+            self.waited[ptr] = max(self.waited.get(ptr, 0), n)
+        for hook in wait_hooks:
+            hook(self.ptr, event)
 
     def __enter__(self) -> Stream:
         _current_stream.append(self)
@@ -499,7 +522,7 @@ def install(monkeypatch: Any, *, devices: int = 1, cublas: bool = True) -> types
     cp.cuda = types.SimpleNamespace(runtime=runtime, Device=Device, Stream=Stream, Graph=Graph)
     RawModule.compiles = 0
     for state in (launches, submissions, gemms, capture_failures, copied, _allocations,
-                  _current_stream):
+                  _current_stream, submitted):
         state.clear()
     _streams.clear()
     _handles.clear()
