@@ -93,9 +93,11 @@ class LoopGroup:
     thread), in ``chunks`` chunks per thread; ``jam``, how many cells of a lone reduction are
     computed at once (0: one); ``lanes``, those cells as one vector, the reads at positions
     ``packed`` (in :func:`~ocannl.ir.assignments.reads` order) packed into stack arrays
-    first; ``conversion``, the group is a copy of scheduling's own between precisions (an f32
-    copy, a rounding back): no user cast, so a signalling NaN's payload need not survive it
-    and the plain conversion instructions serve; ``flat``, every nest is pointwise and reads
+    first, those at positions ``transposed`` (a row sum's rows) loaded ``jam`` terms of each
+    cell at a time and transposed in registers; ``conversion``, the group is a copy of
+    scheduling's own between precisions (an f32 copy, a rounding back): no user cast, so a
+    signalling NaN's payload need not survive it and the plain conversion instructions
+    serve; ``flat``, every nest is pointwise and reads
     and writes each node at the point's own cell: one loop over the cells in row-major order
     (``split`` then counts cells), which vectorizes whatever the axes' extents;
     ``inner_vector``, a pointwise group walked point by point whose innermost loop is short:
@@ -115,6 +117,7 @@ class LoopGroup:
     jam: int = 0
     lanes: bool = False
     packed: tuple[int, ...] = ()
+    transposed: tuple[int, ...] = ()
     conversion: bool = False
     flat: bool = False
     inner_vector: int = 0

@@ -114,6 +114,8 @@ class RoutineIR:
         self.cell: ir.Value | None = None  # the flat cell of a ``flat`` group
         # A jammed reduction's reads packed as vectors of its cells, by id.
         self.packed: dict[int, tuple[ir.Value, list[int], int]] = {}
+        # Its transposed reads at the term being emitted: a vector of the cells each, by id.
+        self.transposed: dict[int, ir.Value] = {}
         # Each item function's text (its name left out) -> the function: an item whose text an
         # earlier one of this part has is that one (``_same_item``); and the text of each
         # function kept, by name (the module's text is made of them, not made again).
@@ -542,7 +544,10 @@ class RoutineIR:
                     new = self.combine(a.accum, b.load(acc), value, compute)
                     b.store(convert(b, new, compute), acc)
 
-            self._loops(list(nest.red), space, iters, inner)
+            if g.transposed:
+                self._transposed_terms(nest, g, space, iters, cells, accs[0])
+            else:
+                self._loops(list(nest.red), space, iters, inner)
             if g.lane_store:
                 self._store_lanes(nest, width, iters, b.load(accs[0]))
                 return
@@ -554,6 +559,59 @@ class RoutineIR:
                     old = self.load(a.lhs, a.lhs_idx, space, iters, compute)
                     result = self.combine(a.accum, old, result, compute)
                 self.store(a.lhs, self.offset(a.lhs, a.lhs_idx, iters), result)
+
+    def _transposed_terms(self, nest: LoopNest, g: LoopGroup, space: tuple[int, ...],
+                          iters: dict[int, ir.Value], cells: list[ir.Value],
+                          acc: ir.Value) -> None:
+        """The lanes' reduction loop, ``width`` terms at a time: each transposed read loaded as
+        one vector of those terms per cell (contiguous along the reduction), the vectors
+        transposed into one of the cells per term, and the terms added in order: each cell's
+        additions are the scalar loop's (the same bits)."""
+        a = nest.assign
+        width, b = g.jam, self.b
+        compute = _FLOAT[a.lhs.prec.compute]
+        last, r = nest.par[-1], nest.red[0]
+        gets = list(reads(a.expr))
+        with self.loop(space[r] // width) as chunk:
+            first = b.mul(chunk, const_int(width), flags=["nuw", "nsw"])
+            rows: dict[int, list[ir.Value]] = {}
+            for k in g.transposed:
+                get = gets[k]
+                iters[r] = first
+                loaded = []
+                for cell in cells:
+                    iters[last] = cell
+                    loaded.append(self._vector_load(get.node, self.offset(get.node, get.idx, iters),
+                                                    width, compute))
+                rows[id(get)] = loaded
+            iters[last] = cells[0]
+            for j in range(width):
+                iters[r] = b.add(first, const_int(j), flags=["nuw", "nsw"])
+                self.transposed = {key: self._lane_of_each(vs, j, compute)
+                                   for key, vs in rows.items()}
+                value = self._lanes_expr(a.expr, compute, width, last, space, iters)
+                b.store(self.combine(a.accum, b.load(acc), value, compute), acc)
+            self.transposed = {}
+
+    def _lane_of_each(self, vectors: list[ir.Value], j: int, compute: ir.Type) -> ir.Value:
+        """The vector of lane ``j`` of each of ``vectors``, in order (a column of their
+        transpose)."""
+        b = self.b
+        out: ir.Value = ir.Constant(ir.VectorType(compute, len(vectors)), ir.Undefined)
+        for u, v in enumerate(vectors):
+            out = b.insert_element(out, b.extract_element(v, const_int(j, I32)),
+                                   const_int(u, I32))
+        return out
+
+    def _vector_load(self, node: Tnode, off: ir.Value, width: int, compute: ir.Type
+                     ) -> ir.Value:
+        """``width`` consecutive values of ``node`` from ``off``, in ``compute`` (16-bit ones
+        widened)."""
+        b, narrow = self.b, node.prec.is_narrow
+        loaded = ir.VectorType(I16, width) if narrow else ir.VectorType(compute, width)
+        value = b.load(b.bitcast(b.gep(self.buffer(node), [off]), loaded.as_pointer()),
+                       align=2 if narrow else (4 if compute == F32 else 8))
+        return self.widen(value, node.prec) if narrow else value
 
     def _store_lanes(self, nest: LoopNest, width: int, iters: dict[int, ir.Value],
                      value: ir.Value) -> None:
@@ -625,6 +683,8 @@ class RoutineIR:
             return BUILDERS[e.op](self, compute, *args)
         assert isinstance(e, Get)
         b, node = self.b, e.node
+        if id(e) in self.transposed:  # this term's, of each cell (_transposed_terms)
+            return self.transposed[id(e)]
         if id(e) in self.packed:  # the block's cells side by side for each term
             pack, red, terms = self.packed[id(e)]
             at = b.add(b.mul(iters[last], const_int(terms)),
@@ -915,6 +975,7 @@ def signature(code: list[Lowered], nodes: list[Tnode], target: Target) -> str:
                              f"{nest.exact_store} {nest.any_order}")
             lines.append(f"end {sorted(slot[i] for i in item.registers)} {item.split} "
                          f"{item.chunks} {item.jam} {item.lanes} {item.packed} "
+                         f"{item.transposed} "
                          f"{item.conversion} {item.flat} {item.lane_store} "
                          f"{item.inner_vector}")
     return "\n".join(lines)
