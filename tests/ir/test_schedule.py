@@ -150,3 +150,29 @@ def test_flat_groups_and_reductions_are_not_given_an_inner_width():
     groups = [g for g in code if isinstance(g, LoopGroup)]
     assert any(g.flat for g in groups) and len(groups) == 2
     assert all(g.inner_vector == 0 for g in groups)
+
+
+def _row_sum(space: tuple[int, ...]) -> LoopGroup:
+    """The loop group of ``s[i, j] = sum x[i, j, ...]`` over ``space`` (f16 ``x``, row-major:
+    each cell's terms contiguous)."""
+    from ocannl.ir.assignments import Accum, Comp, Get
+    from ocannl.ir.tnode import Tnode
+
+    x = Tnode("x", space, Precision.f16)
+    s = Tnode("s", space[:2], Precision.f32)
+    [group] = [g for g in lower(Comp((Accum(s, (0, 1), "+", Get(x, tuple(range(len(space)))),
+                                            space, reset=True),)), Target())
+               if isinstance(g, LoopGroup)]
+    return group
+
+
+def test_a_row_sum_is_transposed_into_lanes_only_where_its_rows_load_whole():
+    """``schedule.transposable``: a sum whose read strides across the jammed cells runs in
+    lanes only where that read is contiguous along the one reduction iterator and the terms
+    come in whole vectors (else the cells stay scalar: a gathered read costs a sum more than
+    it saves)."""
+    g = _row_sum((4, 16, 64))
+    assert (g.jam, g.lanes, g.transposed) == (8, True, (0,))
+    for other in (_row_sum((4, 16, 36)),  # the terms not a multiple of the jam
+                  _row_sum((4, 16, 8, 8))):  # two reduction iterators
+        assert other.jam == 8 and not other.lanes and other.transposed == ()
