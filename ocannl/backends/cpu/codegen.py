@@ -574,7 +574,7 @@ class RoutineIR:
         gets = list(reads(a.expr))
         with self.loop(space[r] // width) as chunk:
             first = b.mul(chunk, const_int(width), flags=["nuw", "nsw"])
-            rows: dict[int, list[ir.Value]] = {}
+            rows: dict[int, list[ir.Value]] = {}  # each read's columns: a vector a term
             for k in g.transposed:
                 get = gets[k]
                 iters[r] = first
@@ -583,24 +583,30 @@ class RoutineIR:
                     iters[last] = cell
                     loaded.append(self._vector_load(get.node, self.offset(get.node, get.idx, iters),
                                                     width, compute))
-                rows[id(get)] = loaded
+                rows[id(get)] = self._transpose(loaded)
             iters[last] = cells[0]
             for j in range(width):
                 iters[r] = b.add(first, const_int(j), flags=["nuw", "nsw"])
-                self.transposed = {key: self._lane_of_each(vs, j, compute)
-                                   for key, vs in rows.items()}
+                self.transposed = {key: columns[j] for key, columns in rows.items()}
                 value = self._lanes_expr(a.expr, compute, width, last, space, iters)
                 b.store(self.combine(a.accum, b.load(acc), value, compute), acc)
             self.transposed = {}
 
-    def _lane_of_each(self, vectors: list[ir.Value], j: int, compute: ir.Type) -> ir.Value:
-        """The vector of lane ``j`` of each of ``vectors``, in order (a column of their
-        transpose)."""
-        b = self.b
-        out: ir.Value = ir.Constant(ir.VectorType(compute, len(vectors)), ir.Undefined)
-        for u, v in enumerate(vectors):
-            out = b.insert_element(out, b.extract_element(v, const_int(j, I32)),
-                                   const_int(u, I32))
+    def _transpose(self, rows: list[ir.Value]) -> list[ir.Value]:
+        """The columns of ``rows`` (``w`` vectors of ``w`` lanes, ``w`` a power of two): the
+        butterfly of shuffles, ``log2(w)`` stages, each swapping the off-diagonal blocks of
+        its pairs of vectors ``g`` lanes wide."""
+        b, w = self.b, len(rows)
+        masks = ir.VectorType(I32, w)
+        out, g = list(rows), 1
+        while g < w:
+            low = ir.Constant(masks, [p if p & g == 0 else w + p - g for p in range(w)])
+            high = ir.Constant(masks, [p + g if p & g == 0 else w + p for p in range(w)])
+            for i in range(w):
+                if not i & g:
+                    out[i], out[i + g] = (b.shuffle_vector(out[i], out[i + g], low),
+                                          b.shuffle_vector(out[i], out[i + g], high))
+            g *= 2
         return out
 
     def _vector_load(self, node: Tnode, off: ir.Value, width: int, compute: ir.Type
