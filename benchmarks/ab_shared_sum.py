@@ -23,7 +23,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ocannl.parallel import MpiCommunicator, ShardTree  # noqa: E402
-from ocannl.parallel.data_parallel import sum_in_shared_memory  # noqa: E402
+from ocannl.parallel.data_parallel import SharedSum  # noqa: E402
 
 
 def time_size(comm: MpiCommunicator, tree: ShardTree, n: int, rounds: int
@@ -38,8 +38,7 @@ def time_size(comm: MpiCommunicator, tree: ShardTree, n: int, rounds: int
     plain = mine.copy()
     calls = max(10, int(3e6 // n))
 
-    def shared() -> None:
-        sum_in_shared_memory(comm, tree, covers, blocks)
+    shared = SharedSum(comm, tree, covers, blocks)
 
     def mpi() -> None:
         comm.allreduce_sum(plain)

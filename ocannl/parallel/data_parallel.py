@@ -111,25 +111,54 @@ def _as_node(t: Tnode | Tensor) -> Tnode:
     return node
 
 
-def sum_in_shared_memory(comm: Any, tree: ShardTree, covers: list[list[tuple[int, int]]],
-                         blocks: list[np.ndarray]) -> None:
+class SharedSum:
     """The tree's sum of every rank's partial sum, each in its buffer ``blocks[q]`` (memory
     every rank maps: ``MpiCommunicator.shared_blocks``; one partial sum a rank, its node
-    ``covers[q][0]``), written into every buffer. Once every rank has written its own (a
-    barrier), each rank sums its ``1 / N`` of the elements over every buffer in the tree's
-    order, into its own buffer, and copies that slice into the others; after the second
+    ``covers[q][0]``), written into every buffer; call it once every rank has written its own.
+    After a barrier, each rank sums its ``1 / N`` of the elements over every buffer in the
+    tree's order, into its own buffer, and copies that slice into the others; after the second
     barrier every buffer holds the whole sum. The additions are the tree's, elementwise: the
-    bits of MPI's exchange, without its copies."""
-    size, rank = comm.size, comm.rank
-    n = int(blocks[0].size)
-    per = -(-n // size)
-    lo, hi = min(rank * per, n), min((rank + 1) * per, n)
-    comm.shared_sync("the shard tree's sum in shared memory (partial sums written)")
-    if lo < hi:
-        tree.evaluate({covers[q][0]: blocks[q][lo:hi] for q in range(size)},
-                      out=blocks[rank][lo:hi])
-        _copy_to_the_others(blocks, rank, slice(lo, hi))
-    comm.shared_sync("the shard tree's sum in shared memory (sums written)")
+    bits of MPI's exchange, without its copies. They are worked out once (each an ``np.add``
+    of fixed views, a subtree's sum into a scratch array of its own): a step's host work is
+    the calls alone."""
+
+    def __init__(self, comm: Any, tree: ShardTree, covers: list[list[tuple[int, int]]],
+                 blocks: list[np.ndarray]) -> None:
+        size, rank = comm.size, comm.rank
+        n = int(blocks[0].size)
+        per = -(-n // size)
+        lo, hi = min(rank * per, n), min((rank + 1) * per, n)
+        self.comm = comm
+        self.adds: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # left, right, out
+        self.copies: list[tuple[np.ndarray, np.ndarray]] = []  # (into, from)
+        if lo >= hi:
+            return
+        known = {covers[q][0]: blocks[q][lo:hi] for q in range(size)}
+        mine = blocks[rank][lo:hi]
+
+        def node(a: int, z: int, out: np.ndarray | None) -> np.ndarray:
+            got = known.get((a, z))
+            if got is not None:
+                if out is not None and got is not out:
+                    self.copies.append((out, got))
+                return got if out is None else out
+            mid = tree.split(a, z)
+            left, right = node(a, mid, None), node(mid, z, None)
+            into = np.empty_like(left) if out is None else out
+            self.adds.append((left, right, into))
+            return into
+
+        node(0, tree.shards, mine)
+        self.copies += [(b[lo:hi], mine) for q, b in enumerate(blocks) if q != rank]
+
+    def __call__(self) -> None:
+        comm = self.comm
+        comm.shared_sync("the shard tree's sum in shared memory (partial sums written)")
+        for left, right, out in self.adds:
+            np.add(left, right, out=out)
+        for into, src in self.copies:
+            np.copyto(into, src)
+        comm.shared_sync("the shard tree's sum in shared memory (sums written)")
 
 
 def _copy_to_the_others(blocks: list[np.ndarray], rank: int, part: slice) -> None:
@@ -345,6 +374,7 @@ class DataParallel:
                                label="dp_grad_unscale", prec=Precision.f32)
         self.flat: Tnode | None = None
         self._shared: list[np.ndarray] | None = None  # every rank's flat, mapped here
+        self._summer: SharedSum | None = None  # the sum over them
         self._shared_params: list[np.ndarray] | None = None  # with ZeRO-1: their parameters
         self._synced: weakref.WeakKeyDictionary[Context, float] = weakref.WeakKeyDictionary()
         self._offsets: weakref.WeakKeyDictionary[Context, int] = weakref.WeakKeyDictionary()
@@ -1212,13 +1242,11 @@ class DataParallel:
                        scratch=self._scatter).finish()
 
     def _shared_sum(self) -> None:
-        """The tree's sum in memory every rank maps: once every rank has written its partial
-        sum (its flat buffer), each rank sums its ``1 / N`` of the elements over every rank's
-        buffer in the tree's order and writes the sum into every rank's buffer; after the
-        second barrier every buffer holds the whole sum. The additions are the tree's,
-        elementwise: the bits of MPI's exchange, without its copies."""
-        assert self._shared is not None
-        sum_in_shared_memory(self.comm, self.tree, self._covers, self._shared)
+        """The tree's sum in memory every rank maps (:class:`SharedSum`, made at the first)."""
+        if self._summer is None:
+            assert self._shared is not None
+            self._summer = SharedSum(self.comm, self.tree, self._covers, self._shared)
+        self._summer()
 
     def _average_stats(self, ctx: Context, stats: list[list[np.ndarray]]) -> Context:
         """The running statistics: each shard's, from the same starting values, averaged over
