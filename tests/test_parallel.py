@@ -308,14 +308,20 @@ def test_gradients_are_views_of_one_flat_buffer() -> None:
         Context.cpu().share_flat([])
 
 
-def test_a_routine_rebound_writes_its_gradients_into_other_memory() -> None:
-    """A data-parallel rank's later shards write their gradients into buffers of their own: the
-    same machine code bound there (no compile), the same bits, flat untouched."""
+def _one_flat() -> tuple:
+    """``_model()``'s gradients in one flat buffer (one rank), its gradient routine compiled,
+    the parameters initialized: ``(x, y, loss, dp, ctx, grads)``."""
     x, y, loss = _model()
     dp = parallel.DataParallel(parallel.SingleProcess(), loss, inputs=[x, y])
     ctx = dp.setup(Context.cpu())
     ctx, grads = ctx.compile(train.grad_update(loss))
-    ctx = train.init_params(ctx, loss)
+    return x, y, loss, dp, train.init_params(ctx, loss), grads
+
+
+def test_a_routine_rebound_writes_its_gradients_into_other_memory() -> None:
+    """A data-parallel rank's later shards write their gradients into buffers of their own: the
+    same machine code bound there (no compile), the same bits, flat untouched."""
+    x, y, loss, dp, ctx, grads = _one_flat()
     rng = np.random.default_rng(3)
     ctx = ctx.set_values(x, rng.normal(size=(16, 2)))
     ctx = ctx.set_values(y, np.eye(2)[rng.integers(0, 2, 16)])
@@ -346,11 +352,7 @@ def test_a_routine_rebound_to_read_staged_inputs_computes_their_gradients() -> N
     own buffers: the gradients of those rows, bit for bit as writing them into the inputs,
     the inputs untouched. A node the routine writes, or does not read, or a buffer unlike the
     node's own, is refused naming it."""
-    x, y, loss = _model()
-    dp = parallel.DataParallel(parallel.SingleProcess(), loss, inputs=[x, y])
-    ctx = dp.setup(Context.cpu())
-    ctx, grads = ctx.compile(train.grad_update(loss))
-    ctx = train.init_params(ctx, loss)
+    x, y, loss, dp, ctx, grads = _one_flat()
     rng = np.random.default_rng(4)
     xs, ys = rng.normal(size=(32, 2)), np.eye(2)[rng.integers(0, 2, 32)]
     ctx = ctx.set_values(x, xs[16:]).set_values(y, ys[16:])

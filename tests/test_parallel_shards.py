@@ -158,23 +158,36 @@ class _TwoRanks(parallel.SingleProcess):  # a stand-in: rank 0 of 2
     size = 2
 
 
-def test_one_rank_sums_its_shards_in_the_tree_order() -> None:
-    """One rank, 4 shards: the gradients after reduce are ((g0 + g1) + (g2 + g3)) of the
-    shards' own gradients, computed one at a time; the unscale is 1 / 4."""
+def _one_rank(shards: int) -> tuple:
+    """One rank of ``shards`` shards of 4 rows over ``_mlp(4)``: its gradient routine
+    compiled and in use, the parameters initialized. ``(x, y, loss, dp, ctx, grads)``."""
     x, y, loss = _mlp(4)
-    dp = parallel.DataParallel(parallel.SingleProcess(), loss, inputs=[x, y], shards=4)
+    dp = parallel.DataParallel(parallel.SingleProcess(), loss, inputs=[x, y], shards=shards)
     ctx = dp.setup(Context.cpu())
     ctx, grads = ctx.compile(train.grad_update(loss))
     dp.use_routines(grads)
-    ctx, update = ctx.compile(optim.SGD(0.1).update(loss, grad_unscale=dp.grad_unscale()))
-    ctx = train.init_params(ctx, loss)
-    rng = np.random.default_rng(1)
-    xb, yb = rng.normal(size=(16, 2)), np.eye(2)[rng.integers(0, 2, 16)]
+    return x, y, loss, dp, train.init_params(ctx, loss), grads
+
+
+def _each_shard(ctx: Context, grads: Any, loss: Any, x: Any, xb: np.ndarray, y: Any,
+                yb: np.ndarray) -> list[list[np.ndarray]]:
+    """Each 4-row shard's own gradients, computed one at a time through the inputs."""
     g = []
-    for j in range(4):
+    for j in range(len(xb) // 4):
         ctx = ctx.set_values(x, xb[4 * j:4 * j + 4]).set_values(y, yb[4 * j:4 * j + 4])
         ctx = ctx.run(grads)
         g.append([ctx.get_values(p.grad).copy() for p in loss.params])
+    return g
+
+
+def test_one_rank_sums_its_shards_in_the_tree_order() -> None:
+    """One rank, 4 shards: the gradients after reduce are ((g0 + g1) + (g2 + g3)) of the
+    shards' own gradients, computed one at a time; the unscale is 1 / 4."""
+    x, y, loss, dp, ctx, grads = _one_rank(4)
+    ctx, update = ctx.compile(optim.SGD(0.1).update(loss, grad_unscale=dp.grad_unscale()))
+    rng = np.random.default_rng(1)
+    xb, yb = rng.normal(size=(16, 2)), np.eye(2)[rng.integers(0, 2, 16)]
+    g = _each_shard(ctx, grads, loss, x, xb, y, yb)
     ctx = dp.set_batch(ctx, xb, yb).run(grads)
     ctx = dp.reduce(ctx)
     for k, p in enumerate(loss.params):
@@ -201,19 +214,10 @@ def test_a_step_staged_in_one_context_is_refused_in_another_and_kept() -> None:
     micro-batch) in another context is refused naming both, and the step is kept, so the
     reduce in the right context still gives the shards' bits. The caller's arrays may change
     after set_batch: the staged rows are the batch's as given."""
-    x, y, loss = _mlp(4)
-    dp = parallel.DataParallel(parallel.SingleProcess(), loss, inputs=[x, y], shards=2)
-    ctx = dp.setup(Context.cpu())
-    ctx, grads = ctx.compile(train.grad_update(loss))
-    dp.use_routines(grads)
-    ctx = train.init_params(ctx, loss)
+    x, y, loss, dp, ctx, grads = _one_rank(2)
     rng = np.random.default_rng(2)
     xb, yb = rng.normal(size=(8, 2)), np.eye(2)[rng.integers(0, 2, 8)]
-    g = []
-    for j in range(2):
-        ctx = ctx.set_values(x, xb[4 * j:4 * j + 4]).set_values(y, yb[4 * j:4 * j + 4])
-        ctx = ctx.run(grads)
-        g.append([ctx.get_values(p.grad).copy() for p in loss.params])
+    g = _each_shard(ctx, grads, loss, x, xb, y, yb)
     other = Context.cpu()
     given = xb.copy()
     ctx = dp.set_batch(ctx, given, yb).run(grads)
