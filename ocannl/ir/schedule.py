@@ -25,7 +25,8 @@ items:
 - **Threads and vectors.** Which loops and products are shared over threads, by which extent
   and in how many chunks (on a GPU: which groups run a thread per cell, which a block per
   cell, and how a long reduction is cut over blocks); which reductions run several cells at
-  once (``jam``) and as vectors of their cells (``lanes``), with which reads packed first;
+  once (``jam``) and as vectors of their cells (``lanes``), with which reads packed first
+  and which loaded a vector of terms per cell and transposed (``transposed``: a row sum's);
   which pointwise groups walk their cells in one loop (``flat``), and which, walked point by
   point, have a short innermost loop vectorized whole (``inner_vector``).
 - **Conversions, stores and launches** (:func:`rendering`). Which conversions keep a NaN's
