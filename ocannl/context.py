@@ -130,7 +130,8 @@ class Staged:
         self.node, self.blocks = node, blocks
         self._node_buffer = context._ensure(node)
         size = node.size
-        self.storage = context._alloc(Tnode(f"{node.name}_staged", (blocks * size,), node.prec))
+        self.storage = context._alloc_apart(Tnode(f"{node.name}_staged", (blocks * size,),
+                                                  node.prec))
         # each block a buffer like the node's own: what a rebound routine reads
         self.views = [self.storage[b * size:(b + 1) * size] for b in range(blocks)]
         self._context = weakref.ref(context)
@@ -216,6 +217,7 @@ class Context:
         self._initialized: set[int] = set()
         self._views: set[int] = set()  # nodes whose buffer is a view of a shared flat buffer
         self._local_bytes = 0  # the arenas of compiled routines' local nodes
+        self._apart_bytes = 0  # buffers of no node's own (new_buffer, Staged)
         self.compile_count = 0  # routines whose code was compiled anew by this context
         # Kept twins allocated here, by their master's id; those whose master was written since
         # their last cast; the routines recasting them; every routine (to leave its steady state
@@ -451,8 +453,15 @@ class Context:
 
     def new_buffer(self, t: Any) -> Buffer:
         """A zero-filled buffer of the backend's kind for ``t``'s dims and precision, bound to
-        nothing (:meth:`rebound` binds routines to one)."""
-        return self._alloc(_as_node(t))
+        nothing (:meth:`rebound` binds routines to one); :meth:`mem` counts it."""
+        return self._alloc_apart(_as_node(t))
+
+    def _alloc_apart(self, node: Tnode) -> Buffer:
+        """A buffer for ``node``'s values that is not the node's own (:meth:`new_buffer`, a
+        :class:`Staged`), counted by :meth:`mem`."""
+        buf = self._alloc(node)
+        self._apart_bytes += node.size * node.prec.itemsize
+        return buf
 
     def _local_buffers(self, label: str, code: list[Lowered], local: list[Tnode],
                        shared: bool) -> dict[int, Buffer]:
@@ -947,13 +956,15 @@ class Context:
         return _as_node(t).id in self._buffers
 
     def mem(self, t: Any = None) -> int:
-        """Bytes held on the device: by one node, or (no argument) by the whole context."""
+        """Bytes held on the device: by one node, or (no argument) by the whole context (its
+        nodes' buffers, its routines' local arenas, and the buffers it made apart from the
+        nodes: a data-parallel rank's later shards' gradients and staged inputs)."""
         if t is not None:
             node = _as_node(t)
             self._buffer(node)
             return node.size * node.prec.itemsize
         return sum(n.size * n.prec.itemsize for n, _ in self._buffers.values()
-                   if n.id not in self._views) + self._local_bytes
+                   if n.id not in self._views) + self._local_bytes + self._apart_bytes
 
     def nodes(self) -> list[Tnode]:
         return [n for n, _ in self._buffers.values()]

@@ -254,6 +254,7 @@ def test_staged_blocks_round_as_set_values_and_refuse_values_of_another_count() 
     whole = ctx.checked(node, values, blocks=3)
     staged = ctx.staged(node, 2)
     assert len(staged.views) == 2 and staged.context is ctx
+    assert ctx.mem() == 3 * node.size * 2  # the node's buffer and its two staged blocks
     staged.write(whole.part(1, 3))
     ctx.set_values(node, whole.part(0, 1))
     for b in range(3):
