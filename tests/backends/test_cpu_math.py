@@ -293,19 +293,20 @@ def test_jammed_reductions_sum_each_cell_in_order(cols):
     assert ctx.get_values(m).tobytes() == xv.max(axis=2).tobytes()
 
 
-@pytest.mark.parametrize("prec", ["f32", "bf16", "f16"])
+@pytest.mark.parametrize("prec", ["f32", "bf16", "f16", "f64"])
 def test_row_sums_transposed_in_registers_add_each_row_in_order(prec):
     """A row sum (the rows jammed, each read contiguous along the terms: a layer norm's) runs
     as vectors of its rows, each transposed from one vector load per row and ``jam`` terms
-    (``LoopGroup.transposed``): every row still adds its terms in order, rounding to f32 after
-    every addition, from 16-bit values widened exactly; NaN and infinities pass as they do
-    one by one."""
+    (``LoopGroup.transposed``): every row still adds its terms in order, rounding to the
+    sum's precision (f64 for f64 values, else f32) after every addition, from 16-bit values
+    widened exactly; NaN and infinities pass as they do one by one."""
     from ocannl.ir.lowering import LoopGroup, lower
 
     rows, terms = 24, 64
     p = Precision(prec)
+    acc = Precision.f64 if p is Precision.f64 else Precision.f32
     x, w = Tnode("tx", (2, rows, terms), p), Tnode("tw", (2, rows, terms), p)
-    s, d = Tnode("ts", (2, rows), Precision.f32), Tnode("td", (2, rows), Precision.f32)
+    s, d = Tnode("ts", (2, rows), acc), Tnode("td", (2, rows), acc)
     comp = Comp((
         Accum(s, (0, 1), "+", Get(x, (0, 1, 2)), (2, rows, terms), True),
         Accum(d, (0, 1), "+", apply("mul", Get(x, (0, 1, 2)), Get(w, (0, 1, 2))),
@@ -315,19 +316,20 @@ def test_row_sums_transposed_in_registers_add_each_row_in_order(prec):
     assert [(g.jam, g.lanes, g.transposed) for g in groups] == [(8, True, (0,)),
                                                                 (8, True, (0, 1))]
     rng = np.random.default_rng(5)
-    xv = rng.normal(size=(2, rows, terms)).astype(np.float32) * 3
-    wv = rng.normal(size=(2, rows, terms)).astype(np.float32)
+    xv = rng.normal(size=(2, rows, terms)) * 3
+    wv = rng.normal(size=(2, rows, terms))
     xv[0, 3, 7], xv[1, 9, 60], wv[0, 12, 0] = np.nan, np.inf, -np.inf
     ctx = Context.cpu().set_values(x, xv).set_values(w, wv)
     ctx, r = ctx.compile(comp)
     ctx.run(r)
-    xs = ctx.get_values(x).astype(np.float32)  # the values as stored (rounded to prec)
-    ws = ctx.get_values(w).astype(np.float32)
-    want_s, want_d = np.zeros((2, rows), np.float32), np.zeros((2, rows), np.float32)
+    dt = acc.numpy_dtype
+    xs = ctx.get_values(x).astype(dt)  # the values as stored (rounded to prec)
+    ws = ctx.get_values(w).astype(dt)
+    want_s, want_d = np.zeros((2, rows), dt), np.zeros((2, rows), dt)
     with np.errstate(invalid="ignore"):
-        for k in range(terms):  # in order, rounding to f32 after every addition
-            want_s = (want_s + xs[:, :, k]).astype(np.float32)
-            want_d = (want_d + (xs[:, :, k] * ws[:, :, k]).astype(np.float32)).astype(np.float32)
+        for k in range(terms):  # in order, rounding after every addition
+            want_s = (want_s + xs[:, :, k]).astype(dt)
+            want_d = (want_d + (xs[:, :, k] * ws[:, :, k]).astype(dt)).astype(dt)
     assert ctx.get_values(s).tobytes() == want_s.tobytes()
     assert ctx.get_values(d).tobytes() == want_d.tobytes()
 
