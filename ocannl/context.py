@@ -102,11 +102,6 @@ class Checked:
     def __init__(self, node_id: int, host: np.ndarray, blocks: int = 1) -> None:
         self.node_id, self.host, self.blocks = node_id, host, blocks
 
-    def copy(self) -> Checked:
-        """The same values in an array of their own (the caller's may change before the
-        write)."""
-        return Checked(self.node_id, self.host.copy(), self.blocks)
-
     def part(self, start: int, stop: int) -> Checked:
         """Blocks ``[start, stop)`` of the values, a view of them."""
         if not 0 <= start < stop <= self.blocks:
@@ -826,17 +821,6 @@ class Context:
                              f"{blocks!r}")
         return Checked(node.id, self._checked(node, values, blocks), blocks)
 
-    def checked_blocks(self, t: Any, values: Any, count: int) -> list[Checked]:
-        """``values``: ``count`` blocks of ``t``'s values stacked on the first axis, checked as
-        :meth:`checked` checks them, or ``ValueError`` naming what is wrong. One
-        :class:`Checked` per block, each a view of the values as given."""
-        node = _as_node(t)
-        if type(count) is not int or count < 1:
-            raise ValueError(f"checked_blocks on {node.name}: count must be an int >= 1, got "
-                             f"{count!r}")
-        whole = self.checked(node, values, count)
-        return [whole.part(b, b + 1) for b in range(count)]
-
     def staged(self, t: Any, blocks: int) -> Staged:
         """A :class:`Staged` for ``t``: ``blocks`` of its values in a buffer of their own, zero
         at first (the node's buffer allocated too, if it has none)."""
@@ -849,7 +833,7 @@ class Context:
     def writer(self, t: Any) -> Callable[[Checked], None]:
         """:meth:`set_values` for one node with its lookups done once, for a write every step (a
         data-parallel rank's shards): the callable takes values checked for ``t``
-        (:meth:`checked`, :meth:`checked_blocks`), ``ValueError`` for values checked for
+        (:meth:`checked`), ``ValueError`` for values checked for
         another node. It allocates the node's buffer now if it has none."""
         node = _as_node(t)
         buf, nid = self._ensure(node), node.id

@@ -212,16 +212,17 @@ def test_exact_dims_flat_and_one_element_scalars_are_accepted() -> None:
 
 
 def test_checked_blocks_split_stacked_values_and_refuse_any_other_shape() -> None:
-    """``checked_blocks``: ``count`` blocks of the node's dims stacked on the first axis (or
-    flat), one check of the dtype and shape, each block written as ``set_values`` writes it;
-    a shape that is not exactly that is refused naming both, with nothing written."""
+    """``checked(t, values, blocks=k)``: ``k`` blocks of the node's dims stacked on the first
+    axis (or flat), one check of the dtype and shape; each block (``Checked.part``) written as
+    ``set_values`` writes it; a shape that is not exactly that is refused naming both, with
+    nothing written."""
     node = Tnode("x", (2, 3), Precision.bf16)
     values = np.arange(18.0).reshape(6, 3) / 7  # not bf16 numbers: each write rounds once
     ctx = Context.cpu().set_values(node, np.zeros((2, 3)))
-    for parts in (ctx.checked_blocks(node, values, 3), ctx.checked_blocks(node, values.ravel(), 3)):
-        assert len(parts) == 3
-        for b, part in enumerate(parts):
-            got = ctx.set_values(node, part).get_values(node)
+    for whole in (ctx.checked(node, values, 3), ctx.checked(node, values.ravel(), 3)):
+        assert whole.blocks == 3
+        for b in range(3):
+            got = ctx.set_values(node, whole.part(b, b + 1)).get_values(node)
             want = Context.cpu().set_values(node, values[2 * b:2 * b + 2]).get_values(node)
             assert got.tobytes() == want.tobytes()
     for bad in (np.zeros((3, 6)), np.zeros((6, 2)), np.zeros((4, 3)), np.zeros(17)):
@@ -229,17 +230,17 @@ def test_checked_blocks_split_stacked_values_and_refuse_any_other_shape() -> Non
                                              rf"{re_shape(bad.shape)}, expected 3 blocks of the "
                                              r"node's dims \(2, 3\) stacked on the first axis "
                                              r"\(6, 3\) or flat \(18,\)"):
-            ctx.checked_blocks(node, bad, 3)
+            ctx.checked(node, bad, 3)
     for count in (0, -1, 2.0, True):
-        with pytest.raises(ValueError, match=rf"checked_blocks on x\w*: count must be an int >= 1, "
+        with pytest.raises(ValueError, match=rf"checked on x\w*: blocks must be an int >= 1, "
                                              rf"got {count!r}"):
-            ctx.checked_blocks(node, values, count)
+            ctx.checked(node, values, count)
     scalar = Tnode("lr", (), Precision.f32)
     with pytest.raises(ValueError, match=r"expected 2 blocks .* \(none: the node has no axis\)"):
-        ctx.checked_blocks(scalar, np.zeros(2), 2)
+        ctx.checked(scalar, np.zeros(2), 2)
     ids = T.class_ids(batch_dims=(2,), num_classes=3, label="ids")
     with pytest.raises(ValueError, match=r"class ids ids: value 5 at position \(1,\) is out"):
-        ctx.checked_blocks(ids, np.array([0, 1, 2, 5]), 2)  # the second block's second id
+        ctx.checked(ids, np.array([0, 1, 2, 5]), 2)  # the second block's second id
     np.testing.assert_array_equal(ctx.get_values(node), want)
 
 
@@ -280,9 +281,7 @@ def test_staged_blocks_round_as_set_values_and_refuse_values_of_another_count() 
         with pytest.raises(ValueError, match=rf"blocks \[{start}, {stop}\) of 3"):
             whole.part(start, stop)
     for blocks in (0, 1.0, True):
-        with pytest.raises(ValueError, match=r"blocks must be an int >= 1"):
-            ctx.checked(node, values, blocks)
-        with pytest.raises(ValueError, match=r"blocks must be an int >= 1"):
+        with pytest.raises(ValueError, match=r"staged on x\w*: blocks must be an int >= 1"):
             ctx.staged(node, blocks)
     assert ctx.get_values(node).tobytes() == want.tobytes()
 
