@@ -211,7 +211,7 @@ def test_exact_dims_flat_and_one_element_scalars_are_accepted() -> None:
     assert ctx.get_value(col, (0,)) == 3.0
 
 
-def test_checked_blocks_split_stacked_values_and_refuse_any_other_shape() -> None:
+def test_values_checked_in_blocks_split_and_refuse_any_other_shape() -> None:
     """``checked(t, values, blocks=k)``: ``k`` blocks of the node's dims stacked on the first
     axis (or flat), one check of the dtype and shape; each block (``Checked.part``) written as
     ``set_values`` writes it; a shape that is not exactly that is refused naming both, with
