@@ -80,7 +80,8 @@ NAMES = {"ocannl": "ocannl (MPI, fixed shard tree)",
 # (Zen 5, AVX-512), this benchmark's order cost for mlp_wide (steps/s with MPI's allreduce over
 # the tree's) was 1.257x at 1 rank and 1.275x at 2 with 4 shards, 1.082x and 0.971x with 2; in
 # ``ab_shard_order.py`` on the same CPU, gpt_mini's was 1.051x with 4 shards (its 4 shard
-# routines 1.031x its whole one) and 1.002x with 2, convnet's 1.036x with 4.
+# routines 1.031x its whole one) and 1.002x with 2, convnet's 1.036x with 4 (1.008x-1.013x
+# once the later shards read their inputs where set_batch staged them).
 MIN_SHARD_ROWS = {"mlp_small": 8, "mlp_wide": 128, "convnet": 16, "gpt_mini": 8}
 # Timed steps per run (``--steps`` overrides): at least about half a second of this project's
 # one-rank step. convnet's step is about 0.2 ms: 40 steps timed 9 ms, where one preemption
