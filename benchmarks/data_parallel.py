@@ -85,7 +85,8 @@ NAMES = {"ocannl": "ocannl (MPI, fixed shard tree)",
 MIN_SHARD_ROWS = {"mlp_small": 8, "mlp_wide": 128, "convnet": 16, "gpt_mini": 8}
 # Timed steps per run (``--steps`` overrides): at least about half a second of this project's
 # one-rank step. convnet's step is about 0.2 ms: 40 steps timed 9 ms, where one preemption
-# moved a row by 20% (an AMD EPYC, Zen 5: its 2-rank efficiency read 0.89 and 0.82 in two runs).
+# moved a row by 20% (an AMD EPYC, Zen 5: one run's three 2-rank rounds of convnet read 7339,
+# 7356 and 6026 steps/s).
 TIMED_STEPS = {"convnet": 2000}
 DEFAULT_STEPS = 40
 
