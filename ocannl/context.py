@@ -184,6 +184,11 @@ def _like(buf: Any, other: Buffer) -> bool:
             and buf.shape == other.shape)
 
 
+def _require_blocks(what: str, node: Tnode, blocks: Any) -> None:
+    if type(blocks) is not int or blocks < 1:
+        raise ValueError(f"{what} on {node.name}: blocks must be an int >= 1, got {blocks!r}")
+
+
 def _buffer_kind(buf: Any) -> str:
     return (f"{type(buf).__name__} {getattr(buf, 'dtype', '')} "
             f"{getattr(buf, 'shape', '')}").rstrip()
@@ -816,18 +821,14 @@ class Context:
         :meth:`Checked.part`. The host array is kept as given: copy it first if it may change
         before then."""
         node = _as_node(t)
-        if type(blocks) is not int or blocks < 1:
-            raise ValueError(f"checked on {node.name}: blocks must be an int >= 1, got "
-                             f"{blocks!r}")
+        _require_blocks("checked", node, blocks)
         return Checked(node.id, self._checked(node, values, blocks), blocks)
 
     def staged(self, t: Any, blocks: int) -> Staged:
         """A :class:`Staged` for ``t``: ``blocks`` of its values in a buffer of their own, zero
         at first (the node's buffer allocated too, if it has none)."""
         node = _as_node(t)
-        if type(blocks) is not int or blocks < 1:
-            raise ValueError(f"staged on {node.name}: blocks must be an int >= 1, got "
-                             f"{blocks!r}")
+        _require_blocks("staged", node, blocks)
         return Staged(self, node, blocks)
 
     def writer(self, t: Any) -> Callable[[Checked], None]:

@@ -805,7 +805,7 @@ class DataParallel:
         bucket it completed into the block's partial sum (as :meth:`_fold` does the whole
         buffer) and start its exchange. Returns the exchanges, in the order started."""
         parts, ready = split
-        pops, node = self._fold_plan(j)
+        pops, node = self._fold_plans[j]
         lefts = [buf for _, buf in self._stack[len(self._stack) - pops:]][::-1]
         started: list[BucketExchange] = []
         for s, part in enumerate(parts):
@@ -911,15 +911,12 @@ class DataParallel:
                  for node, p in zip(self._covers[r], ps, strict=True)}
         return self.tree.evaluate(known)
 
-    def _fold_plan(self, j: int) -> tuple[int, tuple[int, int]]:
-        """What folding shard ``j`` of the block into the tree does: how many left siblings it
-        adds (popped from the stack's top, each the sibling of the node made so far) and the
-        tree node it leaves. The same every step: a block folds its shards in order, so the
-        stack before shard ``j`` is always the same (worked out once, :attr:`_fold_plans`)."""
-        return self._fold_plans[j]
-
     @functools.cached_property
     def _fold_plans(self) -> list[tuple[int, tuple[int, int]]]:
+        """What folding shard ``j`` of the block into the tree does, by ``j``: how many left
+        siblings it adds (popped from the stack's top, each the sibling of the node made so
+        far) and the tree node it leaves. The same every step: a block folds its shards in
+        order, so the stack before shard ``j`` is always the same."""
         lo, hi = self.first_shard, self.first_shard + self.per_rank
         stack: list[tuple[int, int]] = []
         plans = []
@@ -1189,7 +1186,7 @@ class DataParallel:
         element, into flat where a child is there, else into the left child's buffer), so a
         rank sums its block as it computes it. ``keep_flat_free``: a later shard of the block
         writes into flat, so a node left there is copied out first."""
-        pops, node = self._fold_plan(j)
+        pops, node = self._fold_plans[j]
         for _ in range(pops):
             _, left = self._stack.pop()
             if buf is flat and not keep_flat_free:

@@ -706,21 +706,21 @@ class RoutineIR:
         if cond is not None:
             off = b.select(cond, off, const_int(0))
         if stride == 1:
-            value = b.load(b.bitcast(b.gep(base, [off]), loaded.as_pointer()),
-                           align=loaded.element.width // 8 if narrow else
-                           (4 if compute == F32 else 8))
-        elif stride == 0:
-            one = b.insert_element(ir.Constant(loaded, ir.Undefined),
-                                   b.load(b.gep(base, [off])), const_int(0, I32))
-            value = b.shuffle_vector(one, ir.Constant(loaded, ir.Undefined),
-                                     ir.Constant(ir.VectorType(I32, width), [0] * width))
+            value = self._vector_load(node, off, width, compute)
         else:
-            value = ir.Constant(loaded, ir.Undefined)
-            for u in range(width):
-                at = b.add(off, const_int(u * stride), flags=["nsw"])
-                value = b.insert_element(value, b.load(b.gep(base, [at])), const_int(u, I32))
-        if narrow:
-            value = self.widen(value, node.prec)
+            if stride == 0:
+                one = b.insert_element(ir.Constant(loaded, ir.Undefined),
+                                       b.load(b.gep(base, [off])), const_int(0, I32))
+                value = b.shuffle_vector(one, ir.Constant(loaded, ir.Undefined),
+                                         ir.Constant(ir.VectorType(I32, width), [0] * width))
+            else:
+                value = ir.Constant(loaded, ir.Undefined)
+                for u in range(width):
+                    at = b.add(off, const_int(u * stride), flags=["nsw"])
+                    value = b.insert_element(value, b.load(b.gep(base, [at])),
+                                             const_int(u, I32))
+            if narrow:
+                value = self.widen(value, node.prec)
         if cond is not None:
             value = b.select(cond, value, ir.Constant(vec, 0.0))
         return value
