@@ -42,11 +42,12 @@ class LoopNest:
     cells a GPU spreads over enough blocks (``Target.gpu_sms``).
 
     How its values convert and store, as scheduling decided (the interpreter reads them too):
-    ``keeps_payload``, the nest copies a value unchanged (a user's cast), so its conversions
-    keep a signalling NaN's bits as NumPy's do (elsewhere arithmetic quiets a NaN whatever the
-    conversion did, and the plain instructions give the same bits); ``payload_rounds``, the
-    ids of the nodes whose rounded reads (``Get.rounded``) round as a cast into a stored twin
-    would, keeping payloads (a virtual twin's master, unless only products read the target);
+    ``keeps_payload``, the nest copies a value unchanged (a user's cast) that may be a
+    signalling NaN (not one arithmetic just computed), so its conversions keep its bits as
+    NumPy's do (elsewhere arithmetic quiets a NaN whatever the conversion did, and the plain
+    instructions give the same bits); ``payload_rounds``, the ids of the nodes whose rounded
+    reads (``Get.rounded``) round as a cast into a stored twin would, keeping payloads (a
+    virtual twin's master, unless only products read the target or arithmetic just wrote it);
     ``exact_store``, every value stored into the bf16 target is one of bf16's, so the store
     keeps its top half rather than rounding (the same bits, a NaN its sign's quiet NaN);
     ``any_order``, a sum whose every term is +-0 or NaN (a checksum's), equal in any order:

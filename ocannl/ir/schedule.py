@@ -20,7 +20,8 @@ items:
   rounded into it by a nest after the product (or read rounded by its readers: virtual).
 - **Widened copies.** A reduction reading a 16-bit node many times over reads an f32 copy; a
   scatter into a 16-bit node accumulates in an f32 copy rounded once at the end (a copy
-  zeroed itself where the target was just zeroed: the rounding overwrites the target). A copy is
+  zeroed itself where the target was just zeroed: the rounding overwrites the target), or read
+  rounded by the next pass where only it reads the target (never stored then). A copy is
   reused by later items until its source is written (a large one only by the next item).
 - **Threads and vectors.** Which loops and products are shared over threads, by which extent
   and in how many chunks (on a GPU: which groups run a thread per cell, which a block per
@@ -30,7 +31,8 @@ items:
   which pointwise groups walk their cells in one loop (``flat``), and which, walked point by
   point, have a short innermost loop vectorized whole (``inner_vector``).
 - **Conversions, stores and launches** (:func:`rendering`). Which conversions keep a NaN's
-  payload, which bf16 stores are exact, which sums may be reassociated, which vectors are
+  payload (a copy of a value that may be a signalling NaN: not of one arithmetic just
+  computed), which bf16 stores are exact, which sums may be reassociated, which vectors are
   stored whole, whether the library runs single-threaded, TF32 products; on a GPU, each
   kernel's blocks and threads and how a batched product's axes fold into strided calls.
 
@@ -41,7 +43,9 @@ memory planner, and a backend renders a copy as it renders any other nest.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 
@@ -378,7 +382,10 @@ def _with_copies(code: list[Lowered], target: Target, virtual: dict[int, Tnode]
         if isinstance(item, Gemm):
             pending = _product(item, target, copies, direct, out)
         elif isinstance(item, LoopGroup):
-            _widened_reads(item, copies, out)
+            wide = _widened_reads(item, copies, out)
+            if wide is not None and _sums_forwarded(code, index, k):
+                out.pop()  # the rounding: the next item reads the f32 sums rounded
+                pending = {item.lead.assign.lhs.id: wide}
         else:
             out.append(item)
         copies.written(index.items[k].writes)
@@ -392,7 +399,9 @@ def _into_reader(item: LoopGroup, pending: dict[int, Tnode], out: list[Lowered])
     rounds ``G`` in place. The same values, without the f32 result's own buffer (a 1024 x 1024
     weight's gradient: 4 MiB less scratch)."""
     g = out[-1]
-    assert isinstance(g, Gemm) and len(pending) == 1
+    if not isinstance(g, Gemm):  # a scatter's sums: read rounded where they are
+        return item
+    assert len(pending) == 1
     (target_id, wide), = pending.items()
     readers = [k for k, n in enumerate(item.nests)
                if any(r.node.id == target_id for r in reads(n.assign.expr))]
@@ -469,10 +478,28 @@ def _product(g: Gemm, target: Target, copies: _Copies, direct: set[int], out: li
     return {}
 
 
-def _widened_reads(item: LoopGroup, copies: _Copies, out: list[Lowered]) -> None:
+def _sums_forwarded(code: list[Lowered], index: AccessIndex, k: int) -> bool:
+    """Whether the 16-bit target of item ``k``'s scatter (summed in an f32 copy) is local,
+    written by nothing else but fills of zeros, and read only by pointwise nests of the next
+    item: those then read the f32 sums rounded as the rounding would store them, and the
+    target is never stored (the relu mask's gradient behind a max-pool's: one pass fewer)."""
+    lhs = code[k].lead.assign.lhs  # type: ignore[union-attr]
+    if lhs.memory_mode is not MemoryMode.local or [
+            r for r in index.readers.get(lhs.id, []) if r != k] != [k + 1]:
+        return False
+    if not all(w == k or (isinstance(code[w], Fill) and code[w].value == 0.0)
+               for w in index.writers[lhs.id]):
+        return False
+    reader = code[k + 1]
+    return isinstance(reader, LoopGroup) and not any(
+        (nest.red or nest.scatter) and any(g.node.id == lhs.id for g in reads(nest.assign.expr))
+        for nest in reader.nests)
+
+
+def _widened_reads(item: LoopGroup, copies: _Copies, out: list[Lowered]) -> Tnode | None:
     """``item`` appended to ``out``, a reduction's 16-bit reads it takes many times over from
     f32 copies made before it, a scatter into a 16-bit node into an f32 copy rounded back
-    after it."""
+    after it (the copy returned, its rounding the last of ``out``)."""
     lead = item.lead
     renamed: dict[int, Tnode] = {}
     for node in reused_narrow(lead):
@@ -500,6 +527,7 @@ def _widened_reads(item: LoopGroup, copies: _Copies, out: list[Lowered]) -> None
     out.append(item)
     if wide is not None:
         out.append(copy_group(lhs, wide))
+    return wide
 
 
 def _last_zero_fill(node: Tnode, out: list[Lowered]) -> int | None:
@@ -874,18 +902,21 @@ def rendering(code: list[Lowered], target: Target) -> list[Lowered]:
     only_products = products_only(code)
     shared = target.products_shared and any(
         isinstance(item, Gemm) and item.split is not None for item in code)
+    quiet: set[int] = set()  # nodes every cell of which this routine's arithmetic wrote last
     out: list[Lowered] = []
     for item in code:
         if isinstance(item, Fill):
+            quiet.add(item.node.id)
             if target.gpu_block:
                 grid, block = gpu_launch(item.node.size, target)
                 item = replace(item, grid=grid, block=block)
         elif isinstance(item, Gemm):
+            (quiet.add if covers(item.assign) else quiet.discard)(item.assign.lhs.id)
             tf32 = target.tf32 and item.a.node.prec is item.b.node.prec is Precision.f32
             item = replace(item, one_thread=shared, tf32=tf32,
                            strided=batch_runs(item.batch) if target.gpu_block else ((), None))
         else:
-            nests = tuple(_conversions(n, item.conversion, only_products) for n in item.nests)
+            nests = _group_conversions(item, only_products, quiet)
             item = replace(item, nests=nests, lane_store=item.lanes and lane_store(
                 nests[0], item.registers, target))
             if target.gpu_block:
@@ -910,19 +941,80 @@ def products_only(code: list[Lowered]) -> frozenset[int]:
                      and all(operand(k, n.id) for k in index.readers[n.id]))
 
 
-def _conversions(nest: LoopNest, conversion: bool, only_products: frozenset[int]) -> LoopNest:
+# Arithmetic whose result is never a signalling NaN (IEEE quiets one), unless the compiler folds
+# it away: an operand 0 or +-1 may make it the other operand, bits and all (``x * 1``).
+_QUIETING = frozenset({"add", "sub", "mul", "div", "sqrt"})
+
+
+def quiet(e: Expr, known: Callable[[Get], bool]) -> bool:
+    """Whether ``e``'s value is never a signalling NaN: arithmetic of ``_QUIETING`` on no
+    identity constant, a flag, a constant, a pass-through op (``Op.selects``) of such values,
+    or a read ``known`` vouches for. A copy of such a value keeps its payload with the plain
+    conversions (only a signalling NaN's differs), so it needs no payload-keeping ones."""
+    if isinstance(e, Const):
+        return True
+    if isinstance(e, Get):
+        return known(e)
+    op = OPS[e.op]
+    if op.flag:
+        return True
+    if e.op in _QUIETING:
+        return not any(isinstance(x, Const) and x.value in (0.0, 1.0, -1.0) for x in e.args)
+    return op.selects is not None and all(quiet(e.args[k], known) for k in op.selects)
+
+
+def _group_conversions(item: LoopGroup, only_products: frozenset[int], routine: set[int]
+                       ) -> tuple[LoopNest, ...]:
+    """``item``'s nests with their conversions decided; ``routine``, the nodes whose every cell
+    the routine's arithmetic wrote last, is brought up to date past the group. A read is known
+    quiet when its node is one of those, or, in a group of pointwise nests, when an earlier nest
+    of the group wrote the cell it reads from a quiet value (the kept twin of a master the
+    optimizer's update just wrote, or a product's result rounded)."""
+    pointwise = not any(n.red or n.scatter for n in item.nests)
+    here: dict[int, tuple[Any, tuple[int, ...]]] = {}  # node id -> the cell and space written
+    calm: dict[int, bool] = {}  # node id -> every write of the group so far quiet
+    whole: set[int] = set()  # nodes quiet before the group, or written whole by it
+    space: tuple[int, ...] = ()
+
+    def known(g: Get) -> bool:
+        return (here.get(g.node.id) == (g.idx, space)
+                or (g.node.id in routine and calm.get(g.node.id, True)))
+
+    out = []
+    for n in item.nests:
+        a, space = n.assign, n.assign.space
+        out.append(_conversions(n, item.conversion, only_products, known))
+        # "+" and "max" keep the old value where nothing is added or nothing is larger
+        ok = quiet(a.expr, known) and (a.accum == "=" or a.reset
+                                       or known(Get(a.lhs, a.lhs_idx)))
+        if pointwise and ok:
+            here[a.lhs.id] = (a.lhs_idx, space)
+        else:
+            here.pop(a.lhs.id, None)
+        calm[a.lhs.id] = ok and calm.get(a.lhs.id, True)
+        if a.lhs.id in routine or covers(a):
+            whole.add(a.lhs.id)
+    for i, ok in calm.items():
+        (routine.add if ok and i in whole else routine.discard)(i)
+    return tuple(out)
+
+
+def _conversions(nest: LoopNest, conversion: bool, only_products: frozenset[int],
+                 known: Callable[[Get], bool] = lambda g: False) -> LoopNest:
     """``nest`` with how it converts and stores decided (``LoopNest``'s fields say what each
     means). Only a nest that stores its expression's value as it is (nothing to reduce, or
-    every point overwriting its cell) copies or stores exactly."""
+    every point overwriting its cell) copies or stores exactly; a copy of a value that is never
+    a signalling NaN (:func:`quiet`, ``known`` vouching for reads) converts plainly."""
     a = nest.assign
     overwrite = a.accum == "=" or a.reset
     stores_value = not nest.red or (a.accum == "=" and not nest.scatter)
     plain = a.lhs.id in only_products
     keeps = (stores_value and overwrite and isinstance(a.expr, Get) and not plain
-             and not conversion)
+             and not conversion and not known(a.expr))
     rounds = frozenset() if plain else frozenset(
         g.node.id for g in reads(a.expr)
-        if g.rounded is not None and g.node.memory_mode is MemoryMode.materialized)
+        if g.rounded is not None and g.node.memory_mode is MemoryMode.materialized
+        and not known(g))
     exact = (stores_value and a.lhs.prec is Precision.bf16
              and (overwrite or a.accum in ("max", "min")) and representable(a.expr, a.lhs.prec))
     any_order = bool(nest.red) and a.accum == "+" and zero_or_nan(a.expr)

@@ -730,3 +730,50 @@ def test_a_twins_gradient_product_writes_its_masters_gradient_and_rounds_it_in_p
     for p in loss.params:
         node = p.grad
         assert got[node.id].tobytes() == through[node.id].tobytes(), node.name
+
+
+def test_a_scatters_16_bit_sums_are_read_rounded_by_the_next_pass_and_never_stored(
+        monkeypatch, tmp_path):
+    """A max-pool's gradient scattered into an f16 node is summed in an f32 copy; where only
+    the next item's pointwise nests read the node (the relu mask's gradient), they read the f32
+    sums rounded as the rounding pass would store them: that pass and the f16 node are gone,
+    with the same bits, in the interpreter and on the CPU."""
+    from ocannl import mixed_prec, nn_blocks
+    from ocannl.ir import schedule
+    from ocannl.ir.assignments import reads
+
+    rng = np.random.default_rng(11)
+    x = T.term(rng.normal(size=(4, 8, 8, 2)).astype(np.float32), label="xs", batch_dims=(4,),
+               output_dims=(8, 8, 2), prec="f16")
+    y, _ = mixed_prec.with_master_weights(prec="f16", f=lambda: nn_blocks.lenet(
+        x, num_classes=3, channels=(4,), hidden=8, label="ls"))
+    loss = T.sum(T.cast(y, "f32"))
+    comp = train.grad_update(loss)
+
+    def relu_grads(code: list) -> list[Tnode]:  # the conv stage's, the max-pool's scatter's
+        return [n for n in nodes_of(code) if n.label.startswith("grad_relu")
+                and n.prec is Precision.f16 and len(n.dims) == 4]
+
+    forwarded = lower(comp, PRODUCTS)
+    got = _run_from_init(loss, comp)
+    ctx = train.init_params(Context.cpu(), loss)
+    ctx, routine = ctx.compile(comp)
+    ctx.run(routine)
+    on_cpu = {p.grad.id: ctx.get_values(p.grad) for p in loss.params}
+    monkeypatch.setattr(schedule, "_sums_forwarded", lambda code, index, k: False)
+    stored_code = lower(comp, PRODUCTS)
+    assert relu_grads(stored_code) and not relu_grads(forwarded)
+    assert len(forwarded) < len(stored_code)
+    rounded = [g for item in forwarded if isinstance(item, LoopGroup) for n in item.nests
+               for g in reads(n.assign.expr) if g.rounded is Precision.f16]
+    assert any(g.node.label.startswith("grad_relu") and g.node.prec is F32 for g in rounded)
+    through = _run_from_init(loss, comp)
+    monkeypatch.setenv("OCANNL_CACHE_DIR", str(tmp_path))  # compiled anew, not from the cache
+    ctx = train.init_params(Context.cpu(), loss)
+    ctx, routine = ctx.compile(comp)
+    ctx.run(routine)
+    for p in loss.params:
+        node = p.grad
+        assert got[node.id].tobytes() == through[node.id].tobytes(), node.name
+        assert on_cpu[node.id].tobytes() == ctx.get_values(node).tobytes(), node.name
+        assert np.any(on_cpu[node.id] != 0), node.name

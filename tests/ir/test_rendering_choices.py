@@ -234,3 +234,61 @@ def _same_bits_but_two_nans_payload(got: np.ndarray, want: np.ndarray, both_nan:
                           f" against {w[tuple(bad[0])]:#x}"
     assert np.isnan(got[both_nan].astype(np.float32)).all()
     assert np.isnan(want[both_nan].astype(np.float32)).all()
+
+
+def test_a_copy_of_a_value_arithmetic_just_wrote_converts_plainly_with_the_same_bits(
+        tmp_path, monkeypatch):
+    """Only a signalling NaN's bits depend on the conversion, and arithmetic never leaves one:
+    a copy of a cell an earlier nest of its pass computed (an optimizer's update, then the
+    master's kept twin), or of a product's result, converts with the plain instructions; a
+    copy of a stored value, or of one a pass-through op (``where``) may hand on unchanged,
+    keeps the payload. The interpreter keeps payloads everywhere: every f32 pattern's high
+    half (each sign, exponent and NaN kind) gives its bits on the CPU."""
+    m = Tnode("m", (N,), Precision.f32, memory_mode=MemoryMode.materialized)
+    g = Tnode("g", (N,), Precision.f32, memory_mode=MemoryMode.materialized)
+    c = Tnode("c", (N,), Precision.f32, memory_mode=MemoryMode.materialized)
+    kept, held, passed = (Tnode(name, (N,), Precision.f16, memory_mode=MemoryMode.materialized)
+                          for name in ("kept", "held", "passed"))
+    w = Tnode("w", (N,), Precision.f32, memory_mode=MemoryMode.materialized)
+    i = (0,)
+    code = lower(Comp((
+        Accum(m, i, "=", apply("add", Get(m, i), Get(g, i)), (N,)),
+        Accum(kept, i, "=", Get(m, i), (N,)),  # just computed: plain
+        Accum(held, i, "=", Get(g, i), (N,)),  # stored: keeps the payload
+        Accum(w, i, "=", apply("where", Get(c, i), Get(m, i), Get(w, i)), (N,)),
+        Accum(passed, i, "=", Get(w, i), (N,)),  # maybe w's old value: keeps it
+    )), Target())
+    by_lhs = {n.assign.lhs.id: n for n in _nests(code)}
+    assert not by_lhs[kept.id].keeps_payload
+    assert by_lhs[held.id].keeps_payload and by_lhs[passed.id].keeps_payload
+    # a product's result, then a rounded read of it in place (a twin's gradient into its
+    # master's), and a rounded read of a stored node
+    a, b, p = (Tnode(name, (8, 8), Precision.f32, memory_mode=MemoryMode.materialized)
+               for name in ("a", "b", "p"))
+    q = Tnode("q", (8, 8), Precision.f32, memory_mode=MemoryMode.materialized)
+    two = (0, 1)
+    product = lower(Comp((
+        Accum(p, two, "+", apply("mul", Get(a, (0, 2)), Get(b, (2, 1))), (8, 8, 8),
+              reset=True),
+        Accum(p, two, "=", Get(p, two, rounded=Precision.f16), (8, 8)),
+        Accum(q, two, "=", Get(a, two, rounded=Precision.f16), (8, 8)),
+    )), Target())
+    rounds = {n.assign.lhs.id: n for n in _nests(product)}
+    assert not rounds[p.id].keeps_payload and not rounds[p.id].payload_rounds
+    assert rounds[q.id].payload_rounds == {a.id}
+
+    patterns = np.arange(N, dtype=np.uint32) << 16 | 0x1234
+    values = {m.id: np.zeros(N, np.float32), g.id: patterns.view(np.float32),
+              c.id: np.zeros(N, np.float32), w.id: patterns.view(np.float32)[::-1].copy()}
+    with warnings.catch_warnings(), np.errstate(all="ignore"):
+        warnings.simplefilter("ignore", RuntimeWarning)
+        want = {k: v.copy() for k, v in values.items()}
+        interpret.run(code, want)
+        got = _on_cpu(code, values, tmp_path, monkeypatch)
+    for node in (m, kept, held, w, passed):
+        bits = want[node.id].view(np.uint8), got[node.id].view(np.uint8)
+        assert np.array_equal(*bits), node.name
+    # 0x7F811234, a signalling NaN: copied from storage it stays one (payload 0x8, no quiet
+    # bit); summed into m, it is quiet before its copy
+    assert got[held.id].view(np.uint16)[0x7F81] == 0x7C08
+    assert got[kept.id].view(np.uint16)[0x7F81] == 0x7E08
