@@ -49,7 +49,7 @@ from typing import Any
 
 import numpy as np
 
-from ocannl.ir.assignments import Accum, Affine, Apply, Const, Expr, Get, reads
+from ocannl.ir.assignments import Accum, Affine, Apply, Const, Expr, Get, iterators_of, reads
 from ocannl.ir.expr import rewrite_reads, walk
 from ocannl.ir.kept import keep_twins
 from ocannl.ir.lowered import (
@@ -544,16 +544,20 @@ def _last_zero_fill(node: Tnode, out: list[Lowered]) -> int | None:
 
 def reused_narrow(nest: LoopNest) -> list[Tnode]:
     """The 16-bit nodes a reduction reads (not its target) at least ``REUSE`` times per cell
-    on average: it reads their f32 copies."""
+    on average: it reads their f32 copies. A read that stays on one cell while reduction
+    iterators its index does not name run (a max-pool's output against its window) widens
+    once for all of them: those points are not reuse."""
     if not nest.red:
         return []
     points = math.prod(nest.space)
     out: list[Tnode] = []
     for get in reads(nest.assign.expr):
         node = get.node
-        if (node.prec.is_narrow and node is not nest.assign.lhs
-                and points >= REUSE * node.size and node not in out):
-            out.append(node)
+        if node.prec.is_narrow and node is not nest.assign.lhs and node not in out:
+            named = iterators_of(get.idx)
+            steady = math.prod(nest.space[i] for i in nest.red if i not in named)
+            if points >= REUSE * node.size * steady:
+                out.append(node)
     return out
 
 

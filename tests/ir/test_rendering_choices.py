@@ -52,10 +52,9 @@ def test_a_copy_keeps_payloads_arithmetic_and_scheduling_s_conversions_do_not():
     by_lhs = {n.assign.lhs.id: n for n in _nests(code)}
     assert by_lhs[y.id].keeps_payload and not by_lhs[z.id].keeps_payload
     # scheduling's own copies (an f32 copy of a reduction's 16-bit operand) convert plainly
-    w = Tnode("w", (4, 64), Precision.f16)
+    w = Tnode("w", (4,), Precision.f16)  # each cell read by every cell of s
     s = Tnode("s", (64,), Precision.f32)
-    code = lower(Comp((Accum(s, (1,), "+", Get(w, (0, 1)), (4, 64, 4), reset=True),)),
-                 Target())
+    code = lower(Comp((Accum(s, (0,), "+", Get(w, (1,)), (64, 4), reset=True),)), Target())
     copies = [g for g in code if isinstance(g, LoopGroup) and g.conversion]
     assert copies and not any(n.keeps_payload for g in copies for n in g.nests)
 

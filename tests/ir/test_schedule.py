@@ -5,13 +5,16 @@ without products of that precision, read in the node's place from then on
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import pytest
 
 import ocannl.tensor as T
 from ocannl import Context, nn_blocks, train
 from ocannl.ir import schedule
-from ocannl.ir.lowered import Gemm, LoopGroup, copy_source, stored_nodes
+from ocannl.ir.assignments import reads
+from ocannl.ir.lowered import Gemm, LoopGroup, copy_source, nodes_of, stored_nodes
 from ocannl.ir.lowering import lower
 from ocannl.ir.ops import Precision
 from ocannl.ir.target import Target
@@ -176,3 +179,82 @@ def test_a_row_sum_is_transposed_into_lanes_only_where_its_rows_load_whole():
     for other in (_row_sum((4, 16, 36)),  # the terms not a multiple of the jam
                   _row_sum((4, 16, 8, 8))):  # two reduction iterators
         assert other.jam == 8 and not other.lanes and other.transposed == ()
+
+
+def lenet_f16_step():
+    """An f16 LeNet stage's gradient step (3x3 conv, relu, 2x2 max-pool, then a small MLP)."""
+    T.set_seed(11)
+    x = T.term(np.random.default_rng(11).normal(size=(4, 8, 8, 2)), label="xs",
+               batch_dims=(4,), output_dims=(8, 8, 2), prec="f16")
+    y, _ = with_master_weights(prec="f16", f=lambda: nn_blocks.lenet(
+        x, num_classes=3, channels=(4,), hidden=8, label="ls"))
+    loss = T.sum(T.cast(y, "f32"))
+    return loss, train.grad_update(loss)
+
+
+def _grads_on_cpu(loss, comp) -> list[bytes]:  # noqa: ANN001 - a loss tensor, its step
+    ctx = train.init_params(Context.cpu(), loss)
+    ctx, routine = ctx.compile(comp)
+    ctx = ctx.run(routine)
+    grads = [ctx.get_values(p.grad) for p in loss.params]
+    assert all(np.any(g != 0) for g in grads)
+    return [g.tobytes() for g in grads]
+
+
+def test_a_scatters_16_bit_sums_are_read_rounded_by_the_next_pass_and_never_stored(
+        monkeypatch, tmp_path):
+    """A max-pool's gradient scattered into an f16 node (the relu's) is summed in an f32 copy;
+    where only the next item's pointwise nests read the node (the relu mask's), they read the
+    f32 sums rounded as the rounding pass would store them: that pass and the f16 node are
+    gone, with the same bits."""
+    monkeypatch.setenv("OCANNL_CACHE_DIR", str(tmp_path))
+    loss, comp = lenet_f16_step()
+
+    def relu_grads(code: list) -> list:  # the conv stage's: the max-pool's scatter's target
+        return [n for n in nodes_of(code) if n.label.startswith("grad_relu")
+                and n.prec is Precision.f16 and len(n.dims) == 4]
+
+    forwarded = lower(comp, Target())
+    rounded = [g for item in forwarded if isinstance(item, LoopGroup) for n in item.nests
+               for g in reads(n.assign.expr) if g.rounded is Precision.f16]
+    assert any(g.node.label.startswith("grad_relu") and g.node.prec is Precision.f32
+               for g in rounded)
+    got = _grads_on_cpu(loss, comp)
+    monkeypatch.setattr(schedule, "_sums_forwarded", lambda code, index, k: False)
+    stored = lower(comp, Target())
+    assert relu_grads(stored) and not relu_grads(forwarded)
+    assert len(forwarded) < len(stored)
+    assert got == _grads_on_cpu(loss, comp)
+
+
+def test_a_read_steady_over_a_reductions_window_widens_in_place_not_from_a_copy(
+        monkeypatch, tmp_path):
+    """The max-pool's backward scatter reads the pooled output's f16 gradient once per window
+    cell, at the same cell: it is read as stored, widened once per cell, with no f32 copy of
+    its own (a nest fewer); a reduction reading a node at many places (the convolution its
+    input) still reads a copy. The same bits as with the copy."""
+    monkeypatch.setenv("OCANNL_CACHE_DIR", str(tmp_path))
+    loss, comp = lenet_f16_step()
+
+    def copied(code: list) -> Counter[str]:  # the f16 nodes widened, each time
+        return Counter(copy_source(n).label for g in code
+                       if isinstance(g, LoopGroup) and g.conversion for n in g.nests
+                       if copy_source(n) is not None and copy_source(n).prec is Precision.f16)
+
+    steady = lower(comp, Target())
+    got = _grads_on_cpu(loss, comp)
+    every = schedule.REUSE
+
+    def counting_points(nest):  # noqa: ANN001, ANN202 - the rule before: points over cells
+        points = np.prod(nest.space)
+        return [g.node for g in reads(nest.assign.expr) if g.node.prec.is_narrow
+                and g.node is not nest.assign.lhs and points >= every * g.node.size] \
+            if nest.red else []
+
+    monkeypatch.setattr(schedule, "reused_narrow", counting_points)
+    plain = lower(comp, Target())
+    # the pooled output's gradient, which the scatter into the relu's reads at each window
+    # cell (the pooled output's copy serves the product too, and stays)
+    assert copied(plain) - copied(steady) == Counter(("grad_max_pool2d",))
+    assert copied(steady)["xs"] == 1  # the convolution's input: read at nine places a cell
+    assert got == _grads_on_cpu(loss, comp)
