@@ -639,6 +639,8 @@ ROW_BLOCK, ROW_BLOCKS_MIN = 64, 4
 JAM_WIDTH, JAM_TERMS = 8, 8
 # At most this many cells of a read are packed for the lanes (a stack array each).
 PACK_LANES = 1 << 12
+# A row walk's row of at most this many cells runs as jammed vectors of its cells instead.
+SHORT_ROW = 32
 # A pointwise group walked point by point whose innermost loop runs over 4 to this many cells
 # (a power of two) is vectorized at that width (``short_inner``): LLVM unrolls so short a loop
 # whole before its loop vectorizer sees it, and leaves scalar code.
@@ -656,9 +658,14 @@ def _threaded(item: Lowered, target: Target) -> Lowered:
         least = FLAT_PARALLEL_CELLS if cheap else PARALLEL_POINTS
         split = size if target.threads > 1 and size * len(item.nests) >= least else None
         return replace(item, flat=True, split=split, chunks=CHUNKS_PER_THREAD if split else 0)
-    split = group_split(item, target) if target.threads > 1 else None
     width = jam(item)
     reads_in_lanes = lanes(item.lead, width, target) if width else None
+    if item.lead.walk_rows:
+        if reads_in_lanes is None:  # a row walk it stays
+            width = 0
+        else:  # a short row: its cells in vectors, each taking its terms as the walk would
+            item = replace(item, nests=(replace(item.lead, walk_rows=False),))
+    split = group_split(item, target) if target.threads > 1 else None
     packed, transposed = reads_in_lanes or ((), ())
     return replace(item, split=split, chunks=CHUNKS_PER_THREAD if split else 0, jam=width,
                    lanes=reads_in_lanes is not None, packed=packed, transposed=transposed,
@@ -744,13 +751,17 @@ def group_split(item: LoopGroup, target: Target) -> int | None:
 
 
 def jam(g: LoopGroup) -> int:
-    """How many cells of a lone reduction (not a row walk, a scatter or an overwrite) to
-    compute at once; 0: one at a time. Its last parallel iterator must not be its first (a
-    thread's range is of the first)."""
+    """How many cells of a lone reduction (not a scatter or an overwrite) to compute at once;
+    0: one at a time. Its last parallel iterator must not be its first (a thread's range is of
+    the first). A row walk's row of at most ``SHORT_ROW`` cells may be jammed too, where its
+    reads run in lanes (``_threaded``): a vector of the row's cells is the walk's row of
+    accumulators in registers (a convolution's output channels, the patch gradients summed
+    back into an image's: scalar code in the walk, the padding checked cell by cell)."""
     if len(g.nests) != 1:
         return 0
     nest = g.lead
-    if (nest.walk_rows or nest.scatter or not nest.red or len(nest.par) < 2
+    if ((nest.walk_rows and nest.space[nest.par[-1]] > SHORT_ROW) or nest.scatter
+            or not nest.red or len(nest.par) < 2
             or nest.assign.accum not in ("+", "max")
             or math.prod(nest.space[i] for i in nest.red) < JAM_TERMS):
         return 0

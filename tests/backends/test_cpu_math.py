@@ -385,3 +385,49 @@ def test_jammed_reductions_in_vectors_give_the_bits_of_scalar_cells(monkeypatch,
     np.testing.assert_array_equal(top.astype(np.float32).reshape(2, 16),
                                   expected.astype(Precision(prec).numpy_dtype).astype(np.float32))
     assert np.isfinite(conv.astype(np.float32)).all()
+
+
+@pytest.mark.parametrize("prec", ["f32", "bf16", "f16"])
+@pytest.mark.parametrize("channels", [8, 16])
+def test_a_short_row_walk_runs_as_vectors_of_its_cells_with_the_walks_bits(
+        monkeypatch, tmp_path, prec, channels):
+    """Patch gradients summed back into a padded image (a convolution's input gradient): a row
+    walk over the channels lowering chose, run as jammed vectors of the row's cells where the
+    row is short (``schedule.SHORT_ROW``), each cell taking its nine terms in the walk's order,
+    the padding's zeros included: the walk's bits, over NaN, infinities and negative zeros."""
+    from ocannl.backends.cpu import codegen
+    from ocannl.backends.cpu.backend import CpuBackend
+    from ocannl.ir.assignments import Affine
+    from ocannl.ir.lowering import LoopGroup, lower
+
+    monkeypatch.setenv("OCANNL_CACHE_DIR", str(tmp_path))
+    p = Precision(prec)
+    b, h, w = 2, 5, 6
+    pg = Tnode("rpg", (b, h, w, 3, 3, channels), Precision.f32)
+    img = Tnode("rimg", (b, h, w, channels), p)
+    comp = Comp((Accum(img, (0, 1, 2, 3), "+", Get(pg, (
+        0, Affine(((1, 1), (-1, 4)), 1), Affine(((1, 2), (-1, 5)), 1), 4, 5, 3)),
+        (b, h, w, channels, 3, 3), reset=True),))
+    rng = np.random.default_rng(3)
+    values = rng.normal(size=pg.dims).astype(np.float32)
+    values[0, 1, 2, 0, 0, 3], values[1, 2, 3, 1, 1, 5] = np.nan, np.inf
+    values[0, 3, 3, :, :, 1], values[1, 0, 0, :, :, 2] = -0.0, -np.inf
+
+    def run(short_row: int) -> tuple[LoopGroup, bytes]:
+        monkeypatch.setattr(schedule, "SHORT_ROW", short_row)
+        monkeypatch.setattr(codegen, "_VERSION", f"{codegen._VERSION}-{short_row}")
+        monkeypatch.setattr(CpuBackend, "_compiled", {})
+        [group] = [i for i in lower(comp, PRODUCTS) if isinstance(i, LoopGroup)]
+        ctx = Context.cpu().set_values(pg, values)
+        ctx, r = ctx.compile(comp)
+        ctx.run(r)
+        return group, ctx.get_values(img).tobytes()
+
+    short = schedule.SHORT_ROW
+    walk, walked = run(0)
+    vectors, got = run(short)
+    assert walk.lead.walk_rows and not walk.jam
+    assert not vectors.lead.walk_rows and vectors.jam == 8 and vectors.lanes
+    assert got == walked
+    out = np.frombuffer(got, p.numpy_dtype).astype(np.float32).reshape(img.dims)
+    assert np.isnan(out).any() and np.isinf(out).any()
