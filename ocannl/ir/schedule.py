@@ -639,7 +639,8 @@ ROW_BLOCK, ROW_BLOCKS_MIN = 64, 4
 JAM_WIDTH, JAM_TERMS = 8, 8
 # At most this many cells of a read are packed for the lanes (a stack array each).
 PACK_LANES = 1 << 12
-# A row walk's row of at most this many cells runs as jammed vectors of its cells instead.
+# A row walk over a padded read, of at most this many cells, runs as jammed vectors of its
+# cells instead (``jam``).
 SHORT_ROW = 32
 # A pointwise group walked point by point whose innermost loop runs over 4 to this many cells
 # (a power of two) is vectorized at that width (``short_inner``): LLVM unrolls so short a loop
@@ -753,14 +754,16 @@ def group_split(item: LoopGroup, target: Target) -> int | None:
 def jam(g: LoopGroup) -> int:
     """How many cells of a lone reduction (not a scatter or an overwrite) to compute at once;
     0: one at a time. Its last parallel iterator must not be its first (a thread's range is of
-    the first). A row walk's row of at most ``SHORT_ROW`` cells may be jammed too, where its
-    reads run in lanes (``_threaded``): a vector of the row's cells is the walk's row of
-    accumulators in registers (a convolution's output channels, the patch gradients summed
-    back into an image's: scalar code in the walk, the padding checked cell by cell)."""
+    the first). A row walk over a padded read, its row of at most ``SHORT_ROW`` cells, may be
+    jammed too, where its reads run in lanes (``_threaded``): a vector of the row's cells is
+    the walk's row of accumulators in registers (a convolution's output channels, the patch
+    gradients summed back into an image's), where the walk checks the padding cell by cell
+    and stays scalar. An unpadded row walk vectorizes as it is (a bias's gradient)."""
     if len(g.nests) != 1:
         return 0
     nest = g.lead
-    if ((nest.walk_rows and nest.space[nest.par[-1]] > SHORT_ROW) or nest.scatter
+    if ((nest.walk_rows and (nest.space[nest.par[-1]] > SHORT_ROW or not padded(nest)))
+            or nest.scatter
             or not nest.red or len(nest.par) < 2
             or nest.assign.accum not in ("+", "max")
             or math.prod(nest.space[i] for i in nest.red) < JAM_TERMS):
@@ -770,6 +773,19 @@ def jam(g: LoopGroup) -> int:
         if width > 1 and extent % width == 0:
             return width
     return 0
+
+
+def padded(nest: LoopNest) -> bool:
+    """Whether a read of ``nest`` may fall outside its node (zero padding: a convolution's
+    borders), which the code checks point by point."""
+    space = nest.assign.space
+    for g in reads(nest.assign.expr):
+        for i, dim in zip(g.idx, g.node.dims, strict=True):
+            if isinstance(i, Affine):
+                lo, hi = i.bounds(space)
+                if lo < 0 or hi >= dim:
+                    return True
+    return False
 
 
 def read_stride(get: Get, it: int) -> int:

@@ -393,7 +393,8 @@ def test_a_short_row_walk_runs_as_vectors_of_its_cells_with_the_walks_bits(
         monkeypatch, tmp_path, prec, channels):
     """Patch gradients summed back into a padded image (a convolution's input gradient): a row
     walk over the channels lowering chose, run as jammed vectors of the row's cells where the
-    row is short (``schedule.SHORT_ROW``), each cell taking its nine terms in the walk's order,
+    row is short (``schedule.SHORT_ROW``) and its read padded (checked cell by cell, the walk
+    stays scalar code), each cell taking its nine terms in the walk's order,
     the padding's zeros included: the walk's bits, over NaN, infinities and negative zeros."""
     from ocannl.backends.cpu import codegen
     from ocannl.backends.cpu.backend import CpuBackend
@@ -431,3 +432,8 @@ def test_a_short_row_walk_runs_as_vectors_of_its_cells_with_the_walks_bits(
     assert got == walked
     out = np.frombuffer(got, p.numpy_dtype).astype(np.float32).reshape(img.dims)
     assert np.isnan(out).any() and np.isinf(out).any()
+    # an unpadded row walk (a bias's gradient over heads of 32) vectorizes as it is: kept
+    g, bias = Tnode("rg", (64, 4, 32), p), Tnode("rb", (4, 32), Precision.f32)
+    [kept] = [i for i in lower(Comp((Accum(bias, (1, 2), "+", Get(g, (0, 1, 2)), (64, 4, 32),
+                                           reset=True),)), PRODUCTS) if isinstance(i, LoopGroup)]
+    assert kept.lead.walk_rows and not kept.jam
