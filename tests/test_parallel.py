@@ -778,3 +778,14 @@ def test_checkpoint_helpers_in_a_world_of_one(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="not initialized"):
         dp.broadcast(Context.cpu(), params)
     assert mixed_prec.GradReducer  # the protocol the recipes take
+
+
+@needs_mpi
+@pytest.mark.parametrize("n", [2, 3])
+def test_shared_memory_is_written_and_read_between_its_barriers(n: int) -> None:
+    """``shared_sync`` (a barrier at counters in the shared memory itself): over 2,000 rounds
+    every rank sees every other's block of the round it is in, never the one before or
+    after (3 ranks: on 2 cores, one rank always waits for a core)."""
+    job = ok(mpirun(n, "--rounds", "2000", script=HERE / "shared_memory_worker.py",
+                    timeout=120))
+    assert "2000 rounds ok" in job.out
