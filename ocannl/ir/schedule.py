@@ -933,21 +933,21 @@ def rendering(code: list[Lowered], target: Target) -> list[Lowered]:
     only_products = products_only(code)
     shared = target.products_shared and any(
         isinstance(item, Gemm) and item.split is not None for item in code)
-    quiet: set[int] = set()  # nodes every cell of which this routine's arithmetic wrote last
+    computed: set[int] = set()  # nodes every cell of which the routine's arithmetic wrote last
     out: list[Lowered] = []
     for item in code:
         if isinstance(item, Fill):
-            quiet.add(item.node.id)
+            computed.add(item.node.id)
             if target.gpu_block:
                 grid, block = gpu_launch(item.node.size, target)
                 item = replace(item, grid=grid, block=block)
         elif isinstance(item, Gemm):
-            (quiet.add if covers(item.assign) else quiet.discard)(item.assign.lhs.id)
+            (computed.add if covers(item.assign) else computed.discard)(item.assign.lhs.id)
             tf32 = target.tf32 and item.a.node.prec is item.b.node.prec is Precision.f32
             item = replace(item, one_thread=shared, tf32=tf32,
                            strided=batch_runs(item.batch) if target.gpu_block else ((), None))
         else:
-            nests = _group_conversions(item, only_products, quiet)
+            nests = _group_conversions(item, only_products, computed)
             item = replace(item, nests=nests, lane_store=item.lanes and lane_store(
                 nests[0], item.registers, target))
             if target.gpu_block:
@@ -1031,7 +1031,7 @@ def _group_conversions(item: LoopGroup, only_products: frozenset[int], routine: 
 
 
 def _conversions(nest: LoopNest, conversion: bool, only_products: frozenset[int],
-                 known: Callable[[Get], bool] = lambda g: False) -> LoopNest:
+                 known: Callable[[Get], bool]) -> LoopNest:
     """``nest`` with how it converts and stores decided (``LoopNest``'s fields say what each
     means). Only a nest that stores its expression's value as it is (nothing to reduce, or
     every point overwriting its cell) copies or stores exactly; a copy of a value that is never
