@@ -105,10 +105,10 @@ def in_bounds(sp: Spelling, node: Tnode, idx: Projection, space: tuple[int, ...]
     for i, dim in zip(idx, node.dims, strict=True):
         if not isinstance(i, Affine):
             continue
-        lo, hi = i.bounds(space)
+        below, past = i.outside(space, dim)
         at = affine(sp, i, iters)
-        for c in ([sp.at_least_zero(at)] if lo < 0 else []) + ([sp.below(at, dim)]
-                                                               if hi >= dim else []):
+        for c in ([sp.at_least_zero(at)] if below else []) + ([sp.below(at, dim)]
+                                                              if past else []):
             cond = c if cond is None else sp.both(cond, c)
     return cond
 

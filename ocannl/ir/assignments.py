@@ -65,6 +65,12 @@ class Affine:
             hi += max(0, c * (space[i] - 1))
         return lo, hi
 
+    def outside(self, space: tuple[int, ...], dim: int) -> tuple[bool, bool]:
+        """Whether it takes a position below 0, and one at or past ``dim``, over the product
+        space: the padding a read along an axis of ``dim`` cells checks for."""
+        lo, hi = self.bounds(space)
+        return lo < 0, hi >= dim
+
 
 Index = int | Fixed | Affine  # an iterator number, a fixed position, or an affine combination
 Projection = tuple[Index, ...]

@@ -163,15 +163,9 @@ def forwarded(code: list[Lowered]) -> set[int]:
         if not isinstance(item, Gemm):
             continue
         lhs = item.assign.lhs
-        if (not item.assign.reset or not lhs.prec.is_narrow
-                or lhs.memory_mode is not MemoryMode.local or index.writers[lhs.id] != [k]
-                or index.readers.get(lhs.id) != [k + 1]):
-            continue  # read by the next item only: the f32 result is held no longer
-        reader = code[k + 1]
-        if isinstance(reader, LoopGroup) and not any(
-                (nest.red or nest.scatter) and any(g.node.id == lhs.id
-                                                   for g in reads(nest.assign.expr))
-                for nest in reader.nests):
+        # read by the next item only: the f32 result is held no longer
+        if (item.assign.reset and lhs.prec.is_narrow and index.writers[lhs.id] == [k]
+                and read_pointwise_next(code, index, k, lhs)):
             out.add(lhs.id)
     return out
 
@@ -478,22 +472,29 @@ def _product(g: Gemm, target: Target, copies: _Copies, direct: set[int], out: li
     return {}
 
 
-def _sums_forwarded(code: list[Lowered], index: AccessIndex, k: int) -> bool:
-    """Whether the 16-bit target of item ``k``'s scatter (summed in an f32 copy) is local,
-    written by nothing else but fills of zeros, and read only by pointwise nests of the next
-    item: those then read the f32 sums rounded as the rounding would store them, and the
-    target is never stored (the relu mask's gradient behind a max-pool's: one pass fewer)."""
-    lhs = code[k].lead.assign.lhs  # type: ignore[union-attr]
-    if lhs.memory_mode is not MemoryMode.local or [
-            r for r in index.readers.get(lhs.id, []) if r != k] != [k + 1]:
-        return False
-    if not all(w == k or (isinstance(code[w], Fill) and code[w].value == 0.0)
-               for w in index.writers[lhs.id]):
+def read_pointwise_next(code: list[Lowered], index: AccessIndex, k: int, node: Tnode) -> bool:
+    """Whether local ``node``, written by item ``k``, is read by no item but the next (item
+    ``k`` itself aside: its accumulation), and there only by pointwise nests: those can read a
+    wider value rounded in its place (:func:`forwarded`, :func:`_sums_forwarded`)."""
+    if node.memory_mode is not MemoryMode.local or [
+            r for r in index.readers.get(node.id, []) if r != k] != [k + 1]:
         return False
     reader = code[k + 1]
     return isinstance(reader, LoopGroup) and not any(
-        (nest.red or nest.scatter) and any(g.node.id == lhs.id for g in reads(nest.assign.expr))
+        (nest.red or nest.scatter) and any(g.node.id == node.id for g in reads(nest.assign.expr))
         for nest in reader.nests)
+
+
+def _sums_forwarded(code: list[Lowered], index: AccessIndex, k: int) -> bool:
+    """Whether the 16-bit target of item ``k``'s scatter (summed in an f32 copy) is written by
+    nothing else but fills of zeros and read only by pointwise nests of the next item
+    (:func:`read_pointwise_next`): those then read the f32 sums rounded as the rounding would
+    store them, and the target is never stored (the relu mask's gradient behind a max-pool's:
+    one pass fewer)."""
+    lhs = code[k].lead.assign.lhs  # type: ignore[union-attr]
+    return read_pointwise_next(code, index, k, lhs) and all(
+        w == k or (isinstance(code[w], Fill) and code[w].value == 0.0)
+        for w in index.writers[lhs.id])
 
 
 def _widened_reads(item: LoopGroup, copies: _Copies, out: list[Lowered]) -> Tnode | None:
@@ -779,13 +780,8 @@ def padded(nest: LoopNest) -> bool:
     """Whether a read of ``nest`` may fall outside its node (zero padding: a convolution's
     borders), which the code checks point by point."""
     space = nest.assign.space
-    for g in reads(nest.assign.expr):
-        for i, dim in zip(g.idx, g.node.dims, strict=True):
-            if isinstance(i, Affine):
-                lo, hi = i.bounds(space)
-                if lo < 0 or hi >= dim:
-                    return True
-    return False
+    return any(isinstance(i, Affine) and any(i.outside(space, dim))
+               for g in reads(nest.assign.expr) for i, dim in zip(g.idx, g.node.dims, strict=True))
 
 
 def read_stride(get: Get, it: int) -> int:
