@@ -91,44 +91,43 @@ class Routine:
 
 
 class Checked:
-    """Host values already checked for one node (:meth:`Context.checked`), written later by
-    :meth:`Context.set_values` without checking them again: a data-parallel rank's later
-    shards are checked when the batch is given, before anything is written, and written as
-    each shard runs. ``blocks``: how many of the node's values it holds, stacked (a rank's
-    shards of a batch; a :class:`Staged` takes them whole)."""
+    """Host values a :class:`Staged` has checked (:meth:`Staged.check`), for its
+    :meth:`Staged.write`: a data-parallel rank's shards, every input's, are checked when the
+    batch is given, before anything is written, so a bad value in a later shard or input
+    leaves every buffer as it was. ``blocks``: how many of the node's values it holds,
+    stacked."""
 
     __slots__ = ("blocks", "host", "node_id")
 
-    def __init__(self, node_id: int, host: np.ndarray, blocks: int = 1) -> None:
+    def __init__(self, node_id: int, host: np.ndarray, blocks: int) -> None:
         self.node_id, self.host, self.blocks = node_id, host, blocks
-
-    def part(self, start: int, stop: int) -> Checked:
-        """Blocks ``[start, stop)`` of the values, a view of them."""
-        if not 0 <= start < stop <= self.blocks:
-            raise ValueError(f"Checked.part: blocks [{start}, {stop}) of {self.blocks}: expected "
-                             f"0 <= start < stop <= {self.blocks}")
-        size = self.host.size // self.blocks
-        return Checked(self.node_id, self.host[start * size:stop * size], stop - start)
 
 
 class Staged:
-    """``blocks`` of a node's values held in a buffer apart from the node's own, rounded to its
-    precision as :meth:`Context.set_values` rounds them: a data-parallel rank's later shards'
-    inputs, written in one pass when the batch is given. A routine reads a block through
-    :meth:`Context.rebound` (``reads``), or :meth:`put` copies one into the node's buffer.
-    Made by :meth:`Context.staged`; it holds only a weak reference to its context."""
+    """A rank's ``blocks`` of a node's values (its shards of a batch, stacked on the first
+    axis), checked and written at once with the lookups done when it is made: the first block
+    into the node's own buffer as :meth:`Context.set_values` writes it, the later ones into a
+    buffer of their own, rounded to the node's precision as ``set_values`` rounds.
+    ``views[b]`` is block ``b``'s buffer (``views[0]`` the node's own): a routine reads a
+    later block through :meth:`Context.rebound` (``reads``), or :meth:`put` copies one into
+    the node. Made by :meth:`Context.staged`; it holds only a weak reference to its
+    context."""
 
-    __slots__ = ("__weakref__", "_context", "_node_buffer", "blocks", "node", "storage",
+    __slots__ = ("__weakref__", "_context", "_later", "_shapes", "_size", "blocks", "node",
                  "views")
 
     def __init__(self, context: Context, node: Tnode, blocks: int) -> None:
         self.node, self.blocks = node, blocks
-        self._node_buffer = context._ensure(node)
-        size = node.size
-        self.storage = context._alloc_apart(Tnode(f"{node.name}_staged", (blocks * size,),
-                                                  node.prec))
+        own = context._ensure(node)
+        size, dims = node.size, node.dims
+        self._later = context._alloc_apart(Tnode(f"{node.name}_staged", ((blocks - 1) * size,),
+                                                 node.prec)) if blocks > 1 else None
         # each block a buffer like the node's own: what a rebound routine reads
-        self.views = [self.storage[b * size:(b + 1) * size] for b in range(blocks)]
+        self.views = [own] + [self._later[b * size:(b + 1) * size] for b in range(blocks - 1)]
+        self._size = size
+        # the shapes check() takes at a glance: the dims stacked, or flat (a node with no
+        # axis: none, each value checked in full)
+        self._shapes = ((dims[0] * blocks, *dims[1:]), (size * blocks,)) if dims else ()
         self._context = weakref.ref(context)
 
     def __repr__(self) -> str:
@@ -139,30 +138,47 @@ class Staged:
         """The context whose buffers these are (None once it is gone)."""
         return self._context()
 
+    def check(self, values: Any) -> Checked:
+        """``values`` checked as :meth:`Context.set_values` checks them, as ``blocks`` of the
+        node's values stacked on the first axis (or flat): ``ValueError`` / ``TypeError``
+        naming what is wrong, nothing written. The host array is kept as given until
+        :meth:`write`: copy it first if it may change before then."""
+        node = self.node
+        if type(values) is np.ndarray and values.shape in self._shapes \
+                and values.dtype.kind in "fiub" and node.check_values is None:
+            return Checked(node.id, values.reshape(-1), self.blocks)  # a batch, every step
+        return Checked(node.id, Context._checked(node, values, self.blocks), self.blocks)
+
     def write(self, values: Checked) -> None:
-        """Write every block at once: ``values`` checked for the node with as many blocks
-        (:meth:`Context.checked`), else ``ValueError`` and nothing written."""
-        if type(values) is not Checked or values.node_id != self.node.id \
+        """Write every block: ``values`` from this Staged's :meth:`check` (else
+        ``ValueError``, nothing written); the node is then written as by
+        :meth:`Context.set_values`."""
+        node = self.node
+        if type(values) is not Checked or values.node_id != node.id \
                 or values.blocks != self.blocks:
             got = (f"values checked for node id {values.node_id}, {values.blocks} block(s)"
                    if type(values) is Checked else f"{type(values).__name__} {values!r:.60}")
-            raise ValueError(f"{self!r} takes values checked for {self.node.name} with "
-                             f"{self.blocks} blocks (Context.checked(t, values, blocks=)), got "
-                             f"{got}")
+            raise ValueError(f"{self!r} takes values it checked (Staged.check), got {got}")
         context = self._context()
         if context is None:
             raise ValueError(f"{self!r}: its context is gone")
-        context._backend.write(self.node, self.storage, values.host)
+        host, size, write = values.host, self._size, context._backend.write
+        write(node, self.views[0], host[:size])
+        if self._later is not None:
+            write(node, self._later, host[size:])
+        context._written(node)
 
     def put(self, block: int) -> None:
-        """Copy block ``block`` into the node's own buffer (a device copy: the values were
-        rounded when written), the node then written as by :meth:`Context.set_values`."""
+        """Copy later block ``block`` into the node's own buffer (a device copy: the values
+        were rounded when written), the node then written as by :meth:`Context.set_values`."""
         context = self._context()
         if context is None:
             raise ValueError(f"{self!r}: its context is gone")
-        self._node_buffer[...] = self.views[block]
-        context.mark_written(self.node)
-        context._initialized.add(self.node.id)
+        if not 1 <= block < self.blocks:
+            raise ValueError(f"{self!r}.put: block {block!r}: expected a later block, 1 to "
+                             f"{self.blocks - 1}")
+        self.views[0][...] = self.views[block]
+        context._written(self.node)
 
 
 # An Enum member read through its class is a slow attribute lookup next to a module global
@@ -797,63 +813,24 @@ class Context:
         scrambled), and so do non-numeric values; nothing is written or allocated then. Values
         are rounded once, to nearest (ties to even), to the node's precision."""
         node = _as_node(t)
-        if type(values) is Checked:
-            if values.node_id != node.id or values.blocks != 1:
-                raise ValueError(f"set_values on {node.name}: the values were checked for "
-                                 + (f"another node (id {values.node_id})"
-                                    if values.node_id != node.id else
-                                    f"{values.blocks} blocks (a Staged takes them)"))
-            host = values.host
-        else:
-            host = self._checked(node, values)
+        host = self._checked(node, values)
         self._backend.write(node, self._ensure(node), host)
+        self._written(node)
+        return self
+
+    def _written(self, node: Tnode) -> None:
+        """``node``'s buffer was written from the host: it is initialized, and its kept cast
+        twins are stale."""
         self._initialized.add(node.id)
         if node.twins:
             self._master_written(node)
-        return self
-
-    def checked(self, t: Any, values: Any, blocks: int = 1) -> Checked:
-        """``values`` checked for ``t`` as :meth:`set_values` checks them (``ValueError`` /
-        ``TypeError`` naming what is wrong, nothing written), to write later with
-        ``set_values(t, checked)``. ``blocks``: that many of the node's values stacked on the
-        first axis (a rank's shards of a batch: the dtype and the shape checked once, the
-        node's own value check per block), for a :class:`Staged` or split with
-        :meth:`Checked.part`. The host array is kept as given: copy it first if it may change
-        before then."""
-        node = _as_node(t)
-        _require_blocks("checked", node, blocks)
-        return Checked(node.id, self._checked(node, values, blocks), blocks)
 
     def staged(self, t: Any, blocks: int) -> Staged:
-        """A :class:`Staged` for ``t``: ``blocks`` of its values in a buffer of their own, zero
-        at first (the node's buffer allocated too, if it has none)."""
+        """A :class:`Staged` for ``t``: ``blocks`` of its values, the first in the node's buffer
+        (allocated now if it has none), the others in a buffer of their own, zero at first."""
         node = _as_node(t)
         _require_blocks("staged", node, blocks)
         return Staged(self, node, blocks)
-
-    def writer(self, t: Any) -> Callable[[Checked], None]:
-        """:meth:`set_values` for one node with its lookups done once, for a write every step (a
-        data-parallel rank's shards): the callable takes values checked for ``t``
-        (:meth:`checked`), ``ValueError`` for values checked for
-        another node. It allocates the node's buffer now if it has none."""
-        node = _as_node(t)
-        buf, nid = self._ensure(node), node.id
-        write, initialized = self._backend.write, self._initialized
-        context = weakref.ref(self)  # a writer kept beside its context does not keep it alive
-
-        def write_checked(values: Checked) -> None:
-            if type(values) is not Checked or values.node_id != nid or values.blocks != 1:
-                got = (f"{type(values).__name__} {values!r:.60}" if type(values) is not Checked
-                       else f"values checked for another node (id {values.node_id})"
-                       if values.node_id != nid else f"{values.blocks} blocks of values")
-                raise ValueError(f"the writer of {node.name} takes values checked for it "
-                                 f"(Context.checked), got {got}")
-            write(node, buf, values.host)
-            initialized.add(nid)
-            if node.twins:
-                context()._master_written(node)  # type: ignore[union-attr]
-
-        return write_checked
 
     def get_values(self, t: Any) -> np.ndarray:
         """The node's values as a host array shaped by its dims. ``ValueError`` when nothing

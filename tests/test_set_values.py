@@ -211,100 +211,76 @@ def test_exact_dims_flat_and_one_element_scalars_are_accepted() -> None:
     assert ctx.get_value(col, (0,)) == 3.0
 
 
-def test_values_checked_in_blocks_split_and_refuse_any_other_shape() -> None:
-    """``checked(t, values, blocks=k)``: ``k`` blocks of the node's dims stacked on the first
-    axis (or flat), one check of the dtype and shape; each block (``Checked.part``) written as
-    ``set_values`` writes it; a shape that is not exactly that is refused naming both, with
-    nothing written."""
+def test_staged_blocks_are_checked_as_set_values_checks_and_refuse_any_other_shape() -> None:
+    """``Staged.check``: ``k`` blocks of the node's dims stacked on the first axis (or flat),
+    one check of the dtype and shape, the node's own value check per block; a shape that is
+    not exactly that is refused naming both, and nothing is written."""
     node = Tnode("x", (2, 3), Precision.bf16)
-    values = np.arange(18.0).reshape(6, 3) / 7  # not bf16 numbers: each write rounds once
+    values = np.arange(18.0).reshape(6, 3) / 7
     ctx = Context.cpu().set_values(node, np.zeros((2, 3)))
-    for whole in (ctx.checked(node, values, 3), ctx.checked(node, values.ravel(), 3)):
-        assert whole.blocks == 3
-        for b in range(3):
-            got = ctx.set_values(node, whole.part(b, b + 1)).get_values(node)
-            want = Context.cpu().set_values(node, values[2 * b:2 * b + 2]).get_values(node)
-            assert got.tobytes() == want.tobytes()
+    staged = ctx.staged(node, 3)
+    for good in (values, values.ravel(), values.T.copy().T, values.astype(np.float64).tolist()):
+        assert staged.check(good).host.tobytes() == values.reshape(-1).tobytes()
     for bad in (np.zeros((3, 6)), np.zeros((6, 2)), np.zeros((4, 3)), np.zeros(17)):
         with pytest.raises(ValueError, match=rf"set_values on x\w*: got {bad.size} values of shape "
                                              rf"{re_shape(bad.shape)}, expected 3 blocks of the "
                                              r"node's dims \(2, 3\) stacked on the first axis "
                                              r"\(6, 3\) or flat \(18,\)"):
-            ctx.checked(node, bad, 3)
+            staged.check(bad)
+    with pytest.raises(ValueError, match=r"values must be numbers \(real\), got dtype <U1"):
+        staged.check(np.full((6, 3), "a"))
     for count in (0, -1, 2.0, True):
-        with pytest.raises(ValueError, match=rf"checked on x\w*: blocks must be an int >= 1, "
+        with pytest.raises(ValueError, match=rf"staged on x\w*: blocks must be an int >= 1, "
                                              rf"got {count!r}"):
-            ctx.checked(node, values, count)
+            ctx.staged(node, count)
     scalar = Tnode("lr", (), Precision.f32)
     with pytest.raises(ValueError, match=r"expected 2 blocks .* \(none: the node has no axis\)"):
-        ctx.checked(scalar, np.zeros(2), 2)
+        ctx.staged(scalar, 2).check(np.zeros(2))
     ids = T.class_ids(batch_dims=(2,), num_classes=3, label="ids")
     with pytest.raises(ValueError, match=r"class ids ids: value 5 at position \(1,\) is out"):
-        ctx.checked(ids, np.array([0, 1, 2, 5]), 2)  # the second block's second id
-    np.testing.assert_array_equal(ctx.get_values(node), want)
+        ctx.staged(ids, 2).check(np.array([0, 1, 2, 5]))  # the second block's second id
+    np.testing.assert_array_equal(ctx.get_values(node), np.zeros((2, 3)))
 
 
-def test_staged_blocks_round_as_set_values_and_refuse_values_of_another_count() -> None:
-    """``Context.staged``: blocks of a node's values in a buffer of their own, written in one
-    call from values checked with as many blocks (each rounded once, as ``set_values`` rounds),
-    ``put`` copying one into the node; values of another node or block count are refused
-    naming both, with nothing written (the block views, the node)."""
+def test_staged_blocks_round_as_set_values_and_refuse_values_it_did_not_check() -> None:
+    """``Context.staged``: the first block into the node's own buffer, the later ones into a
+    buffer of their own, written in one call (each rounded once, as ``set_values`` rounds),
+    ``put`` copying a later one into the node; values checked by another Staged (another
+    node, another block count) or not checked are refused naming what they are, with nothing
+    written (the node, the later blocks)."""
     node, other = Tnode("x", (2, 3), Precision.bf16), Tnode("y", (2, 3), Precision.bf16)
     values = np.arange(18.0).reshape(6, 3) / 7  # not bf16 numbers
     ctx = Context.cpu()
-    whole = ctx.checked(node, values, blocks=3)
-    staged = ctx.staged(node, 2)
-    assert len(staged.views) == 2 and staged.context is ctx
-    assert ctx.mem() == 3 * node.size * 2  # the node's buffer and its two staged blocks
-    staged.write(whole.part(1, 3))
-    ctx.set_values(node, whole.part(0, 1))
-    for b in range(3):
-        want = Context.cpu().set_values(node, values[2 * b:2 * b + 2]).get_values(node)
-        if b:
-            staged.put(b - 1)
-        assert ctx.get_values(node).tobytes() == want.tobytes()
-    before = [v.copy() for v in staged.views]
-    for bad, named in ((whole, r"with 2 blocks .*got values checked for node id \d+, 3 block"),
-                       (ctx.checked(other, values[2:], 2), r"got values checked for node id"),
-                       (values[2:], r"got ndarray")):
-        with pytest.raises(ValueError, match=rf"Staged\(x\w*, 2 blocks\) takes values checked "
-                                             rf"for x\w*.*{named}"):
-            staged.write(bad)
-    assert all(np.array_equal(v, w) for v, w in zip(staged.views, before, strict=True))
-    with pytest.raises(ValueError, match=r"the writer of x\w* takes values checked for it .*got 2 "
-                                         r"blocks of values"):
-        ctx.writer(node)(whole.part(1, 3))
-    with pytest.raises(ValueError, match=r"set_values on x\w*: the values were checked for 3 "
-                                         r"blocks"):
-        ctx.set_values(node, whole)
-    for start, stop in ((2, 1), (0, 4), (-1, 1)):
-        with pytest.raises(ValueError, match=rf"blocks \[{start}, {stop}\) of 3"):
-            whole.part(start, stop)
-    for blocks in (0, 1.0, True):
-        with pytest.raises(ValueError, match=r"staged on x\w*: blocks must be an int >= 1"):
-            ctx.staged(node, blocks)
-    assert ctx.get_values(node).tobytes() == want.tobytes()
-
-
-def test_a_writer_writes_as_set_values_and_takes_only_values_checked_for_its_node() -> None:
-    """``Context.writer``: the lookups once, then each call writes checked values as
-    ``set_values`` would (rounded once; the node initialized); values checked for another node,
-    or not checked, are refused naming the node, with nothing written."""
-    node, other = Tnode("x", (2, 2), Precision.f16), Tnode("y", (2, 2), Precision.f16)
-    ctx = Context.cpu()
-    write = ctx.writer(node)
+    staged = ctx.staged(node, 3)
+    assert len(staged.views) == 3 and staged.context is ctx
+    assert ctx.mem() == 3 * node.size * 2  # the node's buffer and its two later blocks
     with pytest.raises(ValueError, match="nothing has initialized"):
         ctx.get_values(node)
-    values = np.array([[1 / 3, 2 / 3], [1e5, -1e-8]])
-    write(ctx.checked(node, values))
-    want = Context.cpu().set_values(node, values).get_values(node)
-    assert ctx.get_values(node).tobytes() == want.tobytes()
-    for bad, got in ((ctx.checked(other, np.ones((2, 2))), "values checked for another node"),
-                     (np.ones((2, 2)), "ndarray")):
-        with pytest.raises(ValueError, match=rf"the writer of x\w* takes values checked for it "
-                                             rf"\(Context.checked\), got {got}"):
-            write(bad)
-    assert ctx.get_values(node).tobytes() == want.tobytes()
+    staged.write(staged.check(values))
+    wants = [Context.cpu().set_values(node, values[2 * b:2 * b + 2]).get_values(node)
+             for b in range(3)]
+    assert ctx.get_values(node).tobytes() == wants[0].tobytes()
+    for b in (1, 2):
+        staged.put(b)
+        assert ctx.get_values(node).tobytes() == wants[b].tobytes()
+    before = [v.copy() for v in staged.views]
+    for bad, named in ((ctx.staged(node, 2).check(values[2:]), r"node id \d+, 2 block\(s\)"),
+                       (ctx.staged(other, 3).check(values), r"node id \d+, 3 block\(s\)"),
+                       (values, r"ndarray")):
+        with pytest.raises(ValueError, match=rf"Staged\(x\w*, 3 blocks\) takes values it checked "
+                                             rf"\(Staged.check\), got .*{named}"):
+            staged.write(bad)
+    assert all(np.array_equal(v, w) for v, w in zip(staged.views, before, strict=True))
+    for block in (0, 3, -1):
+        with pytest.raises(ValueError, match=rf"put: block {block}: expected a later block, 1 "
+                                             r"to 2"):
+            staged.put(block)
+    assert ctx.get_values(node).tobytes() == wants[2].tobytes()
+    held = ctx.mem()
+    one = ctx.staged(node, 1)  # a block of one: the node alone, nothing apart
+    assert len(one.views) == 1 and ctx.mem() == held
+    one.write(one.check(values[:2]))
+    assert ctx.get_values(node).tobytes() == wants[0].tobytes()
 
 
 @pytest.mark.parametrize("prec", [Precision.f64, Precision.f32, Precision.bf16])

@@ -192,16 +192,14 @@ class _BlockPlan:
 
 
 class _Feeds:
-    """A context's every-shard host calls, made once: the inputs' writers
-    (:meth:`Context.writer`: the block's first shard), their :class:`Staged` buffers (the
-    later shards, one list of the inputs' per micro-batch of a step, made as a step first
-    has that many) and the loss's reader (made after the first shard has run). They hold no
-    reference to the context."""
+    """A context's every-step host calls, made once: the inputs' :class:`Staged` (one list
+    of the inputs' per micro-batch of a step, made as a step first has that many: each writes
+    the block's first shard into the input, the later ones apart) and the loss's reader
+    (made after the first shard has run). They hold no reference to the context."""
 
-    __slots__ = ("read_loss", "staged", "writers")
+    __slots__ = ("read_loss", "staged")
 
-    def __init__(self, writers: list[Callable[[Checked], None]]) -> None:
-        self.writers = writers
+    def __init__(self) -> None:
         self.staged: list[list[Staged]] = []
         self.read_loss: Callable[[], Any] | None = None
 
@@ -665,8 +663,11 @@ class DataParallel:
         k = self.per_rank
         if k > 1:
             self._refuse_another_context(ctx, "set_batch")
+        feeds = self._feeds_of(ctx)
+        micro = len(self._pending)
+        made = feeds.staged[micro] if micro < len(feeds.staged) else None
         checked: list[Checked] = []
-        for a, t in zip(arrays, self.inputs, strict=True):
+        for j, (a, t) in enumerate(zip(arrays, self.inputs, strict=True)):
             rows = int(t.value.dims[0])
             n = len(a)
             if n == rows * self.shards and self.shards != k:
@@ -676,24 +677,19 @@ class DataParallel:
                     f"DataParallel.set_batch: {t.label} got {n} rows, expected this rank's "
                     f"block of {k} shard(s) of {rows} rows ({rows * k}) or the global batch "
                     f"({rows * self.shards})")
-            checked.append(ctx.checked(t, a, blocks=k))
-        feeds = self._feeds_of(ctx)
-        staged: list[Staged] = []
+            checked.append(made[j].check(a) if made is not None else
+                           Checked(t.value.id, Context._checked(t.value, a, k), k))
+        if made is None:  # the staging of this many micro-batches, once every value passed
+            made = [ctx.staged(t, k) for t in self.inputs]
+            feeds.staged.append(made)
         if k > 1:
-            micro = len(self._pending)
-            while len(feeds.staged) <= micro:
-                feeds.staged.append([ctx.staged(t, k - 1) for t in self.inputs])
-            staged = feeds.staged[micro]
             if not self._pending and self.stats:
                 self._stats_at = [np.array(ctx.get_values(m), copy=True) for m in self.stats]
             if self.rngs:
                 self._counters_at.append([ctx.get_values(r.counter) for r in self.rngs])
-            for st, c in zip(staged, checked, strict=True):
-                st.write(c.part(1, k))
-            checked = [c.part(0, 1) for c in checked]
-        for write, c in zip(feeds.writers, checked, strict=True):
-            write(c)
-        self._pending.append(staged)
+        for st, c in zip(made, checked, strict=True):
+            st.write(c)
+        self._pending.append(made if k > 1 else [])  # one shard: nothing staged to run
         return self._set_row_offset(ctx, self.first_shard) if self.rngs else ctx
 
     def _refuse_another_context(self, ctx: Context, what: str) -> None:
@@ -707,7 +703,7 @@ class DataParallel:
     def _put_shard(self, ctx: Context, j: int, staged: Sequence[Staged]) -> Context:
         """Shard ``j`` (``j >= 1``) of the block into the inputs, from its staged copy."""
         for st in staged:
-            st.put(j - 1)
+            st.put(j)
         return self._set_row_offset(ctx, self.first_shard + j) if self.rngs else ctx
 
     def _feeds_of(self, ctx: Context) -> _Feeds:
@@ -718,7 +714,7 @@ class DataParallel:
             return last[1]
         feeds = self._feeds.get(ctx)
         if feeds is None:
-            feeds = self._feeds[ctx] = _Feeds([ctx.writer(t) for t in self.inputs])
+            feeds = self._feeds[ctx] = _Feeds()
         self._last_feeds = (weakref.ref(ctx), feeds)
         return feeds
 
@@ -1091,7 +1087,7 @@ class DataParallel:
                 routine = self._first if not runs else self._more
                 bound = {n.id for n in routine.nodes}
                 runs.append(ctx.rebound(routine, self.flat, into, reads={
-                    st.node: st.views[j] for st in pending[len(runs)] if st.node.id in bound}))
+                    st.node: st.views[j + 1] for st in pending[len(runs)] if st.node.id in bound}))
         return block
 
     def _sum_block(self, ctx: Context, flat: Any, exchanges: list[BucketExchange],

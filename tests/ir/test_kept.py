@@ -117,7 +117,7 @@ def _forward_of_fresh_context(loss, values: dict[int, np.ndarray]) -> float:  # 
     return ref.run(f).get_value(loss)
 
 
-WRITERS = ("set_values", "writer", "init_params", "load", "load_weights", "device_buffer")
+WRITERS = ("set_values", "staged", "init_params", "load", "load_weights", "device_buffer")
 
 
 @pytest.mark.parametrize("writer", WRITERS)
@@ -139,8 +139,9 @@ def test_a_master_written_outside_the_routines_has_its_twin_recast(writer, tmp_p
     before = ctx.run(fwd).get_value(loss)
     if writer == "set_values":
         ctx = ctx.set_values(w, ctx.get_values(w) * -1.5 + 0.25)
-    elif writer == "writer":
-        ctx.writer(w)(ctx.checked(w, ctx.get_values(w) * -1.5 + 0.25))
+    elif writer == "staged":
+        staged = ctx.staged(w, 1)
+        staged.write(staged.check(ctx.get_values(w) * -1.5 + 0.25))
     elif writer == "init_params":
         ctx, fwd = Context.cpu().compile(train.forward(loss))  # kept twins allocated, unwritten
         ctx, step = ctx.compile(train.grad_update(loss)
