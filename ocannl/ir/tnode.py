@@ -57,7 +57,7 @@ class Tnode:
     between steps (``ocannl.ir.kept``): the master it holds rounded, and the twin's precision.
     """
 
-    __slots__ = ("id", "label", "_dims", "prec", "memory_mode", "host_data", "zero_start",
+    __slots__ = ("id", "label", "_dims", "_size", "prec", "memory_mode", "host_data", "zero_start",
                  "needs_init", "check_values", "resolve", "cast_of", "twins", "keeps",
                  "__weakref__")
 
@@ -76,6 +76,8 @@ class Tnode:
         self.id = _issued = next(_ids)
         self.label = label
         self._dims = None if dims is None else tuple(int(d) for d in dims)
+        # the cell count, once the dims are known: read by the host's every-step paths
+        self._size = None if self._dims is None else math.prod(self._dims)
         self.prec = prec
         self.memory_mode = memory_mode
         self.host_data = host_data
@@ -109,10 +111,12 @@ class Tnode:
         if self._dims is not None and self._dims != tuple(dims):
             raise ValueError(f"node {self.name} already has dims {self._dims}, not {tuple(dims)}")
         self._dims = tuple(int(d) for d in dims)
+        self._size = math.prod(self._dims)
 
     @property
     def size(self) -> int:
-        return math.prod(self.dims)
+        size = self._size
+        return size if size is not None else math.prod(self.dims)
 
     @property
     def strides(self) -> tuple[int, ...]:
