@@ -103,6 +103,12 @@ class Checked:
         self.node_id, self.host, self.blocks = node_id, host, blocks
 
 
+def check_blocks(node: Tnode, values: Any, blocks: int) -> Checked:
+    """``values`` checked in full as ``blocks`` of ``node``'s values (:meth:`Staged.check`
+    without its glance), for a :class:`Staged` of that many blocks yet to be made."""
+    return Checked(node.id, Context._checked(node, values, blocks), blocks)
+
+
 class Staged:
     """A rank's ``blocks`` of a node's values (its shards of a batch, stacked on the first
     axis), checked and written at once with the lookups done when it is made: the first block
@@ -147,7 +153,7 @@ class Staged:
         if type(values) is np.ndarray and values.shape in self._shapes \
                 and values.dtype.kind in "fiub" and node.check_values is None:
             return Checked(node.id, values.reshape(-1), self.blocks)  # a batch, every step
-        return Checked(node.id, Context._checked(node, values, self.blocks), self.blocks)
+        return check_blocks(node, values, self.blocks)
 
     def write(self, values: Checked) -> None:
         """Write every block: ``values`` from this Staged's :meth:`check` (else

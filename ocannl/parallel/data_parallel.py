@@ -16,7 +16,15 @@ from typing import Any, cast
 import numpy as np
 
 from ocannl import checkpoint
-from ocannl.context import Checked, Context, Routine, Staged, flat_layout, offset_in
+from ocannl.context import (
+    Checked,
+    Context,
+    Routine,
+    Staged,
+    check_blocks,
+    flat_layout,
+    offset_in,
+)
 from ocannl.errors import Failure, require_bool
 from ocannl.ir.ops import Precision
 from ocannl.ir.tnode import Tnode
@@ -677,8 +685,7 @@ class DataParallel:
                     f"DataParallel.set_batch: {t.label} got {n} rows, expected this rank's "
                     f"block of {k} shard(s) of {rows} rows ({rows * k}) or the global batch "
                     f"({rows * self.shards})")
-            checked.append(made[j].check(a) if made is not None else
-                           Checked(t.value.id, Context._checked(t.value, a, k), k))
+            checked.append(made[j].check(a) if made is not None else check_blocks(t.value, a, k))
         if made is None:  # the staging of this many micro-batches, once every value passed
             made = [ctx.staged(t, k) for t in self.inputs]
             feeds.staged.append(made)
