@@ -58,9 +58,11 @@ def train_run(args: argparse.Namespace) -> None:
     comm = parallel.MpiCommunicator()
     m = build()
     x, y, loss, opt, state = m["x"], m["y"], m["loss"], m["opt"], m["state"]
-    dp = parallel.DataParallel(comm, loss, inputs=[x, y])
+    dp = parallel.DataParallel(comm, loss, inputs=[x, y], overlap=args.overlap,
+                               bucket_bytes=64)
     ctx = dp.setup(Context.cpu())
-    ctx, grads = ctx.compile(train.grad_update(loss))
+    ctx, grads = dp.compile_gradients(ctx, train.grad_update(loss)) if args.overlap else \
+        ctx.compile(train.grad_update(loss))
     ctx, update = ctx.compile(opt.update(loss, grad_unscale=dp.grad_unscale()))
     ctx = train.init_params(ctx, loss)
     ctx = dp.broadcast(ctx, state)
@@ -76,9 +78,10 @@ def train_run(args: argparse.Namespace) -> None:
             rows = np.random.default_rng([7, step]).permutation(POINTS)[:glob]
             mine = rows[comm.rank * LOCAL:(comm.rank + 1) * LOCAL]
             ctx = ctx.set_values(x, points[mine]).set_values(y, targets[mine])
-            ctx = ctx.run(grads)
+            if not args.overlap:
+                ctx = ctx.run(grads)
             t_wait, c_wait = time.monotonic(), time.process_time()
-            ctx = dp.reduce(ctx)
+            ctx = dp.run_and_reduce(ctx, grads) if args.overlap else dp.reduce(ctx)
             ctx = ctx.run(update)
             if (step + 1) % args.every == 0:
                 progress = checkpoint.Progress(step=step + 1)
@@ -184,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=3.0)
     ap.add_argument("--what", choices=["prec"], default="prec")
     ap.add_argument("--stuck", action="store_true")
+    ap.add_argument("--overlap", action="store_true", help="the exchange in buckets")
     args = ap.parse_args(argv)
     if args.cmd == "train":
         train_run(args)

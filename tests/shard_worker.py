@@ -163,7 +163,13 @@ def run(comm: Any, variant: str, *, shards: int = 4, steps: int = 8,
         "state_bytes": sum(ctx.mem(n) for n in held),
         "losses": losses, "start": start, "loader": data.save_state(),
         "size": comm.size, "shards": shards, "shared_memory": dp.shared_memory,
+        "shared_buckets": _shared_buckets(dp),
     }
+
+
+def _shared_buckets(dp: Any) -> int:
+    """How many buckets this rank has summed in shared memory (overlap, ranks on one node)."""
+    return 0 if dp._bucket_sums is None else dp._bucket_sums.summed
 
 
 def run_plain(comm: Any, *, shards: int = 4, steps: int = 6, overlap: bool = False,
@@ -200,7 +206,7 @@ def run_plain(comm: Any, *, shards: int = 4, steps: int = 6, overlap: bool = Fal
     return {"state_names": [n.name for n in state],
             "state": [np.array(a, copy=True) for a in dp.gather_state(ctx, state)],
             "losses": np.array(losses), "parts_read": [reads for _, reads in plan],
-            "buckets": len(dp._buckets)}
+            "buckets": len(dp._buckets), "shared_buckets": _shared_buckets(dp)}
 
 
 def main(argv: list[str] | None = None) -> int:

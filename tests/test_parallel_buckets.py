@@ -72,13 +72,20 @@ def test_overlap_settings_are_checked() -> None:
 @needs_mpi
 def test_two_ranks_overlapped_are_the_bits_of_one(tmp_path: Path) -> None:
     """Every variant on 2 ranks, 2 shards each, the exchange in buckets of about a parameter
-    (each an allreduce of two, started after the part of the last shard's backward code that
-    completes it): one plain rank's bits."""
+    (each summed in the memory both ranks map, a rank's half as soon as both have written
+    it, between the parts of the last shard's backward code): one plain rank's bits."""
     ok(mpirun(2, "--out", tmp_path, "--tag", "over", "--overlap", script=TS.WORKER, timeout=120))
     for v in SW.VARIANTS:
         ref = SW.run(parallel.SingleProcess(), v)
+        assert ref["shared_buckets"] == 0
         for r in TS.results(tmp_path, "over", v, 2):
             TS.assert_same_run(r, ref)
+            assert r["shared_memory"] is True
+            # synced batch norm buckets one shard a rank only (its statistics' exchanges cut
+            # the routine); the others' every step sums two buckets or more
+            synced = v.startswith("syncbn")
+            assert (r["shared_buckets"] == 0) if synced else \
+                (r["shared_buckets"] >= 2 * len(r["losses"])), (v, r["shared_buckets"])
 
 
 @needs_mpi

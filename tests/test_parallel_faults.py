@@ -100,6 +100,30 @@ def test_a_stopped_or_dead_rank_ends_the_others_naming_it_and_the_step(fault: st
 
 
 @needs_mpi
+def test_a_stopped_rank_ends_the_others_in_an_overlapped_exchange(tmp_path: Path) -> None:
+    """With overlap, the buckets are summed in the memory both ranks map, each rank signalling
+    the other through shared counters (no barrier): rank 0 waits in step 7 for rank 1 to
+    write a bucket, times out, names rank 1, stopped, and the bucket; the checkpoint of step
+    5 is intact."""
+    ck = tmp_path / "run.safetensors"
+    job, _ = launch(2, "train", "--out", tmp_path, "--checkpoint", ck, "--fault", "stop",
+                    "--at", "7", "--timeout", TIMEOUT_S, "--overlap", out=tmp_path)
+    assert not job.timed_out and job.rc != 0 and job.left == [], job.out[-3000:]
+    pid = int(job.out.split("rank 1 (pid ")[1].split()[0])
+    want = (re.escape("ocannl.parallel.CollectiveTimeout: mpi rank 0: the shard tree's sum "
+                      "in shared memory, bucket [") + r"\d+, \d+"
+            + re.escape(") (written) (collective #") + r"\d+"
+            + re.escape(") at step 7 did not complete within 3 s ") + WAITED
+            + re.escape(f": rank 1 (pid {pid} on this host, stopped (SIGSTOP?)) did not "
+                        f"answer."))
+    assert re.search(want, job.out), job.out[-3000:]
+    line = next(ln for ln in job.out.splitlines() if ln.startswith("faults: rank 0 waited"))
+    waited, cpu = float(line.split()[4]), float(line.split()[6])
+    assert waited >= TIMEOUT_S and cpu < 0.25 * waited, line
+    check_checkpoint(tmp_path, ck, 5)
+
+
+@needs_mpi
 def test_a_killed_rank_seen_by_the_launcher_ends_the_job_at_once(tmp_path: Path) -> None:
     """A rank's death that ``mpiexec`` sees (its own child) ends the job at once, before any
     timeout: the launcher's cleanup (hydra names the pid and the signal); the checkpoint of

@@ -617,6 +617,18 @@ class MpiCommunicator:
         for win, _ in self._shared:
             win.Sync()
 
+    def shared_counters(self, n: int) -> SharedCounters:
+        """``n`` counters a rank, zero, in memory every rank maps (:class:`SharedCounters`),
+        for ranks that signal each other without a barrier. Collective; only after
+        :meth:`shared_blocks` has found the ranks on one node."""
+        if not self._arrivals:
+            raise ValueError(f"{self!r}: shared_counters needs memory the ranks map: call "
+                             f"shared_blocks first (and only where it found one node)")
+        node = self._shared[0][1]
+        counters = [a.view(np.int64) for a in self._mapped(node, 8 * n, np.uint8)]
+        self.shared_sync("shared_counters (zeroed)")
+        return SharedCounters(self, counters)
+
     def abort(self, code: int = 1) -> NoReturn:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -643,6 +655,52 @@ class _Arrived:
             if c[0] < count:
                 return False
         return True
+
+
+class SharedCounters:
+    """Counters every rank maps, ``n`` a rank, each only ever raised by its rank: a rank
+    :meth:`raise_to` a count once the shared memory it stands for is written (its writes
+    made visible first), and the others test (:meth:`reached`) or wait (:meth:`wait`, with
+    the communicator's deadline and its named error) until every rank's counter has reached
+    a count. A signal between some ranks' work, where :meth:`MpiCommunicator.shared_sync`
+    would hold every rank at a barrier."""
+
+    __slots__ = ("_comm", "_counters", "_fence")
+
+    def __init__(self, comm: MpiCommunicator, counters: list[np.ndarray]) -> None:
+        self._comm, self._counters = comm, counters
+        self._fence = comm._shared[0][0].Sync  # a memory barrier (MPI_Win_sync)
+
+    def raise_to(self, i: int, count: int) -> None:
+        """This rank's counter ``i`` to ``count``, after its writes before it."""
+        self._fence()
+        self._counters[self._comm.rank][i] = count
+
+    def reached(self, i: int, count: int) -> bool:
+        """Whether every rank's counter ``i`` has reached ``count`` (its writes before then
+        visible here when it has)."""
+        for c in self._counters:
+            if c[i] < count:
+                return False
+        self._fence()
+        return True
+
+    def wait(self, i: int, count: int, what: str) -> None:
+        """Until :meth:`reached`, as a collective waits (``what`` names it in a timeout)."""
+        self._comm._start(what)
+        self._comm._wait(_Reached(self, i, count), what)
+
+
+class _Reached:
+    """A request (``Test``) complete once :meth:`SharedCounters.reached`."""
+
+    __slots__ = ("count", "counters", "i")
+
+    def __init__(self, counters: SharedCounters, i: int, count: int) -> None:
+        self.counters, self.i, self.count = counters, i, count
+
+    def Test(self) -> bool:  # noqa: N802 - MPI's request protocol
+        return self.counters.reached(self.i, self.count)
 
 
 class NcclCommunicator:

@@ -31,6 +31,7 @@ from ocannl.ir.tnode import Tnode
 from ocannl.parallel.buckets import BucketExchange, bucket_ranges, host_values
 from ocannl.parallel.comm import Communicator
 from ocannl.parallel.shards import ShardTree
+from ocannl.parallel.shared_sum import SharedBucket, SharedBuckets, SharedSum
 from ocannl.parallel.synced import ShardMemory, SyncedRoutine, compile_synced
 from ocannl.parallel.zero import FLAT_ALIGN, OptimizerShard
 from ocannl.tensor.tensor import Tensor
@@ -119,56 +120,6 @@ def _as_node(t: Tnode | Tensor) -> Tnode:
     return node
 
 
-class SharedSum:
-    """The tree's sum of every rank's partial sum, each in its buffer ``blocks[q]`` (memory
-    every rank maps: ``MpiCommunicator.shared_blocks``; one partial sum a rank, its node
-    ``covers[q][0]``), written into every buffer; call it once every rank has written its own.
-    After a barrier, each rank sums its ``1 / N`` of the elements over every buffer in the
-    tree's order, into its own buffer, and copies that slice into the others; after the second
-    barrier every buffer holds the whole sum. The additions are the tree's, elementwise: the
-    bits of MPI's exchange, without its copies. They are worked out once (each an ``np.add``
-    of fixed views, a subtree's sum into a scratch array of its own): a step's host work is
-    the calls alone."""
-
-    def __init__(self, comm: Any, tree: ShardTree, covers: list[list[tuple[int, int]]],
-                 blocks: list[np.ndarray]) -> None:
-        size, rank = comm.size, comm.rank
-        n = int(blocks[0].size)
-        per = -(-n // size)
-        lo, hi = min(rank * per, n), min((rank + 1) * per, n)
-        self.comm = comm
-        self.adds: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # left, right, out
-        self.copies: list[tuple[np.ndarray, np.ndarray]] = []  # (into, from)
-        if lo >= hi:
-            return
-        known = {covers[q][0]: blocks[q][lo:hi] for q in range(size)}
-        mine = blocks[rank][lo:hi]
-
-        def node(a: int, z: int, out: np.ndarray | None) -> np.ndarray:
-            got = known.get((a, z))
-            if got is not None:
-                if out is not None and got is not out:
-                    self.copies.append((out, got))
-                return got if out is None else out
-            mid = tree.split(a, z)
-            left, right = node(a, mid, None), node(mid, z, None)
-            into = np.empty_like(left) if out is None else out
-            self.adds.append((left, right, into))
-            return into
-
-        node(0, tree.shards, mine)
-        self.copies += [(b[lo:hi], mine) for q, b in enumerate(blocks) if q != rank]
-
-    def __call__(self) -> None:
-        comm = self.comm
-        comm.shared_sync("the shard tree's sum in shared memory (partial sums written)")
-        for left, right, out in self.adds:
-            np.add(left, right, out=out)
-        for into, src in self.copies:
-            np.copyto(into, src)
-        comm.shared_sync("the shard tree's sum in shared memory (sums written)")
-
-
 def _copy_to_the_others(blocks: list[np.ndarray], rank: int, part: slice) -> None:
     """``part`` of ``rank``'s shared block copied into every other rank's block."""
     mine = blocks[rank][part]
@@ -178,6 +129,9 @@ def _copy_to_the_others(blocks: list[np.ndarray], rank: int, part: slice) -> Non
 
 
 # --- data-parallel training ---------------------------------------------------------------------
+
+# A bucket's exchange under way: through the communicator, or in shared memory.
+Exchange = BucketExchange | SharedBucket
 
 #: The key of ``Progress.extra`` where :meth:`DataParallel.save` records the shard count.
 SHARDS_KEY = "data_parallel"
@@ -381,6 +335,7 @@ class DataParallel:
         self.flat: Tnode | None = None
         self._shared: list[np.ndarray] | None = None  # every rank's flat, mapped here
         self._summer: SharedSum | None = None  # the sum over them
+        self._bucket_sums: SharedBuckets | None = None  # with overlap: bucket by bucket
         self._shared_params: list[np.ndarray] | None = None  # with ZeRO-1: their parameters
         self._synced: weakref.WeakKeyDictionary[Context, float] = weakref.WeakKeyDictionary()
         self._offsets: weakref.WeakKeyDictionary[Context, int] = weakref.WeakKeyDictionary()
@@ -491,7 +446,7 @@ class DataParallel:
                                        storage=storage)
             self._buckets = bucket_ranges(offsets, [g.size for g in grads], self.flat.size,
                                           self.bucket_bytes)
-            return ctx
+            return self._share_buckets(ctx)
         self.flat = ctx.share_flat(grads, label=self.label, align=FLAT_ALIGN, length=zero.length,
                                    storage=storage)
         # the parameters too, where the gradients are: each rank's updated slice is copied
@@ -507,6 +462,14 @@ class DataParallel:
             ctx = ctx.share_slice(q.grad, self.flat, q.offset + q.start)
         self._buckets = bucket_ranges(offsets, [g.size for g in grads], self.flat.size,
                                       self.bucket_bytes)
+        return self._share_buckets(ctx)
+
+    def _share_buckets(self, ctx: Context) -> Context:
+        """With overlap and the flat buffers in shared memory: the buckets' sums there too
+        (:class:`SharedBuckets`). Collective, as setup is."""
+        if self.overlap and self._shared is not None:
+            self._bucket_sums = SharedBuckets(self.comm, self.tree, self._covers, self._shared,
+                                              [(a, b) for a, b, _ in self._buckets])
         return ctx
 
     def _shared_blocks(self, ctx: Context, length: int) -> list[np.ndarray] | None:
@@ -803,14 +766,14 @@ class DataParallel:
         return self._reduce(ctx, scaler, split, update)
 
     def _run_bucketed(self, ctx: Context, j: int, split: tuple[list[Routine], list[int]],
-                      flat: Any) -> tuple[Context, list[BucketExchange]]:
+                      flat: Any) -> tuple[Context, list[Exchange]]:
         """Run shard ``j`` (the block's last) cut at the buckets: after each part, fold each
         bucket it completed into the block's partial sum (as :meth:`_fold` does the whole
         buffer) and start its exchange. Returns the exchanges, in the order started."""
         parts, ready = split
         pops, node = self._fold_plans[j]
         lefts = [buf for _, buf in self._stack[len(self._stack) - pops:]][::-1]
-        started: list[BucketExchange] = []
+        started: list[Exchange] = []
         for s, part in enumerate(parts):
             ctx = ctx.run(part)
             for (a, b, _), r in zip(self._buckets, ready, strict=True):
@@ -819,9 +782,7 @@ class DataParallel:
                 for left in lefts:
                     _array_module(flat).add(left[a:b], flat[a:b], out=flat[a:b])
                 partials = [buf for _, buf in self._stack[:len(self._stack) - pops]] + [flat]
-                started.append(BucketExchange(self.comm, self.tree, self._covers, flat, a, b,
-                                              partials, fixed_order=self.fixed_order,
-                                              scratch=self._scatter))
+                started.append(self._exchange(flat, a, b, partials))
             for e in started:
                 e.test()
         self._free += lefts
@@ -829,9 +790,20 @@ class DataParallel:
         self._stack.append((node, flat))
         return ctx, started
 
+    def _exchange(self, flat: Any, a: int, b: int, partials: list[Any]
+                  ) -> Exchange:
+        """Start the exchange of the bucket ``[a, b)`` of this rank's ``partials`` (the tree's
+        nodes covering its block, the last in ``flat``): in shared memory where the flat
+        buffers are (:class:`SharedBuckets`), else through the communicator."""
+        if self._bucket_sums is not None:
+            assert len(partials) == 1 and partials[0] is flat  # a rank's block is one subtree
+            return self._bucket_sums.start(a, b)
+        return BucketExchange(self.comm, self.tree, self._covers, flat, a, b, partials,
+                              fixed_order=self.fixed_order, scratch=self._scatter)
+
     def _run_synced(self, ctx: Context, synced: SyncedRoutine, flat: Any,
                     pending: list[list[Staged]]
-                    ) -> tuple[Context, list[Any], list[Any], list[BucketExchange]]:
+                    ) -> tuple[Context, list[Any], list[Any], list[Exchange]]:
         """Run this rank's shards through the parts of a routine cut at its global sums: each
         part on every shard of the block in turn (a shard's memory saved after a part and
         restored before its next), then each group of sums the part completed replaced, on
@@ -859,7 +831,7 @@ class DataParallel:
         stats: list[Any] = []
         sums: list[tuple[Tnode, np.ndarray]] = []  # the last exchange's, to put in
         last = len(synced.parts) - 1
-        started: list[BucketExchange] = []
+        started: list[Exchange] = []
         for p, part in enumerate(synced.parts):
             leaves: list[list[np.ndarray]] = []
             for j in range(k):
@@ -888,9 +860,7 @@ class DataParallel:
                     memory.save(j, p)
             for (a, b, _), r in zip(self._buckets, synced.buckets, strict=False):
                 if r == p:  # one shard a rank (else no buckets): its flat is its partial sum
-                    started.append(BucketExchange(self.comm, self.tree, self._covers, flat, a, b,
-                                                  [flat], fixed_order=self.fixed_order,
-                                                  scratch=self._scatter))
+                    started.append(self._exchange(flat, a, b, [flat]))
             for e in started:
                 e.test()
             sums = []
@@ -986,7 +956,7 @@ class DataParallel:
                 if not started:
                     self.comm.allreduce_sum(flat)
             return self._reduced(ctx, stats), False
-        exchanges: list[BucketExchange] = []
+        exchanges: list[Exchange] = []
         if split is not None and k == 1:  # the first shard is the last: cut at the buckets
             ctx, exchanges = self._run_bucketed(ctx, 0, split, flat)
         if not self.fixed_order:
@@ -1097,7 +1067,7 @@ class DataParallel:
                     st.node: st.views[j + 1] for st in pending[len(runs)] if st.node.id in bound}))
         return block
 
-    def _sum_block(self, ctx: Context, flat: Any, exchanges: list[BucketExchange],
+    def _sum_block(self, ctx: Context, flat: Any, exchanges: list[Exchange],
                    plan: list[tuple[Routine, list[int]]] | None = None, pooled: bool = True
                    ) -> tuple[Context, bool]:
         """This rank's partial sums (the tree's nodes on the stack, its block folded) to the
@@ -1114,7 +1084,7 @@ class DataParallel:
             self._free += [buf for buf in partials if buf is not flat]
         return ctx, updated
 
-    def _finish(self, ctx: Context, exchanges: list[BucketExchange],
+    def _finish(self, ctx: Context, exchanges: list[Exchange],
                 plan: list[tuple[Routine, list[int]]] | None) -> tuple[Context, bool]:
         """Wait for the buckets' exchanges; with ``plan`` (the update cut at the buckets),
         run each part of the update as soon as the buckets it reads are summed, the other
