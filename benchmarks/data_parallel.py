@@ -528,10 +528,11 @@ Overlap (`DataParallel(overlap=True)`) sends the same bytes as the exchange afte
 code, in one collective per bucket (each the tree's: an allreduce of two at N = 2, else an
 all-to-all and an allgather of the bucket): B buckets make B times the messages, each G / B
 long, so it pays where a message of G / B still moves at the link's rate (a bucket of 1 MiB,
-the default, does on any network) and the link runs beside the cores. On one machine's CPU it
-does not: MPI (MPICH, no progress thread) moves a bucket's bytes only inside its calls, on the
-core of the rank that makes them, so the exchange is interleaved with the backward code (tested
-between its parts), not run beside it; the rows above measure that.
+the default, does on any network) and the link runs beside the cores. On one machine's CPU
+the ranks' gradient buffers share memory and no bytes move: each rank sums its half of a bucket
+as soon as both have written it, between the parts of its own backward code (one thread a rank,
+so the sum is interleaved with the backward code, not run beside it), with no barrier; the
+rows above measure what that gains over the one sum after the backward code.
 """
 
 

@@ -44,9 +44,11 @@ the implementation, the message size and the rank count).
 
 **Overlap** (``overlap=True``, :mod:`ocannl.parallel.buckets`): the exchange runs bucket by
 bucket, each started while the backward code goes on, each the tree's on its elements (the
-same bits). **ZeRO-1** (``shard_optimizer=True``, :mod:`ocannl.parallel.zero`): each rank keeps
-and updates the optimizer state of one slice of the parameters' elements, then the parameters
-are gathered (the same bits; checkpoints hold the whole state).
+same bits); in memory the ranks share, a bucket's sum is done as soon as every rank has written
+it (:mod:`ocannl.parallel.shared_sum`). **ZeRO-1** (``shard_optimizer=True``,
+:mod:`ocannl.parallel.zero`): each rank keeps and updates the optimizer state of one slice of
+the parameters' elements, then the parameters are gathered (the same bits; checkpoints hold the
+whole state).
 
 Narrow (f16 / bf16) buffers are never summed: the model reads cast twins of f32 masters
 (:func:`ocannl.mixed_prec.with_master_weights`) and only the masters' f32 gradients travel.

@@ -372,9 +372,9 @@ class DataParallel:
 
     @property
     def shared_memory(self) -> bool:
-        """Whether the whole gradient buffer's sum is taken in memory every rank maps (ranks on
-        one node, on the CPU, one partial sum a rank: :meth:`setup` decides) rather than
-        through MPI's exchange."""
+        """Whether the gradient buffer's sum is taken in memory every rank maps (ranks on
+        one node, on the CPU, one partial sum a rank: :meth:`setup` decides; with overlap,
+        bucket by bucket) rather than through MPI's exchange."""
         return self._shared is not None
 
     @property
