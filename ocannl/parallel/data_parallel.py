@@ -758,7 +758,9 @@ class DataParallel:
                                  f"dp.compile_gradients(ctx, comp), which cut it at the "
                                  f"statistics' exchanges")
             return self._reduce(ctx, scaler, synced, update)
-        split = self._splits.get(routine) if self.overlap else None
+        # one rank has nothing to exchange: its routine runs whole (the same items, the same
+        # bits), and so does the update
+        split = self._splits.get(routine) if self.overlap and self.size > 1 else None
         if split is None:
             return self._reduce(ctx.run(routine), scaler, None, update)
         if self.per_rank > 1:
