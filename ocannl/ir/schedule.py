@@ -18,7 +18,8 @@ items:
   not take as stored (``Target.native_products``) is read from an f32 copy, a node of its own
   made by a pointwise nest before the product; a 16-bit target is computed in an f32 node and
   rounded into it by a nest after the product (or read rounded by its readers: virtual).
-- **Widened copies.** A reduction reading a 16-bit node many times over reads an f32 copy; a
+- **Widened copies.** A reduction reading a 16-bit node many times over reads an f32 copy (on
+  a CPU, so do im2col's f32 patches of a 16-bit node: a 16-bit gather loads a lane at a time); a
   scatter into a 16-bit node accumulates in an f32 copy rounded once at the end (a copy
   zeroed itself where the target was just zeroed: the rounding overwrites the target), or read
   rounded by the next pass where only it reads the target (never stored then). A copy is
@@ -376,7 +377,7 @@ def _with_copies(code: list[Lowered], target: Target, virtual: dict[int, Tnode]
         if isinstance(item, Gemm):
             pending = _product(item, target, copies, direct, out)
         elif isinstance(item, LoopGroup):
-            wide = _widened_reads(item, copies, out)
+            wide = _widened_reads(item, copies, out, gathers=target.gpu_block == 0)
             if wide is not None and _sums_forwarded(code, index, k):
                 out.pop()  # the rounding: the next item reads the f32 sums rounded
                 pending = {item.lead.assign.lhs.id: wide}
@@ -497,13 +498,14 @@ def _sums_forwarded(code: list[Lowered], index: AccessIndex, k: int) -> bool:
         for w in index.writers[lhs.id])
 
 
-def _widened_reads(item: LoopGroup, copies: _Copies, out: list[Lowered]) -> Tnode | None:
+def _widened_reads(item: LoopGroup, copies: _Copies, out: list[Lowered],
+                   gathers: bool = False) -> Tnode | None:
     """``item`` appended to ``out``, a reduction's 16-bit reads it takes many times over from
     f32 copies made before it, a scatter into a 16-bit node into an f32 copy rounded back
     after it (the copy returned, its rounding the last of ``out``)."""
     lead = item.lead
     renamed: dict[int, Tnode] = {}
-    for node in reused_narrow(lead):
+    for node in reused_narrow(lead, gathers):
         renamed[node.id] = copies.of(node, Precision.f32, out)
     lhs = lead.assign.lhs
     scatter = lead.scatter and lhs.prec.is_narrow and lead.assign.accum != "="
@@ -543,17 +545,24 @@ def _last_zero_fill(node: Tnode, out: list[Lowered]) -> int | None:
     return None
 
 
-def reused_narrow(nest: LoopNest) -> list[Tnode]:
+def reused_narrow(nest: LoopNest, gathers: bool = False) -> list[Tnode]:
     """The 16-bit nodes a reduction reads (not its target) at least ``REUSE`` times per cell
     on average: it reads their f32 copies. A read that stays on one cell while reduction
     iterators its index does not name run (a max-pool's output against its window) widens
-    once for all of them: those points are not reuse."""
-    if not nest.red:
+    once for all of them: those points are not reuse. With ``gathers``, the windowed reads
+    of a pointwise nest into a wider node too (im2col's f32 patches of a 16-bit node: each
+    cell read once per window offset over it), for a target whose vectors cannot gather
+    16-bit cells: a CPU's loads a lane at a time there, a widening each, against one gather
+    instruction of f32 cells (16-bit patches of a 16-bit node copy as stored)."""
+    windowed = gathers and not nest.red and not nest.assign.lhs.prec.is_narrow
+    if not nest.red and not windowed:
         return []
     points = math.prod(nest.space)
     out: list[Tnode] = []
     for get in reads(nest.assign.expr):
         node = get.node
+        if windowed and not any(isinstance(i, Affine) for i in get.idx):
+            continue
         if node.prec.is_narrow and node is not nest.assign.lhs and node not in out:
             named = iterators_of(get.idx)
             steady = math.prod(nest.space[i] for i in nest.red if i not in named)

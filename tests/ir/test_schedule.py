@@ -245,11 +245,14 @@ def test_a_read_steady_over_a_reductions_window_widens_in_place_not_from_a_copy(
     got = _grads_on_cpu(loss, comp)
     every = schedule.REUSE
 
-    def counting_points(nest):  # noqa: ANN001, ANN202 - the rule before: points over cells
+    real = schedule.reused_narrow
+
+    def counting_points(nest, gathers=False):  # noqa: ANN001, ANN202 - the reductions' rule
+        if not nest.red:  # before: points over cells; the gathers' rule unchanged
+            return real(nest, gathers)
         points = np.prod(nest.space)
         return [g.node for g in reads(nest.assign.expr) if g.node.prec.is_narrow
-                and g.node is not nest.assign.lhs and points >= every * g.node.size] \
-            if nest.red else []
+                and g.node is not nest.assign.lhs and points >= every * g.node.size]
 
     monkeypatch.setattr(schedule, "reused_narrow", counting_points)
     plain = lower(comp, Target())
@@ -257,4 +260,39 @@ def test_a_read_steady_over_a_reductions_window_widens_in_place_not_from_a_copy(
     # cell (the pooled output's copy serves the product too, and stays)
     assert copied(plain) - copied(steady) == Counter(("grad_max_pool2d",))
     assert copied(steady)["xs"] == 1  # the convolution's input: read at nine places a cell
+    assert got == _grads_on_cpu(loss, comp)
+
+
+def _patch_reads(code: list) -> dict[str, list[tuple[str, Precision]]]:
+    """Each im2col gather's target -> the nodes it reads (label, precision)."""
+    return {n.assign.lhs.label: [(g.node.label, g.node.prec) for g in reads(n.assign.expr)]
+            for g in code if isinstance(g, LoopGroup) for n in g.nests
+            if n.assign.lhs.label.endswith("_patches")}
+
+
+def test_f32_patches_of_a_16_bit_node_gather_its_f32_copy_on_a_cpu(monkeypatch, tmp_path):
+    """The kernel gradient's f32 patches of the convolution's f16 input read each input cell
+    once per window offset: on a CPU (no vector gather of 16-bit cells) they gather the f32
+    copy the direct convolution already reads (no pass of their own), not the f16 cells a lane
+    at a time; a GPU target gathers the f16 cells as stored. The same bits either way."""
+    from ocannl.backends.cuda.plan import cuda_target
+
+    monkeypatch.setenv("OCANNL_CACHE_DIR", str(tmp_path))
+    loss, comp = lenet_f16_step()
+    cpu = lower(comp, Target())
+    (read,), = _patch_reads(cpu).values()  # one gather, of one node
+    assert read[1] is Precision.f32
+    conv = [(r.node.label, r.node.prec) for g in cpu if isinstance(g, LoopGroup)
+            for n in g.nests if n.assign.lhs.label.startswith("conv2d")
+            for r in reads(n.assign.expr)]
+    assert read in conv  # the direct convolution's own copy: no pass of its own
+    copies = [g for g in cpu if isinstance(g, LoopGroup) for n in g.nests
+              if n.assign.lhs.label == read[0]]
+    assert len(copies) == 1
+    (stored,), = _patch_reads(lower(comp, cuda_target())).values()
+    assert stored[1] is Precision.f16
+    got = _grads_on_cpu(loss, comp)
+    real = schedule.reused_narrow
+    monkeypatch.setattr(schedule, "reused_narrow", lambda nest, gathers=False: real(nest))
+    assert list(_patch_reads(lower(comp, Target())).values()) == [[stored]]
     assert got == _grads_on_cpu(loss, comp)
