@@ -102,7 +102,10 @@ class LoopGroup:
     and writes each node at the point's own cell: one loop over the cells in row-major order
     (``split`` then counts cells), which vectorizes whatever the axes' extents;
     ``inner_vector``, a pointwise group walked point by point whose innermost loop is short:
-    that loop is vectorized at this width and never unrolled (0: as the compiler sees fit). On a GPU
+    that loop is vectorized at this width and never unrolled (0: as the compiler sees fit);
+    ``run``, a padded copy (im2col's patches) whose last ``run`` parallel iterators walk one
+    run of cells contiguous in both its target and its read, the padding cutting that run at
+    most into a middle read and zeros either side: each run is copied as such. On a GPU
     (``Target.gpu_block``), ``mapping``: ``"map"`` (a thread per cell, nothing to reduce),
     ``"serial"`` (a thread per cell, reducing in a loop: in order) or ``"reduce"`` (a block of
     threads per cell, each cell's terms cut into ``reduce_splits`` chunks of ``reduce_chunk``
@@ -122,6 +125,7 @@ class LoopGroup:
     conversion: bool = False
     flat: bool = False
     inner_vector: int = 0
+    run: int = 0
     mapping: str = ""
     reduce_splits: int = 0
     reduce_chunk: int = 0

@@ -291,3 +291,88 @@ def test_a_copy_of_a_value_arithmetic_just_wrote_converts_plainly_with_the_same_
     # bit); summed into m, it is quiet before its copy
     assert got[held.id].view(np.uint16)[0x7F81] == 0x7C08
     assert got[kept.id].view(np.uint16)[0x7F81] == 0x7E08
+
+
+def _patches(b: int, h: int, w: int, c: int, k: int, stride: int, pad: int, src: Precision,
+             dst: Precision) -> tuple[Comp, Tnode, Tnode]:
+    """im2col's gather ``P[b, oh, ow, kh, kw, c] = X[b, s*oh + kh - p, s*ow + kw - p, c]``
+    (0 outside ``X``), from ``src`` cells into ``dst`` ones."""
+    from ocannl.ir.assignments import Affine
+
+    oh, ow = (h + 2 * pad - k) // stride + 1, (w + 2 * pad - k) // stride + 1
+    x = Tnode("x", (b, h, w, c), src, memory_mode=MemoryMode.materialized)
+    p = Tnode("p", (b, oh, ow, k, k, c), dst, memory_mode=MemoryMode.materialized)
+    read = Get(x, (0, Affine(((stride, 1), (1, 3)), -pad), Affine(((stride, 2), (1, 4)), -pad),
+                   5))
+    return Comp((Accum(p, tuple(range(6)), "=", read, (b, oh, ow, k, k, c)),)), x, p
+
+
+def _patches_reference(x: np.ndarray, k: int, stride: int, pad: int) -> np.ndarray:
+    b, h, w, c = x.shape
+    padded = np.zeros((b, h + 2 * pad, w + 2 * pad, c), x.dtype)
+    padded[:, pad:pad + h, pad:pad + w] = x
+    oh, ow = (h + 2 * pad - k) // stride + 1, (w + 2 * pad - k) // stride + 1
+    out = np.zeros((b, oh, ow, k, k, c), x.dtype)
+    for i in range(oh):
+        for j in range(ow):
+            out[:, i, j] = padded[:, i * stride:i * stride + k, j * stride:j * stride + k]
+    return out
+
+
+@pytest.mark.parametrize(("shape", "run"), [
+    ((2, 4, 4, 8, 3, 1, 1), 2),  # a window row's offsets and channels: runs of 24 cells
+    ((2, 5, 7, 3, 3, 2, 1), 2),  # stride 2, 9 cells a run
+    ((1, 6, 6, 8, 5, 1, 2), 2),  # padding 2: up to two cells of zeros at either end
+    ((2, 4, 4, 8, 3, 1, 4), 2),  # padding past the window: whole runs of zeros
+    ((2, 4, 4, 16, 1, 1, 1), 2),  # a 1 x 1 window over padding: runs of 16 (kw of 1, c)
+    ((2, 8, 8, 1, 3, 1, 1), 0),  # runs of 3 cells: point by point (RUN_MIN_CELLS)
+])
+@pytest.mark.parametrize(("src", "dst"), [(Precision.f32, Precision.f32),
+                                          (Precision.f16, Precision.f32),
+                                          (Precision.bf16, Precision.bf16)])
+def test_padded_copies_run_as_runs_with_the_bits_of_the_points(shape, run, src, dst, tmp_path,
+                                                               monkeypatch):
+    """im2col's patches: where a window row's offsets and channels are contiguous in the
+    patches and in the image, each run of them is copied as zeros, a read and zeros
+    (``LoopGroup.run``), with the point-by-point nest's bits (a 16-bit image widened, or
+    copied as stored), NaN payloads and signed zeros included, and NumPy's values."""
+    b, h, w, c, k, stride, pad = shape
+    comp, x, p = _patches(b, h, w, c, k, stride, pad, src, dst)
+    code = lower(comp, Target())  # a 16-bit image into f32 patches: gathered from a copy
+    (group,) = [g for g in code if isinstance(g, LoopGroup) and g.lead.assign.lhs is p]
+    assert group.run == run
+    rng = np.random.default_rng(sum(shape))
+    values = rng.standard_normal(x.dims).astype(src.numpy_dtype)
+    flat = values.reshape(-1)
+    flat[::7] = -0.0
+    bits = flat.view(np.uint32 if src is Precision.f32 else np.uint16)
+    bits[3::11] = 0x7FC00001 if src is Precision.f32 else 0x7E01  # a quiet NaN's payload
+    got = _on_cpu(code, {x.id: values.reshape(-1)}, tmp_path / "runs", monkeypatch)[p.id]
+    monkeypatch.setattr(schedule, "copy_run", lambda item: 0)
+    points = lower(comp, Target())
+    assert all(g.run == 0 for g in points if isinstance(g, LoopGroup))
+    want = _on_cpu(points, {x.id: values.reshape(-1)}, tmp_path / "points", monkeypatch)[p.id]
+    assert got.dtype == want.dtype and got.tobytes() == want.tobytes()
+    ref = _patches_reference(values.astype(dst.numpy_dtype), k, stride, pad)
+    np.testing.assert_array_equal(got.reshape(ref.shape), ref)
+
+
+def test_a_copy_run_needs_contiguous_cells_and_one_moving_index():
+    """No run where the innermost cells of the read are not those of the patches (the channels
+    outermost in the image), or where the run's second iterator moves an index (a window
+    offset before the channels is not the run's first)."""
+    from ocannl.ir.assignments import Affine
+
+    x = Tnode("x", (2, 4, 8, 8), Precision.f32, memory_mode=MemoryMode.materialized)  # b c h w
+    p = Tnode("p", (2, 4, 4, 3, 3, 4), Precision.f32, memory_mode=MemoryMode.materialized)
+    read = Get(x, (0, 5, Affine(((2, 1), (1, 3)), -1), Affine(((2, 2), (1, 4)), -1)))
+    comp = Comp((Accum(p, tuple(range(6)), "=", read, (2, 4, 4, 3, 3, 4)),))
+    (group,) = [g for g in lower(comp, Target()) if isinstance(g, LoopGroup)]
+    assert group.run == 0
+    q = Tnode("q", (2, 4, 4, 4, 3), Precision.f32, memory_mode=MemoryMode.materialized)
+    y = Tnode("y", (2, 4, 4, 4), Precision.f32, memory_mode=MemoryMode.materialized)
+    # q[b, i, j, c, kw] = y[b, i, j + kw - 1, c]: the run (c, kw) moves the index by kw, last
+    read = Get(y, (0, 1, Affine(((1, 2), (1, 4)), -1), 3))
+    comp = Comp((Accum(q, tuple(range(5)), "=", read, (2, 4, 4, 4, 3)),))
+    (group,) = [g for g in lower(comp, Target()) if isinstance(g, LoopGroup)]
+    assert group.run == 0

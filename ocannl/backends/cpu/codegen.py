@@ -52,6 +52,7 @@ from ocannl.backends.cpu.scalar import (
     like,
 )
 from ocannl.ir.assignments import (
+    Affine,
     Apply,
     Const,
     Expr,
@@ -472,6 +473,9 @@ class RoutineIR:
             self._loops(list(lead.par[:-1]), space, iters,
                         lambda: self._jammed(lead, g, space, iters), outer=True)
             self.packed = {}
+        elif g.run:
+            self._loops(list(lead.par[:-g.run]), space, iters,
+                        lambda: self._copy_run(lead, g.run, space, iters), outer=True)
         elif g.flat:  # every access is the point's own cell: its flat offset
             self.registers = g.registers
             with self.loop(*(self.range or (const_int(0), const_int(math.prod(space))))) as i:
@@ -506,6 +510,59 @@ class RoutineIR:
             self.copying = nest.keeps_payload
             core.nest(self, nest, iters)
             self.copying = False
+
+    def _copy_run(self, nest: LoopNest, count: int, space: tuple[int, ...],
+                  iters: dict[int, ir.Value]) -> None:
+        """A padded copy's run of cells (``LoopGroup.run``: its last ``count`` iterators): the
+        cells whose read falls outside the source are zeros, a stretch at either end of the
+        run (the run's first iterator moves the one index that may leave its node) or the
+        whole run (another index is outside); the stretch between is read and stored cell by
+        cell, as the point-by-point nest would, in one loop the compiler vectorizes."""
+        a = nest.assign
+        get = a.expr
+        assert isinstance(get, Get)
+        run = nest.par[-count:]
+        for it in run:
+            iters[it] = const_int(0)
+        cells = math.prod(space[it] for it in run)
+        per_step = cells // space[run[0]]  # the cells of one step of the run's first iterator
+        b = self.b
+        lo: ir.Value = const_int(0)
+        hi: ir.Value = const_int(cells)
+        whole = None  # the indices the run does not move: all inside, or the run is zeros
+        for i, dim in zip(get.idx, get.node.dims, strict=True):
+            if not isinstance(i, Affine) or not any(i.outside(space, dim)):
+                continue
+            at = core.affine(self, i, iters)  # at the run's first cell
+            if any(t == run[0] and c for c, t in i.terms):
+                steps = const_int(space[run[0]])
+                first = b.select(b.icmp_signed("<", at, const_int(0)), b.neg(at), const_int(0))
+                first = b.select(b.icmp_signed("<", first, steps), first, steps)
+                last = b.sub(const_int(dim), at)
+                last = b.select(b.icmp_signed("<", last, steps), last, steps)
+                last = b.select(b.icmp_signed("<", last, first), first, last)
+                lo, hi = (self.index_scale(first, per_step), self.index_scale(last, per_step))
+            else:
+                inside = b.and_(self.at_least_zero(at), self.below(at, dim))
+                whole = inside if whole is None else b.and_(whole, inside)
+        if whole is not None:
+            lo = b.select(whole, lo, const_int(0))
+            hi = b.select(whole, hi, const_int(0))
+        target, source = self.offset(a.lhs, a.lhs_idx, iters), self.offset(get.node, get.idx,
+                                                                            iters)
+        compute = a.lhs.prec.compute
+        zero = self.literal(0.0, compute)
+        self.payload_rounds = nest.payload_rounds
+        self.copying = nest.keeps_payload
+
+        def span(start: ir.Value, end: ir.Value, value: Callable[[ir.Value], ir.Value]) -> None:
+            with self.when_(b.icmp_signed("<", start, end)), self.loop(start, end) as k:
+                self.store(a.lhs, b.add(target, k, flags=["nsw"]), value(k), nest.exact_store)
+
+        span(const_int(0), lo, lambda k: zero)
+        span(lo, hi, lambda k: self.read(get.node, b.add(source, k, flags=["nsw"]), compute))
+        span(hi, const_int(cells), lambda k: zero)
+        self.copying = False
 
     def _jammed(self, nest: LoopNest, g: LoopGroup, space: tuple[int, ...],
                 iters: dict[int, ir.Value]) -> None:
@@ -983,7 +1040,7 @@ def signature(code: list[Lowered], nodes: list[Tnode], target: Target) -> str:
                          f"{item.chunks} {item.jam} {item.lanes} {item.packed} "
                          f"{item.transposed} "
                          f"{item.conversion} {item.flat} {item.lane_store} "
-                         f"{item.inner_vector}")
+                         f"{item.inner_vector} {item.run}")
     return "\n".join(lines)
 
 
