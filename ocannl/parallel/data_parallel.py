@@ -31,7 +31,12 @@ from ocannl.ir.tnode import Tnode
 from ocannl.parallel.buckets import BucketExchange, bucket_ranges, host_values
 from ocannl.parallel.comm import Communicator
 from ocannl.parallel.shards import ShardTree
-from ocannl.parallel.shared_sum import SharedBucket, SharedBuckets, SharedSum
+from ocannl.parallel.shared_sum import (
+    SharedBucket,
+    SharedBuckets,
+    SharedSum,
+    copy_to_the_others,
+)
 from ocannl.parallel.synced import ShardMemory, SyncedRoutine, compile_synced
 from ocannl.parallel.zero import FLAT_ALIGN, OptimizerShard
 from ocannl.tensor.tensor import Tensor
@@ -118,14 +123,6 @@ def _as_node(t: Tnode | Tensor) -> Tnode:
     if not isinstance(node, Tnode):
         raise TypeError(f"expected a Tensor or a Tnode, got {type(t).__name__}: {t!r}")
     return node
-
-
-def _copy_to_the_others(blocks: list[np.ndarray], rank: int, part: slice) -> None:
-    """``part`` of ``rank``'s shared block copied into every other rank's block."""
-    mine = blocks[rank][part]
-    for q, b in enumerate(blocks):
-        if q != rank:
-            b[part] = mine
 
 
 # --- data-parallel training ---------------------------------------------------------------------
@@ -1150,7 +1147,7 @@ class DataParallel:
         blocks = self._shared_params
         assert blocks is not None
         self.comm.shared_sync("the parameters' gather in shared memory (slices updated)")
-        _copy_to_the_others(blocks, self.rank, slice(self.rank * per, (self.rank + 1) * per))
+        copy_to_the_others(blocks, self.rank, slice(self.rank * per, (self.rank + 1) * per))
         self.comm.shared_sync("the parameters' gather in shared memory (slices copied)")
 
     def _fold(self, ctx: Context, j: int, flat: Any, buf: Any, *,

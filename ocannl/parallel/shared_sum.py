@@ -3,7 +3,8 @@ through MPI. Each rank's flat gradient buffer is its block of a shared window; e
 its ``1 / N`` of the elements over every block in the tree's order and copies that slice into
 the others. :class:`SharedSum` does the whole buffer between two barriers; with overlap,
 :class:`SharedBuckets` does it bucket by bucket, the ranks signalling each other through
-shared counters as each bucket is written and summed, with no barrier."""
+shared counters as each bucket is written and summed, with no barrier. ZeRO-1's gather of the
+parameters is a copy of each rank's slice into the others' blocks (:func:`copy_to_the_others`)."""
 
 from __future__ import annotations
 
@@ -66,6 +67,14 @@ class SharedSum:
         comm.shared_sync("the shard tree's sum in shared memory (partial sums written)")
         self.add_mine()
         comm.shared_sync("the shard tree's sum in shared memory (sums written)")
+
+
+def copy_to_the_others(blocks: list[np.ndarray], rank: int, part: slice) -> None:
+    """``part`` of ``rank``'s shared block copied into every other rank's block."""
+    mine = blocks[rank][part]
+    for q, b in enumerate(blocks):
+        if q != rank:
+            b[part] = mine
 
 
 class SharedBuckets:
