@@ -188,6 +188,29 @@ def test_a_convolution_and_its_kernel_gradient_share_one_gather(any_size):
     _close(got[cv.w.id], direct[cv.w.id], 2 * 36 * 27, eps)
 
 
+def test_a_kernel_gradient_alone_over_its_window_lays_its_patches_for_long_runs():
+    """A 3 x 3 window over one channel (9 terms: a convolution over it is never worth patches,
+    ``IM2COL_MIN_INNER``): its kernel gradient's patches are laid out window offsets first,
+    so the gather copies each image row as a run (``LoopGroup.run``), not runs of 3 cells;
+    the product reads them transposed, with the reference's values. Over 2 channels and a
+    5 x 5 window (50 terms), the convolution's canonical patches stay, for both products."""
+    cv = Conv(4, 8, 8, 1, 8, 3, 1, 1)
+    code = lower(Comp((cv.kernel_grad(),)), Target(batched_gemm=False))
+    [group] = [g for g in code if isinstance(g, LoopGroup)]
+    patches = group.lead.assign.lhs
+    assert patches.dims == (3, 3, 1, 4, 8, 8)  # (kh, kw, c, b, oh, ow)
+    assert group.run == 1 and len(_gemms(code)) == 1 and _gemms(code)[0].b.node is patches
+    vals = _values(cv)
+    got, _ = _run(Comp((cv.kernel_grad(),)), vals, im2col=True)
+    _, dw, _ = cv.reference(vals[cv.x], vals[cv.w], vals[cv.y])
+    _close(got[cv.w.id], dw, 4 * 64, np.finfo(np.float32).eps)
+    wide = Conv(2, 8, 8, 2, 4, 5, 1, 2)
+    code = lower(Comp((wide.forward(), wide.kernel_grad())), Target(batched_gemm=False))
+    gathers = [n for n in nests(code) if n.assign.lhs.label.endswith("_patches")]
+    assert [g.assign.lhs.dims for g in gathers] == [(2, 8, 8, 5, 5, 2)]
+    assert len(_gemms(code)) == 2
+
+
 def test_a_gather_is_redone_after_its_source_changes(any_size):
     cv = Conv(2, 6, 6, 3, 4, 3, 1, 1)
     bump = Accum(cv.x, (0, 1, 2, 3), "+", Const(1.0), cv.x.dims)
