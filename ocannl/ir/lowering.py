@@ -337,19 +337,20 @@ def im2col_items(a: Accum, target: Target) -> list[Fill | LoopNest | Gemm] | Non
 
 def _gathered(a: Accum, win: Get, other: Get, target: Target) -> list[LoopNest | Gemm] | None:
     """See :func:`im2col_items`. The patches are laid out in the canonical order (shared by a
-    convolution and its kernel's gradient: one gather for both), unless a convolution over
-    this window is never worth patches (its ``IM2COL_MIN_INNER`` terms: the first layer's 3 x
-    3 window over one channel) and another layout copies longer runs (``copy_run``): the 1-
-    channel image's patches as window offsets first, each a run of an image row, not runs of
-    three cells: convnet's first layer's gather 16.7 -> 10.7 us, its product over them 16.7 ->
-    18.1 us (B transposed for the library), its steps 0.97x (AMD EPYC Zen 5, OpenBLAS, which
-    gave the same bits either way)."""
+    convolution and its kernel's gradient: one gather for both), unless, on a CPU, a
+    convolution over this window is never worth patches (its ``IM2COL_MIN_INNER`` terms: the
+    first layer's 3 x 3 window over one channel) and another layout copies longer runs
+    (``copy_run``): the 1-channel image's patches as window offsets first, each a run of an
+    image row, not runs of three cells: convnet's first layer's gather 16.7 -> 10.7 us, its
+    product over them 16.7 -> 18.1 us (B transposed for the library), its steps 0.97x (AMD
+    EPYC Zen 5, OpenBLAS, which gave the same bits either way)."""
     order = _window_order(win.idx)
     if order is None:
         return None
     src = win.node
     chosen: tuple[Gemm, LoopNest] | None = None
-    alone = math.prod(a.space[i] for i in _window_terms(win.idx)) < IM2COL_MIN_INNER
+    alone = (target.gpu_block == 0  # the runs are the CPU's (a GPU's threads copy cells)
+             and math.prod(a.space[i] for i in _window_terms(win.idx)) < IM2COL_MIN_INNER)
     for cand in _orders(order, a.lhs_idx, other.idx):
         pos = {it: k for k, it in enumerate(cand)}
         dims = tuple(a.space[i] for i in cand)

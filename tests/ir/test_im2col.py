@@ -398,3 +398,14 @@ def test_an_image_without_batch_axes(any_size):
         _close(got[a.lhs.id], direct[a.lhs.id], 42 * 27, np.finfo(np.float32).eps)
 
 
+
+
+def test_a_gpu_keeps_the_canonical_patches():
+    """The long runs are the CPU's (its gather copies runs): a GPU target, whose threads copy
+    a cell each, keeps the canonical layout for the 1-channel kernel gradient."""
+    from ocannl.backends.cuda.plan import cuda_target
+
+    cv = Conv(4, 8, 8, 1, 8, 3, 1, 1)
+    code = lower(Comp((cv.kernel_grad(),)), replace(cuda_target(), batched_gemm=False))
+    [gather] = [n for n in nests(code) if n.assign.lhs.label.endswith("_patches")]
+    assert gather.assign.lhs.dims == (4, 8, 8, 3, 3, 1)
