@@ -34,6 +34,14 @@ def main(argv: list[str] | None = None) -> int:
     if blocks is None:
         print("the ranks are not on one node", flush=True)
         return 1
+    for bad in (0, 1.5, True):  # refused before anything is mapped, naming the value
+        try:
+            comm.shared_counters(bad)  # type: ignore[arg-type]
+        except ValueError as err:
+            assert f"got {bad!r}" in str(err), err
+        else:
+            print(f"rank {comm.rank}: shared_counters({bad!r}) was not refused", flush=True)
+            return 1
     for k in range(1, args.rounds + 1):
         blocks[comm.rank][...] = k * 16 + comm.rank
         comm.shared_sync(f"round {k} (written)")

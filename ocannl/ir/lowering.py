@@ -348,7 +348,7 @@ def _gathered(a: Accum, win: Get, other: Get, target: Target) -> list[LoopNest |
     if order is None:
         return None
     src = win.node
-    chosen: tuple[Gemm, LoopNest] | None = None
+    chosen: tuple[Gemm, LoopNest, int] | None = None  # with its gather's run of cells
     alone = (target.gpu_block == 0  # the runs are the CPU's (a GPU's threads copy cells)
              and math.prod(a.space[i] for i in _window_terms(win.idx)) < IM2COL_MIN_INNER)
     for cand in _orders(order, a.lhs_idx, other.idx):
@@ -365,13 +365,14 @@ def _gathered(a: Accum, win: Get, other: Get, target: Target) -> list[LoopNest |
             return None
         gather = loop_nest(Accum(patches, tuple(range(len(cand))), "=",
                                  Get(src, _renumber(win.idx, pos)), dims))
-        if chosen is None or _run_cells(gather) > _run_cells(chosen[1]):
-            chosen = (g, gather)
-        if not alone or _run_cells(gather) > 0:
+        cells = _run_cells(gather)
+        if chosen is None or cells > chosen[2]:
+            chosen = (g, gather, cells)
+        if not alone or cells > 0:
             break
     if chosen is None:
         return None
-    g, gather = chosen
+    g, gather, _ = chosen
     _PATCH_SOURCE[gather.assign.lhs] = src.id
     return [gather, g]
 

@@ -300,7 +300,7 @@ class MpiCommunicator:
         self._side: Any = None
         self._where: list[tuple[str, int]] = []
         self._shared: list[Any] = []  # every shared window made, with its node communicator
-        self._arrivals: list[np.ndarray] = []  # each rank's count of shared_sync calls, mapped
+        self._arrivals: SharedCounters | None = None  # each rank's count of shared_sync calls
         self._arrived = 0  # this rank's
         self._start("the side channel (Idup)")
         side, req = self.comm.Idup()
@@ -574,8 +574,8 @@ class MpiCommunicator:
         if node.Get_size() != self.size:  # the same answer on every rank
             node.Free()
             return None
-        if not self._arrivals:  # the counters shared_sync meets at, zeroed before any use
-            self._arrivals = [a.view(np.int64) for a in self._mapped(node, 8, np.uint8)]
+        if self._arrivals is None:  # the counters shared_sync meets at, zeroed before any use
+            self._arrivals = self._counters(node, 1)
             self._run("shared_blocks (arrival counters zeroed)", self.comm.Ibarrier)
         blocks = self._mapped(node, length, np.float32)
         self.shared_sync("shared_blocks (zeroed)")
@@ -605,15 +605,14 @@ class MpiCommunicator:
         rank maps, and waits, as for a collective and with its deadline, until every counter
         has reached its own: 0.6 us against MPI's ``Ibarrier`` 1.2 on 2 ranks), between
         memory barriers (``Win.Sync``)."""
-        if not self._arrivals:  # no memory shared yet: nothing to see but the barrier
+        if self._arrivals is None:  # no memory shared yet: nothing to see but the barrier
             self._run(what, self.comm.Ibarrier)
             return
         for win, _ in self._shared:
             win.Sync()
-        self._start(what)
         self._arrived += 1
-        self._arrivals[self.rank][0] = self._arrived
-        self._wait(_Arrived(self._arrivals, self._arrived), what)
+        self._arrivals.raise_to(0, self._arrived)
+        self._arrivals.wait(0, self._arrived, what)  # no rank can be a barrier ahead
         for win, _ in self._shared:
             win.Sync()
 
@@ -621,13 +620,19 @@ class MpiCommunicator:
         """``n`` counters a rank, zero, in memory every rank maps (:class:`SharedCounters`),
         for ranks that signal each other without a barrier. Collective; only after
         :meth:`shared_blocks` has found the ranks on one node."""
-        if not self._arrivals:
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"shared_counters: n must be an integer >= 1, got {n!r}")
+        if self._arrivals is None:
             raise ValueError(f"{self!r}: shared_counters needs memory the ranks map: call "
                              f"shared_blocks first (and only where it found one node)")
-        node = self._shared[0][1]
-        counters = [a.view(np.int64) for a in self._mapped(node, 8 * n, np.uint8)]
+        counters = self._counters(self._shared[0][1], n)
         self.shared_sync("shared_counters (zeroed)")
-        return SharedCounters(self, counters)
+        return counters
+
+    def _counters(self, node: Any, n: int) -> SharedCounters:
+        """``n`` zero counters a rank in a new shared window over ``node``."""
+        return SharedCounters(self, [a.view(np.int64)
+                                     for a in self._mapped(node, 8 * n, np.uint8)])
 
     def abort(self, code: int = 1) -> NoReturn:
         sys.stdout.flush()
@@ -637,24 +642,6 @@ class MpiCommunicator:
 
     def __repr__(self) -> str:
         return f"MpiCommunicator(rank={self.rank}, size={self.size})"
-
-
-class _Arrived:
-    """A request (``Test``) that completes once every rank's arrival counter has reached
-    ``count`` (:meth:`MpiCommunicator.shared_sync`): no rank can be a barrier ahead, so a
-    counter at or past it has arrived."""
-
-    __slots__ = ("count", "counters")
-
-    def __init__(self, counters: list[np.ndarray], count: int) -> None:
-        self.counters, self.count = counters, count
-
-    def Test(self) -> bool:  # noqa: N802 - MPI's request protocol
-        count = self.count
-        for c in self.counters:
-            if c[0] < count:
-                return False
-        return True
 
 
 class SharedCounters:
