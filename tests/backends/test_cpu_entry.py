@@ -4,6 +4,8 @@ on their own buffers, keep those alive, and let other Python threads run meanwhi
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
 import threading
 import time
 
@@ -76,3 +78,41 @@ def test_other_python_threads_run_while_a_routine_runs(monkeypatch: pytest.Monke
     gaps = np.diff([t0, *inside, t1])
     assert gaps.max() < 0.5 * (t1 - t0), (
         f"no stamp for {gaps.max():.3f} s of a {t1 - t0:.3f} s call ({len(inside)} stamps)")
+
+
+# A fresh interpreter: the program, as interpreter exit runs it. The entry module's dict is
+# cleared (``_methods`` among its names) before ``__main__``'s, which still holds a builtin; the
+# freed blocks are then reused by floats whose payload, where a method record keeps its flags,
+# has the METH_METHOD bit set; then the builtin goes.
+_EXIT_ORDER = """
+import gc, struct, sys
+import numpy as np
+from ocannl import Context
+from ocannl.backends.cpu import entry
+from ocannl.ir.assignments import Accum, Comp, Get
+from ocannl.ir.ops import Precision
+from ocannl.ir.tnode import Tnode
+
+a, b = Tnode("a", (4,), Precision.f32), Tnode("b", (4,), Precision.f32)
+ctx = Context.cpu().set_values(a, np.ones(4, np.float32))
+ctx, routine = ctx.compile(Comp((Accum(b, (0,), "=", Get(a, (0,)), (4,)),)))
+ctx = ctx.run(routine)
+call = routine.call
+del ctx, routine
+gc.collect()
+entry._methods.clear()
+flags = struct.unpack("d", struct.pack("Q", 0x3FE000000000FFFF))[0]
+reused = [flags * 1.0 + 0.0 * i for i in range(100_000)]
+del call
+print("exited cleanly")
+"""
+
+
+def test_a_builtin_outliving_the_entry_module_dict_is_freed_cleanly() -> None:
+    """The method record every bound routine reads when it is freed is never freed itself:
+    a program holding a routine to its last line must not crash at exit after its output
+    (the README's mixed-precision snippet once did, exit -11, in CI)."""
+    done = subprocess.run([sys.executable, "-c", _EXIT_ORDER], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert done.stdout.strip() == "exited cleanly"

@@ -74,7 +74,17 @@ class _MethodDef(ctypes.Structure):
 _new_builtin = ctypes.pythonapi.PyCFunction_NewEx
 _new_builtin.restype = ctypes.py_object
 _new_builtin.argtypes = [ctypes.c_void_p, ctypes.py_object, ctypes.py_object]
-_methods: dict[int, _MethodDef] = {}  # one per trampoline address, alive for the process
+_methods: dict[int, _MethodDef] = {}  # one per trampoline address
+
+
+def _immortal(method: _MethodDef) -> _MethodDef:
+    """``method`` with a reference nothing ever drops. Every builtin reads its method record
+    when it is freed, and at interpreter exit this module's dict (``_methods``) can be cleared
+    before the builtins a program still holds: their record would be freed memory, reused by
+    then, and a stray flag there makes the builtin's deallocation follow a wild pointer (a
+    crash after the program's last line)."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(method))
+    return method
 
 
 def builtin(trampoline: int, entry: int, table: np.ndarray, keep_alive: tuple
@@ -83,8 +93,8 @@ def builtin(trampoline: int, entry: int, table: np.ndarray, keep_alive: tuple
     buffer addresses), through the trampoline at ``trampoline``."""
     method = _methods.get(trampoline)
     if method is None:
-        method = _methods[trampoline] = _MethodDef(
-            b"routine", trampoline, _METH_NOARGS, b"Run the routine on its bound buffers.")
+        method = _methods[trampoline] = _immortal(_MethodDef(
+            b"routine", trampoline, _METH_NOARGS, b"Run the routine on its bound buffers."))
     words = np.array([entry, table.ctypes.data, id(None)], dtype=np.int64)
     bound = Bound(words.ctypes.data)
     bound.keep_alive = (words, table, keep_alive)
