@@ -80,10 +80,11 @@ def test_other_python_threads_run_while_a_routine_runs(monkeypatch: pytest.Monke
         f"no stamp for {gaps.max():.3f} s of a {t1 - t0:.3f} s call ({len(inside)} stamps)")
 
 
-# A fresh interpreter: the program, as interpreter exit runs it. The entry module's dict is
-# cleared (``_methods`` among its names) before ``__main__``'s, which still holds a builtin; the
-# freed blocks are then reused by floats whose payload, where a method record keeps its flags,
-# has the METH_METHOD bit set; then the builtin goes.
+# A fresh interpreter: the program, in the order interpreter exit runs it. A routine and its
+# context refer to each other, so a program's routines are freed by the last garbage
+# collection, after every module's dict was cleared (the entry module's ``_methods`` among
+# them). Here the dict is cleared first; the freed blocks are reused by floats whose payload,
+# where a method record keeps its flags, has the METH_METHOD bit set; then the builtin goes.
 _EXIT_ORDER = """
 import gc, struct, sys
 import numpy as np

@@ -79,10 +79,11 @@ _methods: dict[int, _MethodDef] = {}  # one per trampoline address
 
 def _immortal(method: _MethodDef) -> _MethodDef:
     """``method`` with a reference nothing ever drops. Every builtin reads its method record
-    when it is freed, and at interpreter exit this module's dict (``_methods``) can be cleared
-    before the builtins a program still holds: their record would be freed memory, reused by
-    then, and a stray flag there makes the builtin's deallocation follow a wild pointer (a
-    crash after the program's last line)."""
+    when it is freed, and at interpreter exit this module's dict (``_methods``) is cleared
+    before the last garbage collection frees a program's routines (a routine and its context
+    refer to each other): their record would be freed memory, reused by then, and a stray flag
+    there makes the builtin's deallocation follow a wild pointer (a crash after the program's
+    last line)."""
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(method))
     return method
 
