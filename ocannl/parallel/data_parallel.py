@@ -139,14 +139,15 @@ class _BlockPlan:
     not cut at the buckets), worked out once for a context and its gradient routines: per
     shard, the buffer its gradient goes into, its routines bound to that buffer and to the
     shard's staged inputs (``first``, then ``more`` for each later micro-batch; added as a
-    step first has that many), and the tree's additions that fold it in (``left += right``);
-    then the block's partial sums left, the tree's nodes with their buffers. ``flat`` keeps
-    the block's leftmost node; the other buffers are the plan's own."""
+    step first has that many), and the tree's additions that fold it in
+    (:meth:`DataParallel._fold_step`'s); then the block's partial sums left, the tree's nodes
+    with their buffers. ``flat`` keeps the block's leftmost node; the other buffers are the
+    plan's own."""
 
     __slots__ = ("shards", "stack")
 
     def __init__(self) -> None:
-        self.shards: list[tuple[Any, list[Routine], list[tuple[Any, Any]]]] = []
+        self.shards: list[tuple[Any, list[Routine], list[tuple[Any, Any, Any]]]] = []
         self.stack: list[tuple[tuple[int, int], Any]] = []
 
 
@@ -770,23 +771,21 @@ class DataParallel:
         bucket it completed into the block's partial sum (as :meth:`_fold` does the whole
         buffer) and start its exchange. Returns the exchanges, in the order started."""
         parts, ready = split
-        pops, node = self._fold_plans[j]
-        lefts = [buf for _, buf in self._stack[len(self._stack) - pops:]][::-1]
+        adds, freed = self._fold_step(j, self._stack, flat, flat)  # done bucket by bucket
+        partials = [buf for _, buf in self._stack]
+        add = _array_module(flat).add
         started: list[Exchange] = []
         for s, part in enumerate(parts):
             ctx = ctx.run(part)
             for (a, b, _), r in zip(self._buckets, ready, strict=True):
                 if r != s:
                     continue
-                for left in lefts:
-                    _array_module(flat).add(left[a:b], flat[a:b], out=flat[a:b])
-                partials = [buf for _, buf in self._stack[:len(self._stack) - pops]] + [flat]
+                for out, left, right in adds:
+                    add(left[a:b], right[a:b], out=out[a:b])
                 started.append(self._exchange(flat, a, b, partials))
             for e in started:
                 e.test()
-        self._free += lefts
-        del self._stack[len(self._stack) - pops:]
-        self._stack.append((node, flat))
+        self._free += freed
         return ctx, started
 
     def _exchange(self, flat: Any, a: int, b: int, partials: list[Any]
@@ -1024,14 +1023,14 @@ class DataParallel:
         routines run into its own buffer from its staged inputs, its loss read, its additions
         done; the block's partial sums then on the stack. Shard 0's gradient is in flat."""
         block = self._block_plan(ctx, flat, pending)
-        micros = len(pending)
+        micros, add = len(pending), _array_module(flat).add
         for _, runs, adds in block.shards:
             for m in range(micros):
                 ctx = ctx.run(runs[m])
             if self.track_losses:
                 losses.append(self._loss_now(ctx))
-            for left, right in adds:
-                left += right
+            for out, left, right in adds:
+                add(left, right, out=out)
         self._stack = list(block.stack)
         return ctx
 
@@ -1049,14 +1048,8 @@ class DataParallel:
             free: list[Any] = []
             for j in range(1, self.per_rank):
                 into = free.pop() if free else ctx.new_buffer(self.flat)
-                pops, node = self._fold_plans[j]
-                adds, buf = [], into
-                for _ in range(pops):
-                    _, left = block.stack.pop()
-                    adds.append((left, buf))
-                    free.append(buf)
-                    buf = left
-                block.stack.append((node, buf))
+                adds, freed = self._fold_step(j, block.stack, flat, into)
+                free += freed
                 block.shards.append((into, [], adds))
         for j, (into, runs, _) in enumerate(block.shards):
             while len(runs) < len(pending):
@@ -1153,26 +1146,43 @@ class DataParallel:
     def _fold(self, ctx: Context, j: int, flat: Any, buf: Any, *,
               keep_flat_free: bool = False) -> None:
         """Shard ``j`` of this rank's block has just written its gradient into ``buf`` (flat,
-        or a buffer of its own): add it into the tree as far up as its block's nodes are
-        complete, each node the sum of its left and right children (one addition per
-        element, into flat where a child is there, else into the left child's buffer), so a
-        rank sums its block as it computes it. ``keep_flat_free``: a later shard of the block
-        writes into flat, so a node left there is copied out first."""
+        or a buffer of its own): add it into the tree now (:meth:`_fold_step`).
+        ``keep_flat_free``: a later shard of the block writes into flat, so a node left there
+        is copied out first."""
+        adds, freed = self._fold_step(j, self._stack, flat, buf, keep_flat_free=keep_flat_free)
+        for out, left, right in adds:
+            _array_module(out).add(left, right, out=out)
+        self._free += freed
+        if keep_flat_free and self._stack[-1][1] is flat:
+            spare = self._spare(ctx)
+            spare[...] = flat
+            self._stack[-1] = (self._stack[-1][0], spare)
+
+    def _fold_step(self, j: int, stack: list[tuple[tuple[int, int], Any]], flat: Any,
+                   buf: Any, *, keep_flat_free: bool = False
+                   ) -> tuple[list[tuple[Any, Any, Any]], list[Any]]:
+        """Fold shard ``j``'s gradient, in ``buf``, into the tree on ``stack`` (the tree's
+        nodes with their buffers): as far up as its block's nodes are complete, each node the
+        sum of its left and right children, one addition per element, into flat where the
+        right child is there (unless ``keep_flat_free``), else into the left child's buffer;
+        the node it leaves pushed. Returns the additions to do, ``(out, left, right)`` for
+        ``out = left + right`` in that order, and the buffers they free (never flat). The
+        plain step works them out once (:class:`_BlockPlan`), the others as they go: the
+        same additions."""
         pops, node = self._fold_plans[j]
+        adds: list[tuple[Any, Any, Any]] = []
+        freed: list[Any] = []
         for _ in range(pops):
-            _, left = self._stack.pop()
-            if buf is flat and not keep_flat_free:
-                _array_module(flat).add(left, flat, out=flat)
-                self._free.append(left)
-            else:
-                left += buf
-                if buf is not flat:
-                    self._free.append(buf)
-                buf = left
-        if buf is flat and keep_flat_free:
-            buf = self._spare(ctx)
-            buf[...] = flat
-        self._stack.append((node, buf))
+            _, left = stack.pop()
+            into_flat = buf is flat and not keep_flat_free
+            out = flat if into_flat else left
+            adds.append((out, left, buf))
+            spent = left if into_flat else buf
+            if spent is not flat:
+                freed.append(spent)
+            buf = out
+        stack.append((node, buf))
+        return adds, freed
 
     def _spare(self, ctx: Context) -> Any:
         """A buffer of flat's size and kind (the backend's alignment: routines are bound to
