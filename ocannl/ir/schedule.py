@@ -630,9 +630,9 @@ def inline_fits(g: Gemm, compute: Precision, target: Target, native: bool = Fals
 # --- threads and vectors ----------------------------------------------------------------------
 
 # A loop group shares its outermost loop out over threads from this many points (points
-# times nests) on: with the pool's workers spinning between jobs, an f32 exp over 4,096
-# points already ran faster on 2 threads; 16,384 leaves room for cheaper arithmetic and
-# sleeping workers (benchmarks/OBSTACLES.md).
+# times computing nests: ``computing``) on: with the pool's workers spinning between jobs,
+# an f32 exp over 4,096 points already ran faster on 2 threads; 16,384 leaves room for
+# cheaper arithmetic and sleeping workers (benchmarks/OBSTACLES.md).
 PARALLEL_POINTS = 1 << 14
 # A shared loop is cut into this many chunks per thread, which the threads claim in turn.
 CHUNKS_PER_THREAD = 4
@@ -670,7 +670,7 @@ def _threaded(item: Lowered, target: Target) -> Lowered:
         size = math.prod(item.lead.space)
         cheap = all(OPS[e.op].lanes for n in item.nests for e in applies(n.assign.expr))
         least = FLAT_PARALLEL_CELLS if cheap else PARALLEL_POINTS
-        split = size if target.threads > 1 and size * len(item.nests) >= least else None
+        split = size if target.threads > 1 and size * computing(item) >= least else None
         return replace(item, flat=True, split=split, chunks=CHUNKS_PER_THREAD if split else 0)
     width = jam(item)
     reads_in_lanes = lanes(item.lead, width, target) if width else None
@@ -791,6 +791,16 @@ def walks_cells(item: LoopGroup) -> bool:
         and all(own_cell(g.node, g.idx) for g in reads(n.assign.expr)) for n in item.nests)
 
 
+def computing(item: LoopGroup) -> int:
+    """The nests of a group that compute (at least one): a nest whose value is one read (a
+    copy, a cast, a 16-bit twin rounded from the master the group just updated) adds a load
+    and a store to its pass, not arithmetic. Sharing a group over threads weighs its work
+    against handing it out: counted as the f32 step's own group, a 16-bit twin riding in an
+    optimizer's pass does not tip a small update over the threshold (convnet's 4,096-weight
+    Adam update ran 1.0 us slower shared, its twin's store all it added)."""
+    return max(1, sum(1 for n in item.nests if not isinstance(n.assign.expr, Get)))
+
+
 def group_split(item: LoopGroup, target: Target) -> int | None:
     """The extent of the outermost loop a loop group shares out over threads, or None.
     Distinct iterations of it write distinct cells and read nothing another writes (the group
@@ -800,7 +810,7 @@ def group_split(item: LoopGroup, target: Target) -> int | None:
     reads no other cell of its target, so each thread's points write a block of the target's
     own (a max pool's gradient, batch point by batch point)."""
     lead = item.lead
-    if math.prod(lead.space) * len(item.nests) < PARALLEL_POINTS:
+    if math.prod(lead.space) * computing(item) < PARALLEL_POINTS:
         return None
     if lead.scatter:
         a = lead.assign

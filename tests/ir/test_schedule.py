@@ -5,6 +5,7 @@ without products of that precision, read in the node's place from then on
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 import numpy as np
@@ -296,3 +297,47 @@ def test_f32_patches_of_a_16_bit_node_gather_its_f32_copy_on_a_cpu(monkeypatch, 
     monkeypatch.setattr(schedule, "reused_narrow", lambda nest, gathers=False: real(nest))
     assert list(_patch_reads(lower(comp, Target())).values()) == [[stored]]
     assert got == _grads_on_cpu(loss, comp)
+
+
+def _adam_update(prec: str, rows: int):
+    """Adam's update of an MLP's weights, ``prec`` twins of f32 masters (or f32 weights): the
+    loss and the update's computation."""
+    from ocannl import optim
+
+    T.set_seed(5)
+    x = T.term(np.random.default_rng(5).normal(size=(8, 64)), label="ax", batch_dims=(8,),
+               output_dims=(64,))
+
+    def model():  # noqa: ANN202 - the logits
+        return nn_blocks.mlp(x if prec == "f32" else T.cast(x, prec), (rows,), 4, label="am")
+
+    y = model() if prec == "f32" else with_master_weights(prec=prec, f=model)
+    y = y[0] if isinstance(y, tuple) else y
+    loss = T.sum(T.cast(y, "f32") * T.cast(y, "f32"))
+    return loss, optim.Adam(0.001).update(loss)
+
+
+@pytest.mark.parametrize("prec", ["f16", "bf16"])
+def test_a_twin_in_an_update_pass_is_shared_over_threads_as_the_f32_pass_is(prec):
+    """The update of a master that writes its 16-bit twin in the same pass (a store of one
+    read, no arithmetic) is shared over threads exactly where the f32 step's update is: a
+    64 x 64 weight's (3 computing nests of 4,096 points) runs on one thread either way, a
+    256 x 64 weight's on two. The twin had tipped the small one over the threshold, and its
+    pass ran 1.0 us slower shared than alone."""
+    two = Target(threads=2)
+
+    def split_of(p: str, rows: int) -> int | None:
+        _, comp = _adam_update(p, rows)
+        groups = [g for g in lower(comp, two) if isinstance(g, LoopGroup)
+                  and any(n.assign.lhs.label.startswith("exp_avg_sq") for n in g.nests)
+                  and math.prod(g.lead.space) == 64 * rows]
+        assert len(groups) == 1, groups
+        (g,) = groups
+        twins = [n for n in g.nests if n.assign.lhs.keeps is not None or "kept" in
+                 n.assign.lhs.name]
+        assert bool(twins) == (p != "f32"), [n.assign.lhs.name for n in g.nests]
+        assert schedule.computing(g) == len(g.nests) - len(twins)
+        return g.split
+
+    assert split_of(prec, 64) is None and split_of("f32", 64) is None
+    assert split_of(prec, 256) is not None and split_of("f32", 256) is not None
