@@ -174,7 +174,12 @@ class Gemm:
     pool's threads, a part each), else with its own threads; ``strided``, on a GPU, the batch
     axes as (outer axes looped over, the one axis a strided-batched call covers: its axes
     folded into one stride where they can be), ``((), None)`` for one plain call; ``tf32``,
-    an f32 product may round its operands to TF32 (tensor cores).
+    an f32 product may round its operands to TF32 (tensor cores); ``swapped``, the inline
+    kernel computes the transposed product ``out^T = b^T @ a^T``, its vectors along ``out``'s
+    rows, each cell stored where ``out`` keeps it (columns that are no whole number of
+    vectors, rows that are: a convolution's first kernel gradient, 8 output channels by 9
+    window offsets); each cell the same sum in the same order; ``block``, the inline kernel's
+    register block: output rows at a time by one vector of columns (of the swapped product).
     Its operands' and target's precisions are those of their nodes: a 16-bit one is taken as
     stored (the target's native products, or the inline kernel's right operand)."""
 
@@ -192,6 +197,8 @@ class Gemm:
     one_thread: bool = False
     strided: tuple[tuple[BatchAxis, ...], BatchAxis | None] = ((), None)
     tf32: bool = False
+    swapped: bool = False
+    block: tuple[int, int] = (0, 0)
 
 
 Lowered = Fill | LoopGroup | Gemm

@@ -14,7 +14,8 @@ items:
   handed over in a register and never stored. Every other local node gets a slot in its
   routine's arena (``Context``), every other node is materialized.
 - **Products.** Each :class:`Gemm`'s kernel (``"blas"``, or ``"inline"``: register-blocked,
-  summing in the loops' order) and its operands' precisions: a 16-bit operand the library does
+  summing in the loops' order, its orientation and register block: ``Gemm.swapped``,
+  ``Gemm.block``) and its operands' precisions: a 16-bit operand the library does
   not take as stored (``Target.native_products``) is read from an f32 copy, a node of its own
   made by a pointwise nest before the product; a 16-bit target is computed in an f32 node and
   rounded into it by a nest after the product (or read rounded by its readers: virtual).
@@ -87,7 +88,7 @@ def schedule(code: list[Lowered], target: Target) -> list[Lowered]:
         raise ValueError(f"{', '.join(left)}: placed 'virtual' (recomputed from its master at "
                          f"every read), but this code reads it without computing it: compile "
                          f"its cast with its readers, or place it 'auto' or 'materialized'")
-    code = widened_in_place(copies_in_writers(code, target))
+    code = widened_in_place(copies_in_writers(code, target), target.native_products)
     code = in_registers(code)
     code = [_threaded(item, target) for item in code]
     return rendering(code, target)
@@ -228,12 +229,15 @@ def _copy_into_writer(item: Lowered, out: list[Lowered], target: Target) -> bool
     return False
 
 
-def widened_in_place(code: list[Lowered]) -> list[Lowered]:
+def widened_in_place(code: list[Lowered], native: frozenset[Precision] = frozenset()
+                     ) -> list[Lowered]:
     """Where the pass writing a local 16-bit node also makes its f32 copy (a product reads the
     copy: a target without products of that precision), every later read of the node reads the
     copy instead, and every later copy of the node is that copy: the node's values, stored in
     f32 once, are widened once per step, not again for backprop's products and reductions.
-    The 16-bit node, read then only in its own pass, is handed over in a register.
+    The 16-bit node, read then only in its own pass, is handed over in a register. Not for a
+    precision of the target's ``native`` products: the library reads such a node as stored
+    (an inline product's copy of it, made for that product, leaves it as it is).
 
     The trade: the f32 copy (4 bytes a cell) is held from the forward pass to backprop, where
     the 16-bit node (2) was; on a target with products of the node's precision there is no
@@ -249,7 +253,7 @@ def widened_in_place(code: list[Lowered]) -> list[Lowered]:
         for n in item.nests:
             src, dst = copy_source(n), n.assign.lhs
             if (src is not None and src.id in here and src.prec.is_narrow
-                    and dst.prec is Precision.f32
+                    and src.prec not in native and dst.prec is Precision.f32
                     and src.memory_mode is dst.memory_mode is MemoryMode.local
                     and index.writers[src.id] == [k] and index.writers[dst.id] == [k]):
                 if src.id in wide:
@@ -432,7 +436,7 @@ def _product(g: Gemm, target: Target, copies: _Copies, direct: set[int], out: li
     lhs = g.assign.lhs
     compute = lhs.prec.compute
     along, extent = gemm_split(g, target.product_parts) if target.products_shared else (None, 0)
-    kernel = product_kernel(g, target)
+    kernel, swapped, block = inline_product(g, target)
     native = native_operands(g, kernel, target)
 
     def operand(v: MatrixView, right: bool) -> MatrixView:
@@ -452,21 +456,23 @@ def _product(g: Gemm, target: Target, copies: _Copies, direct: set[int], out: li
                 if node.id in copies.virtual else v
         return replace(v, node=copies.of(node, compute, out))
 
-    a, b = operand(g.a, False), operand(g.b, True)
+    # the kernel's right operand may be read as stored; a swapped product's (a) is copied as
+    # the library's operands are: its readers' copy serves them all
+    a, b = operand(g.a, False), operand(g.b, not swapped)
     # The assignment names the nodes the product reads and writes, as its views do.
     renamed = {v.node.id: w.node for v, w in ((g.a, a), (g.b, b)) if w is not v}
     assign = replace(g.assign, expr=renamed_reads(g.assign.expr, renamed)) if renamed else g.assign
+    decided = {"kernel": kernel, "swapped": swapped, "block": block, "split": along,
+               "split_extent": extent}
     if not lhs.prec.is_narrow:
-        out.append(replace(g, assign=assign, a=a, b=b, kernel=kernel, split=along,
-                           split_extent=extent))
+        out.append(replace(g, assign=assign, a=a, b=b, **decided))
         return {}
     if g.assign.reset:
         wide = Tnode(f"{lhs.label}_{compute.value}", lhs.dims, compute,
                      memory_mode=MemoryMode.local)
     else:  # accumulates: into a copy of the target
         wide = copies.of(lhs, compute, out)
-    out.append(replace(g, assign=replace(assign, lhs=wide), a=a, b=b, kernel=kernel,
-                       split=along, split_extent=extent))
+    out.append(replace(g, assign=replace(assign, lhs=wide), a=a, b=b, **decided))
     if lhs.id in direct:
         return {lhs.id: wide}
     out.append(copy_group(lhs, wide))
@@ -598,12 +604,24 @@ def gemm_split(g: Gemm, parts: int) -> tuple[str | None, int]:
 
 
 def product_kernel(g: Gemm, target: Target) -> str:
-    """``"inline"`` (in registers, summing in the loops' order) for a product small enough
-    (:func:`inline_fits`) that is not cut into parts by rows or columns, else ``"blas"``."""
+    """``"inline"`` (in registers, summing in the loops' order) for a product that fits
+    (:func:`inline_fits`, as it is or swapped) and is not cut into parts by rows or columns,
+    else ``"blas"``."""
+    return inline_product(g, target)[0]
+
+
+def inline_product(g: Gemm, target: Target) -> tuple[str, bool, tuple[int, int]]:
+    """The product's kernel, whether the inline kernel computes it swapped (``Gemm.swapped``:
+    tried where it does not fit as it is) and its register block (``Gemm.block``)."""
     along = gemm_split(g, target.product_parts)[0] if target.products_shared else None
-    small = inline_fits(g, g.assign.lhs.prec.compute, target,
-                        native=native_operands(g, "blas", target))
-    return "inline" if along not in ("rows", "cols") and small else "blas"
+    if along in ("rows", "cols"):
+        return "blas", False, (0, 0)
+    compute = g.assign.lhs.prec.compute
+    native = native_operands(g, "blas", target)
+    for swapped in (False, True):
+        if inline_fits(g, compute, target, native=native, swapped=swapped):
+            return "inline", swapped, inline_block(g, compute, target, swapped)
+    return "blas", False, (0, 0)
 
 
 def native_operands(g: Gemm, kernel: str, target: Target) -> bool:
@@ -616,15 +634,55 @@ def native_operands(g: Gemm, kernel: str, target: Target) -> bool:
             and prec in target.native_products and g.assign.lhs.prec.compute is Precision.f32)
 
 
-def inline_fits(g: Gemm, compute: Precision, target: Target, native: bool = False) -> bool:
-    """Whether ``g``'s products are small enough to compute inline, in registers: at most
-    ``Target.inline_product_work`` multiply-adds each (``inline_native_work`` where the library
-    would multiply its operands as stored: ``native``), columns a whole number of vectors, a
-    transposed right operand small enough to pack on the stack."""
-    lanes = target.inline_vector_bytes // compute.itemsize
+# An inline product's register block: this many output rows by one vector of columns. A
+# product whose whole output fits in HELD_REGISTERS of the target's vectors is one block,
+# computed inline whatever its inner length: one pass over its terms, where a library call on
+# so small an output spends more than its arithmetic (a convolution's first kernel gradient,
+# 8 x 9 cells of 4,096 terms each: 19 us through OpenBLAS's sgemm). Larger blocks for the
+# others were slower (gpt_mini's attention products, 10 rows a block: its f32 step 1.03x).
+INLINE_ROWS = 4
+HELD_REGISTERS = 10
+
+
+def inline_width(cols: int, compute: Precision, target: Target) -> int:
+    """The columns of an inline product's vectors: the target's ``inline_vector_bytes`` of
+    ``compute`` values, or the largest power of two under it, of at least 4, dividing
+    ``cols``; 0 when none does."""
+    w = target.inline_vector_bytes // compute.itemsize
+    while w >= 4 and cols % w:
+        w //= 2
+    return w if w >= 4 else 0
+
+
+def inline_block(g: Gemm, compute: Precision, target: Target, swapped: bool = False
+                 ) -> tuple[int, int]:
+    """The inline kernel's register block: output rows at a time by one vector of columns;
+    the whole output where it fits in ``HELD_REGISTERS`` of the target's vectors, else
+    ``INLINE_ROWS`` rows."""
+    rows, cols = (g.cols, g.rows) if swapped else (g.rows, g.cols)
+    w = inline_width(cols, compute, target)
+    registers = -(-(w * compute.itemsize) // (target.vector_bits // 8))  # an accumulator's
+    held = cols == w and rows * registers <= HELD_REGISTERS
+    return (rows if held else min(rows, INLINE_ROWS)), w
+
+
+def inline_fits(g: Gemm, compute: Precision, target: Target, native: bool = False,
+                swapped: bool = False) -> bool:
+    """Whether ``g`` (``swapped``: its transposed product, ``b^T @ a^T``) is computed inline,
+    in registers: columns a whole number of vectors (:func:`inline_width`), a transposed right
+    operand small enough to pack on the stack, and at most ``Target.inline_product_work``
+    multiply-adds (``inline_native_work`` where the library would multiply its operands as
+    stored: ``native``), or its whole output in one register block (:func:`inline_block`)
+    on a target with inline products."""
     most = target.inline_native_work if native else target.inline_product_work
-    return (g.rows * g.cols * g.inner <= most and g.cols % lanes == 0
-            and (not g.b.transposed or g.inner * g.cols <= target.inline_pack_cells))
+    rows, cols = (g.cols, g.rows) if swapped else (g.rows, g.cols)
+    right = g.a if swapped else g.b
+    packs = right.transposed != swapped  # stored cols x inner (a's rows are b^T's columns)
+    if not inline_width(cols, compute, target) or most == 0 or (
+            packs and g.inner * cols > target.inline_pack_cells):
+        return False
+    block_rows, w = inline_block(g, compute, target, swapped)
+    return g.rows * g.cols * g.inner <= most or (block_rows == rows and w == cols)
 
 
 # --- threads and vectors ----------------------------------------------------------------------

@@ -113,3 +113,62 @@ def test_batched_small_products_shared_over_threads_give_the_same_bits(monkeypat
     want = np.einsum("bihd,bjhd->bhij", *(inputs[t].astype(np.float32).astype(np.float64)
                                           for t in (q, kk)))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _narrow_products(prec: Precision) -> tuple[Comp, dict[Tnode, np.ndarray], list[Tnode]]:
+    """Products whose columns are no whole number of vectors (2, 9) and whose rows are (32, 8):
+    each operand plain or transposed, one accumulating; and a convolution's first kernel
+    gradient, 9 window offsets by 8 channels over 4,096 terms, its patches stored offsets
+    first: an output too small for a library call to pay, whatever its inner length."""
+    m, n, k = 32, 2, 40
+    a, at = Tnode("a", (m, k), prec), Tnode("at", (k, m), prec)
+    b, bt = Tnode("b", (k, n), prec), Tnode("bt", (n, k), prec)
+    outs = [Tnode(f"c{u}", (m, n), prec) for u in range(4)]
+    grad = Tnode("grad", (4096, 8), prec)  # a convolution's output gradient, channels last
+    patches = Tnode("patches", (9, 4096), prec)  # its input's patches, window offsets first
+    kernel_grad = Tnode("kernel_grad", (8, 9), prec)
+
+    def mm(out: Tnode, x: Get, y: Get, reset: bool = True) -> Accum:
+        return Accum(out, (0, 1), "+", apply("mul", x, y), (m, n, k), reset=reset)
+
+    comp = Comp((
+        mm(outs[0], Get(a, (0, 2)), Get(b, (2, 1))),
+        mm(outs[1], Get(at, (2, 0)), Get(b, (2, 1))),
+        mm(outs[2], Get(a, (0, 2)), Get(bt, (1, 2))),
+        mm(outs[3], Get(at, (2, 0)), Get(bt, (1, 2)), reset=False),
+        # kernel_grad[c, w] = sum_p grad[p, c] patches[w, p]
+        Accum(kernel_grad, (0, 1), "+", apply("mul", Get(grad, (2, 0)), Get(patches, (1, 2))),
+              (8, 9, 4096), reset=True),
+    ))
+    rng = np.random.default_rng(8)
+    inputs = {t: rng.normal(size=t.dims) for t in (a, at, b, bt, grad, patches, outs[3])}
+    inputs[outs[3]] *= 1e3  # an accumulated target of another scale: the order shows
+    return comp, inputs, [*outs, kernel_grad]
+
+
+@pytest.mark.parametrize("prec", [Precision.f32, Precision.f64, Precision.f16])
+def test_products_swapped_into_vectors_are_bitwise_the_loops(monkeypatch, prec):
+    """A product whose columns are no whole number of vectors is computed transposed, its
+    vectors along the rows, each cell stored where the target keeps it (``Gemm.swapped``);
+    one whose whole output fits in registers, whatever its inner length, in one block.
+    Each cell is the same sum in the same order as the loops: the same bits."""
+    comp, inputs, outputs = _narrow_products(prec)
+    *small, held = [g for g in lower(comp, Target(im2col=False)) if isinstance(g, Gemm)]
+    assert len(small) == 4 and all(g.kernel == "inline" and g.swapped for g in small)
+    assert held.rows * held.inner * held.cols > Target().inline_product_work
+    if prec is Precision.f64:  # 9 rows of 8 f64 take 18 of a 256-bit target's registers
+        assert held.kernel == "blas"
+    else:
+        assert held.kernel == "inline" and held.swapped and held.block == (9, 8)
+    inline = _run(comp, inputs, outputs)
+    monkeypatch.setattr(lowering, "GEMM_MIN_FLOPS", 1 << 40)  # every product a loop nest
+    assert not any(isinstance(item, Gemm) for item in lower(comp, Target(im2col=False)))
+    assert _run(comp, inputs, outputs) == inline
+    monkeypatch.undo()
+    every_product_in_blas = replace(jit.target(), inline_product_work=0)
+    monkeypatch.setattr(jit, "target", lambda: every_product_in_blas)
+    blas = _run(comp, inputs, outputs)
+    tol = {Precision.f64: 1e-12, Precision.f32: 1e-5, Precision.f16: 3e-3}[prec]
+    for x, y in zip(inline, blas, strict=True):
+        got, want = (np.frombuffer(z, dtype=prec.numpy_dtype).astype(np.float64) for z in (x, y))
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol * 1e3)

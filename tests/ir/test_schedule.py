@@ -89,7 +89,7 @@ def test_copies_in_writers_and_in_place_keep_the_bits(width, monkeypatch, tmp_pa
     def run(passes: bool) -> tuple[list[bytes], int]:
         if not passes:
             monkeypatch.setattr(schedule, "copies_in_writers", lambda code, target: code)
-            monkeypatch.setattr(schedule, "widened_in_place", lambda code: code)
+            monkeypatch.setattr(schedule, "widened_in_place", lambda code, native=frozenset(): code)
         monkeypatch.setattr(codegen, "_VERSION", codegen._VERSION + f"-{passes}")
         loss, comp = mlp_step(width)
         ctx = train.init_params(Context.cpu(), loss)
@@ -341,3 +341,21 @@ def test_a_twin_in_an_update_pass_is_shared_over_threads_as_the_f32_pass_is(prec
 
     assert split_of(prec, 64) is None and split_of("f32", 64) is None
     assert split_of(prec, 256) is not None and split_of("f32", 256) is not None
+
+
+def test_a_16_bit_node_the_library_reads_as_stored_keeps_its_reads_beside_an_inline_copy():
+    """On a target with bf16 products, an inline product (a narrow one, computed swapped)
+    reads an f32 copy of a bf16 relu that the library's product of the weight gradient reads
+    as stored: the copy is that product's, and no later read is moved onto it (the library
+    would get a bf16 operand beside an f32 one, which the renderer refuses)."""
+    T.set_seed(6)
+    x = T.term(np.random.default_rng(6).normal(size=(24, 37)), label="nx", batch_dims=(24,),
+               output_dims=(37,), prec="bf16")
+    y, _ = nn_blocks.mlp(x, (19, 45), 7, label="nm", prec="bf16")
+    comp = train.grad_update(T.sum(y * y))
+    native = Target(native_products=frozenset({Precision.bf16}))
+    gemms = [g for g in lower(comp, native) if isinstance(g, Gemm)]
+    assert any(g.kernel == "inline" and g.swapped for g in gemms)
+    library = [g for g in gemms if g.kernel == "blas"]
+    assert library and all(g.a.node.prec is g.b.node.prec for g in library)
+    assert any(g.a.node.prec is Precision.bf16 for g in library)  # read as stored

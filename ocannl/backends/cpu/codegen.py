@@ -839,10 +839,11 @@ class RoutineIR:
         lhs = g.assign.lhs
         compute = _FLOAT.get(lhs.prec)
         inline = g.kernel == "inline"
-        ok_b = g.b.node.prec is lhs.prec or (inline and g.b.node.prec.is_narrow)
+        left, right = (g.b, g.a) if g.swapped else (g.a, g.b)  # the inline kernel's
+        ok_right = right.node.prec is lhs.prec or (inline and right.node.prec.is_narrow)
         native = (not inline and g.a.node.prec is g.b.node.prec and lhs.prec is Precision.f32
                   and g.a.node.prec in self.native_products)
-        if compute is None or not native and (g.a.node.prec is not lhs.prec or not ok_b):
+        if compute is None or not native and (left.node.prec is not lhs.prec or not ok_right):
             raise ValueError(
                 f"the CPU renderer multiplies f32 or f64 operands into a target of their "
                 f"precision (16-bit right operands inline, two operands of one of "
@@ -1027,7 +1028,8 @@ def signature(code: list[Lowered], nodes: list[Tnode], target: Target) -> str:
             a = item.assign
             lines.append(f"gemm {slot[a.lhs.id]} {a.reset} [{view(item.a)}] [{view(item.b)}] "
                          f"{item.rows} {item.cols} {item.inner} {item.out_ld} {item.batch!r} "
-                         f"{item.kernel} {item.split} {item.split_extent} {item.one_thread}")
+                         f"{item.kernel} {item.swapped} {item.block} {item.split} "
+                         f"{item.split_extent} {item.one_thread}")
         else:
             for nest in item.nests:
                 a = nest.assign
