@@ -18,25 +18,38 @@ from ocannl.ir.target import Target
 from ocannl.ir.tnode import Tnode
 
 
-def _products(prec: Precision) -> tuple[Comp, dict[Tnode, np.ndarray], list[Tnode]]:
-    """Products with each operand plain or transposed, a row count that is not a multiple of
-    the register block, one accumulating into its target, and attention's batched pair."""
-    m, n, k, h = 7, 32, 12, 3
+def _four_layouts(prec: Precision, m: int, n: int, k: int
+                  ) -> tuple[list[Accum], dict[Tnode, np.ndarray], list[Tnode]]:
+    """``m x k @ k x n`` products with each operand plain or transposed, the last accumulating
+    into its target (of another scale: the order shows): the assignments, the inputs, the
+    targets."""
     a, at = Tnode("a", (m, k), prec), Tnode("at", (k, m), prec)
     b, bt = Tnode("b", (k, n), prec), Tnode("bt", (n, k), prec)
     outs = [Tnode(f"c{u}", (m, n), prec) for u in range(4)]
-    q, kk = Tnode("q", (2, 16, h, 8), prec), Tnode("k", (2, 16, h, 8), prec)
-    s = Tnode("scores", (2, h, 16, 16), prec)
-    v, o = Tnode("v", (2, 16, h, 16), prec), Tnode("o", (2, 16, h, 16), prec)
 
     def mm(out: Tnode, x: Get, y: Get, reset: bool = True) -> Accum:
         return Accum(out, (0, 1), "+", apply("mul", x, y), (m, n, k), reset=reset)
 
+    accums = [mm(outs[0], Get(a, (0, 2)), Get(b, (2, 1))),
+              mm(outs[1], Get(at, (2, 0)), Get(b, (2, 1))),
+              mm(outs[2], Get(a, (0, 2)), Get(bt, (1, 2))),
+              mm(outs[3], Get(at, (2, 0)), Get(bt, (1, 2)), reset=False)]
+    rng = np.random.default_rng(m * n * k)
+    inputs = {t: rng.normal(size=t.dims) for t in (a, at, b, bt, outs[3])}
+    inputs[outs[3]] *= 1e3
+    return accums, inputs, outs
+
+
+def _products(prec: Precision) -> tuple[Comp, dict[Tnode, np.ndarray], list[Tnode]]:
+    """Products with each operand plain or transposed, a row count that is not a multiple of
+    the register block, one accumulating into its target, and attention's batched pair."""
+    h = 3
+    accums, inputs, outs = _four_layouts(prec, 7, 32, 12)
+    q, kk = Tnode("q", (2, 16, h, 8), prec), Tnode("k", (2, 16, h, 8), prec)
+    s = Tnode("scores", (2, h, 16, 16), prec)
+    v, o = Tnode("v", (2, 16, h, 16), prec), Tnode("o", (2, 16, h, 16), prec)
     comp = Comp((
-        mm(outs[0], Get(a, (0, 2)), Get(b, (2, 1))),
-        mm(outs[1], Get(at, (2, 0)), Get(b, (2, 1))),
-        mm(outs[2], Get(a, (0, 2)), Get(bt, (1, 2))),
-        mm(outs[3], Get(at, (2, 0)), Get(bt, (1, 2)), reset=False),
+        *accums,
         # scores[b, h, i, j] = sum_d q[b, i, h, d] k[b, j, h, d]
         Accum(s, (0, 1, 2, 3), "+", apply("mul", Get(q, (0, 2, 1, 4)), Get(kk, (0, 3, 1, 4))),
               (2, h, 16, 16, 8), reset=True),
@@ -45,8 +58,7 @@ def _products(prec: Precision) -> tuple[Comp, dict[Tnode, np.ndarray], list[Tnod
               (2, h, 16, 16, 16), reset=True),
     ))
     rng = np.random.default_rng(7)
-    inputs = {t: rng.normal(size=t.dims) for t in (a, at, b, bt, q, kk, v, outs[3])}
-    inputs[outs[3]] *= 1e3  # an accumulated target of another scale: the order shows
+    inputs.update({t: rng.normal(size=t.dims) for t in (q, kk, v)})
     return comp, inputs, [*outs, s, o]
 
 
@@ -75,11 +87,17 @@ def test_small_products_are_bitwise_the_loops(monkeypatch, prec):
                    for g in blas if isinstance(g, Gemm))
     assert {(g.a.transposed, g.b.transposed) for g in gemms} >= {
         (False, False), (True, False), (False, True), (True, True)}
+    _the_loops_bits_near_blas(monkeypatch, comp, inputs, outputs, prec)
+
+
+def _the_loops_bits_near_blas(monkeypatch: pytest.MonkeyPatch, comp: Comp, inputs: dict,
+                              outputs: list[Tnode], prec: Precision) -> None:
+    """``comp``'s products compute the plain loops' bits, and near BLAS's values (another
+    order of the same sums)."""
     inline = _run(comp, inputs, outputs)
     monkeypatch.setattr(lowering, "GEMM_MIN_FLOPS", 1 << 40)  # every product a loop nest
     assert not any(isinstance(item, Gemm) for item in lower(comp, Target(im2col=False)))
     assert _run(comp, inputs, outputs) == inline
-    # and near BLAS's (another order of the same sums)
     monkeypatch.undo()
     every_product_in_blas = replace(jit.target(), inline_product_work=0)
     monkeypatch.setattr(jit, "target", lambda: every_product_in_blas)
@@ -120,29 +138,18 @@ def _narrow_products(prec: Precision) -> tuple[Comp, dict[Tnode, np.ndarray], li
     each operand plain or transposed, one accumulating; and a convolution's first kernel
     gradient, 9 window offsets by 8 channels over 4,096 terms, its patches stored offsets
     first: an output too small for a library call to pay, whatever its inner length."""
-    m, n, k = 32, 2, 40
-    a, at = Tnode("a", (m, k), prec), Tnode("at", (k, m), prec)
-    b, bt = Tnode("b", (k, n), prec), Tnode("bt", (n, k), prec)
-    outs = [Tnode(f"c{u}", (m, n), prec) for u in range(4)]
+    accums, inputs, outs = _four_layouts(prec, 32, 2, 40)
     grad = Tnode("grad", (4096, 8), prec)  # a convolution's output gradient, channels last
     patches = Tnode("patches", (9, 4096), prec)  # its input's patches, window offsets first
     kernel_grad = Tnode("kernel_grad", (8, 9), prec)
-
-    def mm(out: Tnode, x: Get, y: Get, reset: bool = True) -> Accum:
-        return Accum(out, (0, 1), "+", apply("mul", x, y), (m, n, k), reset=reset)
-
     comp = Comp((
-        mm(outs[0], Get(a, (0, 2)), Get(b, (2, 1))),
-        mm(outs[1], Get(at, (2, 0)), Get(b, (2, 1))),
-        mm(outs[2], Get(a, (0, 2)), Get(bt, (1, 2))),
-        mm(outs[3], Get(at, (2, 0)), Get(bt, (1, 2)), reset=False),
+        *accums,
         # kernel_grad[c, w] = sum_p grad[p, c] patches[w, p]
         Accum(kernel_grad, (0, 1), "+", apply("mul", Get(grad, (2, 0)), Get(patches, (1, 2))),
               (8, 9, 4096), reset=True),
     ))
     rng = np.random.default_rng(8)
-    inputs = {t: rng.normal(size=t.dims) for t in (a, at, b, bt, grad, patches, outs[3])}
-    inputs[outs[3]] *= 1e3  # an accumulated target of another scale: the order shows
+    inputs.update({t: rng.normal(size=t.dims) for t in (grad, patches)})
     return comp, inputs, [*outs, kernel_grad]
 
 
@@ -160,15 +167,4 @@ def test_products_swapped_into_vectors_are_bitwise_the_loops(monkeypatch, prec):
         assert held.kernel == "blas"
     else:
         assert held.kernel == "inline" and held.swapped and held.block == (9, 8)
-    inline = _run(comp, inputs, outputs)
-    monkeypatch.setattr(lowering, "GEMM_MIN_FLOPS", 1 << 40)  # every product a loop nest
-    assert not any(isinstance(item, Gemm) for item in lower(comp, Target(im2col=False)))
-    assert _run(comp, inputs, outputs) == inline
-    monkeypatch.undo()
-    every_product_in_blas = replace(jit.target(), inline_product_work=0)
-    monkeypatch.setattr(jit, "target", lambda: every_product_in_blas)
-    blas = _run(comp, inputs, outputs)
-    tol = {Precision.f64: 1e-12, Precision.f32: 1e-5, Precision.f16: 3e-3}[prec]
-    for x, y in zip(inline, blas, strict=True):
-        got, want = (np.frombuffer(z, dtype=prec.numpy_dtype).astype(np.float64) for z in (x, y))
-        np.testing.assert_allclose(got, want, rtol=tol, atol=tol * 1e3)
+    _the_loops_bits_near_blas(monkeypatch, comp, inputs, outputs, prec)
