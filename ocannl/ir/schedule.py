@@ -678,10 +678,9 @@ def inline_fits(g: Gemm, compute: Precision, target: Target, native: bool = Fals
     rows, cols = (g.cols, g.rows) if swapped else (g.rows, g.cols)
     right = g.a if swapped else g.b
     packs = right.transposed != swapped  # stored cols x inner (a's rows are b^T's columns)
-    if not inline_width(cols, compute, target) or most == 0 or (
-            packs and g.inner * cols > target.inline_pack_cells):
-        return False
     block_rows, w = inline_block(g, compute, target, swapped)
+    if not w or most == 0 or (packs and g.inner * cols > target.inline_pack_cells):
+        return False
     return g.rows * g.cols * g.inner <= most or (block_rows == rows and w == cols)
 
 
