@@ -498,7 +498,14 @@ class Context:
             def arena(size: int, prec: Precision = prec) -> Buffer:
                 node = Tnode(f"{label}_local_{prec.value}", (max(size, 1),), prec)
                 self._local_bytes += node.size * prec.itemsize
-                return self._backend.alloc(node)
+                buf = self._backend.alloc(node)
+                if not shared:
+                    # Unchecked memory is read before anything writes it: written now, so
+                    # its pages are the process's own. Reading the zero page a fresh
+                    # allocation maps, through many addresses, ran a convolution's kernel
+                    # gradient 3.5x slower on an AMD Zen 5 (5.2 us against 18.5 us).
+                    buf[...] = 0
+                return buf
 
             placed = views([(n.size, *index.span(n.id)) for n in group], arena, prec.itemsize,
                            shared)
