@@ -6,12 +6,13 @@ Builds the row's ocannl runner (as ``run.py`` does), trains a few steps, then co
 lowered item of its routines (a fill, a loop group, a GEMM) as a routine of its own, bound to
 the same buffers, and runs ``--runs`` rounds: each feeds the next batch and runs every item
 once, in order, as a step does (a recipe's host gate is not consulted: every routine runs).
-Prints the items by their mean time, with their share of the sum and what each one is.
+Prints the items by their median time, with their share of the sum and what each one is.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -74,15 +75,17 @@ def profile(workload: str, variant: str, runs: int) -> list[tuple[float, str]]:
             _, routine = ctx.compile_lowered("item", [item], local_check=False)
             items.append((describe(item), routine.call))
     # Every round feeds the next batch and runs every item once, in the routines' order, as
-    # the steps do: the items see the values a step sees.
-    spent = [0.0] * len(items)
+    # the steps do: the items see the values a step sees. Each item's time is the median of
+    # its rounds: on a shared machine a mean takes in whatever else ran (convnet f32's items
+    # once averaged 219 us in all beside a step of 171 us).
+    spent: list[list[float]] = [[] for _ in items]
     for r in range(runs):
         runner.feed(3 + r)
         for k, (_, run) in enumerate(items):
             t0 = time.perf_counter()
             run()
-            spent[k] += time.perf_counter() - t0
-    out = [(t / runs, what) for t, (what, _) in zip(spent, items, strict=True)]
+            spent[k].append(time.perf_counter() - t0)
+    out = [(statistics.median(t), what) for t, (what, _) in zip(spent, items, strict=True)]
     return sorted(out, reverse=True)
 
 

@@ -267,7 +267,8 @@ def profile_section(rows: list[Row], profiles: list[dict], top: int = 5) -> list
     out = ["Each lowered item (a fill, a fused loop group, a GEMM) of the ocannl rows furthest "
            "behind PyTorch eager and of every workload's f32, bf16 and f16 rows "
            "(`run.py --profile-variants`), compiled as a routine of its own on the step's "
-           "buffers and timed alone (`benchmarks/profile_items.py`); the sum is close to the "
+           "buffers and timed alone, the median of its runs (`benchmarks/profile_items.py`); "
+           "the sum is close to the "
            "step's compute, the rest of the p50 is the call and the host's work between "
            "steps.", ""]
     eager = {r.workload: r.p50 for r in rows
