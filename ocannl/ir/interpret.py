@@ -118,14 +118,23 @@ def check_group(group: LoopGroup) -> None:
     nests must share the lead's space and parallel iterators, only a lone nest may reduce or
     scatter, and every node the group writes must be accessed at one projection throughout."""
     lead = group.lead
+    if group.row_sum:  # the pointwise nests, then the row walk summing what they write
+        walk = group.nests[-1]
+        if not walk.walk_rows or len(walk.par) != 1:
+            raise GroupingError(f"row-sum group led by {lead.assign.lhs.name}: its last nest, "
+                                f"writing {walk.assign.lhs.name}, must be a lone row walk")
+        heads = group.nests[:-1]
+        order = walk.red + walk.par
+    else:
+        heads, order = group.nests, lead.par
     if len(group.nests) > 1:
-        for nest in group.nests:
-            if nest.space != lead.space or nest.par != lead.par or nest.red or nest.scatter:
+        for nest in heads:
+            if nest.space != lead.space or nest.par != order or nest.red or nest.scatter:
                 raise GroupingError(
                     f"group led by {lead.assign.lhs.name}: nest writing {nest.assign.lhs.name} "
                     f"has space {nest.space}, par {nest.par}, red {nest.red}, scatter "
                     f"{nest.scatter}: a group of several nests must be pointwise over the "
-                    f"lead's space {lead.space} and par {lead.par}")
+                    f"lead's space {lead.space} and par {order}")
     written = {n.assign.lhs.id: n.assign.lhs_idx for n in group.nests}
     for nest in group.nests:
         a = nest.assign

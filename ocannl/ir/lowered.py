@@ -112,7 +112,12 @@ class LoopGroup:
     terms, whose partial results a second pass combines in chunk order), launched as ``grid``
     blocks of ``block`` threads; ``lane_store``: a vector of a jammed reduction's cells is
     stored as one vector (they lie side by side and nothing else stands in for the target),
-    else cell by cell."""
+    else cell by cell. ``row_sum`` (a CPU's only): the last nest is a lone row walk (one
+    parallel iterator, ``walk_rows``) summing what the others, pointwise over its space in its
+    points' order, write (a bias's gradient in the pass writing the activation's gradient): the
+    loops are the row walk's, and each point runs the others' bodies, then adds its term into
+    the row; each cell takes its terms in the row walk's order, so the same bits as the two
+    passes apart."""
 
     nests: tuple[LoopNest, ...]
     registers: frozenset[int] = frozenset()
@@ -132,6 +137,7 @@ class LoopGroup:
     grid: int = 0
     block: int = 0
     lane_store: bool = False
+    row_sum: bool = False
 
     @property
     def lead(self) -> LoopNest:

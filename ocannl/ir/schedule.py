@@ -91,7 +91,7 @@ def schedule(code: list[Lowered], target: Target) -> list[Lowered]:
     code = widened_in_place(copies_in_writers(code, target), target.native_products)
     code = in_registers(code)
     code = [_threaded(item, target) for item in code]
-    return rendering(code, target)
+    return row_sums_in_writers(rendering(code, target), target)
 
 
 # --- virtual nodes --------------------------------------------------------------------------
@@ -1085,6 +1085,73 @@ def rendering(code: list[Lowered], target: Target) -> list[Lowered]:
                 item = replace(item, **_gpu_launch_of(item, target))
         out.append(item)
     return out
+
+
+# --- a row sum in the pass writing what it sums --------------------------------------------
+
+
+def row_sums_in_writers(code: list[Lowered], target: Target) -> list[Lowered]:
+    """On a CPU, a lone row walk run on one thread (a bias's gradient: each cell a chain of
+    dependent additions, bound by their latency, not by the cells' loads) joins the pointwise
+    group just before it that writes what it sums (the activation's gradient), as
+    ``LoopGroup.row_sum``: the pointwise work runs inside that chain instead of in a pass of
+    its own, and the row's terms are read as they are written. The same bits."""
+    if target.gpu_block:
+        return code
+    out: list[Lowered] = []
+    for item in code:
+        prev = out[-1] if out else None
+        if isinstance(prev, LoopGroup) and isinstance(item, LoopGroup) and sums_row_of(prev,
+                                                                                      item):
+            fused = LoopGroup(prev.nests + item.nests, registers=prev.registers, row_sum=True)
+            out[-1] = replace(fused, inner_vector=row_vector(fused))
+            continue
+        out.append(item)
+    return out
+
+
+def sums_row_of(heads: LoopGroup, walk: LoopGroup) -> bool:
+    """Whether ``walk`` (a lone row walk, one thread) can run in ``heads``' pass: ``heads``
+    pointwise over its space, its points in the walk's order (its reductions, then its row),
+    ``walk`` reading what ``heads`` writes only at the point written, and ``heads`` touching
+    nothing ``walk`` writes."""
+    r = walk.lead
+    if (len(walk.nests) != 1 or not r.walk_rows or len(r.par) != 1 or walk.split is not None
+            or walk.jam or r.scatter or r.gather):
+        return False
+    if heads.row_sum or heads.jam or heads.run or heads.conversion:
+        return False
+    order = r.red + r.par
+    written: dict[int, Any] = {}
+    for n in heads.nests:
+        if n.red or n.scatter or n.walk_rows or n.gather or n.space != r.space or n.par != order:
+            return False
+        written[n.assign.lhs.id] = n.assign.lhs_idx
+        if r.assign.lhs.id in {g.node.id for g in reads(n.assign.expr)} | {n.assign.lhs.id}:
+            return False
+    sums = [g for g in reads(r.assign.expr) if g.node.id in written]
+    return bool(sums) and all(g.idx == written[g.node.id] for g in sums)
+
+
+def row_vector(group: LoopGroup) -> int:
+    """The width to vectorize a row-sum group's row loop at (``LoopGroup.inner_vector``), or
+    0: as :func:`short_inner`'s, its extent a power of two from 4 to ``SHORT_INNER``, every
+    access contiguous along it or the same cell for all of it, every op one that runs in lanes
+    or a comparison (a select of 1 or 0: a ReLU's mask, lane by lane the scalar's bits)."""
+    walk = group.nests[-1]
+    it = walk.par[0]
+    extent = walk.space[it]
+    if not 4 <= extent <= SHORT_INNER or extent & (extent - 1):
+        return 0
+    for n in group.nests:
+        a = n.assign
+        if not all(OPS[e.op].lanes or OPS[e.op].flag for e in applies(a.expr)):
+            return 0
+        for g in (Get(a.lhs, a.lhs_idx), *reads(a.expr)):
+            if any(isinstance(i, Affine) and any(t == it and c for c, t in i.terms)
+                   for i in g.idx) or read_stride(g, it) not in (0, 1):
+                return 0
+    return extent
 
 
 def products_only(code: list[Lowered]) -> frozenset[int]:

@@ -94,6 +94,21 @@ def _builders() -> dict[str, Callable[[], Case]]:
         return case("chain", Comp(assigns), {})
     out["pointwise_chain"] = pointwise_chain
 
+    for prec, reset, dims in itertools.product((F32, F64, BF16, F16), (True, False),
+                                               ((40, 8), (6, 5, 4, 8), (40, 10), (30, 16),
+                                                (20, 64))):
+        def bias_gradient(prec=prec, reset=reset, dims=dims) -> Case:
+            # a ReLU's gradient, then its bias's: on a CPU one pass (LoopGroup.row_sum)
+            dy, y, g = (Tnode(c, dims, prec) for c in ("dy", "y", "g"))
+            b = Tnode("b", dims[-1:], prec)
+            at = tuple(range(len(dims)))
+            mask = apply("mul", Get(dy, at), apply("gt", Get(y, at), Const(0.0)))
+            return case("bias_gradient", Comp((
+                Accum(g, at, "=", mask, dims),
+                Accum(b, (at[-1],), "+", Get(g, at), dims, reset=reset))), {})
+        shape = "x".join(map(str, dims))
+        out[f"bias_gradient_{shape}_{reset}_{prec.value}"] = bias_gradient
+
     def every_op() -> Case:
         x, y, c = (Tnode(n, (64,), F32) for n in "xyc")
         ops = ["add", "sub", "mul", "div", "max", "min", "eq", "gt", "lt", "le", "ge", "ne",

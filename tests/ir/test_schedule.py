@@ -359,3 +359,42 @@ def test_a_16_bit_node_the_library_reads_as_stored_keeps_its_reads_beside_an_inl
     library = [g for g in gemms if g.kernel == "blas"]
     assert library and all(g.a.node.prec is g.b.node.prec for g in library)
     assert any(g.a.node.prec is Precision.bf16 for g in library)  # read as stored
+
+
+def _bias_gradient(dims: tuple[int, ...], order: tuple[int, ...] | None = None):
+    """A ReLU's gradient ``g`` over ``dims``, then its bias's, ``b[c] += g[..., c]``:
+    ``order`` permutes the bias's reduction iterators (its terms then come in another order
+    than the gradient's points)."""
+    from ocannl.ir.assignments import Accum, Comp, Const, Get, apply
+    from ocannl.ir.tnode import Tnode
+
+    dy, y, g = (Tnode(c, dims, Precision.f32) for c in ("dy", "y", "g"))
+    b = Tnode("b", dims[-1:], Precision.f32)
+    at = tuple(range(len(dims)))
+    mask = apply("mul", Get(dy, at), apply("gt", Get(y, at), Const(0.0)))
+    space = dims if order is None else tuple(dims[i] for i in order) + dims[-1:]
+    bias_at = at if order is None else tuple(order.index(i) for i in at[:-1]) + at[-1:]
+    return Comp((Accum(g, at, "=", mask, dims),
+                 Accum(b, (len(dims) - 1,), "+", Get(g, bias_at), space, reset=True)))
+
+
+def test_a_bias_gradient_runs_in_the_pass_writing_the_activations_gradient():
+    """``row_sums_in_writers``: on a CPU the bias's row walk joins the gradient's pass
+    (``LoopGroup.row_sum``, its row vectorized where short: ``row_vector``); not on a GPU, not
+    where the row walk is shared over threads, not where its terms come in another order than
+    the pass's points. The bits are the corpus's to check (``bias_gradient_*`` in
+    ``tests/backends/test_cpu_render.py``)."""
+    from ocannl.backends.cuda.plan import cuda_target
+
+    [fused] = lower(_bias_gradient((64, 8, 8, 8)), Target())
+    assert fused.row_sum and fused.inner_vector == 8 and fused.split is None
+    assert [n.assign.lhs.label for n in fused.nests] == ["g", "b"]
+    [wide] = lower(_bias_gradient((64, 10)), Target())
+    assert wide.row_sum and wide.inner_vector == 0  # 10 lanes: the compiler's choice
+    gpu = lower(_bias_gradient((64, 8, 8, 8)), cuda_target())
+    assert len(gpu) == 2 and not any(g.row_sum for g in gpu)
+    two = Target(threads=2)
+    shared = lower(_bias_gradient((512, 1024)), two)
+    assert len(shared) == 2 and shared[1].split is not None  # a long row, shared by blocks
+    apart = lower(_bias_gradient((16, 12, 8), order=(1, 0)), Target())
+    assert len(apart) == 2 and apart[1].lead.walk_rows and not any(g.row_sum for g in apart)

@@ -24,7 +24,7 @@ reassociated or contracted, so results are bitwise those of the plain loops.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 import numpy as np
@@ -464,7 +464,13 @@ class RoutineIR:
             return
         iters: dict[int, ir.Value] = {}
         self.payload_rounds = lead.payload_rounds
-        if lead.walk_rows:
+        if g.row_sum:  # a lone row: no loop around it
+            *heads, walk = g.nests
+            self.registers = g.registers
+            self._row_walk(walk, space, iters, point=lambda: self._bodies(heads, iters),
+                           vector=g.inner_vector)
+            self.registers, self.held_values = frozenset(), {}
+        elif lead.walk_rows:
             self._loops(list(lead.par[:-1]), space, iters,
                         lambda: self._row_walk(lead, space, iters), outer=True)
         elif g.jam:
@@ -503,9 +509,12 @@ class RoutineIR:
             self._loops(order[1:], space, iters, body, vector=vector)
 
     def _par_body(self, g: LoopGroup, space: tuple[int, ...], iters: dict[int, ir.Value]) -> None:
+        self._bodies(g.nests, iters)
+
+    def _bodies(self, nests: Sequence[LoopNest], iters: dict[int, ir.Value]) -> None:
         """Every nest's body at the point (``core.nest``), its conversions keeping a NaN's
         payload where scheduling said so."""
-        for nest in g.nests:
+        for nest in nests:
             self.payload_rounds = nest.payload_rounds
             self.copying = nest.keeps_payload
             core.nest(self, nest, iters)
@@ -783,9 +792,12 @@ class RoutineIR:
         return value
 
     def _row_walk(self, nest: LoopNest, space: tuple[int, ...],
-                  iters: dict[int, ir.Value]) -> None:
+                  iters: dict[int, ir.Value], point: Callable[[], None] | None = None,
+                  vector: int = 0) -> None:
         """The reduction with its last parallel iterator innermost: a row of accumulators,
-        each taking its terms in the usual order, stored once at the end."""
+        each taking its terms in the usual order, stored once at the end; ``point``, run at
+        each point before its term is taken (``LoopGroup.row_sum``: the pointwise nests whose
+        values the row sums); ``vector``: the row's loop vectorized at that width."""
         a = nest.assign
         compute = _FLOAT[a.lhs.prec.compute]
         last = nest.par[-1]
@@ -806,8 +818,11 @@ class RoutineIR:
             b.store(ir.Constant(compute, 0.0 if neutral is None else neutral), cell(i))
 
         def inner() -> None:
-            with self.loop(*cells) as i:
+            with self.loop(*cells, vector=vector) as i:
                 iters[last] = i
+                if point is not None:
+                    point()
+                    self.payload_rounds, self.copying = nest.payload_rounds, False
                 value = self.expr(a.expr, compute, space, iters)
                 new = self.combine(a.accum, b.load(cell(i)), value, compute)
                 b.store(convert(b, new, compute), cell(i))
@@ -1042,7 +1057,7 @@ def signature(code: list[Lowered], nodes: list[Tnode], target: Target) -> str:
                          f"{item.chunks} {item.jam} {item.lanes} {item.packed} "
                          f"{item.transposed} "
                          f"{item.conversion} {item.flat} {item.lane_store} "
-                         f"{item.inner_vector} {item.run}")
+                         f"{item.inner_vector} {item.run} {item.row_sum}")
     return "\n".join(lines)
 
 
