@@ -1091,11 +1091,15 @@ def rendering(code: list[Lowered], target: Target) -> list[Lowered]:
 
 
 def row_sums_in_writers(code: list[Lowered], target: Target) -> list[Lowered]:
-    """On a CPU, a lone row walk run on one thread (a bias's gradient: each cell a chain of
-    dependent additions, bound by their latency, not by the cells' loads) joins the pointwise
+    """On a CPU, a lone row walk run on one thread (a bias's gradient) joins the pointwise
     group just before it that writes what it sums (the activation's gradient), as
-    ``LoopGroup.row_sum``: the pointwise work runs inside that chain instead of in a pass of
-    its own, and the row's terms are read as they are written. The same bits."""
+    ``LoopGroup.row_sum``: one pass instead of two, the row's terms read as they are written.
+    The same bits. Where that pass was shared over threads, only a row of at most
+    ``SHORT_INNER`` cells (a vector's worth) joins it: such a row walk is a chain of dependent
+    vector additions, bound by their latency, whose shadow holds the pass's work (convnet's
+    first bias, 8 cells: the two items alone 1.6 us on two threads and 3.8 us, together 2.0
+    us); a longer one is bound by its loads, and the pass keeps its threads (gpt_mini's
+    128-cell rows: its f32 step 1.03-1.10x slower when they joined)."""
     if target.gpu_block:
         return code
     out: list[Lowered] = []
@@ -1121,6 +1125,8 @@ def sums_row_of(heads: LoopGroup, walk: LoopGroup) -> bool:
         return False
     if heads.row_sum or heads.jam or heads.run or heads.conversion:
         return False
+    if heads.split is not None and r.space[r.par[0]] > SHORT_INNER:
+        return False  # a longer row is bound by its loads: the pass keeps its threads
     order = r.red + r.par
     written: dict[int, Any] = {}
     for n in heads.nests:

@@ -381,9 +381,9 @@ def _bias_gradient(dims: tuple[int, ...], order: tuple[int, ...] | None = None):
 def test_a_bias_gradient_runs_in_the_pass_writing_the_activations_gradient():
     """``row_sums_in_writers``: on a CPU the bias's row walk joins the gradient's pass
     (``LoopGroup.row_sum``, its row vectorized where short: ``row_vector``); not on a GPU, not
-    where the row walk is shared over threads, not where its terms come in another order than
-    the pass's points. The bits are the corpus's to check (``bias_gradient_*`` in
-    ``tests/backends/test_cpu_render.py``)."""
+    where the row walk is shared over threads, not a long row where the pass is, not where its
+    terms come in another order than the pass's points. The bits are the corpus's to check
+    (``bias_gradient_*`` in ``tests/backends/test_cpu_render.py``)."""
     from ocannl.backends.cuda.plan import cuda_target
 
     [fused] = lower(_bias_gradient((64, 8, 8, 8)), Target())
@@ -394,6 +394,11 @@ def test_a_bias_gradient_runs_in_the_pass_writing_the_activations_gradient():
     gpu = lower(_bias_gradient((64, 8, 8, 8)), cuda_target())
     assert len(gpu) == 2 and not any(g.row_sum for g in gpu)
     two = Target(threads=2)
+    [threaded] = lower(_bias_gradient((64, 8, 8, 8)), two)  # the pass alone would be shared
+    assert threaded.row_sum and threaded.split is None
+    long_rows = lower(_bias_gradient((16, 64, 128)), two)
+    assert len(long_rows) == 2 and long_rows[0].split is not None  # the pass keeps its threads
+    assert lower(_bias_gradient((16, 64, 128)), Target())[0].row_sum  # one thread: one pass
     shared = lower(_bias_gradient((512, 1024)), two)
     assert len(shared) == 2 and shared[1].split is not None  # a long row, shared by blocks
     apart = lower(_bias_gradient((16, 12, 8), order=(1, 0)), Target())
