@@ -120,9 +120,10 @@ def check_group(group: LoopGroup) -> None:
     lead = group.lead
     if group.row_sum:  # the pointwise nests, then the row walk summing what they write
         walk = group.nests[-1]
-        if not walk.walk_rows or len(walk.par) != 1:
+        if not walk.walk_rows or len(walk.par) != 1 or walk.space != lead.space:
             raise GroupingError(f"row-sum group led by {lead.assign.lhs.name}: its last nest, "
-                                f"writing {walk.assign.lhs.name}, must be a lone row walk")
+                                f"writing {walk.assign.lhs.name}, must be a lone row walk "
+                                f"over the lead's space {lead.space}")
         heads = group.nests[:-1]
         order = walk.red + walk.par
     else:

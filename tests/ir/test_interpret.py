@@ -4,6 +4,8 @@ refuses."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -102,6 +104,25 @@ def test_a_group_reading_another_points_cell_is_refused():
     red = LoopNest(Accum(Tnode("s", (), F32), (), "+", Get(y, (0,)), (4,)), (), (0,))
     with pytest.raises(interpret.GroupingError, match="pointwise"):
         interpret.check_group(LoopGroup((first, red)))
+
+
+def test_a_row_sum_group_must_end_in_a_row_walk_over_its_points_in_order():
+    """``LoopGroup.row_sum``: pointwise nests, then a lone row walk over their space whose
+    reductions then row are their points' order; anything else is refused."""
+    x, g = Tnode("x", (6, 8), F32), Tnode("g", (6, 8), F32)
+    b = Tnode("b", (8,), F32)
+    pointwise = loop_nest(Accum(g, (0, 1), "=", apply("relu", Get(x, (0, 1))), (6, 8)))
+    walk = LoopNest(Accum(b, (1,), "+", Get(g, (0, 1)), (6, 8), reset=True), (1,), (0,),
+                    walk_rows=True)
+    vals = _values(x=(x, np.arange(-24.0, 24.0).reshape(6, 8)))
+    interpret.run([LoopGroup((pointwise, walk), row_sum=True)], vals)
+    np.testing.assert_array_equal(vals[b.id], np.maximum(vals[x.id], 0).sum(0))
+    with pytest.raises(interpret.GroupingError, match="lone row walk"):
+        interpret.check_group(LoopGroup((pointwise, replace(walk, walk_rows=False)),
+                                        row_sum=True))
+    crossed = replace(pointwise, par=(1, 0))  # its points column by column
+    with pytest.raises(interpret.GroupingError, match="pointwise"):
+        interpret.check_group(LoopGroup((crossed, walk), row_sum=True))
 
 
 def test_register_nodes_are_poisoned_after_their_group():
