@@ -195,7 +195,9 @@ def lower_assignment(a: Accum, target: Target) -> list[Fill | LoopNest | Gemm]:
 # with 36 0.95 and 0.87-0.88 (a stride-2 one, 36 on average in 4 phases: 0.88 and 0.73), with
 # 18 (a small one) 1.32-1.33 and 1.24-1.25; a 3x3 stride-1 pool's (9 terms) 4.6-5.1 and
 # 3.0-3.5. A short sum gains nothing from its local accumulator and pays its padding guards at
-# every term. (benchmarks/OBSTACLES.md: "Scatters as gathers".)
+# every term. (benchmarks/OBSTACLES.md: "Scatters as gathers".) A gather of one term a cell
+# and no point outside (a pool whose windows tile its input: 2x2, stride 2) is a pointwise pass
+# over its target instead of a fill and a scatter: the CPU takes it whatever its terms.
 GPU_GATHER_MAX_WASTE = 2
 CPU_GATHER_MAX_WASTE = 2
 CPU_GATHER_MIN_TERMS = 32
@@ -217,7 +219,10 @@ def scatter_as_gather(a: Accum, target: Target) -> list[tuple[Accum, tuple[int, 
     if parts is None:
         return None
     cells = sum(math.prod(g.space[i] for i in par) for g, par in parts)
-    if sum(math.prod(g.space) for g, _ in parts) < CPU_GATHER_MIN_TERMS * cells:
+    terms = sum(math.prod(g.space) for g, _ in parts)
+    if terms == cells == math.prod(a.space):  # a term a cell, each a point of the scatter:
+        return parts  # a pass over the cells (a 2x2 pool's), not a fill and a scatter
+    if terms < CPU_GATHER_MIN_TERMS * cells:
         return None
     return parts
 

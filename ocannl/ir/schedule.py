@@ -803,9 +803,9 @@ def short_inner(item: LoopGroup) -> int:
     """The width to vectorize a pointwise group's innermost loop at, walked point by point (not
     ``flat``: a read is broadcast along some axis, a bias over a convolution's channels), or 0.
     Its extent must be a power of two from 4 to ``SHORT_INNER``, every access contiguous along
-    it or the same cell for all of it, every op one that runs in lanes: the vector loop then
-    does each cell's scalar operations, the same bits (measured: a convnet's bias and ReLU over
-    8 channels, f16 on a CPU without f16 arithmetic, 13.6 -> 4.5 us)."""
+    it or the same cell for all of it, every op one that :func:`vectorizes`: the vector loop
+    then does each cell's scalar operations, the same bits (measured: a convnet's bias and
+    ReLU over 8 channels, f16 on a CPU without f16 arithmetic, 13.6 -> 4.5 us)."""
     lead = item.lead
     if len(lead.par) < 2:
         return 0
@@ -821,9 +821,22 @@ def short_inner(item: LoopGroup) -> int:
             if any(isinstance(i, Affine) and any(t == it and c for c, t in i.terms)
                    for i in g.idx) or read_stride(g, it) not in (0, 1):
                 return 0
-        if not all(OPS[e.op].lanes for e in applies(a.expr)):
+        if not all(vectorizes(e.op) for e in applies(a.expr)):
             return 0
     return extent
+
+
+# Ops whose scalar code is a few plain instructions (a division, a square root, a comparison's
+# select, a sign flip) that a loop vectorizer widens lane by lane, each lane the scalar's bits,
+# beyond those that run in lanes (``Op.lanes``, the cheap ones): no libm call.
+PLAIN_OPS = frozenset({"div", "sqrt", "neg", "abs", "where"})
+
+
+def vectorizes(op: str) -> bool:
+    """Whether a loop vectorizer computes ``op`` lane by lane with the scalar's bits (the
+    width :func:`short_inner` and :func:`row_vector` give a loop)."""
+    o = OPS[op]
+    return o.lanes or o.flag or op in PLAIN_OPS
 
 
 def applies(e: Expr) -> list[Apply]:
@@ -1142,8 +1155,8 @@ def sums_row_of(heads: LoopGroup, walk: LoopGroup) -> bool:
 def row_vector(group: LoopGroup) -> int:
     """The width to vectorize a row-sum group's row loop at (``LoopGroup.inner_vector``), or
     0: as :func:`short_inner`'s, its extent a power of two from 4 to ``SHORT_INNER``, every
-    access contiguous along it or the same cell for all of it, every op one that runs in lanes
-    or a comparison (a select of 1 or 0: a ReLU's mask, lane by lane the scalar's bits)."""
+    access contiguous along it or the same cell for all of it, every op one that
+    :func:`vectorizes`."""
     walk = group.nests[-1]
     it = walk.par[0]
     extent = walk.space[it]
@@ -1151,7 +1164,7 @@ def row_vector(group: LoopGroup) -> int:
         return 0
     for n in group.nests:
         a = n.assign
-        if not all(OPS[e.op].lanes or OPS[e.op].flag for e in applies(a.expr)):
+        if not all(vectorizes(e.op) for e in applies(a.expr)):
             return 0
         for g in (Get(a.lhs, a.lhs_idx), *reads(a.expr)):
             if any(isinstance(i, Affine) and any(t == it and c for c, t in i.terms)

@@ -1,8 +1,9 @@
 """Scatters lowered as gathers (``lowering.gather_of``, ``scatter_as_gather``): where the rule
 takes them (a GPU: wherever invertible within the waste limit; a CPU: where each cell sums
-enough terms), the values are the scatter's within f32 rounding, the CPU backend's are the
-interpreter's bit for bit, the gradients are PyTorch's, and on CUDA a convnet's convolution
-input gradient runs over at least an H200's 132 SMs of blocks."""
+enough terms, or exactly one, every point inside), the values are the scatter's within f32
+rounding, the CPU backend's are the interpreter's bit for bit, the gradients are PyTorch's,
+and on CUDA a convnet's convolution input gradient runs over at least an H200's 132 SMs of
+blocks."""
 
 from __future__ import annotations
 
@@ -66,7 +67,8 @@ def _kinds(comp: Comp, target) -> list[str]:  # noqa: ANN001
     (lambda: _conv_dx(2, 9, 2, 4, 3, 1, stride=2), "scatter", "gather"),  # phases: 9 terms
     (lambda: _conv_dx(2, 9, 2, 4, 1, 0, stride=2), "scatter", "scatter"),  # a phase gets none
     (lambda: _pool_dx(2, 10, 3, 3, 1), "scatter", "gather"),  # 9 terms
-    (lambda: _pool_dx(2, 8, 3, 2, 2), "scatter", "gather"),  # phases: 1 term
+    (lambda: _pool_dx(2, 8, 3, 2, 2), "gather", "gather"),  # phases: 1 term, a pass
+    (lambda: _pool_dx(2, 9, 3, 2, 2), "scatter", "gather"),  # the last row and column get none
 ])
 def test_where_the_rule_takes_the_gather(case, cpu, gpu):
     comp = case()[0]
