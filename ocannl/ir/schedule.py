@@ -381,7 +381,10 @@ def _with_copies(code: list[Lowered], target: Target, virtual: dict[int, Tnode]
         if isinstance(item, Gemm):
             pending = _product(item, target, copies, direct, out)
         elif isinstance(item, LoopGroup):
-            wide = _widened_reads(item, copies, out, gathers=target.gpu_block == 0)
+            lead = item.lead
+            sums = (lead.gather and lead.assign.reset and lead.assign.lhs.prec.is_narrow
+                    and len(item.nests) == 1 and _sums_forwarded(code, index, k))
+            wide = _widened_reads(item, copies, out, gathers=target.gpu_block == 0, sums=sums)
             if wide is not None and _sums_forwarded(code, index, k):
                 out.pop()  # the rounding: the next item reads the f32 sums rounded
                 pending = {item.lead.assign.lhs.id: wide}
@@ -505,10 +508,14 @@ def _sums_forwarded(code: list[Lowered], index: AccessIndex, k: int) -> bool:
 
 
 def _widened_reads(item: LoopGroup, copies: _Copies, out: list[Lowered],
-                   gathers: bool = False) -> Tnode | None:
+                   gathers: bool = False, sums: bool = False) -> Tnode | None:
     """``item`` appended to ``out``, a reduction's 16-bit reads it takes many times over from
     f32 copies made before it, a scatter into a 16-bit node into an f32 copy rounded back
-    after it (the copy returned, its rounding the last of ``out``)."""
+    after it (the copy returned, its rounding the last of ``out``); with ``sums``, a gather
+    (writing every cell of its 16-bit target) too, into an f32 node its next pass reads
+    rounded (:func:`_sums_forwarded`: the 16-bit target is then never stored, as a scatter's
+    is not: a 2x2 pool's gradient, whose 16-bit node stood at the arena's peak beside the
+    next pass's, 32 KiB more of convnet's bf16 scratch)."""
     lead = item.lead
     renamed: dict[int, Tnode] = {}
     for node in reused_narrow(lead, gathers):
@@ -516,7 +523,9 @@ def _widened_reads(item: LoopGroup, copies: _Copies, out: list[Lowered],
     lhs = lead.assign.lhs
     scatter = lead.scatter and lhs.prec.is_narrow and lead.assign.accum != "="
     wide = None
-    if scatter:
+    if sums:  # every cell written: nothing to carry over into the f32 node
+        wide = Tnode(f"{lhs.label}_f32", lhs.dims, Precision.f32, memory_mode=MemoryMode.local)
+    elif scatter:
         wide = Tnode(f"{lhs.label}_f32", lhs.dims, Precision.f32, memory_mode=MemoryMode.local)
         zeroed = _last_zero_fill(lhs, out)
         if zeroed is None:

@@ -232,6 +232,30 @@ def test_a_scatters_16_bit_sums_are_read_rounded_by_the_next_pass_and_never_stor
     assert got == _grads_on_cpu(loss, comp)
 
 
+def test_a_pools_16_bit_gather_is_read_rounded_by_the_next_pass_and_never_stored(
+        monkeypatch, tmp_path):
+    """The 2x2 max-pool's gradient, a gather on a CPU (one term a cell), into the relu's f16
+    gradient: written into an f32 node that the relu mask's pass reads rounded, so the f16
+    node is never stored (as the scatter's sums were not); the same bits as storing it."""
+    monkeypatch.setenv("OCANNL_CACHE_DIR", str(tmp_path))
+    loss, comp = lenet_f16_step()
+    code = lower(comp, Target())
+    gathers = [g for g in code if isinstance(g, LoopGroup) and g.lead.gather]
+    assert [(g.lead.assign.lhs.label, g.lead.assign.lhs.prec) for g in gathers] == [
+        ("grad_relu_f32", Precision.f32)]
+    assert not [n for n in nodes_of(code) if n.label == "grad_relu"
+                and n.prec is Precision.f16 and len(n.dims) == 4]
+    rounded = [r for g in code if isinstance(g, LoopGroup) for n in g.nests
+               for r in reads(n.assign.expr) if r.rounded is Precision.f16]
+    assert any(r.node is gathers[0].lead.assign.lhs for r in rounded)
+    got = _grads_on_cpu(loss, comp)
+    monkeypatch.setattr(schedule, "_sums_forwarded", lambda code, index, k: False)
+    stored = lower(comp, Target())
+    assert [n for n in nodes_of(stored) if n.label == "grad_relu"
+            and n.prec is Precision.f16 and len(n.dims) == 4]
+    assert got == _grads_on_cpu(loss, comp)
+
+
 def test_a_read_steady_over_a_reductions_window_widens_in_place_not_from_a_copy(
         monkeypatch, tmp_path):
     """The max-pool's backward scatter reads the pooled output's f16 gradient once per window
