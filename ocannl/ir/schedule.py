@@ -382,8 +382,9 @@ def _with_copies(code: list[Lowered], target: Target, virtual: dict[int, Tnode]
             pending = _product(item, target, copies, direct, out)
         elif isinstance(item, LoopGroup):
             lead = item.lead
-            sums = (lead.gather and lead.assign.reset and lead.assign.lhs.prec.is_narrow
-                    and len(item.nests) == 1 and _sums_forwarded(code, index, k))
+            sums = (not target.gpu_block and lead.gather and lead.assign.reset
+                    and lead.assign.lhs.prec.is_narrow and len(item.nests) == 1
+                    and _sums_forwarded(code, index, k))
             wide = _widened_reads(item, copies, out, gathers=target.gpu_block == 0, sums=sums)
             if wide is not None and _sums_forwarded(code, index, k):
                 out.pop()  # the rounding: the next item reads the f32 sums rounded
@@ -511,8 +512,8 @@ def _widened_reads(item: LoopGroup, copies: _Copies, out: list[Lowered],
                    gathers: bool = False, sums: bool = False) -> Tnode | None:
     """``item`` appended to ``out``, a reduction's 16-bit reads it takes many times over from
     f32 copies made before it, a scatter into a 16-bit node into an f32 copy rounded back
-    after it (the copy returned, its rounding the last of ``out``); with ``sums``, a gather
-    (writing every cell of its 16-bit target) too, into an f32 node its next pass reads
+    after it (the copy returned, its rounding the last of ``out``); with ``sums`` (a CPU's), a
+    gather (writing every cell of its 16-bit target) too, into an f32 node its next pass reads
     rounded (:func:`_sums_forwarded`: the 16-bit target is then never stored, as a scatter's
     is not: a 2x2 pool's gradient, whose 16-bit node stood at the arena's peak beside the
     next pass's, 32 KiB more of convnet's bf16 scratch)."""
