@@ -45,7 +45,7 @@ memory planner, and a backend renders a copy as it renders any other nest.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -386,7 +386,7 @@ def _with_copies(code: list[Lowered], target: Target, virtual: dict[int, Tnode]
                     and lead.assign.lhs.prec.is_narrow and len(item.nests) == 1
                     and _sums_forwarded(code, index, k))
             wide = _widened_reads(item, copies, out, gathers=target.gpu_block == 0, sums=sums)
-            if wide is not None and _sums_forwarded(code, index, k):
+            if wide is not None and (sums or _sums_forwarded(code, index, k)):
                 out.pop()  # the rounding: the next item reads the f32 sums rounded
                 pending = {item.lead.assign.lhs.id: wide}
         else:
@@ -820,19 +820,27 @@ def short_inner(item: LoopGroup) -> int:
     if len(lead.par) < 2:
         return 0
     it = lead.par[-1]
-    extent = lead.space[it]
+    for n in item.nests:
+        if n.red or n.scatter or n.walk_rows or n.space != lead.space or n.par != lead.par:
+            return 0
+    return vector_width(item.nests, it, lead.space[it])
+
+
+def vector_width(nests: Sequence[LoopNest], it: int, extent: int) -> int:
+    """``extent``, where a loop over iterator ``it`` of ``extent`` cells running ``nests``
+    vectorizes whole with each cell's scalar bits: a power of two from 4 to ``SHORT_INNER``,
+    every access contiguous along ``it`` or the same cell for all of it, every op one that
+    :func:`vectorizes`; else 0."""
     if not 4 <= extent <= SHORT_INNER or extent & (extent - 1):
         return 0
-    for n in item.nests:
+    for n in nests:
         a = n.assign
-        if n.red or n.scatter or n.walk_rows or n.space != lead.space or n.par != lead.par:
+        if not all(vectorizes(e.op) for e in applies(a.expr)):
             return 0
         for g in (Get(a.lhs, a.lhs_idx), *reads(a.expr)):
             if any(isinstance(i, Affine) and any(t == it and c for c, t in i.terms)
                    for i in g.idx) or read_stride(g, it) not in (0, 1):
                 return 0
-        if not all(vectorizes(e.op) for e in applies(a.expr)):
-            return 0
     return extent
 
 
@@ -1164,23 +1172,9 @@ def sums_row_of(heads: LoopGroup, walk: LoopGroup) -> bool:
 
 def row_vector(group: LoopGroup) -> int:
     """The width to vectorize a row-sum group's row loop at (``LoopGroup.inner_vector``), or
-    0: as :func:`short_inner`'s, its extent a power of two from 4 to ``SHORT_INNER``, every
-    access contiguous along it or the same cell for all of it, every op one that
-    :func:`vectorizes`."""
+    0: :func:`vector_width` over every nest, the row walk's too."""
     walk = group.nests[-1]
-    it = walk.par[0]
-    extent = walk.space[it]
-    if not 4 <= extent <= SHORT_INNER or extent & (extent - 1):
-        return 0
-    for n in group.nests:
-        a = n.assign
-        if not all(vectorizes(e.op) for e in applies(a.expr)):
-            return 0
-        for g in (Get(a.lhs, a.lhs_idx), *reads(a.expr)):
-            if any(isinstance(i, Affine) and any(t == it and c for c, t in i.terms)
-                   for i in g.idx) or read_stride(g, it) not in (0, 1):
-                return 0
-    return extent
+    return vector_width(group.nests, walk.par[0], walk.space[walk.par[0]])
 
 
 def products_only(code: list[Lowered]) -> frozenset[int]:
