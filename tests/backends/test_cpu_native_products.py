@@ -289,3 +289,71 @@ def test_a_refused_product_path_is_refused_when_the_cpu_context_is_made(monkeypa
     with pytest.raises(ValueError, match=r"OCANNL_F16_PRODUCTS='fast': expected one of "
                                          r"'native'"):
         Context.cpu()
+
+
+
+def _bf16(values: object) -> object:
+    """``values`` rounded to bf16 (to nearest, ties to even), as f64."""
+    import numpy as np
+
+    bits = np.asarray(values, np.float32).view(np.uint32).astype(np.uint64)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16
+    return bits.astype(np.uint32).view(np.float32).astype(np.float64)
+
+
+def _column_major_gemm16(calls: list[int]):  # noqa: ANN202 - a ctypes callback
+    """A bf16 product with the BLAS's column-major signature, in NumPy, counting its calls in
+    ``calls``: what a native path's address points at."""
+    import ctypes
+
+    import numpy as np
+
+    int_t = ctypes.c_int64 if blas.chosen().int_bits == 64 else ctypes.c_int32
+    pi, pf = ctypes.POINTER(int_t), ctypes.POINTER(ctypes.c_float)
+    pc, pu = ctypes.POINTER(ctypes.c_char), ctypes.POINTER(ctypes.c_uint16)
+
+    def matrix(ptr, rows: int, cols: int, ld: int) -> np.ndarray:  # noqa: ANN001
+        raw = np.ctypeslib.as_array(ptr, shape=(cols * ld,)).astype(np.uint32) << 16
+        return raw.view(np.float32).reshape(cols, ld)[:, :rows].T.astype(np.float64)
+
+    def gemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):  # noqa: ANN001, ANN202
+        calls.append(1)
+        m, n, k = m[0], n[0], k[0]
+        opa = matrix(a, k, m, lda[0]).T if ta[0] in b"Tt" else matrix(a, m, k, lda[0])
+        opb = matrix(b, n, k, ldb[0]).T if tb[0] in b"Tt" else matrix(b, k, n, ldb[0])
+        out = np.ctypeslib.as_array(c, shape=(n * ldc[0],)).reshape(n, ldc[0])
+        out[:, :m] = (alpha[0] * (opa @ opb).T + beta[0] * out[:, :m]).astype(np.float32)
+
+    kind = ctypes.CFUNCTYPE(None, pc, pc, pi, pi, pi, pf, pu, pi, pu, pi, pf, pf, pi)
+    return kind(gemm)
+
+
+def test_a_native_path_decided_after_the_jit_engine_is_made_is_linked(monkeypatch):
+    """The 16-bit product symbol is bound when a routine is loaded, not once with the engine:
+    an engine made while bf16 products were widened still links a later native path (before,
+    the routine called address 0 and the process died)."""
+    import ctypes
+
+    import numpy as np
+
+    import ocannl.tensor as T
+    from ocannl import Context, train
+    from ocannl.backends.cpu import jit
+
+    jit._setup()  # the engine exists before the path below is decided
+    calls: list[int] = []
+    callback = _column_major_gemm16(calls)
+    address = ctypes.cast(callback, ctypes.c_void_p).value
+    monkeypatch.setattr(native_products, "_decided", {
+        Precision.bf16: native_products.ProductPath(Precision.bf16, True, "numpy", address,
+                                                     "the test's", 1),
+        Precision.f16: native_products.ProductPath(Precision.f16, False, "", 0, "the test's")})
+    rng = np.random.default_rng(0)
+    a, b = rng.normal(size=(48, 40)), rng.normal(size=(40, 24))
+    x = T.term(a, label="na", output_dims=(48,), input_dims=(40,))
+    w = T.term(b, label="nb", output_dims=(40,), input_dims=(24,))
+    y = T.cast(T.matmul(T.cast(x, "bf16"), T.cast(w, "bf16")), "f32")
+    ctx, r = Context.cpu().compile(train.forward(y))
+    ctx = ctx.run(r)
+    assert calls, "the bf16 product did not call the native path"
+    np.testing.assert_array_equal(ctx.get_values(y), _bf16(_bf16(a) @ _bf16(b)))

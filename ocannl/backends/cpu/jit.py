@@ -256,9 +256,6 @@ def _setup() -> tuple[llvm.ExecutionEngine, str]:
         chosen = blas.chosen()
         for ty, symbol in GEMM_SYMBOLS.items():
             llvm.add_symbol(symbol, chosen.sgemm if str(ty) == "float" else chosen.dgemm)
-        for prec, path in native_products.paths().items():
-            if path.native:
-                llvm.add_symbol(GEMM16_SYMBOLS[prec], path.address)
         control = chosen.threads
         if control is not None:
             llvm.add_symbol("ocannl_blas_get_threads", control[0])
@@ -284,6 +281,15 @@ def _setup() -> tuple[llvm.ExecutionEngine, str]:
                  f"O{_LEVEL} {' '.join(_LLVM_OPTIONS)}")
         _state.update(engine=engine, stamp=stamp)
     return _state["engine"], _state["stamp"]  # type: ignore[return-value]
+
+
+def _link_native_products() -> None:
+    """The 16-bit product symbols bound to the routines :mod:`native_products` decides now,
+    at each load rather than once with the engine: a routine linked against a symbol the
+    engine never bound would call address 0."""
+    for prec, path in native_products.paths().items():
+        if path.native:
+            llvm.add_symbol(GEMM16_SYMBOLS[prec], path.address)
 
 
 def trampoline() -> int:
@@ -401,6 +407,7 @@ def compile_ir(key: str, texts: list[str], single_blas: bool = False, bits: int 
 
 def _add(key: str, objects: list[bytes], from_disk: bool) -> tuple[int, bool]:
     engine, _ = _setup()
+    _link_native_products()
     for obj in objects:
         engine.add_object_file(llvm.ObjectFileRef.from_data(obj))
     engine.finalize_object()
