@@ -94,13 +94,24 @@ def train_run(args: argparse.Namespace) -> None:
                 sys.stdout.flush()
                 os.kill(os.getpid(), signal.SIGKILL if args.fault == "kill" else signal.SIGSTOP)
     except parallel.CollectiveTimeout as err:
-        print(f"faults: rank {comm.rank} waited {time.monotonic() - t_wait:.2f} s, "
-              f"{time.process_time() - c_wait:.3f} s of CPU; missing {list(err.missing)}, "
-              f"step {err.step}", flush=True)
-        print(f"faults: {_last_line(err)}", flush=True)
+        report(args.out, comm.rank,
+               f"rank {comm.rank} waited {time.monotonic() - t_wait:.2f} s, "
+               f"{time.process_time() - c_wait:.3f} s of CPU; missing {list(err.missing)}, "
+               f"step {err.step}", _last_line(err))
         raise
     if comm.rank == 0:
         (args.out / "done").write_text("ok")
+
+
+def report(out: Path, rank: int, *lines: str) -> None:
+    """What a rank says of the fault it met, each line ``faults: ...``: into
+    ``OUT/faults-rank<r>.txt`` (the tests read it there), then to its output in one write.
+    The launcher forwards a rank's output through a pipe and may drop the last of it when the
+    job aborts (on a loaded machine, the second of two printed lines went missing)."""
+    text = "".join(f"faults: {line}\n" for line in lines)
+    (out / f"faults-rank{rank}.txt").write_text(text)
+    sys.stdout.write(text)
+    sys.stdout.flush()
 
 
 def _last_line(err: BaseException) -> str:
@@ -141,9 +152,8 @@ def nccl_run(args: argparse.Namespace) -> None:
     try:
         comm.barrier()
     except parallel.CollectiveTimeout as err:
-        print(f"faults: rank {comm.rank} NCCL calls {[c[0] for c in fake_nccl.calls]}",
-              flush=True)
-        print(f"faults: {_last_line(err)}", flush=True)
+        report(args.out, comm.rank, f"rank {comm.rank} NCCL calls "
+               f"{[c[0] for c in fake_nccl.calls]}", _last_line(err))
         raise
 
 

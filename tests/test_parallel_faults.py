@@ -50,6 +50,14 @@ def launch(n: int, *args: str | Path, out: Path, unseen_death: bool = False,
     return job, job.ended
 
 
+def said(out: Path, job: Job) -> str:
+    """What rank 0 said of the fault it met (``parallel_faults_worker.report``), from the file
+    it wrote: the launcher may drop a rank's last output lines when the job aborts."""
+    path = out / "faults-rank0.txt"
+    assert path.exists(), f"rank 0 wrote no report of a fault; the job's output: {job.out[-3000:]}"
+    return path.read_text()
+
+
 def check_checkpoint(out: Path, ck: Path, step: int) -> None:
     """The checkpoint written before the fault is whole, loads, and holds what rank 0 saved;
     no temporary file is left beside it."""
@@ -78,21 +86,22 @@ def test_a_stopped_or_dead_rank_ends_the_others_naming_it_and_the_step(fault: st
                         unseen_death=fault == "kill")
     assert not job.timed_out and job.rc != 0 and job.left == [], job.out[-3000:]
     assert not (tmp_path / "done").exists()
-    pid = int(job.out.split("rank 1 (pid ")[1].split()[0])
+    report = said(tmp_path, job)
+    pid = int(report.split("rank 1 (pid ")[1].split()[0])
     state = "stopped (SIGSTOP?)" if fault == "stop" else "gone (it died or exited)"
     want = (re.escape("ocannl.parallel.CollectiveTimeout: mpi rank 0: the shard tree's sum "
                       "in shared memory (partial sums written) (collective #") + r"\d+"
             + re.escape(") at step 7 did not complete within 3 s ") + WAITED
             + re.escape(f": rank 1 (pid {pid} on this host, {state}) did not answer. A rank "
                         f"that died, hung or is stuck outside the collectives ends the job"))
-    assert re.search(want, job.out), job.out[-3000:]
-    assert "OCANNL_COLLECTIVE_TIMEOUT" in job.out
+    assert re.search(want, report), report
+    assert "OCANNL_COLLECTIVE_TIMEOUT" in report
     # from the fault to the end of the job: within the timeout and the cleanup
     fault_at = float((tmp_path / "fault").read_text())
     # (rank 0 may have entered step 7's allreduce a little before rank 1 stopped)
     assert TIMEOUT_S - 1.0 <= ended - fault_at < WITHIN_S, ended - fault_at
     # rank 0 slept while it waited: a spinning rank's CPU time would be its waiting time
-    line = next(ln for ln in job.out.splitlines() if ln.startswith("faults: rank 0 waited"))
+    line = next(ln for ln in report.splitlines() if ln.startswith("faults: rank 0 waited"))
     waited, cpu = float(line.split()[4]), float(line.split()[6])
     assert waited >= TIMEOUT_S and cpu < 0.25 * waited, line
     assert "missing [1], step 7" in line
@@ -109,15 +118,16 @@ def test_a_stopped_rank_ends_the_others_in_an_overlapped_exchange(tmp_path: Path
     job, _ = launch(2, "train", "--out", tmp_path, "--checkpoint", ck, "--fault", "stop",
                     "--at", "7", "--timeout", TIMEOUT_S, "--overlap", out=tmp_path)
     assert not job.timed_out and job.rc != 0 and job.left == [], job.out[-3000:]
-    pid = int(job.out.split("rank 1 (pid ")[1].split()[0])
+    report = said(tmp_path, job)
+    pid = int(report.split("rank 1 (pid ")[1].split()[0])
     want = (re.escape("ocannl.parallel.CollectiveTimeout: mpi rank 0: the shard tree's sum "
                       "in shared memory, bucket [") + r"\d+, \d+"
             + re.escape(") (written) (collective #") + r"\d+"
             + re.escape(") at step 7 did not complete within 3 s ") + WAITED
             + re.escape(f": rank 1 (pid {pid} on this host, stopped (SIGSTOP?)) did not "
                         f"answer."))
-    assert re.search(want, job.out), job.out[-3000:]
-    line = next(ln for ln in job.out.splitlines() if ln.startswith("faults: rank 0 waited"))
+    assert re.search(want, report), report
+    line = next(ln for ln in report.splitlines() if ln.startswith("faults: rank 0 waited"))
     waited, cpu = float(line.split()[4]), float(line.split()[6])
     assert waited >= TIMEOUT_S and cpu < 0.25 * waited, line
     check_checkpoint(tmp_path, ck, 5)
@@ -147,10 +157,11 @@ def test_nccl_through_the_stand_ins_ends_a_hung_job_naming_the_rank(fault: str,
     communicator and names the operation, rank 1 answering from the barrier after it."""
     (tmp_path / "started").write_text("")
     flags = ["--fault", "stop"] if fault == "stop" else ["--stuck"]
-    job, _ = launch(2, "nccl", *flags, "--timeout", TIMEOUT_S, out=tmp_path)
+    job, _ = launch(2, "nccl", *flags, "--timeout", TIMEOUT_S, "--out", tmp_path, out=tmp_path)
     assert not job.timed_out and job.rc != 0 and job.left == [], job.out[-3000:]
+    report = said(tmp_path, job)
     if fault == "stop":
-        pid = int(job.out.split("rank 1 (pid ")[1].split()[0])
+        pid = int(report.split("rank 1 (pid ")[1].split()[0])
         want = (rf"mpi rank 0: barrier \(collective #6\) at step 4 did not complete within "
                 rf"3 s {WAITED}: rank 1 \(pid {pid} on this host, stopped \(SIGSTOP\?\)\) did "
                 rf"not answer\.")
@@ -159,13 +170,13 @@ def test_nccl_through_the_stand_ins_ends_a_hung_job_naming_the_rank(fault: str,
                 rf"the GPU \(collective #6\) at step 4 did not complete within 3 s {WAITED}: "
                 rf"rank 1 answered from collective #7 \(barrier\) at step 4; every other rank "
                 rf"is past it: this rank's own wait did not end")
-    assert re.search(want, job.out), job.out[-3000:]
+    assert re.search(want, report), report
     if fault == "stuck":
         # each allreduce on the communicator's stream after the legacy one's work, which then
         # waits for it: record, wait, the call, record, wait
         one = "'event.record', 'wait_event', 'allReduce', 'event.record', 'wait_event'"
         assert (f"faults: rank 0 NCCL calls ['get_unique_id', 'init', {one}, {one}, "
-                f"'abort']") in job.out
+                f"'abort']") in report
 
 
 @needs_mpi
