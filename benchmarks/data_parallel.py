@@ -35,6 +35,7 @@ Measured, not asserted: writes ``DATA_PARALLEL.md`` and ``DATA_PARALLEL.json`` (
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shlex
@@ -246,12 +247,28 @@ def ocannl_worker(w: Workload, steps: int, warmup: int, shards: int, zero: bool 
 def torch_worker(w: Workload, steps: int, warmup: int, port: int, threads: int) -> dict:
     import torch
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
 
     torch.set_num_threads(threads)
     rank, size = int(os.environ.get("PMI_RANK", 0)), int(os.environ.get("PMI_SIZE", 1))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=size)
+    try:
+        return _torch_timed(w, steps, warmup, rank, size, threads)
+    finally:
+        # DDP's reducer gone before its process group (the timed run's locals are): the other
+        # way round, gloo's threads were still joinable at exit and about one 2-rank run in
+        # three ended in std::terminate ("terminate called without an active exception",
+        # exit code 15) after writing its result
+        gc.collect()
+        dist.destroy_process_group()
+
+
+def _torch_timed(w: Workload, steps: int, warmup: int, rank: int, size: int,
+                 threads: int) -> dict:
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
     fx = fixtures.load(w)
     onehot = None
     t0 = time.perf_counter()
@@ -284,7 +301,6 @@ def torch_worker(w: Workload, steps: int, warmup: int, port: int, threads: int) 
     mine = {"threads": threads_in_use("torch"), "cpu_s": c1 - c0, "seconds": elapsed}
     everyone: list = [None] * size
     dist.all_gather_object(everyone, mine)
-    dist.destroy_process_group()
     return {"rank": rank, "size": size, "losses": losses, "seconds": elapsed, "steps": steps,
             "build_s": build_s, "ranks": everyone}
 
