@@ -523,11 +523,9 @@ def _widened_reads(item: LoopGroup, copies: _Copies, out: list[Lowered],
         renamed[node.id] = copies.of(node, Precision.f32, out)
     lhs = lead.assign.lhs
     scatter = lead.scatter and lhs.prec.is_narrow and lead.assign.accum != "="
-    wide = None
-    if sums:  # every cell written: nothing to carry over into the f32 node
-        wide = Tnode(f"{lhs.label}_f32", lhs.dims, Precision.f32, memory_mode=MemoryMode.local)
-    elif scatter:
-        wide = Tnode(f"{lhs.label}_f32", lhs.dims, Precision.f32, memory_mode=MemoryMode.local)
+    wide = Tnode(f"{lhs.label}_f32", lhs.dims, Precision.f32, memory_mode=MemoryMode.local) \
+        if sums or scatter else None
+    if scatter and not sums:  # a scatter adds into the target: its f32 node starts from it
         zeroed = _last_zero_fill(lhs, out)
         if zeroed is None:
             out.append(copy_group(wide, lhs))

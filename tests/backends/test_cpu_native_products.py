@@ -292,15 +292,6 @@ def test_a_refused_product_path_is_refused_when_the_cpu_context_is_made(monkeypa
 
 
 
-def _bf16(values: object) -> object:
-    """``values`` rounded to bf16 (to nearest, ties to even), as f64."""
-    import numpy as np
-
-    bits = np.asarray(values, np.float32).view(np.uint32).astype(np.uint64)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16
-    return bits.astype(np.uint32).view(np.float32).astype(np.float64)
-
-
 def _column_major_gemm16(calls: list[int]):  # noqa: ANN202 - a ctypes callback
     """A bf16 product with the BLAS's column-major signature, in NumPy, counting its calls in
     ``calls``: what a native path's address points at."""
@@ -339,6 +330,7 @@ def test_a_native_path_decided_after_the_jit_engine_is_made_is_linked(monkeypatc
     import ocannl.tensor as T
     from ocannl import Context, train
     from ocannl.backends.cpu import jit
+    from ocannl.backends.rounding import to_precision
 
     jit._setup()  # the engine exists before the path below is decided
     calls: list[int] = []
@@ -356,4 +348,7 @@ def test_a_native_path_decided_after_the_jit_engine_is_made_is_linked(monkeypatc
     ctx, r = Context.cpu().compile(train.forward(y))
     ctx = ctx.run(r)
     assert calls, "the bf16 product did not call the native path"
-    np.testing.assert_array_equal(ctx.get_values(y), _bf16(_bf16(a) @ _bf16(b)))
+    def bf16(values: np.ndarray) -> np.ndarray:  # f32 values rounded to bf16, as f64
+        return to_precision(values.astype(np.float32), Precision.bf16).astype(np.float64)
+
+    np.testing.assert_array_equal(ctx.get_values(y), bf16(bf16(a) @ bf16(b)))
