@@ -119,8 +119,8 @@ class Staged:
     the node. Made by :meth:`Context.staged`; it holds only a weak reference to its
     context."""
 
-    __slots__ = ("__weakref__", "_context", "_later", "_shapes", "_size", "blocks", "node",
-                 "views")
+    __slots__ = ("__weakref__", "_context", "_copies", "_later", "_shapes", "_size", "blocks",
+                 "node", "views")
 
     def __init__(self, context: Context, node: Tnode, blocks: int) -> None:
         self.node, self.blocks = node, blocks
@@ -135,6 +135,11 @@ class Staged:
         # axis: none, each value checked in full)
         self._shapes = ((dims[0] * blocks, *dims[1:]), (size * blocks,)) if dims else ()
         self._context = weakref.ref(context)
+        # A host array of f32 / f64 nodes: each block's buffer and the slice of the values it
+        # takes, copied by NumPy, whose cast rounds once (the backend's write, without its
+        # call: a batch is written every step). None: the backend writes (16 bits, a device).
+        self._copies = None if node.prec.is_narrow or not isinstance(own, np.ndarray) else \
+            [(own, slice(0, size))] + ([(self._later, slice(size, None))] if blocks > 1 else [])
 
     def __repr__(self) -> str:
         return f"Staged({self.node.name}, {self.blocks} blocks)"
@@ -168,10 +173,15 @@ class Staged:
         context = self._context()
         if context is None:
             raise ValueError(f"{self!r}: its context is gone")
-        host, size, write = values.host, self._size, context._backend.write
-        write(node, self.views[0], host[:size])
-        if self._later is not None:
-            write(node, self._later, host[size:])
+        host, copies = values.host, self._copies
+        if copies is not None:
+            for buf, part in copies:
+                buf[...] = host[part]
+        else:
+            size, write = self._size, context._backend.write
+            write(node, self.views[0], host[:size])
+            if self._later is not None:
+                write(node, self._later, host[size:])
         context._written(node)
 
     def put(self, block: int) -> None:

@@ -611,8 +611,13 @@ class MpiCommunicator:
         for win, _ in self._shared:
             win.Sync()
         self._arrived += 1
-        self._arrivals.raise_to(0, self._arrived)
-        self._arrivals.wait(0, self._arrived, what)  # no rank can be a barrier ahead
+        arrived, arrivals = self._arrived, self._arrivals
+        # the counter raised, and every rank's looked at once, without fences of their own:
+        # the window's fences around them are this barrier's (no rank can be a barrier ahead)
+        arrivals._counters[self.rank][0] = arrived
+        self._start(what)
+        if not arrivals.all_at(0, arrived):
+            self._wait(_Reached(arrivals, 0, arrived), what)
         for win, _ in self._shared:
             win.Sync()
 
@@ -666,10 +671,17 @@ class SharedCounters:
     def reached(self, i: int, count: int) -> bool:
         """Whether every rank's counter ``i`` has reached ``count`` (its writes before then
         visible here when it has)."""
+        if not self.all_at(i, count):
+            return False
+        self._fence()
+        return True
+
+    def all_at(self, i: int, count: int) -> bool:
+        """Whether every rank's counter ``i`` has reached ``count``, without the fence that
+        makes their writes visible (:meth:`reached`'s)."""
         for c in self._counters:
             if c[i] < count:
                 return False
-        self._fence()
         return True
 
     def wait(self, i: int, count: int, what: str) -> None:

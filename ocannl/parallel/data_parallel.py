@@ -157,11 +157,14 @@ class _Feeds:
     the block's first shard into the input, the later ones apart) and the loss's reader
     (made after the first shard has run). They hold no reference to the context."""
 
-    __slots__ = ("read_loss", "staged")
+    __slots__ = ("flat", "read_loss", "rows", "staged", "unscale")
 
-    def __init__(self) -> None:
+    def __init__(self, inputs: Sequence[Tensor]) -> None:
         self.staged: list[list[Staged]] = []
         self.read_loss: Callable[[], Any] | None = None
+        self.rows = [int(t.value.dims[0]) for t in inputs]  # a shard's, of each input
+        self.flat: Any = None  # the flat gradients' buffer, once reduce has asked for it
+        self.unscale: float | None = None  # grad_unscale's value last written there
 
 
 def _array_module(a: Any) -> Any:
@@ -274,6 +277,7 @@ class DataParallel:
             raise ValueError(f"DataParallel: fixed_order=False leaves the sum to the "
                              f"communicator, one shard per rank: shards must be {size}, got {n}")
         self.comm = comm
+        self._tells_step = hasattr(comm, "step")
         self.loss = loss
         self.params = list(loss.params)
         self.inputs = tuple(inputs)
@@ -335,7 +339,6 @@ class DataParallel:
         self._summer: SharedSum | None = None  # the sum over them
         self._bucket_sums: SharedBuckets | None = None  # with overlap: bucket by bucket
         self._shared_params: list[np.ndarray] | None = None  # with ZeRO-1: their parameters
-        self._synced: weakref.WeakKeyDictionary[Context, float] = weakref.WeakKeyDictionary()
         self._offsets: weakref.WeakKeyDictionary[Context, int] = weakref.WeakKeyDictionary()
         self._feeds: weakref.WeakKeyDictionary[Context, _Feeds] = weakref.WeakKeyDictionary()
         self._last_feeds: tuple[weakref.ref[Context], _Feeds] | None = None
@@ -636,17 +639,18 @@ class DataParallel:
         micro = len(self._pending)
         made = feeds.staged[micro] if micro < len(feeds.staged) else None
         checked: list[Checked] = []
-        for j, (a, t) in enumerate(zip(arrays, self.inputs, strict=True)):
-            rows = int(t.value.dims[0])
+        for j, a in enumerate(arrays):
+            rows = feeds.rows[j]
             n = len(a)
-            if n == rows * self.shards and self.shards != k:
+            if n != rows * k:
+                if n != rows * self.shards:
+                    raise ValueError(
+                        f"DataParallel.set_batch: {self.inputs[j].label} got {n} rows, expected "
+                        f"this rank's block of {k} shard(s) of {rows} rows ({rows * k}) or the "
+                        f"global batch ({rows * self.shards})")
                 a = a[self.first_shard * rows:(self.first_shard + k) * rows]
-            elif n != rows * k:
-                raise ValueError(
-                    f"DataParallel.set_batch: {t.label} got {n} rows, expected this rank's "
-                    f"block of {k} shard(s) of {rows} rows ({rows * k}) or the global batch "
-                    f"({rows * self.shards})")
-            checked.append(made[j].check(a) if made is not None else check_blocks(t.value, a, k))
+            checked.append(made[j].check(a) if made is not None
+                           else check_blocks(self.inputs[j].value, a, k))
         if made is None:  # the staging of this many micro-batches, once every value passed
             made = [ctx.staged(t, k) for t in self.inputs]
             feeds.staged.append(made)
@@ -682,7 +686,7 @@ class DataParallel:
             return last[1]
         feeds = self._feeds.get(ctx)
         if feeds is None:
-            feeds = self._feeds[ctx] = _Feeds()
+            feeds = self._feeds[ctx] = _Feeds(self.inputs)
         self._last_feeds = (weakref.ref(ctx), feeds)
         return feeds
 
@@ -912,7 +916,9 @@ class DataParallel:
                 update: Routine | None = None) -> Context:
         # The shard sums' overflows are the checksum's to see: NumPy says nothing of them
         # (one errstate for the whole reduction: entering one costs microseconds).
-        plan = None if update is None else self._update_splits.get(update)
+        # (the update's cut is looked up only where there is one: a weak dictionary's lookup
+        # costs as much as a small step's additions)
+        plan = self._update_splits.get(update) if update is not None and self.overlap else None
         with np.errstate(all="ignore"):
             ctx, updated = self._reduce_quietly(ctx, scaler, split, plan)
         return ctx.run(update) if update is not None and not updated else ctx
@@ -932,13 +938,16 @@ class DataParallel:
                              f"this rank's slice of the parameters only; call "
                              f"dp.after_update(ctx, applied) after the optimizer's update "
                              f"(the recipes do) so every rank has the whole model")
+        feeds = self._feeds_of(ctx)
         want = self._unscale_value(scaler)
-        if self._synced.get(ctx) != want:  # each context is brought in step on its own
+        if feeds.unscale != want:  # each context is brought in step on its own
             ctx = ctx.set_values(self._unscale, np.array(want, np.float32))
-            self._synced[ctx] = want
-        if hasattr(self.comm, "step"):  # the step a collective's timeout names
+            feeds.unscale = want
+        if self._tells_step:  # the step a collective's timeout names
             self.comm.step = self.step
-        flat = ctx.device_buffer(self.flat)
+        flat = feeds.flat
+        if flat is None:  # the gradients' buffer; the additions below write it every step,
+            flat = feeds.flat = ctx.device_buffer(self.flat)  # but no twin derives from it
         pending, self._pending = self._pending, []
         counters_at, self._counters_at = self._counters_at, []
         stats_at, self._stats_at = self._stats_at, None
