@@ -133,6 +133,17 @@ def test_shard_settings_are_checked() -> None:
         dp.reduce(ctx)
 
 
+def test_an_input_without_an_axis_is_refused_by_name() -> None:
+    """A batch is split along its inputs' first axis: an input with none is named."""
+    x, y, loss = _mlp(4)
+    temperature = T.term(np.float32(1.0), label="temperature")
+    dp = parallel.DataParallel(parallel.SingleProcess(), loss * temperature,
+                               inputs=[x, y, temperature], shards=2)
+    ctx = dp.setup(Context.cpu())
+    with pytest.raises(ValueError, match=r"input\(s\) \['temperature'\] have no axis"):
+        dp.set_batch(ctx, np.zeros((8, 2)), np.zeros((8, 2)), np.float32(2.0))
+
+
 def test_a_bad_value_in_a_later_shard_is_refused_before_anything_is_written() -> None:
     """set_batch checks every shard's values before it writes the first one: a class id out
     of range in the second shard is refused there, naming it, and the inputs and the pending

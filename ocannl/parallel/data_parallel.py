@@ -157,12 +157,11 @@ class _Feeds:
     the block's first shard into the input, the later ones apart) and the loss's reader
     (made after the first shard has run). They hold no reference to the context."""
 
-    __slots__ = ("flat", "read_loss", "rows", "staged", "unscale")
+    __slots__ = ("flat", "read_loss", "staged", "unscale")
 
-    def __init__(self, inputs: Sequence[Tensor]) -> None:
+    def __init__(self) -> None:
         self.staged: list[list[Staged]] = []
         self.read_loss: Callable[[], Any] | None = None
-        self.rows = [int(t.value.dims[0]) for t in inputs]  # a shard's, of each input
         self.flat: Any = None  # the flat gradients' buffer, once reduce has asked for it
         self.unscale: float | None = None  # grad_unscale's value last written there
 
@@ -281,6 +280,7 @@ class DataParallel:
         self.loss = loss
         self.params = list(loss.params)
         self.inputs = tuple(inputs)
+        self._input_rows: list[int] | None = None  # a shard's rows of each (set_batch)
         self.label = label or f"flat_grads_{loss.label}"
         self.shards = n
         self.per_rank = n // size
@@ -639,8 +639,9 @@ class DataParallel:
         micro = len(self._pending)
         made = feeds.staged[micro] if micro < len(feeds.staged) else None
         checked: list[Checked] = []
+        every_rows = self._input_rows or self._rows_of_inputs()
         for j, a in enumerate(arrays):
-            rows = feeds.rows[j]
+            rows = every_rows[j]
             n = len(a)
             if n != rows * k:
                 if n != rows * self.shards:
@@ -664,6 +665,15 @@ class DataParallel:
         self._pending.append(made if k > 1 else [])  # one shard: nothing staged to run
         return self._set_row_offset(ctx, self.first_shard) if self.rngs else ctx
 
+    def _rows_of_inputs(self) -> list[int]:
+        """A shard's rows of each input (its first axis), looked up once."""
+        flat = [t.label for t in self.inputs if not t.value.dims]
+        if flat:
+            raise ValueError(f"DataParallel.set_batch: input(s) {flat} have no axis: a batch is "
+                             f"split into shards along its inputs' first axis")
+        self._input_rows = [int(t.value.dims[0]) for t in self.inputs]
+        return self._input_rows
+
     def _refuse_another_context(self, ctx: Context, what: str) -> None:
         """A step's later shards are staged in the context its first micro-batch was given
         (set_batch): its other micro-batches and its reduce must use that one."""
@@ -686,7 +696,7 @@ class DataParallel:
             return last[1]
         feeds = self._feeds.get(ctx)
         if feeds is None:
-            feeds = self._feeds[ctx] = _Feeds(self.inputs)
+            feeds = self._feeds[ctx] = _Feeds()
         self._last_feeds = (weakref.ref(ctx), feeds)
         return feeds
 
