@@ -144,11 +144,13 @@ class _BlockPlan:
     with their buffers. ``flat`` keeps the block's leftmost node; the other buffers are the
     plan's own."""
 
-    __slots__ = ("shards", "stack")
+    __slots__ = ("add", "micros", "shards", "stack")
 
-    def __init__(self) -> None:
+    def __init__(self, add: Callable[..., Any]) -> None:
         self.shards: list[tuple[Any, list[Routine], list[tuple[Any, Any, Any]]]] = []
         self.stack: list[tuple[tuple[int, int], Any]] = []
+        self.micros = 0  # the micro-batches each shard has its routines for
+        self.add = add  # the buffers' module's addition (NumPy's, CuPy's)
 
 
 class _Feeds:
@@ -1042,11 +1044,11 @@ class DataParallel:
         routines run into its own buffer from its staged inputs, its loss read, its additions
         done; the block's partial sums then on the stack. Shard 0's gradient is in flat."""
         block = self._block_plan(ctx, flat, pending)
-        micros, add = len(pending), _array_module(flat).add
+        micros, add, track = len(pending), block.add, self.track_losses
         for _, runs, adds in block.shards:
             for m in range(micros):
                 ctx = ctx.run(runs[m])
-            if self.track_losses:
+            if track:
                 losses.append(self._loss_now(ctx))
             for out, left, right in adds:
                 add(left, right, out=out)
@@ -1059,8 +1061,10 @@ class DataParallel:
         out on the tree's nodes, each shard's buffer taken from the plan's own as the fold
         frees them; each shard's routines for as many micro-batches as ``pending`` holds."""
         block = self._blocks.get(id(ctx))  # a plan's routines hold its context: no id reuse
+        if block is not None and block.micros >= len(pending):
+            return block
         if block is None:
-            block = self._blocks[id(ctx)] = _BlockPlan()
+            block = self._blocks[id(ctx)] = _BlockPlan(_array_module(flat).add)
             lo = self.first_shard
             assert self._fold_plans[0][0] == 0  # the block's first leaf completes no node
             block.stack = [((lo, lo + 1), flat)]
@@ -1070,12 +1074,14 @@ class DataParallel:
                 adds, freed = self._fold_step(j, block.stack, flat, into)
                 free += freed
                 block.shards.append((into, [], adds))
+            assert [node for node, _ in block.stack] == self._covers[self.rank]
         for j, (into, runs, _) in enumerate(block.shards):
             while len(runs) < len(pending):
                 routine = self._first if not runs else self._more
                 bound = {n.id for n in routine.nodes}
                 runs.append(ctx.rebound(routine, self.flat, into, reads={
                     st.node: st.views[j + 1] for st in pending[len(runs)] if st.node.id in bound}))
+        block.micros = len(pending)
         return block
 
     def _sum_block(self, ctx: Context, flat: Any, exchanges: list[Exchange],
@@ -1087,10 +1093,13 @@ class DataParallel:
         exchange of the whole buffer now. ``pooled``: their buffers go back to the pool
         (:meth:`_spare`; not a :class:`_BlockPlan`'s own). Returns whether the update ran."""
         partials = [buf for _, buf in self._stack]
-        assert [node for node, _ in self._stack] == self._covers[self.rank]
-        ctx, updated = self._finish(ctx, exchanges, plan)
-        if not exchanges:
+        # (a plain step's stack is its plan's, checked when the plan was made)
+        assert not pooled or [node for node, _ in self._stack] == self._covers[self.rank]
+        if exchanges:
+            ctx, updated = self._finish(ctx, exchanges, plan)
+        else:
             self._tree_sum(partials, flat)
+            updated = False
         if pooled:
             self._free += [buf for buf in partials if buf is not flat]
         return ctx, updated
