@@ -1044,12 +1044,13 @@ class DataParallel:
         routines run into its own buffer from its staged inputs, its loss read, its additions
         done; the block's partial sums then on the stack. Shard 0's gradient is in flat."""
         block = self._block_plan(ctx, flat, pending)
-        micros, add, track = len(pending), block.add, self.track_losses
+        micros, add = len(pending), block.add
+        read = self._loss_reader(ctx) if self.track_losses else None
         for _, runs, adds in block.shards:
             for m in range(micros):
                 ctx = ctx.run(runs[m])
-            if track:
-                losses.append(self._loss_now(ctx))
+            if read is not None:
+                losses.append(read())
             for out, left, right in adds:
                 add(left, right, out=out)
         self._stack = list(block.stack)
@@ -1269,11 +1270,15 @@ class DataParallel:
     def _loss_now(self, ctx: Context) -> Any:
         """The loss of the shard just computed: a number on the CPU; on a GPU a copy of its
         device cell (no wait for the device: :meth:`global_loss` reads it when asked)."""
+        return self._loss_reader(ctx)()
+
+    def _loss_reader(self, ctx: Context) -> Callable[[], Any]:
+        """What :meth:`_loss_now` calls, made once per context."""
         feeds = self._feeds_of(ctx)
         if feeds.read_loss is None:
             buf = ctx.device_buffer(self.loss.value)
             feeds.read_loss = ctx.reader(self.loss) if isinstance(buf, np.ndarray) else buf.copy
-        return feeds.read_loss()
+        return feeds.read_loss
 
     def global_loss(self) -> float:
         """The global batch's loss at the last :meth:`reduce`: the shards' losses summed in
