@@ -46,7 +46,6 @@ from benchmarks.data_parallel import shard_count, shard_model  # noqa: E402
 from benchmarks.interleaved import interleaved  # noqa: E402
 from benchmarks.specs import WORKLOADS, Workload  # noqa: E402
 from ocannl import Context, parallel, train  # noqa: E402
-from ocannl.parallel import data_parallel  # noqa: E402
 
 
 def build(w: Workload, shards: int) -> dict[str, Any]:
@@ -74,7 +73,8 @@ def build(w: Workload, shards: int) -> dict[str, Any]:
 
     step()
     buf = ctx.device_buffer(dp.flat)
-    return {"step": step, "routine": lambda: ctx.run(grads), "elements": int(buf.size)}
+    return {"step": step, "routine": lambda: ctx.run(grads), "elements": int(buf.size),
+            "dp": dp}
 
 
 def timed(fn: Callable[[], object], calls: int) -> float:
@@ -86,24 +86,24 @@ def timed(fn: Callable[[], object], calls: int) -> float:
     return statistics.median(spent)
 
 
-def additions_in_step(step: Callable[[], None], calls: int) -> list[float]:
-    """Per call of ``step``, the seconds its shard tree's additions took: ``DataParallel``'s
-    array module wrapped for the calls, each addition timed where the step does it."""
+def additions_in_step(step: Callable[[], None], calls: int, dp: Any) -> list[float]:
+    """Per call of ``step``, the seconds its shard tree's additions took: the addition of
+    ``dp``'s plain-step plans (made by the step's first run) wrapped for the calls, each
+    addition timed where the step does it."""
     spent = [0.0]
 
-    class Timed:
-        def __getattr__(self, name: str) -> Any:
-            return getattr(np, name)
+    def add(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        out = np.add(*args, **kwargs)
+        spent[0] += time.perf_counter() - t0
+        return out
 
-        @staticmethod
-        def add(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
-            out = np.add(*args, **kwargs)
-            spent[0] += time.perf_counter() - t0
-            return out
-
-    module = data_parallel._array_module
-    data_parallel._array_module = lambda _: Timed()
+    plans = list(dp._blocks.values())
+    if not plans:
+        raise RuntimeError(f"{dp!r} made no plain-step plan: its additions cannot be timed")
+    kept = [plan.add for plan in plans]
+    for plan in plans:
+        plan.add = add
     try:
         per_call = []
         for _ in range(calls):
@@ -111,7 +111,8 @@ def additions_in_step(step: Callable[[], None], calls: int) -> list[float]:
             step()
             per_call.append(spent[0])
     finally:
-        data_parallel._array_module = module
+        for plan, a in zip(plans, kept, strict=True):
+            plan.add = a
     return per_call
 
 
@@ -128,7 +129,7 @@ def measure(w: Workload, rounds: int, steps: int) -> dict[str, float]:
         ratios += r
         parts["off_routine"].append(timed(off["routine"], steps))
         parts["shard_routine"].append(timed(on["routine"], steps))
-        parts["add"].append(statistics.median(additions_in_step(on["step"], steps)))
+        parts["add"].append(statistics.median(additions_in_step(on["step"], steps, on["dp"])))
     p = {k: statistics.median(v) for k, v in parts.items()}
     off_step, on_step = statistics.median(times[0]), statistics.median(times[1])
     floor = off_step - p["off_routine"] + shards * p["shard_routine"] + p["add"]
