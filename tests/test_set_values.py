@@ -242,18 +242,21 @@ def test_staged_blocks_are_checked_as_set_values_checks_and_refuse_any_other_sha
     np.testing.assert_array_equal(ctx.get_values(node), np.zeros((2, 3)))
 
 
-def test_staged_blocks_round_as_set_values_and_refuse_values_it_did_not_check() -> None:
+@pytest.mark.parametrize("prec", [Precision.bf16, Precision.f32, Precision.f64])
+def test_staged_blocks_round_as_set_values_and_refuse_values_it_did_not_check(
+        prec: Precision) -> None:
     """``Context.staged``: the first block into the node's own buffer, the later ones into a
-    buffer of their own, written in one call (each rounded once, as ``set_values`` rounds),
-    ``put`` copying a later one into the node; values checked by another Staged (another
-    node, another block count) or not checked are refused naming what they are, with nothing
+    buffer of their own, written in one call (each rounded once, as ``set_values`` rounds:
+    16-bit nodes through the backend's write, f32 and f64 ones by NumPy's copy), ``put``
+    copying a later one into the node; values checked by another Staged (another node,
+    another block count) or not checked are refused naming what they are, with nothing
     written (the node, the later blocks)."""
-    node, other = Tnode("x", (2, 3), Precision.bf16), Tnode("y", (2, 3), Precision.bf16)
-    values = np.arange(18.0).reshape(6, 3) / 7  # not bf16 numbers
+    node, other = Tnode("x", (2, 3), prec), Tnode("y", (2, 3), prec)
+    values = np.arange(18.0).reshape(6, 3) / 7  # not bf16 (nor f32) numbers
     ctx = Context.cpu()
     staged = ctx.staged(node, 3)
     assert len(staged.views) == 3 and staged.context is ctx
-    assert ctx.mem() == 3 * node.size * 2  # the node's buffer and its two later blocks
+    assert ctx.mem() == 3 * node.size * prec.itemsize  # the node and its two later blocks
     with pytest.raises(ValueError, match="nothing has initialized"):
         ctx.get_values(node)
     staged.write(staged.check(values))
