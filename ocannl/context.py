@@ -119,8 +119,8 @@ class Staged:
     the node. Made by :meth:`Context.staged`; it holds only a weak reference to its
     context."""
 
-    __slots__ = ("__weakref__", "_context", "_copies", "_later", "_shapes", "_size", "blocks",
-                 "node", "views")
+    __slots__ = ("__weakref__", "_context", "_later", "_shapes", "_writes", "blocks", "node",
+                 "views")
 
     def __init__(self, context: Context, node: Tnode, blocks: int) -> None:
         self.node, self.blocks = node, blocks
@@ -130,16 +130,15 @@ class Staged:
                                                  node.prec)) if blocks > 1 else None
         # each block a buffer like the node's own: what a rebound routine reads
         self.views = [own] + [self._later[b * size:(b + 1) * size] for b in range(blocks - 1)]
-        self._size = size
         # the shapes check() takes at a glance: the dims stacked, or flat (a node with no
         # axis: none, each value checked in full)
         self._shapes = ((dims[0] * blocks, *dims[1:]), (size * blocks,)) if dims else ()
         self._context = weakref.ref(context)
-        # A host array of f32 / f64 nodes: each block's buffer and the slice of the values it
-        # takes, copied by NumPy, whose cast rounds once (the backend's write, without its
-        # call: a batch is written every step). None: the backend writes (16 bits, a device).
-        self._copies = None if node.prec.is_narrow or not isinstance(own, np.ndarray) else \
-            [(own, slice(0, size))] + ([(self._later, slice(size, None))] if blocks > 1 else [])
+        # The backend's write into the node's buffer and into the later blocks', each with
+        # the part of the values it takes (made once: a batch is written every step).
+        writer = context._backend.writer
+        self._writes = [(writer(node, own), slice(0, size))] + (
+            [(writer(node, self._later), slice(size, None))] if self._later is not None else [])
 
     def __repr__(self) -> str:
         return f"Staged({self.node.name}, {self.blocks} blocks)"
@@ -173,15 +172,9 @@ class Staged:
         context = self._context()
         if context is None:
             raise ValueError(f"{self!r}: its context is gone")
-        host, copies = values.host, self._copies
-        if copies is not None:
-            for buf, part in copies:
-                buf[...] = host[part]
-        else:
-            size, write = self._size, context._backend.write
-            write(node, self.views[0], host[:size])
-            if self._later is not None:
-                write(node, self._later, host[size:])
+        host = values.host
+        for write, part in self._writes:
+            write(host[part])
         context._written(node)
 
     def put(self, block: int) -> None:

@@ -39,6 +39,10 @@ class Backend(Protocol):
         """Copy flat host values of any numeric dtype into the buffer in place, rounding them
         to the node's precision."""
 
+    def writer(self, node: Tnode, buf: Buffer) -> Callable[[np.ndarray], None]:
+        """:meth:`write` into this buffer, as a callable of the host values (made once, called
+        every step: a data-parallel rank's staged batch)."""
+
     def read(self, node: Tnode, buf: Buffer) -> np.ndarray:
         """The buffer's values as a flat host array of the node's host dtype."""
 

@@ -614,7 +614,7 @@ class MpiCommunicator:
         arrived, arrivals = self._arrived, self._arrivals
         # the counter raised, and every rank's looked at once, without fences of their own:
         # the window's fences around them are this barrier's (no rank can be a barrier ahead)
-        arrivals._counters[self.rank][0] = arrived
+        arrivals.store(0, arrived)
         self._start(what)
         if not arrivals.all_at(0, arrived):
             self._wait(_Reached(arrivals, 0, arrived), what)
@@ -666,6 +666,11 @@ class SharedCounters:
     def raise_to(self, i: int, count: int) -> None:
         """This rank's counter ``i`` to ``count``, after its writes before it."""
         self._fence()
+        self.store(i, count)
+
+    def store(self, i: int, count: int) -> None:
+        """This rank's counter ``i`` to ``count``, without the fence that makes its writes
+        before it visible first (:meth:`raise_to`'s)."""
         self._counters[self._comm.rank][i] = count
 
     def reached(self, i: int, count: int) -> bool:

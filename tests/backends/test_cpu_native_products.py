@@ -291,7 +291,6 @@ def test_a_refused_product_path_is_refused_when_the_cpu_context_is_made(monkeypa
         Context.cpu()
 
 
-
 def _column_major_gemm16(calls: list[int]):  # noqa: ANN202 - a ctypes callback
     """A bf16 product with the BLAS's column-major signature, in NumPy, counting its calls in
     ``calls``: what a native path's address points at."""
@@ -348,6 +347,7 @@ def test_a_native_path_decided_after_the_jit_engine_is_made_is_linked(monkeypatc
     ctx, r = Context.cpu().compile(train.forward(y))
     ctx = ctx.run(r)
     assert calls, "the bf16 product did not call the native path"
+
     def bf16(values: np.ndarray) -> np.ndarray:  # f32 values rounded to bf16, as f64
         return to_precision(values.astype(np.float32), Precision.bf16).astype(np.float64)
 

@@ -155,6 +155,9 @@ class _RecordingCuda:
     def write(self, node, buf, host) -> None:  # noqa: ANN001
         buf[:] = to_storage(node, host)
 
+    def writer(self, node, buf):  # noqa: ANN001, ANN201
+        return lambda host: self.write(node, buf, host)
+
     def read(self, node, buf):  # noqa: ANN001, ANN201
         return from_storage(node, buf.copy())
 

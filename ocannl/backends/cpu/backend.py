@@ -81,6 +81,13 @@ class CpuBackend:
         else:
             buf[...] = host  # NumPy's casts to f32 / f64 round once (copyto's, at half the cost)
 
+    def writer(self, node: Tnode, buf: np.ndarray) -> Callable[[np.ndarray], None]:
+        """:meth:`write` bound to ``buf``; for an f32 or f64 node NumPy's copy alone (a batch
+        staged every step, without the call around it)."""
+        if node.prec.is_narrow:
+            return functools.partial(self.write, node, buf)
+        return functools.partial(buf.__setitem__, Ellipsis)
+
     def read(self, node: Tnode, buf: np.ndarray) -> np.ndarray:
         return (buf.view(node.prec.numpy_dtype) if node.prec.is_narrow else buf).copy()
 

@@ -624,6 +624,9 @@ class CupyCudaBackend:
         with self.device:
             buf.set(values, stream=self.stream)  # ordered with the routines' launches
 
+    def writer(self, node: Tnode, buf: Any) -> Callable[[np.ndarray], None]:
+        return functools.partial(self.write, node, buf)
+
     def read(self, node: Tnode, buf: Any) -> np.ndarray:
         with self.device:
             return from_storage(node, buf.get(stream=self.stream))  # waits for the stream
