@@ -190,9 +190,10 @@ class CSpelling:
     def store_text(self, node: Tnode, off: str, value: str, exact: bool = False) -> str:
         """``node[off] = value``: rounded once into a 16-bit node (an ``exact`` store,
         ``LoopNest.exact_store``, has rounding's bits: C's rounding conversion serves it);
-        into a register, the value a load would give."""
+        into a register, the value a load would give (an exact value: itself)."""
         if node.id in self.registers:
-            held = self.rounded(value, node, node.prec) if node.prec.is_narrow else value
+            held = self.rounded(value, node, node.prec) \
+                if node.prec.is_narrow and not exact else value
             return f"{self.registers[node.id]} = {held};"
         if node.prec.is_narrow:
             value = f"{self.narrow[node.prec]}({value})"

@@ -236,7 +236,7 @@ class _Machine:
         scheduling said the value is bf16's (``exact_store``), else rounded once. NumPy's
         conversions keep a NaN's payload, as a nest that ``keeps_payload`` must; elsewhere
         the payload is unspecified (LLVM may fold a widening and a narrowing away)."""
-        if nest.exact_store:
+        if nest.exact_store and nest.assign.lhs.prec is Precision.bf16:
             return exactly(value)
         return stored(value, nest.assign.lhs.prec)
 

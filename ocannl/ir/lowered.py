@@ -48,8 +48,11 @@ class LoopNest:
     instructions give the same bits); ``payload_rounds``, the ids of the nodes whose rounded
     reads (``Get.rounded``) round as a cast into a stored twin would, keeping payloads (a
     virtual twin's master, unless only products read the target or arithmetic just wrote it);
-    ``exact_store``, every value stored into the bf16 target is one of bf16's, so the store
-    keeps its top half rather than rounding (the same bits, a NaN its sign's quiet NaN);
+    ``exact_store``, every value stored into the 16-bit target is one of its precision's, so a
+    bf16 store keeps its top half rather than rounding (the same bits, a NaN its sign's quiet
+    NaN) and a target held in registers (``LoopGroup.registers``) is read as computed, neither
+    narrowed nor widened again (f16's two conversions a cell; a NaN's payload is unspecified
+    there);
     ``any_order``, a sum whose every term is +-0 or NaN (a checksum's), equal in any order:
     a renderer may reassociate it."""
 

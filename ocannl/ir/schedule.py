@@ -1265,7 +1265,8 @@ def _conversions(nest: LoopNest, conversion: bool, only_products: frozenset[int]
         g.node.id for g in reads(a.expr)
         if g.rounded is not None and g.node.memory_mode is MemoryMode.materialized
         and not known(g))
-    exact = (stores_value and a.lhs.prec is Precision.bf16
+    exact = (stores_value and a.lhs.prec.is_narrow
+             and (a.lhs.prec is Precision.bf16 or not keeps)
              and (overwrite or a.accum in ("max", "min")) and representable(a.expr, a.lhs.prec))
     any_order = bool(nest.red) and a.accum == "+" and zero_or_nan(a.expr)
     return replace(nest, keeps_payload=keeps, payload_rounds=rounds, exact_store=exact,
@@ -1278,8 +1279,9 @@ def representable(e: Expr, prec: Precision) -> bool:
     read rounded to it (``Get.rounded``), or ops that select among such values
     (``ops.representable``)."""
     if isinstance(e, Const):
-        return bool(np.isfinite(e.value)) and float(
-            np.array(e.value, prec.numpy_dtype)) == e.value
+        with np.errstate(over="ignore"):  # past f16's range: inf, not the constant
+            return bool(np.isfinite(e.value)) and float(
+                np.array(e.value, prec.numpy_dtype)) == e.value
     if isinstance(e, Get):
         return (e.rounded or e.node.prec) is prec
     assert isinstance(e, Apply)

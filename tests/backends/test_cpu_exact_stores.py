@@ -143,3 +143,57 @@ def test_a_rounded_twin_read_by_a_pointwise_nest_rounds_the_wide_node() -> None:
     ctx.run(routine)
     want = _oracle(hw.astype(BF16).astype(np.float32) + hx.astype(np.float32))
     np.testing.assert_array_equal(ctx.get_values(y).view(np.uint16), want)
+
+
+@pytest.mark.parametrize("prec", [Precision.f16, Precision.bf16])
+def test_an_exact_value_held_in_registers_is_read_as_computed(
+        prec: Precision, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 16-bit node a group hands over in registers (``LoopGroup.registers``) whose value its
+    precision represents (a relu's gradient: a 16-bit read times a 0/1 mask) is read by the
+    group's later nests as computed: no narrowing and widening back (f16's two conversions a
+    cell). Every 16-bit pattern: the f32 copy and the 16-bit sum read from it have rounding's
+    bits, a NaN's payload aside (unspecified in registers), and the rendered group converts
+    to 16 bits only for the sum's store."""
+    dtype = np.dtype(np.float16) if prec is Precision.f16 else BF16
+    x, x2 = (Tnode(n, (N,), prec) for n in ("x", "x2"))
+    held = Tnode("held", (N,), prec, memory_mode=MemoryMode.local)
+    wide, out = Tnode("wide", (N,), Precision.f32), Tnode("out", (N,), prec)
+    gx, gx2, gh = Get(x, (0,)), Get(x2, (0,)), Get(held, (0,))
+    comp = Comp((Accum(held, (0,), "=", apply("mul", gx2, apply("gt", gx, Const(0.0))), (N,)),
+                 Accum(wide, (0,), "=", gh, (N,)),
+                 Accum(out, (0,), "=", apply("add", gh, gx), (N,))))
+    [group] = lowering.lower(comp, Target(hardware_f16=True))
+    assert group.registers == frozenset({held.id}) and group.nests[0].exact_store
+    hx = np.arange(N, dtype=np.uint32).astype(np.uint16).view(dtype)
+    hx2 = np.random.default_rng(9).permutation(hx)
+    inputs = {x: hx, x2: hx2}
+
+    def run() -> tuple[np.ndarray, np.ndarray, str]:
+        ctx = Context.cpu()
+        for node, values in inputs.items():
+            ctx.set_values(node, values)
+        ctx, routine = ctx.compile(comp)
+        ctx.run(routine)
+        code = lowering.lower(comp, Target(hardware_f16=True))
+        text = "".join(codegen.routine_ir(code, lowering.nodes_of(code),
+                                          Target(hardware_f16=True)))
+        return ctx.get_values(wide), ctx.get_values(out).view(np.uint16), text
+
+    got_wide, got_out, text = run()
+    monkeypatch.setattr(codegen, "_VERSION", codegen._VERSION + " every store rounds")
+    monkeypatch.setattr(schedule, "representable", lambda *_: False)
+    want_wide, want_out, rounding_text = run()
+    for got, want in ((got_wide, want_wide), (got_out.view(dtype), want_out.view(dtype))):
+        nan = np.isnan(want.astype(np.float32))
+        np.testing.assert_array_equal(np.isnan(got.astype(np.float32)), nan)
+        np.testing.assert_array_equal(got[~nan].view(f"u{got.itemsize}"),
+                                      want[~nan].view(f"u{want.itemsize}"))
+    # And both are NumPy's: the masked value is exact, the sum rounded once.
+    with np.errstate(all="ignore"):
+        masked = hx2.astype(np.float32) * (hx.astype(np.float32) > 0)
+        want = (masked + hx.astype(np.float32)).astype(dtype)
+    nan = np.isnan(want.astype(np.float32))
+    np.testing.assert_array_equal(got_out.view(dtype)[~nan].view(np.uint16),
+                                  want[~nan].view(np.uint16))
+    narrowings = {"f16": "to half", "bf16": "lshr"}[prec.value]
+    assert text.count(narrowings) < rounding_text.count(narrowings)

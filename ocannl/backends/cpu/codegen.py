@@ -10,7 +10,7 @@ This module renders what lowering and scheduling decided (``ocannl.ir.schedule``
 product runs in BLAS and which inline, which copies in f32 exist (they are nodes of their
 own), which loops are shared over threads and in how many chunks, which reductions run
 several cells at once and as vectors and how their vectors are stored, which values stay in
-registers, which conversions keep a NaN's payload, which bf16 stores are exact, which sums may
+registers, which conversions keep a NaN's payload, which 16-bit stores are exact, which sums may
 be reassociated. It decides none of it: its own choices are how to spell those in LLVM IR and
 where to cut a routine into parts for the compiler (``PART_NESTS``, the same bits however
 cut).
@@ -360,7 +360,8 @@ class RoutineIR:
         if node.id not in self.held_values:
             return None
         held = self.held_values[node.id]
-        return self.widen(held, node.prec) if node.prec.is_narrow else held
+        wide = like(held, F32) == held.type  # an exact 16-bit value held as it is (``store``)
+        return self.widen(held, node.prec) if node.prec.is_narrow and not wide else held
 
     def read(self, node: Tnode, off: ir.Value, compute: Precision) -> ir.Value:
         """The cell's value, a 16-bit one widened to f32 (an f32 meeting an f64 widens where
@@ -407,6 +408,13 @@ class RoutineIR:
         (``LoopNest.exact_store``), so a bf16 store keeps its top half instead of rounding it
         (the same bits, NaN too)."""
         b = self.b
+        if exact and node.id in self.registers:
+            # One of the node's values: narrowing it and widening it back would give it again
+            # (a NaN's payload is unspecified here), so later nests read it as it is.
+            if like(value, F64) == value.type:
+                value = b.fptrunc(value, like(value, F32))
+            self.held_values[node.id] = value
+            return
         if exact and node.prec is Precision.bf16:
             value = f32_to_bf16_exact(b, convert(b, value, F32))
         elif node.prec.is_narrow:
