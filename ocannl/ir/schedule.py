@@ -89,6 +89,7 @@ def schedule(code: list[Lowered], target: Target) -> list[Lowered]:
                          f"every read), but this code reads it without computing it: compile "
                          f"its cast with its readers, or place it 'auto' or 'materialized'")
     code = widened_in_place(copies_in_writers(code, target), target.native_products)
+    code = selections_widened(code, target.native_products)
     code = in_registers(code)
     code = [_threaded(item, target) for item in code]
     return row_sums_in_writers(rendering(code, target), target)
@@ -279,6 +280,60 @@ def widened_in_place(code: list[Lowered], native: frozenset[Precision] = frozens
                 continue
         out.append(renamed_item(item, stands) if stands else item)
     return out
+
+
+def selections_widened(code: list[Lowered], native: frozenset[Precision] = frozenset()
+                       ) -> list[Lowered]:
+    """Where a reduction that selects among its 16-bit terms (a max-pool: every value it stores
+    is one of its precision's, ``representable``) writes a local 16-bit node and the next item
+    is that node's f32 copy (a product or a gather reads it: a target without products of that
+    precision), the reduction writes the copy and every later read of the node reads the copy,
+    as :func:`widened_in_place` does for a pointwise pass: the same values (the f32 accumulator
+    holds the 16-bit term it selected), one pass fewer, and the 16-bit node is never stored.
+    The trade is that function's: the copy's 4 bytes a cell are held until the node's last
+    read (backprop's tie mask), where the node's 2 were."""
+    index = AccessIndex(code)
+    widened = {k: dst for k in range(len(code) - 1)
+               if (dst := _selection_copy(code, index, k, native)) is not None}
+    if not widened:
+        return code
+    out: list[Lowered] = []
+    stands: dict[int, Tnode] = {}  # a 16-bit node's id -> the f32 copy read in its place
+    for k, item in enumerate(code):
+        if k - 1 in widened:  # the copy the reduction now writes
+            continue
+        if isinstance(item, LoopGroup) and item.conversion and len(item.nests) == 1:
+            src, dst = copy_source(item.nests[0]), item.nests[0].assign.lhs
+            if (src is not None and src.id in stands and dst.prec is Precision.f32
+                    and dst.memory_mode is MemoryMode.local and index.writers[dst.id] == [k]):
+                stands[dst.id] = stands[src.id]  # another copy of a widened node: the copy
+                continue
+        item = renamed_item(item, stands) if stands else item
+        if k in widened:
+            n = item.nests[0]  # type: ignore[union-attr]
+            stands[n.assign.lhs.id] = widened[k]
+            item = replace(item, nests=(replace(n, assign=replace(n.assign, lhs=widened[k])),))
+        out.append(item)
+    return out
+
+
+def _selection_copy(code: list[Lowered], index: AccessIndex, k: int,
+                    native: frozenset[Precision]) -> Tnode | None:
+    """The f32 copy item ``k + 1`` makes of the 16-bit node item ``k`` writes, where item ``k``
+    is a reduction that selects among values of that precision (:func:`selections_widened`)."""
+    item, after = code[k], code[k + 1] if k + 1 < len(code) else None
+    if not (isinstance(item, LoopGroup) and len(item.nests) == 1
+            and isinstance(after, LoopGroup) and after.conversion and len(after.nests) == 1):
+        return None
+    n, copy = item.nests[0], after.nests[0]
+    a, dst, src = n.assign, copy.assign.lhs, copy_source(copy)
+    ok = (n.red and not n.scatter and not n.walk_rows and a.reset and a.accum in ("max", "min")
+          and a.lhs.prec.is_narrow and a.lhs.prec not in native
+          and a.lhs.memory_mode is MemoryMode.local and index.writers[a.lhs.id] == [k]
+          and representable(a.expr, a.lhs.prec) and src is not None and src.id == a.lhs.id
+          and dst.prec is Precision.f32 and dst.memory_mode is MemoryMode.local
+          and index.writers[dst.id] == [k + 1])
+    return dst if ok else None
 
 
 # --- registers ----------------------------------------------------------------------------

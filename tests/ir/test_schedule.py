@@ -256,6 +256,39 @@ def test_a_pools_16_bit_gather_is_read_rounded_by_the_next_pass_and_never_stored
     assert got == _grads_on_cpu(loss, comp)
 
 
+def _pools(code: list) -> list:
+    """The max-pools' reductions (not their tie masks') of lowered code."""
+    return [g for g in code if isinstance(g, LoopGroup) and g.lead.red
+            and g.lead.assign.accum == "max" and g.lead.assign.lhs.label.startswith("max_pool2d")
+            and "ties" not in g.lead.assign.lhs.label]
+
+
+def test_a_max_pools_16_bit_result_is_written_into_its_f32_copy(monkeypatch, tmp_path):
+    """A 2x2 max-pool over f16 values stores one of them a cell: where the next item is its
+    f32 copy (the next layer's product reads it, a target without f16 products), the pool
+    writes the copy and backprop's tie mask reads it; no f16 pooled node, no copy pass, the
+    same bits. With f16 products, the library reads the pool as stored: no change."""
+    monkeypatch.setenv("OCANNL_CACHE_DIR", str(tmp_path))
+    loss, comp = lenet_f16_step()
+
+    def f16_pooled(code: list) -> list:
+        return [n for n in nodes_of(code) if n.label == "max_pool2d" and n.prec is Precision.f16]
+
+    code = lower(comp, Target())
+    [pool] = _pools(code)
+    assert pool.lead.assign.lhs.prec is Precision.f32 and not f16_pooled(code)
+    ties = [g for g in code if isinstance(g, LoopGroup)
+            and g.lead.assign.lhs.label == "max_pool2d_ties"]
+    assert ties and any(r.node is pool.lead.assign.lhs for g in ties
+                        for r in reads(g.lead.assign.expr))
+    assert f16_pooled(lower(comp, Target(native_products=frozenset({Precision.f16}))))
+    got = _grads_on_cpu(loss, comp)
+    monkeypatch.setattr(schedule, "selections_widened", lambda code, native=frozenset(): code)
+    plain = lower(comp, Target())
+    assert f16_pooled(plain) and len(plain) == len(code) + 1
+    assert got == _grads_on_cpu(loss, comp)
+
+
 def test_a_read_steady_over_a_reductions_window_widens_in_place_not_from_a_copy(
         monkeypatch, tmp_path):
     """The max-pool's backward scatter reads the pooled output's f16 gradient once per window
