@@ -24,7 +24,10 @@ items:
   scatter into a 16-bit node accumulates in an f32 copy rounded once at the end (a copy
   zeroed itself where the target was just zeroed: the rounding overwrites the target), or read
   rounded by the next pass where only it reads the target (never stored then). A copy is
-  reused by later items until its source is written (a large one only by the next item).
+  reused by later items until its source is written (a large one only by the next item). On a
+  target without products of a 16-bit precision, a copy is made in the pass writing its
+  source and read in the source's place from then on; a max-pool's 16-bit result, one of its
+  terms a cell, is written into its copy directly (``selections_widened``).
 - **Threads and vectors.** Which loops and products are shared over threads, by which extent
   and in how many chunks (on a GPU: which groups run a thread per cell, which a block per
   cell, and how a long reduction is cut over blocks); which reductions run several cells at
@@ -34,9 +37,10 @@ items:
   point, have a short innermost loop vectorized whole (``inner_vector``).
 - **Conversions, stores and launches** (:func:`rendering`). Which conversions keep a NaN's
   payload (a copy of a value that may be a signalling NaN: not of one arithmetic just
-  computed), which bf16 stores are exact, which sums may be reassociated, which vectors are
-  stored whole, whether the library runs single-threaded, TF32 products; on a GPU, each
-  kernel's blocks and threads and how a batched product's axes fold into strided calls.
+  computed), which 16-bit stores are exact (kept as computed where a register holds them),
+  which sums may be reassociated, which vectors are stored whole, whether the library runs
+  single-threaded, TF32 products; on a GPU, each kernel's blocks and threads and how a batched
+  product's axes fold into strided calls.
 
 Every copy is a plain assignment over a node of its own, so the arena planner is the only
 memory planner, and a backend renders a copy as it renders any other nest.
