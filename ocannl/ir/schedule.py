@@ -276,14 +276,23 @@ def widened_in_place(code: list[Lowered], native: frozenset[Precision] = frozens
                 item = replace(item, nests=nests)
                 stands.update((i, c) for i, c in twice.items() if i in index.items[k].writes)
         stands.update((i, c) for i, (j, c) in wide.items() if j == k - 1)
-        if stands and isinstance(item, LoopGroup) and item.conversion and len(item.nests) == 1:
-            src = copy_source(item.nests[0])
-            if src is not None and src.id in stands and item.nests[0].assign.lhs.prec is \
-                    Precision.f32:  # another copy of a widened node: the copy itself
-                stands[item.nests[0].assign.lhs.id] = stands[src.id]
-                continue
+        again = _copied_again(item, stands)
+        if again is not None:  # another copy of a widened node: the copy itself
+            stands[again[1].id] = stands[again[0].id]
+            continue
         out.append(renamed_item(item, stands) if stands else item)
     return out
+
+
+def _copied_again(item: Lowered, stands: dict[int, Tnode]) -> tuple[Tnode, Tnode] | None:
+    """The source and target where ``item`` is a copy group making another f32 copy of a node
+    whose f32 copy ``stands`` in its place (:func:`widened_in_place`,
+    :func:`selections_widened`), else None."""
+    if not (stands and isinstance(item, LoopGroup) and item.conversion and len(item.nests) == 1):
+        return None
+    src, dst = copy_source(item.nests[0]), item.nests[0].assign.lhs
+    return (src, dst) if src is not None and src.id in stands and dst.prec is Precision.f32 \
+        else None
 
 
 def selections_widened(code: list[Lowered], native: frozenset[Precision] = frozenset()
@@ -306,12 +315,11 @@ def selections_widened(code: list[Lowered], native: frozenset[Precision] = froze
     for k, item in enumerate(code):
         if k - 1 in widened:  # the copy the reduction now writes
             continue
-        if isinstance(item, LoopGroup) and item.conversion and len(item.nests) == 1:
-            src, dst = copy_source(item.nests[0]), item.nests[0].assign.lhs
-            if (src is not None and src.id in stands and dst.prec is Precision.f32
-                    and dst.memory_mode is MemoryMode.local and index.writers[dst.id] == [k]):
-                stands[dst.id] = stands[src.id]  # another copy of a widened node: the copy
-                continue
+        again = _copied_again(item, stands)
+        if again is not None and again[1].memory_mode is MemoryMode.local \
+                and index.writers[again[1].id] == [k]:  # another copy: the copy itself
+            stands[again[1].id] = stands[again[0].id]
+            continue
         item = renamed_item(item, stands) if stands else item
         if k in widened:
             n = item.nests[0]  # type: ignore[union-attr]
@@ -325,7 +333,7 @@ def _selection_copy(code: list[Lowered], index: AccessIndex, k: int,
                     native: frozenset[Precision]) -> Tnode | None:
     """The f32 copy item ``k + 1`` makes of the 16-bit node item ``k`` writes, where item ``k``
     is a reduction that selects among values of that precision (:func:`selections_widened`)."""
-    item, after = code[k], code[k + 1] if k + 1 < len(code) else None
+    item, after = code[k], code[k + 1]
     if not (isinstance(item, LoopGroup) and len(item.nests) == 1
             and isinstance(after, LoopGroup) and after.conversion and len(after.nests) == 1):
         return None
