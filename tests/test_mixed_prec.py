@@ -734,6 +734,46 @@ def test_recipes_go_through_context_run_and_the_scalers_public_schedule() -> Non
             assert updates == [("update_n", True, 2)] * (steps // 2)
 
 
+def test_the_host_gates_steady_path_takes_the_general_paths_steps() -> None:
+    """The host gate's every-step path (the library's own context and scaler: lookups made
+    once, their steady states inline) against the general one (a context and a scaler of
+    one's own, every call through them): the same losses, scales, counters and state bits,
+    through skipped steps, growth, and a master written between steps (its kept twin is recast
+    before the next read)."""
+    SeenContext, SeenScaler, _, _ = observed()
+    bad_steps, master_written = {3, 4, 9}, 6
+    results = []
+    for own in (False, True):
+        rig = make_rig()
+        sc = (SeenScaler if own else Loss_scaler).create(init_scale=2.0**17, growth_interval=3)
+        ctx = rig.ctx
+        if own:
+            ctx = train.init_params(SeenContext.cpu(), rig.loss)
+            ctx = ctx.set_values(rig.x, rig.points).set_values(rig.y, rig.targets)
+            rig.ctx = ctx
+        recipe = host_recipe(rig, sc)
+        ctx, trace = rig.ctx, []
+        for step in range(14):
+            xb = bad_batch(rig.points, "nan") if step in bad_steps else rig.points
+            ctx = ctx.set_values(rig.x, xb)
+            if step == master_written:
+                p = rig.loss.params[0]
+                ctx = ctx.set_values(p, ctx.get_values(p) * np.float32(0.5))
+            ctx = recipe.step(ctx)
+            assert (recipe._steady is None) is own  # armed by the first step
+            trace.append((sc.scale_val, sc.good_steps, recipe.last_applied,
+                          recipe.last_overflow, ctx.get_values(rig.loss).tobytes()))
+        counters = (recipe.applied_steps, recipe.skipped_steps, recipe.windows,
+                    recipe.skipped_windows, recipe.pending)
+        results.append((trace, counters, device_state(ctx, sc),
+                        snapshot(ctx, state_nodes(rig.loss, recipe.optimizer))))
+    assert results[0] == results[1]
+    assert results[0][1] == (11, 3, 14, 3, 0)
+    scales = [s for s, *_ in results[0][0]]
+    assert len(set(scales)) > 2  # it both grew and backed off
+    assert [t[3] != () for t in results[0][0]] == [s in bad_steps for s in range(14)]
+
+
 def test_recipe_validation_and_state() -> None:
     rig = make_rig()
     sc = Loss_scaler.create()
