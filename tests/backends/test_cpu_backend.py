@@ -48,3 +48,37 @@ def test_an_aligned_array_has_its_size_and_dtype_and_is_zero():
 def test_an_aligned_array_of_a_size_that_is_no_count_is_refused(size):
     with pytest.raises(ValueError, match=f"got {size!r}"):
         aligned(size, np.dtype(np.float32))
+
+
+def test_a_routine_compiled_to_count_adds_each_items_ticks_and_computes_the_same(
+        monkeypatch, tmp_path):
+    """``CpuBackend.count_item_cycles``: routines compiled from then on add, per lowered item,
+    the counter ticks each run took; their own code (never the uncounted routine's, nor its
+    cache entry), the same bits."""
+    from ocannl.backends.cpu.backend import CpuBackend
+
+    monkeypatch.setenv("OCANNL_CACHE_DIR", str(tmp_path))
+    rng = np.random.default_rng(2)
+    x = T.term(rng.normal(size=(16, 40)).astype(np.float32), label="cnx",
+               batch_dims=(16,), output_dims=(40,))
+    y, _ = nn_blocks.mlp(x, (48,), 5, label="cn")
+    loss = T.sum(y * y)
+    comp = train.grad_update(loss) + train.sgd_update(loss, learning_rate=0.01)
+
+    def trained(counting: bool) -> tuple[list[bytes], object]:
+        monkeypatch.setattr(CpuBackend, "_counting", counting)
+        T.set_seed(4)
+        ctx = train.init_params(Context.cpu(), loss)
+        ctx, r = ctx.compile(comp)
+        for _ in range(3):
+            ctx.run(r)
+        return [ctx.get_values(p).tobytes() for p in loss.params], r
+
+    plain, r0 = trained(False)
+    counted, r = trained(True)
+    assert counted == plain and r0.compiled.cycles is None
+    assert r.compiled is not r0.compiled and r.compiled.address != r0.compiled.address
+    ticks = r.compiled.cycles.copy()
+    assert ticks.shape == (len(r.lowered),) and len(r.lowered) > 5 and (ticks > 0).all()
+    r.call()
+    assert (r.compiled.cycles > ticks).all()

@@ -55,6 +55,8 @@ class CpuBackend:
 
     name = "cpu"
     _compiled: dict[str, CompiledRoutine] = {}  # shared by every CPU context in the process
+    # Set (``count_item_cycles``): routines compiled from then on count each item's ticks.
+    _counting = False
 
     def __init__(self) -> None:
         native_products.paths()  # a refused OCANNL_*_PRODUCTS is refused here, named
@@ -107,17 +109,29 @@ class CpuBackend:
         built), or compiled now; and whether it was not already in this process."""
         target = jit.target()
         jit.size_pool(target)
-        key = jit.key_of(signature(code, nodes, target))
+        cycles = np.zeros(len(code), np.int64) if CpuBackend._counting else None
+        counted = "" if cycles is None else f"\ncycles at {cycles.ctypes.data}"
+        key = jit.key_of(signature(code, nodes, target) + counted)
         compiled = self._compiled.get(key)
         if compiled is not None:
             return compiled, False
         hit = jit.load(key)
         if hit is None:
-            texts = routine_ir(code, nodes, target)
+            texts = routine_ir(code, nodes, target, 0 if cycles is None else cycles.ctypes.data)
             hit = (jit.compile_ir(key, texts, single_blas=one_thread_products(code),
                                   bits=target.vector_bits), False)
         compiled = self._compiled[key] = CompiledRoutine(*hit)
+        compiled.cycles = cycles
         return compiled, True
+
+    @staticmethod
+    def count_item_cycles() -> None:
+        """Compile every later routine of this process to count, per item, the time-stamp
+        counter's ticks its runs took (``CompiledRoutine.cycles``): a profile of the items in
+        place, inside the step, for ``benchmarks/item_cycles.py``. Each such routine is compiled
+        anew (the counts' address is in its code); point ``OCANNL_CACHE_DIR`` at a scratch
+        directory, as that script does."""
+        CpuBackend._counting = True
 
 
 class CompiledRoutine:
@@ -127,6 +141,8 @@ class CompiledRoutine:
     def __init__(self, address: int, from_disk: bool) -> None:
         self.address = address
         self.loaded_from_disk = from_disk  # the on-disk cache supplied the machine code
+        # Counter ticks per lowered item, summed over runs (CpuBackend.count_item_cycles).
+        self.cycles: np.ndarray | None = None
 
     @staticmethod
     def table(buffers: Sequence[np.ndarray]) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:

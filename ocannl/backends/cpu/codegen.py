@@ -239,11 +239,13 @@ class RoutineIR:
         b.branch(after)
         b.position_at_end(after)
 
-    def finish(self) -> str:
+    def finish(self, cycles: int = 0) -> str:
         """Add ``part(table)``: load the addresses of the buffers the items use, call each
         item in order. A split item goes to the
         thread pool (``pool.py``) with its arguments in a frame: its outermost loop is cut into
-        chunks (``per_thread`` per thread) that the pool's threads claim."""
+        chunks (``per_thread`` per thread) that the pool's threads claim. ``cycles``: the
+        address of an int64 per item, each call adding the time-stamp counter's ticks it took
+        (a profile of the items in place: ``benchmarks/item_cycles.py``)."""
         entry = ir.Function(self.module, ir.FunctionType(ir.VoidType(), [I64.as_pointer()]),
                             name="part")
         self.b = b = ir.IRBuilder(entry.append_basic_block("entry"))
@@ -252,17 +254,23 @@ class RoutineIR:
         used = sorted({k for _, slots, _ in self.calls for k in slots})
         pointers = {k: b.inttoptr(b.load(b.gep(table, [const_int(k)])),
                                   _ELEM[self.nodes[k].prec].as_pointer()) for k in used}
-        for fn, slots, (split, per_thread) in self.calls:
+        ticks = ir.Function(self.module, ir.FunctionType(I64, []), "llvm.readcyclecounter") \
+            if cycles else None
+        for j, (fn, slots, (split, per_thread)) in enumerate(self.calls):
+            start = b.call(ticks, []) if ticks else None
             args = [pointers[k] for k in slots]
             if not split:
                 b.call(fn, args)
-                continue
-            frame_ty = ir.LiteralStructType([a.type for a in args])
-            frame = b.alloca(frame_ty)
-            for k, a in enumerate(args):
-                b.store(a, b.gep(frame, [ir.Constant(I32, 0), ir.Constant(I32, k)]))
-            b.call(self._pool_run(), [self._job(fn, frame_ty), b.bitcast(frame, _VOID_P),
-                                      const_int(split), const_int(per_thread)])
+            else:
+                frame_ty = ir.LiteralStructType([a.type for a in args])
+                frame = b.alloca(frame_ty)
+                for k, a in enumerate(args):
+                    b.store(a, b.gep(frame, [ir.Constant(I32, 0), ir.Constant(I32, k)]))
+                b.call(self._pool_run(), [self._job(fn, frame_ty), b.bitcast(frame, _VOID_P),
+                                          const_int(split), const_int(per_thread)])
+            if ticks:
+                count = b.inttoptr(const_int(cycles + 8 * j), I64.as_pointer())
+                b.store(b.add(b.load(count), b.sub(b.call(ticks, []), start)), count)
         b.ret_void()
         return "\n".join([str(self.module), *self.item_texts.values()])
 
@@ -988,12 +996,14 @@ def _part_bounds(code: list[Lowered], workers: int) -> list[int]:
     count = max(1, min(workers, nests // PART_NESTS, len(code)))
     return [len(code) * k // count for k in range(count + 1)]
 
-def routine_ir(code: list[Lowered], nodes: list[Tnode], target: Target) -> list[str]:
+def routine_ir(code: list[Lowered], nodes: list[Tnode], target: Target, cycles: int = 0
+               ) -> list[str]:
     """The modules of a routine over ``nodes``, as LLVM IR text, each defining
     ``part(table)``: the routine runs them in order. Every array a routine uses is a node of
     its code (lowering's f32 copies too), its memory planned by the context with the others'.
     At most ``target.workers`` parts, each of at least ``PART_NESTS`` nests
-    (``_part_bounds``)."""
+    (``_part_bounds``). ``cycles``: the address of an int64 per item of ``code``, into which
+    each run adds the counter ticks each item took (:meth:`RoutineIR.finish`)."""
     bounds = _part_bounds(code, target.workers)
     texts: list[str] = []
     for lo, hi in zip(bounds, bounds[1:], strict=False):
@@ -1009,7 +1019,7 @@ def routine_ir(code: list[Lowered], nodes: list[Tnode], target: Target) -> list[
             else:
                 with r.item(stored_in(item), item.split, item.chunks):
                     r.group(item)
-        texts.append(r.finish())
+        texts.append(r.finish(cycles + 8 * lo if cycles else 0))
     return texts
 
 
