@@ -899,6 +899,23 @@ class Context:
 
         return read_once_written
 
+    def _gated(self, first: Routine, second: Routine, t: Any) -> Callable[[], bool] | None:
+        """The host gate's every step as one call, where the backend makes one (the CPU's
+        ``gated``): ``first``, then ``second`` only when ``t``'s one f32 value is then finite,
+        returning whether it was; ``None`` elsewhere. It runs the routines' code as bound,
+        without :meth:`run`'s checks: call it only while both are ready here
+        (``Routine._ready_in``), and :meth:`run` them otherwise."""
+        gated = getattr(self._backend, "gated", None)
+        node = _as_node(t)
+        if gated is None or node.prec is not Precision.f32 or node.size != 1:
+            return None
+        for r in (first, second):
+            if r.context is not self:
+                raise ValueError(f"{r!r} was compiled by another context ({r.context!r}), "
+                                 f"not this one ({self!r})")
+        return gated((first.compiled, first.buffers), (second.compiled, second.buffers),
+                     self._buffer(node), 0)
+
     @staticmethod
     def _flat_index(node: Tnode, idx: tuple[int, ...] | None) -> int:
         if idx is None:

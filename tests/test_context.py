@@ -165,6 +165,40 @@ def test_a_reader_returns_the_current_value_as_a_python_float(prec):
         Context.cpu().reader(s)
 
 
+def test_a_gated_pair_runs_the_second_routine_only_after_a_finite_value():
+    """``Context._gated`` (the host gate's every step on the CPU, in one call): the first
+    routine, then the second only when the f32 the first wrote is finite, and which it was;
+    ``None`` for a value that is not one f32, refused for a routine of another context."""
+    from ocannl.ir.assignments import Accum, Const, Get
+    from ocannl.ir.ops import Precision
+    from ocannl.ir.tnode import Tnode
+
+    x, flag = Tnode("gx", (3,), Precision.f32), Tnode("gflag", (), Precision.f32)
+    count = Tnode("gcount", (2,), Precision.f32)
+    ctx = Context.cpu().set_values(count, [0.0, 5.0]).set_values(x, [0.0, 0.0, 0.0])
+    ctx, first = ctx.compile(Comp((Accum(flag, (), "+", Get(x, (0,)), (3,), reset=True),)))
+    ctx, second = ctx.compile(Comp((Accum(count, (0,), "+", Const(1.0), (2,)),)))
+    ctx.run(first).run(second)
+    both = ctx._gated(first, second, flag)
+    assert both is not None
+    runs = 1
+    for values, finite in (([1.0, 2.0, 3.0], True), ([1.0, np.inf, 2.0], False),
+                           ([np.nan, 0.0, 0.0], False), ([3e38, 3e38, 0.0], False),
+                           ([-np.inf, np.inf, 0.0], False), ([-1.0, 0.5, 0.0], True)):
+        ctx.set_values(x, values)
+        got = both()
+        runs += finite
+        assert got is finite, values
+        if finite:
+            assert ctx.get_value(flag) == sum(values)
+        np.testing.assert_array_equal(ctx.get_values(count), [runs, 5.0 + runs])
+    assert ctx._gated(first, second, x) is None  # three values, not one
+    other, r = Context.cpu().set_values(x, [0.0] * 3).compile(Comp((Accum(
+        flag, (), "+", Get(x, (0,)), (3,), reset=True),)))
+    with pytest.raises(ValueError, match="another context"):
+        ctx._gated(r, second, flag)
+
+
 def test_from_host_to_host_mem_and_nodes():
     x = T.term(np.arange(4.0), label="x")
     ctx = Context.cpu()

@@ -761,6 +761,8 @@ def test_the_host_gates_steady_path_takes_the_general_paths_steps() -> None:
                 ctx = ctx.set_values(p, ctx.get_values(p) * np.float32(0.5))
             ctx = recipe.step(ctx)
             assert (recipe._steady is None) is own  # armed by the first step
+            if not own:  # and on the CPU its routines and the checksum's test are one call
+                assert ctx._gated(recipe._grads, recipe._update, recipe.checksum) is not None
             trace.append((sc.scale_val, sc.good_steps, recipe.last_applied,
                           recipe.last_overflow, ctx.get_values(rig.loss).tobytes()))
         counters = (recipe.applied_steps, recipe.skipped_steps, recipe.windows,

@@ -501,28 +501,28 @@ class ScaledStep(Recipe):
     def _steady_step(self, ctx: Context) -> Callable[[], Context] | None:
         """The plain step's every-step path, once the reader is the backend's own: what
         :meth:`step` does, with the lookups made once and :meth:`Context.run`'s and
-        :meth:`Loss_scaler.update`'s steady states inline. A step of a small model is a few
-        microseconds, and the general path's calls and lookups were a tenth of mlp_small's
-        f16 step (0.5 us). Only where both are the library's own (a subclass overriding
-        either sees every call) and with no reducer or accumulation; ``None`` elsewhere. A
-        routine that is not ready (a kept twin gone stale) goes through :meth:`Context.run`'s
-        checks; a skipped step goes on in :meth:`_gate`."""
+        :meth:`Loss_scaler.update`'s steady states inline; on the CPU the two routines and
+        the checksum's test are one call (``Context._gated``). A step of a small model is a
+        few microseconds, and the general path's calls and lookups were a tenth of
+        mlp_small's f16 step (0.5 us). Only where both are the library's own (a subclass
+        overriding either sees every call) and with no reducer or accumulation; ``None``
+        elsewhere. While a routine is not ready (a kept twin gone stale) both go through
+        :meth:`Context.run`'s checks; a skipped step goes on in :meth:`_gate`."""
         grads, update, read, scaler = self._grads, self._update, self._read_checksum, self.scaler
         if (self.reducer is not None or self.accumulate != 1 or type(ctx).run is not Context.run
                 or type(scaler).update is not Loss_scaler.update):
             return None
         assert grads is not None and update is not None and read is not None
+        both = ctx._gated(grads, update, self.checksum)  # one call where the backend has it
 
         def steady() -> Context:
-            if grads._ready_in is ctx:
-                grads.call()
+            if both is not None and grads._ready_in is ctx and update._ready_in is ctx:
+                if not both():
+                    return self._gate(ctx, False)
             else:
                 ctx.run(grads)
-            if not _isfinite(read()):
-                return self._gate(ctx, False)
-            if update._ready_in is ctx:
-                update.call()
-            else:
+                if not _isfinite(read()):
+                    return self._gate(ctx, False)
                 ctx.run(update)
             if self.last_overflow:
                 self.last_overflow = ()

@@ -103,6 +103,16 @@ class CpuBackend:
     def bind(self, compiled: CompiledRoutine, buffers: tuple) -> Callable[[], None]:
         return compiled.bind(buffers)
 
+    @staticmethod
+    def gated(first: tuple[CompiledRoutine, tuple], second: tuple[CompiledRoutine, tuple],
+              flag: np.ndarray, pos: int) -> Callable[[], bool]:
+        """One call running ``first`` (compiled code and its buffers), then ``second`` only
+        when the f32 ``flag[pos]`` is finite, and returning whether it was (``entry.py``)."""
+        (c1, b1), (c2, b2) = first, second
+        (t1, a1), (t2, a2) = CompiledRoutine.table(b1), CompiledRoutine.table(b2)
+        return entry.gated_builtin(jit.gated_trampoline(), (c1.address, t1), (c2.address, t2),
+                                   flag.ctypes.data + flag.itemsize * pos, (a1, a2, flag))
+
     def compile(self, label: str, code: list[Lowered], nodes: list[Tnode]
                 ) -> tuple[CompiledRoutine, bool]:
         """The routine's machine code: from this process, from the disk cache (no IR is

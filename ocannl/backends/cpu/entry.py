@@ -19,6 +19,7 @@ from collections.abc import Callable
 import numpy as np
 
 TRAMPOLINE = "ocannl_entry"
+GATED = "ocannl_gated_entry"
 C_API = ("PyEval_SaveThread", "PyEval_RestoreThread", "PyLong_AsVoidPtr", "Py_IncRef")
 _METH_NOARGS = 0x0004
 
@@ -26,7 +27,9 @@ _METH_NOARGS = 0x0004
 def module_ir() -> str:
     """``PyObject *ocannl_entry(PyObject *self, PyObject *unused)``: read the three words at
     ``PyLong_AsVoidPtr(self)``, call ``entry(table)`` with the GIL released, return ``None``
-    (a new reference)."""
+    (a new reference). ``ocannl_gated_entry``: seven words (two routines' entries and tables,
+    an f32's address, ``True``, ``False``): run the first routine, the second only when the
+    f32 is then finite (``x - x == 0``), both with the GIL released; return whether it was."""
     return f"""
 declare i8* @PyEval_SaveThread()
 declare void @PyEval_RestoreThread(i8*)
@@ -49,6 +52,46 @@ define i8* @{TRAMPOLINE}(i8* %self, i8* %unused) {{
   %none = inttoptr i64 %none_word to i8*
   call void @Py_IncRef(i8* %none)
   ret i8* %none
+}}
+
+define i8* @{GATED}(i8* %self, i8* %unused) {{
+  %raw = call i8* @PyLong_AsVoidPtr(i8* %self)
+  %words = bitcast i8* %raw to i64*
+  %first = call i64 @ocannl_word(i64* %words, i64 0)
+  %first_table = call i64 @ocannl_word(i64* %words, i64 1)
+  %second = call i64 @ocannl_word(i64* %words, i64 2)
+  %second_table = call i64 @ocannl_word(i64* %words, i64 3)
+  %flag_word = call i64 @ocannl_word(i64* %words, i64 4)
+  %state = call i8* @PyEval_SaveThread()
+  call void @ocannl_run(i64 %first, i64 %first_table)
+  %flag = inttoptr i64 %flag_word to float*
+  %value = load volatile float, float* %flag
+  %less = fsub float %value, %value
+  %finite = fcmp oeq float %less, 0.0
+  br i1 %finite, label %then, label %done
+then:
+  call void @ocannl_run(i64 %second, i64 %second_table)
+  br label %done
+done:
+  call void @PyEval_RestoreThread(i8* %state)
+  %answer_at = select i1 %finite, i64 5, i64 6
+  %answer_word = call i64 @ocannl_word(i64* %words, i64 %answer_at)
+  %answer = inttoptr i64 %answer_word to i8*
+  call void @Py_IncRef(i8* %answer)
+  ret i8* %answer
+}}
+
+define internal i64 @ocannl_word(i64* %words, i64 %k) alwaysinline {{
+  %at = getelementptr i64, i64* %words, i64 %k
+  %word = load i64, i64* %at
+  ret i64 %word
+}}
+
+define internal void @ocannl_run(i64 %entry_word, i64 %table_word) alwaysinline {{
+  %entry = inttoptr i64 %entry_word to void (i64*)*
+  %table = inttoptr i64 %table_word to i64*
+  call void %entry(i64* %table)
+  ret void
 }}
 """
 
@@ -92,11 +135,26 @@ def builtin(trampoline: int, entry: int, table: np.ndarray, keep_alive: tuple
             ) -> Callable[[], None]:
     """A builtin function that runs the routine at ``entry`` on ``table`` (an int64 array of
     buffer addresses), through the trampoline at ``trampoline``."""
+    return _bound(trampoline, [entry, table.ctypes.data, id(None)], (table, keep_alive))
+
+
+def gated_builtin(trampoline: int, first: tuple[int, np.ndarray], second: tuple[int, np.ndarray],
+                  flag: int, keep_alive: tuple) -> Callable[[], bool]:
+    """A builtin function that runs the routine ``first`` (its entry and table), then
+    ``second`` only when the f32 at address ``flag`` is finite, and returns whether it was:
+    through the trampoline at ``trampoline`` (``ocannl_gated_entry``)."""
+    (e1, t1), (e2, t2) = first, second
+    words = [e1, t1.ctypes.data, e2, t2.ctypes.data, flag, id(True), id(False)]
+    return _bound(trampoline, words, (t1, t2, keep_alive))
+
+
+def _bound(trampoline: int, words: list[int], keep_alive: tuple) -> Callable[[], object]:
+    """The builtin calling ``trampoline`` with a :class:`Bound` over ``words``."""
     method = _methods.get(trampoline)
     if method is None:
         method = _methods[trampoline] = _immortal(_MethodDef(
             b"routine", trampoline, _METH_NOARGS, b"Run the routine on its bound buffers."))
-    words = np.array([entry, table.ctypes.data, id(None)], dtype=np.int64)
-    bound = Bound(words.ctypes.data)
-    bound.keep_alive = (words, table, keep_alive)
+    held = np.array(words, dtype=np.int64)
+    bound = Bound(held.ctypes.data)
+    bound.keep_alive = (held, keep_alive)
     return _new_builtin(ctypes.addressof(method), bound, None)

@@ -267,6 +267,7 @@ def _setup() -> tuple[llvm.ExecutionEngine, str]:
         engine.add_module(llvm.parse_assembly(entry.module_ir()))
         engine.finalize_object()
         _state["trampoline"] = engine.get_function_address(entry.TRAMPOLINE)
+        _state["gated"] = engine.get_function_address(entry.GATED)
         if pool.supported():
             # The thread pool: a few functions, compiled here once per process.
             engine.add_module(llvm.parse_assembly(pool.module_ir()))
@@ -296,6 +297,12 @@ def trampoline() -> int:
     """The address of the compiled trampoline behind bound routines (``entry.py``)."""
     _setup()
     return _state["trampoline"]  # type: ignore[return-value]
+
+
+def gated_trampoline() -> int:
+    """The address of the trampoline running a routine and, gated on an f32, a second one."""
+    _setup()
+    return _state["gated"]  # type: ignore[return-value]
 
 
 def _optimize(module: llvm.ModuleRef, tm: llvm.TargetMachine) -> None:
