@@ -36,6 +36,11 @@ def blocks(workload: str, variants: list[str], count: int, steps: int
            ) -> dict[str, list[float]]:
     """Each variant's mean step time (seconds) in each of ``count`` blocks of ``steps``
     steps, the variants interleaved."""
+    return timed(built(workload, variants), count, steps)
+
+
+def built(workload: str, variants: list[str]) -> dict[str, object]:
+    """Each variant's runner, built and past its first steps (checks, recasts, the pool)."""
     fx = load(WORKLOADS[workload])
     runners = {}
     for v in variants:
@@ -44,10 +49,17 @@ def blocks(workload: str, variants: list[str], count: int, steps: int
         for i in range(5):
             r.step(i)
         runners[v] = r
+    return runners
+
+
+def timed(runners: dict[str, object], count: int, steps: int) -> dict[str, list[float]]:
+    """:func:`blocks` over runners already built: ``count`` blocks, each ``steps`` steps of
+    every runner in turn, the order reversed every other block."""
+    variants = list(runners)
     out: dict[str, list[float]] = {v: [] for v in variants}
     for b in range(count):
         for v in variants if b % 2 == 0 else variants[::-1]:
-            step = runners[v].step
+            step = runners[v].step  # type: ignore[attr-defined]
             t0 = time.perf_counter()
             for i in range(steps):
                 step(i)

@@ -21,7 +21,6 @@ import os
 import shutil
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -32,41 +31,25 @@ def counted_runs(workload: str, variants: list[str], blocks: int, steps: int
                  ) -> dict[str, tuple[list[tuple[int, str]], float]]:
     """Per variant: (ticks a step, item) for every item of its routines, and its wall time a
     step in seconds."""
-    from benchmarks.fixtures import load
+    from benchmarks.ab_variants import built, timed
     from benchmarks.profile_items import describe
-    from benchmarks.runners import make_runner
-    from benchmarks.specs import WORKLOADS
     from ocannl.backends.cpu.backend import CpuBackend
 
     CpuBackend.count_item_cycles()
-    fx = load(WORKLOADS[workload])
-    runners = {}
-    for v in variants:
-        r = make_runner(fx, "ocannl", v, "cpu")
-        r.build()
-        for i in range(5):  # first runs: checks, recasts, the pool's start
-            r.step(i)
-        runners[v] = r
+    runners = built(workload, variants)
     # The routines each runner's context compiled (a context's own record of them).
     routines = {v: [x for x in r.ctx._routines if x.compiled.cycles is not None]
                 for v, r in runners.items()}
     for rs in routines.values():
         for x in rs:
-            x.compiled.cycles[:] = 0
-    wall = dict.fromkeys(variants, 0.0)
-    for b in range(blocks):
-        for v in variants if b % 2 == 0 else variants[::-1]:
-            step = runners[v].step
-            t0 = time.perf_counter()
-            for i in range(steps):
-                step(i)
-            wall[v] += time.perf_counter() - t0
+            x.compiled.cycles[:] = 0  # the first steps' left out
+    times = timed(runners, blocks, steps)
     total = blocks * steps
     out = {}
     for v in variants:
         items = [(int(c) // total, describe(item)) for x in routines[v]
                  for c, item in zip(x.compiled.cycles, x.lowered, strict=True)]
-        out[v] = (items, wall[v] / total)
+        out[v] = (items, sum(times[v]) / blocks)
     return out
 
 
