@@ -8,7 +8,9 @@ run meanwhile.
 
 The builtin's ``self`` is a :class:`Bound`: an ``int`` holding the address of three words (the
 routine's entry, its table of buffer addresses, ``None``), which also keeps the buffers, the
-table and those words alive while the builtin lives.
+table and those words alive while the builtin lives. A gated pair (the host gate's step: a
+routine, then a second one only when an f32 the first wrote is finite) is one such builtin
+over seven words, returning whether the second ran: one call where there were two and a read.
 """
 
 from __future__ import annotations
