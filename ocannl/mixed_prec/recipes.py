@@ -436,9 +436,10 @@ class ScaledStep(Recipe):
     """The per-step host gate: the gradient routine (:func:`scaled_grad_update`), a host read
     of the checksum, the optimizer routine only when it is finite, then ``Loss_scaler.update``.
     Every step is a window of one; the read waits for the device every step, which the fused
-    :class:`GatedStep` avoids. With ``accumulate=k``, the read, the optimizer routine and the
-    scaler update come after every ``k``-th micro-batch only. Build one with
-    :func:`scaled_step`.
+    :class:`GatedStep` avoids. On the CPU the two routines and the read are one call once both
+    routines are ready (``Context._gated``): the same steps, the host's work a few calls. With
+    ``accumulate=k``, the read, the optimizer routine and the scaler update come after every
+    ``k``-th micro-batch only. Build one with :func:`scaled_step`.
 
     A skipped step runs the optimizer's ``schedule_tick()`` (when its learning rate is a
     schedule) instead of the update: the schedule counts every iteration (every optimizer
