@@ -67,6 +67,16 @@ def timed(runners: dict[str, object], count: int, steps: int) -> dict[str, list[
     return out
 
 
+def checked_variants(ap: argparse.ArgumentParser, text: str) -> list[str]:
+    """The comma-separated variants of ``text``, or ``ap.error`` naming them: each one of
+    ``specs.VARIANTS``, none twice."""
+    variants = text.split(",")
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown or len(set(variants)) != len(variants):
+        ap.error(f"variants must be distinct, each one of {sorted(VARIANTS)}: got {variants}")
+    return variants
+
+
 def main(argv: list[str] | None = None) -> dict[str, list[float]]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("workload", choices=sorted(WORKLOADS))
@@ -74,10 +84,7 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
     ap.add_argument("--blocks", type=int, default=30)
     ap.add_argument("--steps", type=int, default=0, help="steps a block (default: per workload)")
     args = ap.parse_args(argv)
-    variants = args.variants.split(",")
-    unknown = [v for v in variants if v not in VARIANTS]
-    if unknown or len(set(variants)) != len(variants):
-        ap.error(f"variants must be distinct, each one of {sorted(VARIANTS)}: got {variants}")
+    variants = checked_variants(ap, args.variants)
     if args.blocks < 1 or args.steps < 0:
         ap.error(f"--blocks must be >= 1 and --steps >= 0, got {args.blocks} and {args.steps}")
     times = blocks(args.workload, variants, args.blocks,

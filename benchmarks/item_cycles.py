@@ -54,18 +54,25 @@ def counted_runs(workload: str, variants: list[str], blocks: int, steps: int
 
 
 def main(argv: list[str] | None = None) -> None:
+    from benchmarks.ab_variants import checked_variants
+    from benchmarks.specs import WORKLOADS
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("workload")
+    p.add_argument("workload", choices=sorted(WORKLOADS))
     p.add_argument("variants", help="comma-separated: f32,f16-static,f16")
     p.add_argument("--blocks", type=int, default=100)
     p.add_argument("--steps", type=int, default=5, help="steps a block")
     p.add_argument("--top", type=int, default=10)
     a = p.parse_args(argv)
+    variants = checked_variants(p, a.variants)
+    if a.blocks < 1 or a.steps < 1 or a.top < 0:
+        p.error(f"--blocks and --steps must be >= 1 and --top >= 0, got {a.blocks}, {a.steps} "
+                f"and {a.top}")
     scratch = tempfile.mkdtemp(prefix="ocannl_item_cycles_")
     before = os.environ.get("OCANNL_CACHE_DIR")
     os.environ["OCANNL_CACHE_DIR"] = scratch  # counting code is never cached for others
     try:
-        runs = counted_runs(a.workload, a.variants.split(","), a.blocks, a.steps)
+        runs = counted_runs(a.workload, variants, a.blocks, a.steps)
     finally:
         if before is None:
             del os.environ["OCANNL_CACHE_DIR"]

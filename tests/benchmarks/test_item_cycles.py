@@ -7,6 +7,8 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks import item_cycles  # noqa: E402
@@ -27,3 +29,22 @@ def test_every_variants_items_are_counted_and_reported(monkeypatch, tmp_path, ca
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("mlp_small f32: ") and len(out) == 4
     assert os.environ["OCANNL_CACHE_DIR"] == str(tmp_path)  # given back
+
+
+@pytest.mark.parametrize(("args", "named"), [
+    (["mlp_small", "f32,f99"], "variants must be distinct"),
+    (["mlp_small", "f32,f32"], "variants must be distinct"),
+    (["mlp_small", "f32", "--steps", "0"], "--blocks and --steps must be >= 1"),
+    (["mlp_small", "f32", "--blocks", "0"], "--blocks and --steps must be >= 1"),
+    (["nope", "f32"], "invalid choice: 'nope'"),
+])
+def test_a_bad_argument_is_refused_by_name_before_anything_runs(args, named, monkeypatch,
+                                                                 tmp_path, capsys):
+    from ocannl.backends.cpu.backend import CpuBackend
+
+    monkeypatch.setattr(CpuBackend, "_counting", False)
+    monkeypatch.setenv("OCANNL_CACHE_DIR", str(tmp_path))
+    with pytest.raises(SystemExit):
+        item_cycles.main(args)
+    assert named in capsys.readouterr().err
+    assert not CpuBackend._counting and os.environ["OCANNL_CACHE_DIR"] == str(tmp_path)
